@@ -1,0 +1,3 @@
+from kvcentric.cli import main
+
+main()

@@ -1,0 +1,73 @@
+"""The `kvcentric` command: one subcommand per service, plus `up`, which runs a whole cluster here.
+
+Every service flag has an environment variable (`--nats-url` / `KVC_NATS_URL`); `kvcentric <cmd> --help`
+lists them. Services are imported only when their subcommand runs, so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvcentric.config import ConfigError, add_arguments, from_namespace
+
+# subcommand -> (service package, service class, config class, one-line description)
+SERVICES = {
+    "gateway": ("kvc_gateway", "GatewayService", "GatewayConfig",
+                "OpenAI-compatible HTTP API: validates, tokenizes, asks the conductor, relays tokens"),
+    "conductor": ("kvc_conductor", "ConductorService", "ConductorConfig",
+                  "global scheduler: tracks instances from load reports, places each request"),
+    "prefill": ("kvc_prefill", "PrefillService", "EngineConfig",
+                "prefill engine: computes prompts and streams their KV layer by layer to decode"),
+    "decode": ("kvc_decode", "DecodeService", "EngineConfig",
+               "decode engine: takes KV in over gRPC and generates tokens in a continuous batch"),
+    "kvs-meta": ("kvc_kvs_meta", "KVSMetaService", "KVSMetaConfig",
+                 "KV block location metadata in Redis; NATS queries and GET /batch_query_keys"),
+    "messenger": ("kvc_messenger", "MessengerService", "MessengerConfig",
+                  "a node's host-memory KV store and gRPC KV transfer endpoint"),
+}
+
+
+def _config_class(command: str) -> type:
+    package, _, config_name, _ = SERVICES[command]
+    if config_name == "EngineConfig":
+        from kvcentric.engine.config import EngineConfig
+        return EngineConfig
+    return getattr(importlib.import_module(f"{package}.config"), config_name)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvcentric",
+        description="KVCache-centric, prefill/decode-disaggregated LLM serving. "
+                    "`kvcentric up` runs everything on this machine; each other subcommand runs one service.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from kvcentric.launcher import UpConfig
+    up = commands.add_parser("up", help="run a whole cluster on this machine (servers included)",
+                             description="Start nats-server, redis-server, kvs-meta, conductor, the gateway and "
+                                         "prefill/decode instances; wait until healthy; stop all on Ctrl-C.")
+    add_arguments(up, UpConfig)
+    for command, (_, _, _, description) in SERVICES.items():
+        sub = commands.add_parser(command, help=description, description=description)
+        add_arguments(sub, _config_class(command))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command == "up":
+            from kvcentric.launcher import UpConfig, run_up
+            sys.exit(run_up(from_namespace(UpConfig, args)))
+        package, service_name, _, _ = SERVICES[args.command]
+        config = from_namespace(_config_class(args.command), args)
+    except ConfigError as exc:
+        parser.exit(2, f"kvcentric: error: {exc}\n")
+    from kvcentric.service import run_service
+    service_class = getattr(importlib.import_module(f"{package}.service"), service_name)
+    try:
+        run_service(service_class(config))
+    except (MemoryError, ConnectionError, OSError) as exc:
+        parser.exit(1, f"kvcentric {args.command}: {exc}\n")

@@ -1,0 +1,1 @@
+"""The engine: block pool and scheduling cores (pure), the torch model runner, prefill and decode roles."""

@@ -1,0 +1,40 @@
+"""The config of an engine instance (prefill or decode): model, KV cache, messenger, load reports."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kvcentric.config import BusConfig, ConfigError, require, setting
+from kvcentric.hashing import HASH_ALGOS
+from kvcentric.model.config import preset
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig(BusConfig):
+    model: str = setting("tiny", "model preset: tiny, small, llama2-7b, llama2-70b (random weights)")
+    seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
+    dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
+    torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
+    block_size: int = setting(16, "tokens per KV block")
+    num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
+    hash_algo: str = setting("sha256_cbor", "prefix block hash: sha256_cbor, sha256_hex, xxhash")
+    kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
+    kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
+    kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
+    load_interval_s: float = setting(0.1, "seconds between load reports on kvc.load.<role>.<id>")
+    max_batch: int = setting(64, "most sequences in one decode step")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            preset(self.model)
+        except ValueError as exc:
+            raise ConfigError(f"--model: {exc}") from None
+        require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
+        require(self.block_size >= 1, "block_size", "must be at least 1")
+        require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
+        require(self.load_interval_s > 0, "load_interval_s", "must be positive")
+        require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")

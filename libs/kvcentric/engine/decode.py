@@ -1,0 +1,164 @@
+"""The decode role: requests wait for their KV, then join a continuous batch that generates tokens.
+
+A request's lifecycle: `add` (job known, no blocks) -> `begin_kv` (blocks allocated for the prompt) ->
+`write_kv` per layer -> `commit_kv` (every layer present: first token out, joins the batch) ->
+`schedule`/`execute`/`update` per step until it stops. `abort` frees at any point. Time is passed in;
+no I/O here. Only `execute` touches torch (through the runner) and may run in a worker thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kvcentric.engine.block_pool import BlockPool
+from kvcentric.engine.runner import ModelRunner, sample
+from kvcentric.engine.stopping import finish_reason
+from kvcentric.protocol import DecodeJob, TokenChunk
+
+
+class KVRejected(RuntimeError):
+    """KV offered for a request this engine cannot take (unknown, duplicate, no room, bad shape)."""
+
+
+@dataclasses.dataclass
+class DecodeRequest:
+    job: DecodeJob
+    deadline: float
+    state: Literal["waiting_kv", "receiving", "running"] = "waiting_kv"
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    layers_received: set[int] = dataclasses.field(default_factory=set)
+    generated: list[int] = dataclasses.field(default_factory=list)
+    seq: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.job.request_id
+
+    @property
+    def position(self) -> int:
+        """Position of the last generated token, the one the next step feeds in."""
+        return self.job.n_prompt_tokens + len(self.generated) - 1
+
+    def chunk(self, token_ids: list[int], reason: str | None = None, error: str = "") -> TokenChunk:
+        self.seq += 1
+        return TokenChunk(self.request_id, self.seq - 1, token_ids, reason, self.job.n_prompt_tokens,
+                          len(self.generated), error)
+
+
+class DecodeEngine:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64) -> None:
+        self.runner, self.pool, self.max_batch = runner, pool, max_batch
+        self.requests: dict[str, DecodeRequest] = {}
+        self._in_step: set[str] = set()
+        self._deferred_free: list[int] = []
+        self.stats = {"kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
+                      "decode_steps": 0, "tokens_generated": 0, "requests_finished": 0,
+                      "requests_aborted": 0}
+
+    # ---------------------------------------------------------------- admission and KV arrival
+
+    def add(self, job: DecodeJob, now: float) -> None:
+        if job.request_id in self.requests:
+            raise KVRejected(f"request {job.request_id} is already here")
+        self.requests[job.request_id] = DecodeRequest(job, deadline=now + job.kv_wait_s)
+
+    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int) -> None:
+        request = self._expect(request_id, "waiting_kv")
+        if num_tokens != request.job.n_prompt_tokens or num_layers != self.runner.config.num_layers:
+            raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
+                             f"expected {request.job.n_prompt_tokens} x {self.runner.config.num_layers}")
+        needed = self.pool.blocks_for(num_tokens + 1)
+        if not self.pool.can_allocate(needed):
+            raise KVRejected(f"request {request_id}: no room for {needed} KV blocks "
+                             f"({self.pool.num_free} free)")
+        request.blocks = self.pool.allocate(needed)
+        request.state = "receiving"
+
+    def write_kv(self, request_id: str, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
+        request = self._expect(request_id, "receiving")
+        if not (0 <= layer < self.runner.config.num_layers and 0 <= start < end <= request.job.n_prompt_tokens):
+            raise KVRejected(f"request {request_id}: layer {layer} tokens {start}..{end} out of range")
+        self.runner.write_layer(layer, request.blocks, start, end, key, value)
+        request.layers_received.add(layer)
+        self.stats["kv_bytes_received"] += len(key) + len(value)
+
+    def commit_kv(self, request_id: str, first_token: int) -> list[TokenChunk]:
+        """All layers are in: emit the prefill's first token and join the batch (or finish)."""
+        request = self._expect(request_id, "receiving")
+        missing = self.runner.config.num_layers - len(request.layers_received)
+        if missing:
+            raise KVRejected(f"request {request_id}: commit with {missing} layers missing")
+        request.state = "running"
+        self.stats["kv_streams_committed"] += 1
+        return [self._emit(request, first_token)]
+
+    # ---------------------------------------------------------------- ending
+
+    def abort(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request_id in self._in_step:  # the step in flight still writes into its blocks
+            self._deferred_free += request.blocks
+        else:
+            self.pool.free(request.blocks)
+        self.stats["requests_aborted"] += 1
+        return request.chunk([], reason, error)
+
+    def expire(self, now: float) -> list[TokenChunk]:
+        """Fail requests whose KV did not arrive in time."""
+        late = [r.request_id for r in self.requests.values() if r.state != "running" and now > r.deadline]
+        return [self.abort(rid, "error", "KV did not arrive in time") for rid in late]
+
+    # ---------------------------------------------------------------- steps
+
+    def schedule(self) -> tuple[list[DecodeRequest], list[TokenChunk]]:
+        """Running requests for the next step, each with a slot for its new token."""
+        batch, failed = [], []
+        for request in [r for r in self.requests.values() if r.state == "running"][: self.max_batch]:
+            if request.position >= len(request.blocks) * self.pool.block_size:
+                if not self.pool.can_allocate(1):
+                    failed.append(self.abort(request.request_id, "error", "out of KV cache blocks"))
+                    continue
+                request.blocks += self.pool.allocate(1)
+            batch.append(request)
+        self._in_step = {r.request_id for r in batch}
+        return batch, failed
+
+    def execute(self, batch: list[DecodeRequest]) -> list[int]:
+        logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
+                                    [r.blocks for r in batch])
+        return [sample(logits[i], r.job.sampling, len(r.generated)) for i, r in enumerate(batch)]
+
+    def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
+        self.stats["decode_steps"] += 1
+        self._in_step = set()
+        self.pool.free(self._deferred_free)
+        self._deferred_free = []
+        return [self._emit(r, t) for r, t in zip(batch, tokens) if r.request_id in self.requests]
+
+    @property
+    def has_work(self) -> bool:
+        return any(r.state == "running" for r in self.requests.values())
+
+    # ---------------------------------------------------------------- helpers
+
+    def _emit(self, request: DecodeRequest, token: int) -> TokenChunk:
+        request.generated.append(token)
+        self.stats["tokens_generated"] += 1
+        reason = finish_reason(token, len(request.generated), request.job.sampling,
+                               self.runner.config.eos_token_id)
+        if reason is not None:
+            del self.requests[request.request_id]
+            self.pool.free(request.blocks)
+            self.stats["requests_finished"] += 1
+        return request.chunk([token], reason)
+
+    def _expect(self, request_id: str, state: str) -> DecodeRequest:
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KVRejected(f"request {request_id} is not expected here")
+        if request.state != state:
+            raise KVRejected(f"request {request_id} is {request.state}, not {state}")
+        return request

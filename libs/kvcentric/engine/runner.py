@@ -1,0 +1,109 @@
+"""The only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
+
+It turns block tables into slot ids, runs prefill and decode forwards, samples, and copies one layer's
+KV of a request out of or into the cache as bytes. It does not decide what to run or allocate blocks.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
+from kvcentric.model.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, random_init
+from kvcentric.protocol import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    """Cache slot ids of token positions start..end-1 of a sequence with this block table."""
+    positions = torch.arange(start, end)
+    blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
+    return blocks * block_size + positions % block_size
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
+                 dtype: str = "float32", device: str = "cpu") -> None:
+        self.config = config
+        self.block_size = block_size
+        self.dtype = DTYPES[dtype]
+        self.dtype_name = dtype
+        self.device = torch.device(device)
+        dtype_size = torch.tensor([], dtype=self.dtype).element_size()
+        kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
+        if self.device.type == "cpu":
+            check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
+        self.model = random_init(LlamaModel(config), seed).to(self.device, self.dtype).eval()
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
+        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @property
+    def layer_token_bytes(self) -> int:
+        """Bytes of one token's key (or value) in one layer."""
+        return self.config.num_kv_heads * self.config.head_dim * self.k_cache.element_size()
+
+    def prefill(self, token_ids: list[int], block_table: list[int], num_cached: int,
+                on_layer: LayerHook | None = None) -> torch.Tensor:
+        """Compute tokens[num_cached:] of one sequence (its prefix KV is cached); last-token logits."""
+        total = len(token_ids)
+        slots = slots_of(block_table, 0, total, self.block_size).to(self.device)
+        new_slots = slots[num_cached:]
+        sequence = SequenceSlice(0, total - num_cached, slots, num_cached)
+        batch = AttentionBatch(torch.arange(num_cached, total, device=self.device), new_slots, [sequence])
+        ids = torch.tensor(token_ids[num_cached:], device=self.device)
+        rows = torch.tensor([total - num_cached - 1], device=self.device)
+        return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)[0]
+
+    def decode(self, token_ids: list[int], positions: list[int],
+               block_tables: list[list[int]]) -> torch.Tensor:
+        """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
+        sequences, write_slots = [], []
+        for row, (position, table) in enumerate(zip(positions, block_tables)):
+            slots = slots_of(table, 0, position + 1, self.block_size).to(self.device)
+            sequences.append(SequenceSlice(row, row + 1, slots, position))
+            write_slots.append(slots[-1:])
+        batch = AttentionBatch(torch.tensor(positions, device=self.device), torch.cat(write_slots), sequences)
+        ids = torch.tensor(token_ids, device=self.device)
+        rows = torch.arange(len(token_ids), device=self.device)
+        return self.model(ids, batch, self.k_cache, self.v_cache, rows)
+
+    def read_layer(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[bytes, bytes, int]:
+        """Key bytes, value bytes and their crc32 for tokens 0..num_tokens-1 of a sequence."""
+        slots = slots_of(block_table, 0, num_tokens, self.block_size).to(self.device)
+        key = self.k_cache[layer, slots].cpu().numpy().tobytes()
+        value = self.v_cache[layer, slots].cpu().numpy().tobytes()
+        return key, value, zlib.crc32(value, zlib.crc32(key))
+
+    def write_layer(self, layer: int, block_table: list[int], start: int, end: int,
+                    key: bytes, value: bytes) -> None:
+        """Store received KV for token positions start..end-1 of a sequence."""
+        shape = (end - start, self.config.num_kv_heads, self.config.head_dim)
+        expected = shape[0] * self.layer_token_bytes
+        if len(key) != expected or len(value) != expected:
+            raise ValueError(f"layer {layer}: expected {expected} bytes each for key and value, "
+                             f"got {len(key)} and {len(value)}")
+        slots = slots_of(block_table, start, end, self.block_size).to(self.device)
+        self.k_cache[layer, slots] = torch.frombuffer(bytearray(key), dtype=self.dtype).view(shape).to(self.device)
+        self.v_cache[layer, slots] = torch.frombuffer(bytearray(value), dtype=self.dtype).view(shape).to(self.device)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """Greedy at temperature 0; else temperature and top-p, seeded per (seed, step) for reproducibility."""
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    generator = torch.Generator(device=probs.device)
+    if params.seed is not None:
+        generator.manual_seed(params.seed * 1_000_003 + step)
+    else:
+        generator.seed()
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,68 @@
+"""KV block location metadata in Redis: block hash -> holders, node -> blocks. One round trip per batch.
+
+Keys: `kvc:blk:<hash>` is a set of "node_id:tier" holders; `kvc:node:<node_id>` is the set of hashes
+the node holds (so a departed node can be purged). It stores and answers; it does not decide placement.
+"""
+
+from __future__ import annotations
+
+from redis.asyncio import Redis
+
+from kvcentric.protocol import BlockEvicted, BlockStored, KVEvent
+
+BLOCK_PREFIX = "kvc:blk:"
+NODE_PREFIX = "kvc:node:"
+
+
+class KVMetaStore:
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+
+    async def apply(self, events: list[KVEvent]) -> None:
+        """Apply a batch of stored/evicted events in one pipelined round trip."""
+        pipe = self.redis.pipeline(transaction=False)
+        for event in events:
+            holder = f"{event.node_id}:{event.tier}"
+            for block_hash in event.block_hashes:
+                if isinstance(event, BlockStored):
+                    pipe.sadd(BLOCK_PREFIX + block_hash, holder)
+                    pipe.sadd(NODE_PREFIX + event.node_id, block_hash)
+                elif isinstance(event, BlockEvicted):
+                    pipe.srem(BLOCK_PREFIX + block_hash, holder)
+                    pipe.srem(NODE_PREFIX + event.node_id, block_hash)
+        if len(pipe):
+            await pipe.execute()
+
+    async def holders(self, block_hashes: list[str]) -> list[list[str]]:
+        """For each hash, its holders as sorted "node_id:tier" strings (empty when nobody has it)."""
+        if not block_hashes:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for block_hash in block_hashes:
+            pipe.smembers(BLOCK_PREFIX + block_hash)
+        results = await pipe.execute()
+        return [sorted(m.decode() if isinstance(m, bytes) else m for m in members) for members in results]
+
+    async def purge_node(self, node_id: str) -> int:
+        """Drop a node from every block it held; returns how many blocks it held."""
+        hashes = await self.redis.smembers(NODE_PREFIX + node_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for block_hash in hashes:
+            key = block_hash.decode() if isinstance(block_hash, bytes) else block_hash
+            for tier in ("dram", "gpu", "ssd"):
+                pipe.srem(BLOCK_PREFIX + key, f"{node_id}:{tier}")
+        pipe.delete(NODE_PREFIX + node_id)
+        await pipe.execute()
+        return len(hashes)
+
+
+def mooncake_batch_reply(keys: list[str], holders: list[list[str]]) -> dict:
+    """The JSON shape of Mooncake's master `batch_query_keys`, so external schedulers can read it."""
+    data = {}
+    for key, found in zip(keys, holders):
+        if found:
+            values = [{"node_id": h.rsplit(":", 1)[0], "tier": h.rsplit(":", 1)[1]} for h in found]
+            data[key] = {"ok": True, "values": values}
+        else:
+            data[key] = {"ok": False, "error": "key not found"}
+    return {"success": True, "data": data}

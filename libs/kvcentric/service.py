@@ -1,0 +1,189 @@
+"""The lifecycle every service shares: connect to NATS, serve /health and /metrics, own background
+tasks, and stop cleanly on SIGINT/SIGTERM. Services subclass it and fill in start/stop; it holds no
+policy of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import secrets
+import signal
+import time
+from typing import Awaitable, Callable
+
+import nats
+from aiohttp import web
+
+from kvcentric.config import BusConfig
+from kvcentric.protocol import BadMessage, decode, encode
+
+log = logging.getLogger("kvcentric")
+
+
+class Service:
+    role = "service"
+
+    def __init__(self, config: BusConfig) -> None:
+        self.config = config
+        self.instance_id = config.instance_id or f"{self.role}-{secrets.token_hex(3)}"
+        self.log = logging.getLogger(f"kvcentric.{self.role}")
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.stopping = asyncio.Event()
+        self.ready = False
+        self.nc: nats.NATS | None = None
+        self.http_port = 0
+        self._tasks: set[asyncio.Task] = set()
+        self._http: web.AppRunner | None = None
+
+    # ---------------------------------------------------------------- for subclasses
+
+    async def start(self) -> None:
+        """Subscribe, start servers and loops. Called once NATS is connected."""
+
+    async def stop(self) -> None:
+        """Release what start() took. Called after the stop event, before NATS is drained."""
+
+    def add_routes(self, app: web.Application) -> None:
+        """Extra HTTP routes besides /health and /metrics."""
+
+    def health(self) -> dict:
+        return {}
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self.stopping.set)
+        await self.open()
+        try:
+            await self.stopping.wait()
+        finally:
+            await self.close()
+
+    async def open(self) -> None:
+        self.nc = await connect_nats(self.config.nats_url, self.instance_id, self.stopping)
+        await self._start_http()
+        await self.start()
+        self.ready = True
+        self.log.info("%s %s ready: http://%s:%d", self.role, self.instance_id, self.config.host, self.http_port)
+
+    async def close(self) -> None:
+        self.ready = False
+        self.stopping.set()
+        await self.stop()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), 2.0)
+            except Exception:  # noqa: BLE001 - closing anyway
+                await self.nc.close()
+        if self._http is not None:
+            await self._http.cleanup()
+
+    def spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    async def every(self, period_s: float, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` every period until stopping; an exception is logged, not fatal."""
+        while not self.stopping.is_set():
+            try:
+                await action()
+            except Exception:  # noqa: BLE001 - a periodic job must survive one failure
+                self.log.exception("periodic %s failed", getattr(action, "__name__", action))
+            try:
+                await asyncio.wait_for(self.stopping.wait(), period_s)
+            except asyncio.TimeoutError:
+                pass
+
+    # ---------------------------------------------------------------- bus
+
+    async def subscribe(self, subject: str, kind, handler, *, queue: str = "",
+                        bad_reply: Callable[[str], object] | None = None) -> None:
+        """Decode every message on `subject` as `kind` and hand it to `handler`.
+
+        A message that does not decode is logged and counted (bus_drops_total) and, when it asked
+        for a reply, answered with `bad_reply(error)`. The handler's return value is the reply.
+        """
+
+        async def on_message(msg) -> None:
+            try:
+                message = decode(msg.data, kind)
+            except BadMessage as exc:
+                self.counters["bus_drops_total"] += 1
+                self.log.warning("dropped a message on %s: %s", msg.subject, exc)
+                if msg.reply and bad_reply is not None:
+                    await msg.respond(encode(bad_reply(str(exc))))
+                return
+            try:
+                reply = await handler(message)
+            except Exception as exc:  # noqa: BLE001 - one bad request must not stop the service
+                self.counters["handler_errors_total"] += 1
+                self.log.exception("handler for %s failed", msg.subject)
+                reply = bad_reply(f"{type(exc).__name__}: {exc}") if bad_reply else None
+            if msg.reply and reply is not None:
+                await msg.respond(encode(reply))
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def publish(self, subject: str, message) -> None:
+        await self.nc.publish(subject, encode(message))
+
+    # ---------------------------------------------------------------- http
+
+    async def _start_http(self) -> None:
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        self.add_routes(app)
+        self._http = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._http.setup()
+        site = web.TCPSite(self._http, self.config.host, self.config.port)
+        await site.start()
+        self.http_port = site._server.sockets[0].getsockname()[1]
+
+    async def _health(self, request: web.Request) -> web.Response:
+        body = {"status": "ok" if self.ready else "starting", "role": self.role,
+                "instance_id": self.instance_id, "cluster": self.config.cluster, **self.health()}
+        return web.json_response(body, status=200 if self.ready else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = []
+        for name, value in sorted({**self.counters, **self.gauges()}.items()):
+            lines.append(f'kvc_{name}{{role="{self.role}",instance="{self.instance_id}"}} {value}')
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+
+async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s: float = 30.0) -> nats.NATS:
+    """Connect, retrying while the server comes up; give up after `patience_s` with a clear error."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        try:
+            return await nats.connect(url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
+                                      reconnect_time_wait=0.5, allow_reconnect=True)
+        except Exception as exc:  # noqa: BLE001 - nats raises several kinds while the server starts
+            if stopping.is_set() or time.monotonic() > deadline:
+                raise ConnectionError(f"cannot reach NATS at {url} (--nats-url): {exc}") from exc
+            await asyncio.sleep(0.25)
+
+
+def run_service(service: Service) -> None:
+    logging.basicConfig(level=service.config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(service.run())

@@ -1,0 +1,1 @@
+"""kvcentric conductor service: the global scheduler that answers kvc.conductor.schedule."""

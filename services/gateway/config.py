@@ -1,0 +1,26 @@
+"""Settings of the gateway service (flags and KVC_* environment variables)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvcentric.config import BusConfig, require, setting
+from kvcentric.hashing import HASH_ALGOS
+from kvcentric.model.config import PRESETS
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig(BusConfig):
+    port: int = setting(8000, "HTTP port of the OpenAI-compatible API")
+    model: str = setting("tiny", "model the engines serve (preset name); sets tokenizer and context")
+    block_size: int = setting(16, "tokens per KV block (must match the engines)")
+    hash_algo: str = setting("sha256_cbor", "prefix block hash (must match the engines)")
+    request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
+    bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.model in PRESETS, "model", f"unknown preset; choose one of {', '.join(PRESETS)}")
+        require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
+        require(self.block_size >= 1, "block_size", "must be at least 1")
+        require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")

@@ -1,0 +1,1 @@
+"""kvcentric kvs-meta service: where every KV block is, kept in Redis."""

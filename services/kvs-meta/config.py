@@ -1,0 +1,19 @@
+"""Settings of the kvs-meta service (flags and KVC_* environment variables)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvcentric.config import BusConfig, require, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSMetaConfig(BusConfig):
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the metadata store")
+    max_query_keys: int = setting(4096, "most keys one batch query may ask for")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
+                f"expected redis://host:port/db, got {self.redis_url!r}")
+        require(self.max_query_keys > 0, "max_query_keys", "must be positive")

@@ -1,0 +1,53 @@
+"""The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, answers kvc.kvs.query over
+NATS and GET /batch_query_keys over HTTP. The storage logic is `kvcentric.kvs_store`.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from redis.asyncio import Redis
+
+from kvc_kvs_meta.config import KVSMetaConfig
+from kvcentric.kvs_store import KVMetaStore, mooncake_batch_reply
+from kvcentric.protocol import KVEventBatch, KVSQuery, KVSReply, Subjects
+from kvcentric.service import Service
+
+
+class KVSMetaService(Service):
+    role = "kvs-meta"
+
+    def __init__(self, config: KVSMetaConfig) -> None:
+        super().__init__(config)
+        self.config: KVSMetaConfig = config
+        self.redis = Redis.from_url(config.redis_url)
+        self.store = KVMetaStore(self.redis)
+
+    async def start(self) -> None:
+        await self.redis.ping()
+        await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
+        await self.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
+                             bad_reply=lambda error: KVSReply([]))
+
+    async def stop(self) -> None:
+        await self.redis.aclose()
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/batch_query_keys", self.batch_query_keys)
+
+    async def on_events(self, batch: KVEventBatch) -> None:
+        await self.store.apply(batch.events)
+        self.counters["kv_events_total"] += len(batch.events)
+
+    async def on_query(self, query: KVSQuery) -> KVSReply:
+        self.counters["queries_total"] += 1
+        return KVSReply(await self.store.holders(query.block_hashes[: self.config.max_query_keys]))
+
+    async def batch_query_keys(self, request: web.Request) -> web.Response:
+        keys = [k for k in request.query.get("keys", "").split(",") if k]
+        if not keys:
+            return web.json_response({"success": False, "error": "give keys=k1,k2,..."}, status=400)
+        if len(keys) > self.config.max_query_keys:
+            return web.json_response({"success": False, "error": f"at most {self.config.max_query_keys} keys"},
+                                     status=400)
+        self.counters["http_queries_total"] += 1
+        return web.json_response(mooncake_batch_reply(keys, await self.store.holders(keys)))

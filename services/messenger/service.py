@@ -1,0 +1,60 @@
+"""The standalone messenger's asyncio shell: serves KVTransfer over gRPC backed by a host-memory store.
+
+Pushed request KV is kept (bounded, oldest first out) and can be pulled back by request id. Engines
+run the same gRPC servicer in-process by default; this service is the node-level store of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvc_messenger.config import MessengerConfig
+from kvcentric.host_store import HostKVStore
+from kvcentric.proto import kv_pb2
+from kvcentric.service import Service
+from kvcentric.transfer import KVTransferServicer, start_server
+
+
+class StoreServicer(KVTransferServicer):
+    """KVTransfer whose pulls are served from the host store."""
+
+    async def PullKV(self, request, context):
+        deadline = asyncio.get_running_loop().time() + request.wait_s
+        while (entry := self.sink.get(request.request_id)) is None:
+            if asyncio.get_running_loop().time() >= deadline:
+                await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV for request {request.request_id}")
+            await asyncio.sleep(0.005)
+        yield kv_pb2.KVChunk(header=entry.header)
+        for layer in sorted(entry.layers):
+            yield kv_pb2.KVChunk(layer=entry.layers[layer])
+        yield kv_pb2.KVChunk(commit=entry.commit)
+        self.stats["bytes_sent"] += entry.nbytes
+        self.stats["streams_sent"] += 1
+
+
+class MessengerService(Service):
+    role = "messenger"
+
+    def __init__(self, config: MessengerConfig) -> None:
+        super().__init__(config)
+        self.config: MessengerConfig = config
+        self.store = HostKVStore(config.capacity_mb << 20)
+        self.servicer = StoreServicer(self.store)
+        self.kv_port = 0
+        self._grpc = None
+
+    async def start(self) -> None:
+        self._grpc, self.kv_port = await start_server(self.servicer, self.config.kv_host, self.config.kv_port)
+
+    async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+
+    def health(self) -> dict:
+        return {"kv_addr": f"{self.config.kv_host}:{self.kv_port}", "stats": self.gauges()}
+
+    def gauges(self) -> dict[str, float]:
+        self.servicer.stats["stored_requests"] = len(self.store.complete)
+        return {**self.servicer.stats, "used_bytes": self.store.used_bytes, "evicted_requests": self.store.evicted}
