@@ -169,6 +169,15 @@ class Cluster:
             self.service(f"decode-{i}", "decode", "--instance-id", f"decode-{i}", *engine)
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port)
+        self.write_manifest()
+
+    def write_manifest(self) -> None:
+        """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests."""
+        manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url,
+                    "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
+                                 for c in self.children}}
+        with open(os.path.join(self.log_dir, "cluster.json"), "w") as out:
+            json.dump(manifest, out, indent=2)
 
     @property
     def gateway(self) -> Child:

@@ -1,0 +1,133 @@
+"""The engine cores on CPU, no servers: paged attention, and the prefill -> decode hand-off."""
+
+import time
+
+import pytest
+import torch
+
+from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
+from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.local import generate
+from kvcentric.engine.prefill import PrefillEngine, PrefillRejected
+from kvcentric.hashing import BlockHasher
+from kvcentric.model.config import check_fits, preset
+from kvcentric.protocol import SamplingParams
+
+
+def full_logits(runner, token_ids):
+    """Logits of the last token computed from scratch (no cache reuse) in a fresh pool."""
+    pool = make_pool(runner)
+    blocks = pool.allocate(pool.blocks_for(len(token_ids)))
+    return runner.prefill(token_ids, blocks, 0)
+
+
+def test_decode_step_on_paged_cache_equals_full_recompute():
+    runner = make_runner(block_size=4)
+    pool = make_pool(runner)
+    tokens = prompt(11)
+    blocks = pool.allocate(pool.blocks_for(len(tokens) + 5))
+    runner.prefill(tokens, blocks, 0)
+    for step in range(5):
+        next_token = (step * 31) % 256
+        logits = runner.decode([next_token], [len(tokens)], [blocks])[0]
+        tokens = tokens + [next_token]
+        torch.testing.assert_close(logits, full_logits(runner, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_reusing_a_cached_prefix_equals_full_prefill():
+    runner = make_runner(block_size=4)
+    pool = make_pool(runner)
+    tokens = prompt(14)
+    blocks = pool.allocate(pool.blocks_for(len(tokens)))
+    runner.prefill(tokens[:8], blocks, 0)  # the first two blocks are now in the cache
+    logits = runner.prefill(tokens, blocks, 8)
+    torch.testing.assert_close(logits, full_logits(runner, tokens), atol=1e-5, rtol=1e-5)
+
+
+def handoff(prefill: PrefillEngine, decode: DecodeEngine, job, params):
+    """Move one request from the prefill engine to the decode engine layer by layer, as the messenger does."""
+    decode.add(decode_job(job.request_id, len(job.token_ids), params), time.monotonic())
+    work = prefill.schedule()
+    first = prefill.execute(work)
+    decode.begin_kv(job.request_id, len(job.token_ids), prefill.runner.config.num_layers)
+    for layer in range(prefill.runner.config.num_layers):
+        key, value, _ = prefill.runner.read_layer(layer, work.blocks, len(job.token_ids))
+        decode.write_kv(job.request_id, layer, 0, len(job.token_ids), key, value)
+    prefill.finish(work, computed=True)
+    chunks = decode.commit_kv(job.request_id, first)
+    while decode.has_work:
+        batch, failed = decode.schedule()
+        assert not failed
+        chunks += decode.update(batch, decode.execute(batch))
+    return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+
+@pytest.mark.parametrize("params", [greedy(12), SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+                                                                 ignore_eos=True)])
+def test_disaggregated_generation_equals_single_process_generation(params):
+    reference_runner = make_runner(block_size=4)
+    expected, _ = generate(reference_runner, make_pool(reference_runner), prompt(21), params)
+    p_runner, d_runner = make_runner(block_size=4), make_runner(block_size=4)
+    prefill = PrefillEngine(p_runner, make_pool(p_runner), BlockHasher(block_size=4))
+    decode = DecodeEngine(d_runner, make_pool(d_runner))
+    job = prefill_job(prompt(21), params)
+    prefill.submit(job)
+    tokens, last = handoff(prefill, decode, job, params)
+    assert tokens == expected
+    assert last.finish_reason == "length" and last.completion_tokens == 12
+    config = preset("tiny")
+    assert decode.stats["kv_bytes_received"] == config.num_layers * 21 * 2 * config.num_kv_heads * config.head_dim * 4
+    assert decode.stats["prefill_tokens_computed"] == 0
+    assert decode.pool.num_free == decode.pool.num_blocks  # every block came back
+
+
+def test_second_prefill_of_a_shared_prefix_computes_only_the_new_tokens():
+    runner = make_runner(block_size=4)
+    prefill = PrefillEngine(runner, make_pool(runner), BlockHasher(block_size=4))
+    for job in (prefill_job(prompt(13)), prefill_job(prompt(13)[:12] + [9, 9, 9])):
+        prefill.submit(job)
+        work = prefill.schedule()
+        prefill.execute(work)
+        prefill.finish(work, computed=True)
+    assert prefill.stats["prefill_tokens_cached"] == 12
+    assert prefill.stats["prefill_tokens_computed"] == 13 + 3
+    stored, evicted = prefill.pool.drain_events()
+    assert len(stored) == 3 + 0 and evicted == []  # 3 full blocks of the first prompt; the second adds none full
+
+
+def test_prefill_refuses_prompts_longer_than_the_context():
+    runner = make_runner()
+    prefill = PrefillEngine(runner, make_pool(runner), BlockHasher(block_size=4))
+    with pytest.raises(PrefillRejected):
+        prefill.submit(prefill_job(prompt(runner.config.max_position)))
+
+
+def test_decode_refuses_kv_for_unknown_requests_and_wrong_shapes():
+    runner = make_runner()
+    decode = DecodeEngine(runner, make_pool(runner))
+    with pytest.raises(KVRejected):
+        decode.begin_kv("nobody", 4, runner.config.num_layers)
+    decode.add(decode_job("r", 4), time.monotonic())
+    with pytest.raises(KVRejected):
+        decode.begin_kv("r", 5, runner.config.num_layers)
+    decode.begin_kv("r", 4, runner.config.num_layers)
+    with pytest.raises(ValueError):
+        decode.write_kv("r", 0, 0, 4, b"short", b"short")
+    with pytest.raises(KVRejected):
+        decode.commit_kv("r", 1)  # layers missing
+    final = decode.abort("r", "error", "test")
+    assert final.finish_reason == "error" and decode.pool.num_free == decode.pool.num_blocks
+
+
+def test_decode_fails_requests_whose_kv_never_arrives():
+    runner = make_runner()
+    decode = DecodeEngine(runner, make_pool(runner))
+    decode.add(decode_job("late", 4, wait_s=1.0), now=100.0)
+    assert decode.expire(now=100.5) == []
+    [chunk] = decode.expire(now=101.5)
+    assert chunk.finish_reason == "error" and "late" not in decode.requests
+
+
+def test_model_that_does_not_fit_in_memory_is_refused_with_numbers():
+    with pytest.raises(MemoryError, match="llama2-70b.*GiB"):
+        check_fits(preset("llama2-70b"), kv_bytes=0, dtype_size=4, available=8 << 30)

@@ -1,0 +1,59 @@
+import pytest
+
+from kvcentric.openai_api import ApiError, check_context, completion_body, parse_completion
+
+
+def parse(**body):
+    return parse_completion(body, "tiny", 258)
+
+
+def test_a_minimal_request_gets_openai_defaults():
+    request = parse(prompt="hi")
+    assert request.sampling.max_tokens == 16 and request.sampling.temperature == 1.0
+    assert request.stream is False and request.prompt == "hi"
+
+
+def test_token_id_prompts_and_a_batch_of_one_are_accepted():
+    assert parse(prompt=[1, 2, 3]).prompt_token_ids == [1, 2, 3]
+    assert parse(prompt=["hi"]).prompt == "hi"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": [1, "a"]}, "prompt"),
+    ({"prompt": [1, 9999]}, "prompt"),
+    ({"prompt": "x", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 3}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "seed": 1.5}, "seed"),
+    ({"prompt": "x", "model": "gpt-4"}, "model"),
+])
+def test_bad_fields_are_400_naming_the_param(body, param):
+    with pytest.raises(ApiError) as caught:
+        parse(**body)
+    assert caught.value.status == 400 and caught.value.param == param
+    error = caught.value.body()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_a_body_that_is_not_an_object_is_rejected():
+    with pytest.raises(ApiError):
+        parse_completion([1, 2], "tiny", 258)
+
+
+def test_prompt_plus_completion_beyond_the_context_is_rejected():
+    check_context(100, 16, 2048)
+    with pytest.raises(ApiError, match="maximum context length is 2048"):
+        check_context(2040, 16, 2048)
+
+
+def test_completion_body_has_the_openai_shape():
+    body = completion_body("cmpl-1", "tiny", "abc", "length", {"prompt_tokens": 1})
+    assert body["object"] == "text_completion"
+    assert body["choices"][0] == {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}
