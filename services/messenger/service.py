@@ -20,6 +20,10 @@ from kvcentric.transfer import KVTransferServicer, start_server
 class StoreServicer(KVTransferServicer):
     """KVTransfer whose pulls are served from the host store."""
 
+    async def Stats(self, request, context) -> kv_pb2.StatsReply:
+        self.stats["stored_requests"] = len(self.sink.complete)
+        return await super().Stats(request, context)
+
     async def PullKV(self, request, context):
         deadline = asyncio.get_running_loop().time() + request.wait_s
         while (entry := self.sink.get(request.request_id)) is None:
@@ -56,5 +60,4 @@ class MessengerService(Service):
         return {"kv_addr": f"{self.config.kv_host}:{self.kv_port}", "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
-        self.servicer.stats["stored_requests"] = len(self.store.complete)
-        return {**self.servicer.stats, "used_bytes": self.store.used_bytes, "evicted_requests": self.store.evicted}
+        return {**self.servicer.stats, "stored_requests": len(self.store.complete), "used_bytes": self.store.used_bytes, "evicted_requests": self.store.evicted}

@@ -1,0 +1,44 @@
+"""`kvcentric up` starts its own servers, serves, and leaves no process behind on SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from conftest import start_up
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+        return stat.read().split(") ")[1][0] != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
+    cluster = start_up(tmp_path, "--prefill", "1", "--decode", "2")
+    try:
+        assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor",
+                                                     "prefill-0", "decode-0", "decode-1", "gateway"}
+        request = urllib.request.Request(cluster.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode())
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert json.load(response)["usage"]["completion_tokens"] >= 1
+        pids = cluster.pids()
+        assert all(alive(pid) for pid in pids)
+    finally:
+        cluster.process.send_signal(sig)
+    started = time.monotonic()
+    assert cluster.process.wait(15) == 0
+    while any(alive(pid) for pid in pids) and time.monotonic() - started < 10:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if alive(pid)]
+    assert time.monotonic() - started < 10
