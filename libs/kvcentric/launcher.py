@@ -110,8 +110,10 @@ class Child:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log_file = open(self.log_path, "ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # A process group of its own: a terminal's Ctrl-C reaches only `up`, which then stops the
+        # services before the servers they depend on.
         self.process = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0)
 
     def healthy(self) -> bool:
         if self.health_url is None:
@@ -209,18 +211,22 @@ class Cluster:
                 raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
                                    f"{child.log_tail()}")
 
-    def stop(self, grace_s: float = 5.0) -> None:
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in reversed(self.children):
-            try:
-                child.process.wait(max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
-            child.log_file.close()
+    def stop(self, grace_s: float = 4.0) -> None:
+        """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
+        services = [c for c in self.children if c.health_url is not None]
+        servers = [c for c in self.children if c.health_url is None]
+        for group in (services, servers):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in group:
+                try:
+                    child.process.wait(max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+                child.log_file.close()
 
 
 def _client_host(host: str) -> str:

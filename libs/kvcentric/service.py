@@ -173,10 +173,19 @@ class Service:
 async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s: float = 30.0) -> nats.NATS:
     """Connect, retrying while the server comes up; give up after `patience_s` with a clear error."""
     deadline = time.monotonic() + patience_s
+
+    async def on_error(exc: Exception) -> None:  # one line, not nats-py's default traceback
+        log.warning("NATS %s: %s: %s", url, type(exc).__name__, exc)
+
+    async def on_disconnect() -> None:
+        if not stopping.is_set():
+            log.warning("NATS %s: disconnected, reconnecting", url)
+
     while True:
         try:
             return await nats.connect(url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
-                                      reconnect_time_wait=0.5, allow_reconnect=True)
+                                      reconnect_time_wait=0.5, allow_reconnect=True, error_cb=on_error,
+                                      disconnected_cb=on_disconnect)
         except Exception as exc:  # noqa: BLE001 - nats raises several kinds while the server starts
             if stopping.is_set() or time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach NATS at {url} (--nats-url): {exc}") from exc

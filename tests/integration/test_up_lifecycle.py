@@ -42,3 +42,6 @@ def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
         time.sleep(0.1)
     assert not [pid for pid in pids if alive(pid)]
     assert time.monotonic() - started < 10
+    for name, service in cluster.manifest["services"].items():
+        with open(service["log"]) as log:
+            assert "Traceback" not in log.read(), f"{name} logged a traceback"
