@@ -28,9 +28,7 @@ import os
 import platform
 import random
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ import torch
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.launcher import free_port, get_json
+from kvcentric.launcher import UpProcess, get_json
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.protocol import SamplingParams
@@ -142,36 +140,6 @@ def bench_single(args, prompts: dict[int, list[list[int]]]) -> dict[int, list[di
 # ---------------------------------------------------------------- cluster
 
 
-def start_cluster(args, log_dir: str) -> tuple[subprocess.Popen, int]:
-    """Run `kvcentric up` and wait for its ready line; returns (process, gateway port)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "kvcentric", "up", "--port", str(port), "--model", args.model,
-            "--prefill", "1", "--decode", "1", "--seed", str(args.seed), "--num-kv-blocks",
-            str(args.num_kv_blocks), "--block-size", str(args.block_size), "--log-dir", log_dir,
-            "--startup-timeout-s", str(args.startup_timeout)]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline, lines = time.monotonic() + args.startup_timeout + 10, []
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if not line and process.poll() is not None:
-            break
-        lines.append(line)
-        if "ready at" in line:
-            return process, port
-    stop_cluster(process)
-    raise RuntimeError("kvcentric up did not become ready:\n" + "".join(lines))
-
-
-def stop_cluster(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def read_sse(response: http.client.HTTPResponse, t0: float) -> dict:
     """Timestamps of the first and last token chunks and of [DONE]; text and usage."""
     first = last = done = None
@@ -262,14 +230,16 @@ def run_cluster(args, prompts) -> tuple[dict, dict, dict, str]:
     os.makedirs(log_dir, exist_ok=True)
     log(f"starting `kvcentric up --model {args.model}` (logs in {log_dir})")
     t0 = time.perf_counter()
-    process, port = start_cluster(args, log_dir)
+    cluster = UpProcess(log_dir, "--model", args.model, "--prefill", "1", "--decode", "1", "--seed", str(args.seed),
+                        "--num-kv-blocks", str(args.num_kv_blocks), "--block-size", str(args.block_size),
+                        timeout_s=args.startup_timeout)
     try:
-        log(f"cluster ready in {time.perf_counter() - t0:.1f} s on port {port}")
-        results = bench_cluster(args, port, prompts)
+        log(f"cluster ready in {time.perf_counter() - t0:.1f} s on port {cluster.port}")
+        results = bench_cluster(args, cluster.port, prompts)
         stats = engine_stats(log_dir)
     finally:
         log("stopping the cluster")
-        stop_cluster(process)
+        cluster.stop()
     return results, stats, log_findings(log_dir), log_dir
 
 

@@ -229,6 +229,48 @@ class Cluster:
                 child.log_file.close()
 
 
+class UpProcess:
+    """`kvcentric up` run as a child process, for tests and benchmarks: start, wait ready, stop."""
+
+    def __init__(self, log_dir: str, *flags: str, port: int = 0, timeout_s: float = 120.0) -> None:
+        self.port = port or free_port()
+        self.log_dir = log_dir
+        self.url = f"http://127.0.0.1:{self.port}"
+        argv = [sys.executable, "-m", "kvcentric", "up", "--port", str(self.port), "--log-dir", log_dir,
+                "--startup-timeout-s", str(timeout_s), *flags]
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._wait_ready(timeout_s + 10)
+        with open(os.path.join(log_dir, "cluster.json")) as manifest:
+            self.manifest = json.load(manifest)
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline, lines = time.monotonic() + timeout_s, []
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line and self.process.poll() is not None:
+                break
+            lines.append(line)
+            if "ready at" in line:
+                return
+        self.stop()
+        raise RuntimeError("kvcentric up did not become ready:\n" + "".join(lines))
+
+    def health(self, service: str) -> dict:
+        return get_json(self.manifest["services"][service]["health_url"])[1]
+
+    def pids(self) -> list[int]:
+        return [s["pid"] for s in self.manifest["services"].values()]
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 15.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+
 def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 

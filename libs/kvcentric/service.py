@@ -83,7 +83,7 @@ class Service:
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), 2.0)
-            except Exception:  # noqa: BLE001 - closing anyway
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - NATS may be gone; closing anyway
                 await self.nc.close()
         if self._http is not None:
             await self._http.cleanup()

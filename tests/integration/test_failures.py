@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.launcher import free_port, get_json, nats_server_argv, wait_for_port
+from kvcentric.launcher import free_port, get_json, nats_server_argv
 from kvcentric.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
 
