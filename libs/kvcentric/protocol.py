@@ -25,6 +25,7 @@ class Subjects:
     """NATS subject names (DESIGN.md, "NATS subjects")."""
 
     SCHEDULE = "kvc.conductor.schedule"
+    OUTCOME = "kvc.conductor.outcome"
     INSTANCES = "kvc.conductor.instances"
     LOAD_ALL = "kvc.load.>"
     KV_EVENTS_ALL = "kvc.kv.events.>"
@@ -82,6 +83,7 @@ class Placement(msgspec.Struct, frozen=True, tag="placement"):
     decode_kv_addr: str
     """host:port of the decode instance's messenger, where prefill pushes the KV."""
     cached_tokens: int = 0
+    predicted_ttft_s: float = 0.0
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
@@ -101,6 +103,21 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     kv_addr: str
     load: float
     age_s: float
+
+
+class RequestOutcome(msgspec.Struct, frozen=True):
+    """Published by the gateway on `kvc.conductor.outcome` when a request ends, so the conductor can
+    compare its predicted TTFT with the actual one."""
+
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    finish_reason: str
+    ttft_s: float
+    e2e_s: float
+    prompt_tokens: int
+    completion_tokens: int
+    predicted_ttft_s: float = 0.0
 
 
 class InstancesQuery(msgspec.Struct, frozen=True):

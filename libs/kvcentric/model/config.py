@@ -6,7 +6,9 @@ It describes shapes and sizes only; building weights is `kvcentric.model.llama`.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +29,12 @@ class ModelConfig:
     attention_bias: bool = False
     bos_token_id: int = 256
     eos_token_id: int = 257
+    rope_scaling: tuple[tuple[str, float | str], ...] = ()
+    """RoPE scaling as sorted (key, value) pairs: rope_type "linear" (factor) or "llama3" (factor,
+    low_freq_factor, high_freq_factor, original_max_position_embeddings); empty for none."""
+    path: str = ""
+    """The checkpoint directory, or "" for a preset with random weights."""
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +65,54 @@ PRESETS: dict[str, ModelConfig] = {
         ModelConfig("llama2-70b", 32000, 8192, 28672, 80, 64, 8, 128, 4096),
     )
 }
+
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+def from_hf_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig of a local Hugging Face checkpoint directory (its config.json)."""
+    directory = Path(path)
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{directory} has no config.json; give a checkpoint directory or a preset "
+                         f"({', '.join(PRESETS)})") from None
+    architecture = (hf.get("architectures") or ["LlamaForCausalLM"])[0]
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"{directory}: architecture {architecture} is not supported ({', '.join(ARCHITECTURES)})")
+    heads = hf["num_attention_heads"]
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    scaling = () if rope_type in ("default", None) else tuple(sorted(
+        (k, v) for k, v in {**rope, "rope_type": rope_type}.items()
+        if k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+    return ModelConfig(
+        name=directory.name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position=hf.get("max_position_embeddings", 2048), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=theta, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
+        bos_token_id=_first(hf.get("bos_token_id"), -1), eos_token_id=_first(hf.get("eos_token_id"), -1),
+        rope_scaling=scaling, path=str(directory.resolve()), architecture=architecture)
+
+
+def _first(value, default: int) -> int:
+    if isinstance(value, list):
+        return value[0] if value else default
+    return default if value is None else int(value)
+
+
+def load_model_config(model: str) -> ModelConfig:
+    """A preset name or a checkpoint directory (anything with a path separator or that exists)."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if os.sep in model or os.path.isdir(model):
+        return from_hf_config(model)
+    raise ValueError(f"unknown model {model!r}: give a preset ({', '.join(PRESETS)}) or a checkpoint directory")
 
 
 def preset(name: str) -> ModelConfig:
