@@ -1,6 +1,6 @@
 """The lifecycle every service shares: connect to NATS, serve /health and /metrics, own background
-tasks, and stop cleanly on SIGINT/SIGTERM. Services subclass it and fill in start/stop; it holds no
-policy of its own.
+tasks, carry trace context on every bus message, and stop cleanly on SIGINT/SIGTERM. Services subclass
+it and fill in start/stop; it holds no policy of its own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from typing import Awaitable, Callable
 import nats
 from aiohttp import web
 
+from kvcentric import tracing
 from kvcentric.config import BusConfig
+from kvcentric.metrics import LATENCY_BUCKETS_S, Histogram, render
 from kvcentric.protocol import BadMessage, decode, encode
 
 log = logging.getLogger("kvcentric")
@@ -36,6 +38,7 @@ class Service:
         self.http_port = 0
         self._tasks: set[asyncio.Task] = set()
         self._http: web.AppRunner | None = None
+        self._histograms: dict[str, Histogram] = {}
 
     # ---------------------------------------------------------------- for subclasses
 
@@ -67,6 +70,7 @@ class Service:
             await self.close()
 
     async def open(self) -> None:
+        tracing.setup(self.role, self.instance_id)
         self.nc = await connect_nats(self.config.nats_url, self.instance_id, self.stopping)
         await self._start_http()
         await self.start()
@@ -87,6 +91,7 @@ class Service:
                 await self.nc.close()
         if self._http is not None:
             await self._http.cleanup()
+        await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
 
     def spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -115,12 +120,17 @@ class Service:
     # ---------------------------------------------------------------- bus
 
     async def subscribe(self, subject: str, kind, handler, *, queue: str = "",
-                        bad_reply: Callable[[str], object] | None = None) -> None:
+                        bad_reply: Callable[[str], object] | None = None, span_name: str | None = None) -> None:
         """Decode every message on `subject` as `kind` and hand it to `handler`.
 
         A message that does not decode is logged and counted (bus_drops_total) and, when it asked
         for a reply, answered with `bad_reply(error)`. The handler's return value is the reply.
+        A message that carries W3C trace context in its headers is handled inside a span named
+        `span_name` (default: the subject without `kvc.`, wildcards and this instance's id, e.g.
+        "conductor.schedule", "kvs.query", "prefill.submit"), a child of the sender's span; with an
+        explicit `span_name` every message gets a span, a root one when it carries no context.
         """
+        name = span_name or default_span_name(subject, self.instance_id)
 
         async def on_message(msg) -> None:
             try:
@@ -132,7 +142,12 @@ class Service:
                     await msg.respond(encode(bad_reply(str(exc))))
                 return
             try:
-                reply = await handler(message)
+                if span_name is not None or tracing.carries_context(msg.headers):
+                    with tracing.span(name, tracing.extract_headers(msg.headers), tracing.SpanKind.SERVER,
+                                      {"messaging.destination.name": msg.subject}):
+                        reply = await handler(message)
+                else:
+                    reply = await handler(message)
             except Exception as exc:  # noqa: BLE001 - one bad request must not stop the service
                 self.counters["handler_errors_total"] += 1
                 self.log.exception("handler for %s failed", msg.subject)
@@ -142,8 +157,27 @@ class Service:
 
         await self.nc.subscribe(subject, queue=queue, cb=on_message)
 
-    async def publish(self, subject: str, message) -> None:
-        await self.nc.publish(subject, encode(message))
+    async def publish(self, subject: str, message, headers: dict | None = None) -> None:
+        """Publish `message`; the current trace context (if any) travels in the NATS headers."""
+        await self.nc.publish(subject, encode(message), headers=tracing.inject_headers(headers))
+
+    async def request(self, subject: str, message, kind, timeout_s: float = 2.0):
+        """NATS request/reply with trace context: the reply decoded as `kind`.
+
+        Raises what nats-py raises (nats.errors.NoRespondersError, nats.errors.TimeoutError) and
+        BadMessage for a reply that does not decode."""
+        reply = await self.nc.request(subject, encode(message), timeout=timeout_s,
+                                      headers=tracing.inject_headers())
+        return decode(reply.data, kind)
+
+    # ---------------------------------------------------------------- metrics
+
+    def histogram(self, name: str, buckets=LATENCY_BUCKETS_S, help: str = "") -> Histogram:
+        """The histogram `name` (exposed as kvc_<name> on /metrics), made on first use with `buckets`."""
+        histogram = self._histograms.get(name)
+        if histogram is None:
+            histogram = self._histograms[name] = Histogram(buckets, help)
+        return histogram
 
     # ---------------------------------------------------------------- http
 
@@ -164,10 +198,17 @@ class Service:
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        lines = []
-        for name, value in sorted({**self.counters, **self.gauges()}.items()):
-            lines.append(f'kvc_{name}{{role="{self.role}",instance="{self.instance_id}"}} {value}')
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        text = render({"role": self.role, "instance": self.instance_id}, self.counters, self.gauges(),
+                      self._histograms)
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def default_span_name(subject: str, instance_id: str) -> str:
+    """'kvc.conductor.schedule' -> 'conductor.schedule'; 'kvc.prefill.<id>.submit' -> 'prefill.submit'."""
+    tokens = subject.split(".")
+    if tokens[0] == "kvc":
+        tokens = tokens[1:]
+    return ".".join(t for t in tokens if t not in ("*", ">", instance_id)) or subject
 
 
 async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s: float = 30.0) -> nats.NATS:
