@@ -63,6 +63,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
+    top_k: int = 0
+    """Sample among the k most likely tokens only (0: no limit)."""
 
 
 # ---------------------------------------------------------------- conductor

@@ -24,7 +24,7 @@ class DecodeSink:
     def begin(self, header) -> None:
         if header.dtype != self.service.runner.dtype_name:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
-        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers)
+        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids)
 
     def write(self, request_id: str, chunk) -> None:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
@@ -87,6 +87,8 @@ class DecodeService(EngineService):
                 continue
             batch, failed = self.engine.schedule()
             self.emit(failed)
-            if batch:
-                tokens = await self.run_model(self.engine.execute, batch)
-                self.emit(self.engine.update(batch, tokens))
+            if not batch:  # everything left is preempted and waiting for blocks
+                await self.wait_for_work(0.05)
+                continue
+            tokens = await self.run_model(self.engine.execute, batch)
+            self.emit(self.engine.update(batch, tokens))

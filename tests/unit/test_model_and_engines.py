@@ -8,6 +8,7 @@ import torch
 from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.local import generate
+from kvcentric.engine.runner import kv_payload
 from kvcentric.engine.prefill import PrefillEngine, PrefillRejected
 from kvcentric.hashing import BlockHasher
 from kvcentric.model.config import check_fits, preset
@@ -45,16 +46,23 @@ def test_prefill_reusing_a_cached_prefix_equals_full_prefill():
 
 
 def handoff(prefill: PrefillEngine, decode: DecodeEngine, job, params):
-    """Move one request from the prefill engine to the decode engine layer by layer, as the messenger does."""
+    """Move one request from the prefill engine to the decode engine chunk by chunk and layer by layer
+    through the layer hook, as the prefill service and the messenger do."""
     decode.add(decode_job(job.request_id, len(job.token_ids), params), time.monotonic())
-    work = prefill.schedule()
-    first = prefill.execute(work)
-    decode.begin_kv(job.request_id, len(job.token_ids), prefill.runner.config.num_layers)
-    for layer in range(prefill.runner.config.num_layers):
-        key, value, _ = prefill.runner.read_layer(layer, work.blocks, len(job.token_ids))
-        decode.write_kv(job.request_id, layer, 0, len(job.token_ids), key, value)
-    prefill.finish(work, computed=True)
-    chunks = decode.commit_kv(job.request_id, first)
+    decode.begin_kv(job.request_id, len(job.token_ids), prefill.runner.config.num_layers, job.token_ids)
+    first = None
+    while (chunk := prefill.schedule()) is not None:
+        def on_layer(layer, keys, values, start=chunk.start):
+            key, value, _ = kv_payload(keys, values)
+            decode.write_kv(job.request_id, layer, start, start + keys.shape[0], key, value)
+        first = prefill.execute(chunk, on_layer)
+        prefill.update(chunk)
+        if chunk.last:
+            prefill.finish(chunk.work)
+    return run_decode(decode, decode.commit_kv(job.request_id, first))
+
+
+def run_decode(decode: DecodeEngine, chunks: list) -> tuple[list[int], object]:
     while decode.has_work:
         batch, failed = decode.schedule()
         assert not failed
@@ -68,7 +76,7 @@ def test_disaggregated_generation_equals_single_process_generation(params):
     reference_runner = make_runner(block_size=4)
     expected, _ = generate(reference_runner, make_pool(reference_runner), prompt(21), params)
     p_runner, d_runner = make_runner(block_size=4), make_runner(block_size=4)
-    prefill = PrefillEngine(p_runner, make_pool(p_runner), BlockHasher(block_size=4))
+    prefill = PrefillEngine(p_runner, make_pool(p_runner), BlockHasher(block_size=4), chunk_tokens=8)
     decode = DecodeEngine(d_runner, make_pool(d_runner))
     job = prefill_job(prompt(21), params)
     prefill.submit(job)
@@ -86,9 +94,10 @@ def test_second_prefill_of_a_shared_prefix_computes_only_the_new_tokens():
     prefill = PrefillEngine(runner, make_pool(runner), BlockHasher(block_size=4))
     for job in (prefill_job(prompt(13)), prefill_job(prompt(13)[:12] + [9, 9, 9])):
         prefill.submit(job)
-        work = prefill.schedule()
-        prefill.execute(work)
-        prefill.finish(work, computed=True)
+        chunk = prefill.schedule()
+        prefill.execute(chunk)
+        prefill.update(chunk)
+        prefill.finish(chunk.work)
     assert prefill.stats["prefill_tokens_cached"] == 12
     assert prefill.stats["prefill_tokens_computed"] == 13 + 3
     stored, evicted = prefill.pool.drain_events()

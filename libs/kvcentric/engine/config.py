@@ -7,12 +7,12 @@ from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.hashing import HASH_ALGOS
-from kvcentric.model.config import preset
+from kvcentric.model.config import load_model_config
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(BusConfig):
-    model: str = setting("tiny", "model preset: tiny, small, llama2-7b, llama2-70b (random weights)")
+    model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: tiny, small, llama2-7b, llama2-70b")
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
@@ -25,16 +25,19 @@ class EngineConfig(BusConfig):
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
     load_interval_s: float = setting(0.1, "seconds between load reports on kvc.load.<role>.<id>")
     max_batch: int = setting(64, "most sequences in one decode step")
+    prefill_chunk: int = setting(512, "prompt tokens computed per prefill step (chunked prefill)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            preset(self.model)
+            load_model_config(self.model)
         except ValueError as exc:
             raise ConfigError(f"--model: {exc}") from None
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
+        require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")

@@ -1,13 +1,16 @@
 """The decode role: requests wait for their KV, then join a continuous batch that generates tokens.
 
-A request's lifecycle: `add` (job known, no blocks) -> `begin_kv` (blocks allocated for the prompt) ->
-`write_kv` per layer -> `commit_kv` (every layer present: first token out, joins the batch) ->
-`schedule`/`execute`/`update` per step until it stops. `abort` frees at any point. Time is passed in;
-no I/O here. Only `execute` touches torch (through the runner) and may run in a worker thread.
+A request's lifecycle: `add` (job known, no blocks) -> `begin_kv` (blocks for the prompt) -> `write_kv`
+per layer and token range -> `commit_kv` (every layer complete: first token out, joins the batch) ->
+`schedule`/`execute`/`update` each step until it stops. Requests join and leave the batch every step.
+When blocks run out the newest running request is preempted (blocks freed) and later recomputed from its
+tokens, as vLLM does, instead of failing. `abort` frees at any point. Time is passed in; no I/O. Only
+`execute` touches torch (through the runner) and may run in a worker thread.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Literal
 
@@ -25,11 +28,14 @@ class KVRejected(RuntimeError):
 class DecodeRequest:
     job: DecodeJob
     deadline: float
-    state: Literal["waiting_kv", "receiving", "running"] = "waiting_kv"
+    state: Literal["waiting_kv", "receiving", "running", "preempted"] = "waiting_kv"
     blocks: list[int] = dataclasses.field(default_factory=list)
-    layers_received: set[int] = dataclasses.field(default_factory=set)
+    prompt: list[int] = dataclasses.field(default_factory=list)
+    layer_tokens: list[int] = dataclasses.field(default_factory=list)
     generated: list[int] = dataclasses.field(default_factory=list)
     seq: int = 0
+    recompute: bool = False
+    """Resumed after preemption: its KV must be recomputed before the next step."""
 
     @property
     def request_id(self) -> str:
@@ -50,11 +56,12 @@ class DecodeEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64) -> None:
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
         self.requests: dict[str, DecodeRequest] = {}
+        self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
         self._deferred_free: list[int] = []
         self.stats = {"kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
-                      "decode_steps": 0, "tokens_generated": 0, "requests_finished": 0,
-                      "requests_aborted": 0}
+                      "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
+                      "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0}
 
     # ---------------------------------------------------------------- admission and KV arrival
 
@@ -63,16 +70,17 @@ class DecodeEngine:
             raise KVRejected(f"request {job.request_id} is already here")
         self.requests[job.request_id] = DecodeRequest(job, deadline=now + job.kv_wait_s)
 
-    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int) -> None:
+    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: list[int] = ()) -> None:
         request = self._expect(request_id, "waiting_kv")
         if num_tokens != request.job.n_prompt_tokens or num_layers != self.runner.config.num_layers:
             raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
                              f"expected {request.job.n_prompt_tokens} x {self.runner.config.num_layers}")
         needed = self.pool.blocks_for(num_tokens + 1)
         if not self.pool.can_allocate(needed):
-            raise KVRejected(f"request {request_id}: no room for {needed} KV blocks "
-                             f"({self.pool.num_free} free)")
+            raise KVRejected(f"request {request_id}: no room for {needed} KV blocks ({self.pool.num_free} free)")
         request.blocks = self.pool.allocate(needed)
+        request.prompt = list(prompt)
+        request.layer_tokens = [0] * num_layers
         request.state = "receiving"
 
     def write_kv(self, request_id: str, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
@@ -80,17 +88,23 @@ class DecodeEngine:
         if not (0 <= layer < self.runner.config.num_layers and 0 <= start < end <= request.job.n_prompt_tokens):
             raise KVRejected(f"request {request_id}: layer {layer} tokens {start}..{end} out of range")
         self.runner.write_layer(layer, request.blocks, start, end, key, value)
-        request.layers_received.add(layer)
+        request.layer_tokens[layer] += end - start
         self.stats["kv_bytes_received"] += len(key) + len(value)
 
     def commit_kv(self, request_id: str, first_token: int) -> list[TokenChunk]:
         """All layers are in: emit the prefill's first token and join the batch (or finish)."""
         request = self._expect(request_id, "receiving")
-        missing = self.runner.config.num_layers - len(request.layers_received)
-        if missing:
-            raise KVRejected(f"request {request_id}: commit with {missing} layers missing")
+        incomplete = [i for i, n in enumerate(request.layer_tokens) if n != request.job.n_prompt_tokens]
+        if incomplete:
+            raise KVRejected(f"request {request_id}: commit with layers {incomplete[:4]} incomplete")
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
+        return [self._emit(request, first_token)]
+
+    def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int) -> list[TokenChunk]:
+        """Take over a request prefilled in this process (colocated): its blocks hold the prompt's KV."""
+        request = DecodeRequest(job, deadline=0.0, state="running", blocks=blocks, prompt=list(prompt))
+        self.requests[job.request_id] = request
         return [self._emit(request, first_token)]
 
     # ---------------------------------------------------------------- ending
@@ -99,27 +113,28 @@ class DecodeEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
-        if request_id in self._in_step:  # the step in flight still writes into its blocks
-            self._deferred_free += request.blocks
-        else:
-            self.pool.free(request.blocks)
+        self._release(request)
         self.stats["requests_aborted"] += 1
         return request.chunk([], reason, error)
 
     def expire(self, now: float) -> list[TokenChunk]:
         """Fail requests whose KV did not arrive in time."""
-        late = [r.request_id for r in self.requests.values() if r.state != "running" and now > r.deadline]
+        late = [r.request_id for r in self.requests.values()
+                if r.state in ("waiting_kv", "receiving") and now > r.deadline]
         return [self.abort(rid, "error", "KV did not arrive in time") for rid in late]
 
     # ---------------------------------------------------------------- steps
 
     def schedule(self) -> tuple[list[DecodeRequest], list[TokenChunk]]:
-        """Running requests for the next step, each with a slot for its new token."""
-        batch, failed = [], []
-        for request in [r for r in self.requests.values() if r.state == "running"][: self.max_batch]:
+        """Requests for the next step, each with a slot for its new token; preempts when blocks run out."""
+        failed = self._resume_preempted()
+        running = [r for r in self.requests.values() if r.state == "running"]
+        batch = []
+        for request in running[: self.max_batch]:
+            if request.state != "running":
+                continue  # preempted below to make room for an older request
             if request.position >= len(request.blocks) * self.pool.block_size:
-                if not self.pool.can_allocate(1):
-                    failed.append(self.abort(request.request_id, "error", "out of KV cache blocks"))
+                if not self._make_room(request, running):
                     continue
                 request.blocks += self.pool.allocate(1)
             batch.append(request)
@@ -127,12 +142,14 @@ class DecodeEngine:
         return batch, failed
 
     def execute(self, batch: list[DecodeRequest]) -> list[int]:
+        self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
         return [sample(logits[i], r.job.sampling, len(r.generated)) for i, r in enumerate(batch)]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
         self.stats["decode_steps"] += 1
+        self.stats["batch_size_sum"] += len(batch)
         self._in_step = set()
         self.pool.free(self._deferred_free)
         self._deferred_free = []
@@ -140,7 +157,51 @@ class DecodeEngine:
 
     @property
     def has_work(self) -> bool:
-        return any(r.state == "running" for r in self.requests.values())
+        return any(r.state in ("running", "preempted") for r in self.requests.values())
+
+    # ---------------------------------------------------------------- preemption
+
+    def _make_room(self, request: DecodeRequest, running: list[DecodeRequest]) -> bool:
+        """Free a block for `request` by preempting the newest other running request; False if it is
+        itself the one preempted."""
+        while not self.pool.can_allocate(1):
+            victim = next((r for r in reversed(running) if r.state == "running"), None)
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: DecodeRequest) -> None:
+        self.pool.free(request.blocks)
+        request.blocks, request.state = [], "preempted"
+        self.preempted.append(request.request_id)
+        self.stats["preemptions"] += 1
+
+    def _resume_preempted(self) -> list[TokenChunk]:
+        """Give preempted requests blocks again (oldest first); their KV is recomputed in execute."""
+        failed = []
+        while self.preempted:
+            request = self.requests.get(self.preempted[0])
+            if request is None or request.state != "preempted":
+                self.preempted.popleft()
+                continue
+            needed = self.pool.blocks_for(request.position + 1)
+            if needed > self.pool.num_blocks:
+                self.preempted.popleft()
+                failed.append(self.abort(request.request_id, "error", "sequence outgrew the KV cache"))
+                continue
+            if not self.pool.can_allocate(needed):
+                break
+            self.preempted.popleft()
+            request.blocks, request.state, request.recompute = self.pool.allocate(needed), "running", True
+        return failed
+
+    def _recompute(self, requests: list[DecodeRequest]) -> None:
+        for request in requests:
+            tokens = request.prompt + request.generated[:-1]
+            self.runner.prefill(tokens, request.blocks, 0)
+            self.stats["recomputed_tokens"] += len(tokens)
+            request.recompute = False
 
     # ---------------------------------------------------------------- helpers
 
@@ -151,9 +212,16 @@ class DecodeEngine:
                                self.runner.config.eos_token_id)
         if reason is not None:
             del self.requests[request.request_id]
-            self.pool.free(request.blocks)
+            self._release(request)
             self.stats["requests_finished"] += 1
         return request.chunk([token], reason)
+
+    def _release(self, request: DecodeRequest) -> None:
+        if request.request_id in self._in_step:  # the step in flight still writes into its blocks
+            self._deferred_free += request.blocks
+        else:
+            self.pool.free(request.blocks)
+        request.blocks = []
 
     def _expect(self, request_id: str, state: str) -> DecodeRequest:
         request = self.requests.get(request_id)

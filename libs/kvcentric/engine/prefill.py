@@ -1,8 +1,9 @@
-"""The prefill role: a queue of prompts, prefix reuse from the local block pool, one prompt per step.
+"""The prefill role: a FIFO of prompts, prefix reuse from the local block pool, chunked prefill.
 
-`submit` queues a job; `schedule` takes the next one and pins its blocks (cached prefix shared, the
-rest allocated); `execute` runs the model (torch, may run in a worker thread) calling a hook after each
-layer; `finish` caches the prompt's full blocks and drops the references. No I/O, time passed in.
+`submit` queues a job; `schedule` returns the next chunk of work, pinning a prompt's blocks when it
+starts (cached prefix shared, the rest allocated); `execute` runs one chunk (torch, may run in a worker
+thread) with a hook after each layer; `finish` caches the prompt's full blocks and drops the references.
+No I/O; time is not needed.
 """
 
 from __future__ import annotations
@@ -26,27 +27,52 @@ class PrefillWork:
     job: PrefillJob
     blocks: list[int]
     num_cached: int
+    """Leading prompt tokens whose KV was already in the pool (not computed)."""
     hashes: list[str]
+    done: int = 0
+    """Prompt tokens whose KV is in the cache (cached prefix plus chunks computed so far)."""
     cancelled: bool = False
 
     @property
     def request_id(self) -> str:
         return self.job.request_id
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.job.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillChunk:
+    work: PrefillWork
+    start: int
+    end: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == self.work.num_cached
+
+    @property
+    def last(self) -> bool:
+        return self.end == self.work.num_tokens
+
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher) -> None:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512) -> None:
         if hasher.block_size != pool.block_size:
             raise ValueError("the hasher's block size must equal the pool's")
-        self.runner, self.pool, self.hasher = runner, pool, hasher
+        if chunk_tokens < 1:
+            raise ValueError("chunk_tokens must be at least 1")
+        self.runner, self.pool, self.hasher, self.chunk_tokens = runner, pool, hasher, chunk_tokens
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
-        self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "requests_prefilled": 0,
-                      "requests_cancelled": 0}
+        self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_chunks": 0,
+                      "requests_prefilled": 0, "requests_cancelled": 0}
 
     @property
     def queued_tokens(self) -> int:
-        return sum(len(job.token_ids) for job in self.queue)
+        pending = sum(w.num_tokens - w.done for w in self.running.values())
+        return pending + sum(len(job.token_ids) for job in self.queue)
 
     def submit(self, job: PrefillJob) -> None:
         if job.request_id in self.running or any(q.request_id == job.request_id for q in self.queue):
@@ -69,8 +95,15 @@ class PrefillEngine:
             work.cancelled = True
         return work is not None
 
-    def schedule(self) -> PrefillWork | None:
-        """Pin blocks for the next queued prompt, or None when the queue is empty or the pool full."""
+    def schedule(self) -> PrefillChunk | None:
+        """The next chunk: of the prompt in progress, else of the next queued one whose blocks fit."""
+        work = next(iter(self.running.values()), None) or self._start_next()
+        if work is None:
+            return None
+        end = min(work.done + self.chunk_tokens, work.num_tokens)
+        return PrefillChunk(work, work.done, end)
+
+    def _start_next(self) -> PrefillWork | None:
         if not self.queue:
             return None
         job = self.queue[0]
@@ -83,21 +116,29 @@ class PrefillEngine:
             return None
         self.pool.share(cached)
         self.queue.popleft()
-        work = PrefillWork(job, cached + self.pool.allocate(needed), len(cached) * self.pool.block_size, hashes)
+        num_cached = len(cached) * self.pool.block_size
+        work = PrefillWork(job, cached + self.pool.allocate(needed), num_cached, hashes, done=num_cached)
         self.running[job.request_id] = work
         return work
 
-    def execute(self, work: PrefillWork, on_layer: LayerHook | None = None) -> int:
-        """Run the uncached part of the prompt; return the first generated token."""
-        logits = self.runner.prefill(work.job.token_ids, work.blocks, work.num_cached, on_layer)
-        return sample(logits, work.job.sampling, 0)
+    def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
+        """Compute one chunk; after the last chunk, return the first generated token."""
+        work = chunk.work
+        logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer)
+        return sample(logits, work.job.sampling, 0) if chunk.last else None
 
-    def finish(self, work: PrefillWork, computed: bool) -> None:
-        """Release the prompt's blocks; when computed, its full blocks stay findable by hash."""
+    def update(self, chunk: PrefillChunk) -> None:
+        """Record a computed chunk."""
+        chunk.work.done = chunk.end
+        self.stats["prefill_tokens_computed"] += chunk.end - chunk.start
+        self.stats["prefill_chunks"] += 1
+
+    def finish(self, work: PrefillWork) -> None:
+        """Release the prompt's blocks; its computed full blocks stay findable by hash."""
         del self.running[work.request_id]
-        if computed:
-            self.pool.cache(work.blocks[: len(work.hashes)], work.hashes)
-            self.stats["prefill_tokens_computed"] += len(work.job.token_ids) - work.num_cached
+        computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
+        self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+        if work.done == work.num_tokens:
             self.stats["prefill_tokens_cached"] += work.num_cached
             self.stats["requests_prefilled"] += 1
         self.pool.free(work.blocks)

@@ -1,7 +1,8 @@
 """The only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
 
-It turns block tables into slot ids, runs prefill and decode forwards, samples, and copies one layer's
-KV of a request out of or into the cache as bytes. It does not decide what to run or allocate blocks.
+It turns block tables into slot ids, runs prefill chunks and batched decode steps, samples, and copies
+one layer's KV of a request out of or into the cache as bytes. It does not decide what to run or
+allocate blocks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import zlib
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.model.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, random_init
+from kvcentric.model.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
 from kvcentric.protocol import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,6 +23,13 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
     positions = torch.arange(start, end)
     blocks = torch.tensor(block_table, dtype=torch.long)[positions // block_size]
     return blocks * block_size + positions % block_size
+
+
+def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """The checkpoint's weights when the config has a path, else seeded random weights."""
+    model = LlamaModel(config)
+    model = load_checkpoint(model, config.path) if config.path else random_init(model, seed)
+    return model.to(device, dtype).eval()
 
 
 class ModelRunner:
@@ -36,7 +44,7 @@ class ModelRunner:
         kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
         if self.device.type == "cpu":
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
-        self.model = random_init(LlamaModel(config), seed).to(self.device, self.dtype).eval()
+        self.model = build_model(config, seed, self.dtype, self.device)
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -47,37 +55,43 @@ class ModelRunner:
         """Bytes of one token's key (or value) in one layer."""
         return self.config.num_kv_heads * self.config.head_dim * self.k_cache.element_size()
 
-    def prefill(self, token_ids: list[int], block_table: list[int], num_cached: int,
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        return slots_of(block_table, start, end, self.block_size).to(self.device)
+
+    def prefill(self, token_ids: list[int], block_table: list[int], start: int, end: int | None = None,
                 on_layer: LayerHook | None = None) -> torch.Tensor:
-        """Compute tokens[num_cached:] of one sequence (its prefix KV is cached); last-token logits."""
-        total = len(token_ids)
-        slots = slots_of(block_table, 0, total, self.block_size).to(self.device)
-        new_slots = slots[num_cached:]
-        sequence = SequenceSlice(0, total - num_cached, slots, num_cached)
-        batch = AttentionBatch(torch.arange(num_cached, total, device=self.device), new_slots, [sequence])
-        ids = torch.tensor(token_ids[num_cached:], device=self.device)
-        rows = torch.tensor([total - num_cached - 1], device=self.device)
+        """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; logits of the last."""
+        end = len(token_ids) if end is None else end
+        context = self._slots(block_table, 0, end)
+        sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
+        batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
+        ids = torch.tensor(token_ids[start:end], device=self.device)
+        rows = torch.tensor([end - start - 1], device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)[0]
 
-    def decode(self, token_ids: list[int], positions: list[int],
-               block_tables: list[list[int]]) -> torch.Tensor:
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
-        sequences, write_slots = [], []
+        longest = max(positions) + 1
+        padded = torch.zeros((len(positions), longest), dtype=torch.long)
         for row, (position, table) in enumerate(zip(positions, block_tables)):
-            slots = slots_of(table, 0, position + 1, self.block_size).to(self.device)
-            sequences.append(SequenceSlice(row, row + 1, slots, position))
-            write_slots.append(slots[-1:])
-        batch = AttentionBatch(torch.tensor(positions, device=self.device), torch.cat(write_slots), sequences)
+            padded[row, : position + 1] = slots_of(table, 0, position + 1, self.block_size)
+        key_pos = torch.arange(longest).unsqueeze(0)
+        query_pos = torch.tensor(positions).unsqueeze(1)
+        mask = key_pos <= query_pos
+        if self.config.sliding_window is not None:
+            mask &= key_pos > query_pos - self.config.sliding_window
+        padded = padded.to(self.device)
+        write = padded[torch.arange(len(positions)), torch.tensor(positions)]
+        batch = AttentionBatch(torch.tensor(positions, device=self.device), write, padded_slots=padded,
+                               padded_mask=mask[:, None, None, :].to(self.device))
         ids = torch.tensor(token_ids, device=self.device)
         rows = torch.arange(len(token_ids), device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows)
 
-    def read_layer(self, layer: int, block_table: list[int], num_tokens: int) -> tuple[bytes, bytes, int]:
-        """Key bytes, value bytes and their crc32 for tokens 0..num_tokens-1 of a sequence."""
-        slots = slots_of(block_table, 0, num_tokens, self.block_size).to(self.device)
-        key = self.k_cache[layer, slots].cpu().numpy().tobytes()
-        value = self.v_cache[layer, slots].cpu().numpy().tobytes()
-        return key, value, zlib.crc32(value, zlib.crc32(key))
+    def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
+        """Key bytes, value bytes and their crc32 for token positions start..end-1 of a sequence."""
+        slots = self._slots(block_table, start, end)
+        return kv_payload(self.k_cache[layer, slots], self.v_cache[layer, slots])
 
     def write_layer(self, layer: int, block_table: list[int], start: int, end: int,
                     key: bytes, value: bytes) -> None:
@@ -87,20 +101,30 @@ class ModelRunner:
         if len(key) != expected or len(value) != expected:
             raise ValueError(f"layer {layer}: expected {expected} bytes each for key and value, "
                              f"got {len(key)} and {len(value)}")
-        slots = slots_of(block_table, start, end, self.block_size).to(self.device)
+        slots = self._slots(block_table, start, end)
         self.k_cache[layer, slots] = torch.frombuffer(bytearray(key), dtype=self.dtype).view(shape).to(self.device)
         self.v_cache[layer, slots] = torch.frombuffer(bytearray(value), dtype=self.dtype).view(shape).to(self.device)
 
 
+def kv_payload(keys: torch.Tensor, values: torch.Tensor) -> tuple[bytes, bytes, int]:
+    """Tensors to wire bytes (C order, on the host) and their crc32."""
+    key = keys.contiguous().cpu().numpy().tobytes()
+    value = values.contiguous().cpu().numpy().tobytes()
+    return key, value, zlib.crc32(value, zlib.crc32(key))
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Greedy at temperature 0; else temperature and top-p, seeded per (seed, step) for reproducibility."""
+    """Greedy at temperature 0; else temperature, top-k and top-p, seeded per (seed, step)."""
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     generator = torch.Generator(device=probs.device)
     if params.seed is not None:
         generator.manual_seed(params.seed * 1_000_003 + step)

@@ -14,7 +14,7 @@ import torch
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.model.config import preset
+from kvcentric.model.config import load_model_config
 from kvcentric.protocol import Cancel, LoadReport, Subjects
 from kvcentric.service import Service
 from kvcentric.transfer import KVTransferServicer, start_server
@@ -28,7 +28,7 @@ class EngineService(Service):
         self.config: EngineConfig = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(preset(config.model), config.num_kv_blocks, config.block_size,
+        self.runner = ModelRunner(load_model_config(config.model), config.num_kv_blocks, config.block_size,
                                   config.seed, config.dtype, config.device)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         # One worker thread runs the model so the event loop keeps serving NATS and gRPC meanwhile.

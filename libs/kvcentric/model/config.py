@@ -35,11 +35,18 @@ class ModelConfig:
     path: str = ""
     """The checkpoint directory, or "" for a preset with random weights."""
     architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
+    """Mistral: a query attends to at most this many most recent positions (itself included)."""
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads {self.num_heads} is not a multiple of "
                              f"num_kv_heads {self.num_kv_heads}")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """LLaMA's attention_bias covers o_proj too; Qwen2's q/k/v bias does not."""
+        return self.attention_bias and self.architecture == "LlamaForCausalLM"
 
     @property
     def num_params(self) -> int:
@@ -97,7 +104,14 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         rope_theta=theta, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
         bos_token_id=_first(hf.get("bos_token_id"), -1), eos_token_id=_first(hf.get("eos_token_id"), -1),
-        rope_scaling=scaling, path=str(directory.resolve()), architecture=architecture)
+        rope_scaling=scaling, path=str(directory.resolve()), architecture=architecture,
+        sliding_window=_sliding_window(hf, architecture))
+
+
+def _sliding_window(hf: dict, architecture: str) -> int | None:
+    if architecture == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
+        return None
+    return hf.get("sliding_window") if architecture != "LlamaForCausalLM" else None
 
 
 def _first(value, default: int) -> int:

@@ -1,23 +1,26 @@
-"""The LLaMA-family transformer in torch, reading and writing a paged KV cache.
+"""The LLaMA-family transformer in torch (LLaMA, Mistral, Qwen2), reading and writing a paged KV cache.
 
-RMSNorm, rotary position embeddings (half-split, as in the reference LLaMA), grouped-query attention
-and a SwiGLU MLP. It computes logits for given tokens; it does not schedule, allocate blocks or sample.
-The cache is one preallocated tensor per key/value: [num_layers, num_slots, num_kv_heads, head_dim],
-where slot = block * block_size + offset, so callers address tokens by slot ids.
+RMSNorm, rotary embeddings (half-split as in the reference LLaMA; linear and llama3 scaling), grouped-
+query attention (optional q/k/v bias, Mistral's sliding window), SwiGLU MLP, optional tied embeddings.
+Module names follow Hugging Face's, so a checkpoint's tensors load by name. It computes logits for
+given tokens; it does not schedule, allocate blocks or sample. The cache is one tensor per key/value:
+[num_layers, num_slots, num_kv_heads, head_dim] with slot = block * block_size + offset.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from kvcentric.model.config import ModelConfig
 
-LayerHook = Callable[[int], None]
-"""Called with the layer index right after that layer's KV for the new tokens is in the cache."""
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+"""Called as hook(layer, keys, values) once a layer has written the KV of the new tokens to the cache;
+keys/values are [new_tokens, num_kv_heads, head_dim] (rotary already applied to keys)."""
 
 
 class RMSNorm(nn.Module):
@@ -27,15 +30,38 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotary frequencies, with linear or llama3 scaling applied (as Meta's LLaMA 3.1 defines it)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(config.rope_scaling)
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor, low, high = (float(scaling[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old_context = float(scaling["original_max_position_embeddings"])
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= old_context / high) & (wavelength <= old_context / low)
+        return torch.where(medium, smoothed, scaled)
+    if kind:
+        raise ValueError(f"rope scaling {kind!r} is not supported (linear, llama3)")
+    return inv_freq
 
 
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, theta: float) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inverse_frequencies(config))
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
@@ -57,25 +83,41 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, batch: "AttentionBatch", rotary: Rotary,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, batch: "AttentionBatch", rotary: Rotary, k_cache, v_cache):
         tokens = x.shape[0]
         q = rotary(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), batch.positions)
         k = rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), batch.positions)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         k_cache[batch.write_slots] = k
         v_cache[batch.write_slots] = v
-        out = torch.empty_like(q)
-        for seq in batch.sequences:
-            keys = k_cache[seq.context_slots].transpose(0, 1)
-            values = v_cache[seq.context_slots].transpose(0, 1)
-            query = q[seq.start:seq.end].transpose(0, 1)
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=seq.mask, enable_gqa=self.num_heads != self.num_kv_heads)
-            out[seq.start:seq.end] = attended.transpose(0, 1)
-        return self.o_proj(out.reshape(tokens, -1))
+        gqa = self.num_heads != self.num_kv_heads
+        if batch.padded_slots is not None:  # decode: one new token per sequence, one batched call
+            keys = k_cache[batch.padded_slots].transpose(1, 2)  # [batch, kv_heads, context, head_dim]
+            values = v_cache[batch.padded_slots].transpose(1, 2)
+            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.padded_mask,
+                                                 enable_gqa=gqa).squeeze(2)
+        else:
+            out = torch.empty_like(q)
+            for seq in batch.sequences:
+                keys = k_cache[seq.context_slots].transpose(0, 1)
+                values = v_cache[seq.context_slots].transpose(0, 1)
+                attended = F.scaled_dot_product_attention(q[seq.start:seq.end].transpose(0, 1), keys, values,
+                                                          attn_mask=seq.mask, is_causal=seq.causal, enable_gqa=gqa)
+                out[seq.start:seq.end] = attended.transpose(0, 1)
+        return self.o_proj(out.reshape(tokens, -1)), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -84,35 +126,43 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.mlp = MLP(config)
 
     def forward(self, x, batch, rotary, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache)
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        attended, k, v = self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache)
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
 
 
 class SequenceSlice:
-    """One sequence of a batch: its rows in the flat token batch and the cache slots it attends to."""
+    """One sequence of a prefill batch: its rows in the flat token batch and the slots it attends to."""
 
-    def __init__(self, start: int, end: int, context_slots: torch.Tensor, first_position: int) -> None:
-        self.start, self.end = start, end
-        self.context_slots = context_slots
-        new = end - start
-        context = context_slots.shape[0]
-        # Query i sits at position first_position + i and sees context positions 0..first_position + i.
-        query_pos = torch.arange(first_position, first_position + new).unsqueeze(1)
-        self.mask = torch.arange(context).unsqueeze(0) <= query_pos
+    def __init__(self, start: int, end: int, context_slots: torch.Tensor, first_position: int,
+                 sliding_window: int | None = None) -> None:
+        self.start, self.end, self.context_slots = start, end, context_slots
+        new, context = end - start, context_slots.shape[0]
+        self.causal = first_position == 0 and new == context and not _window_applies(sliding_window, context)
+        self.mask = None
+        if not self.causal:
+            query_pos = torch.arange(first_position, first_position + new, device=context_slots.device).unsqueeze(1)
+            key_pos = torch.arange(context, device=context_slots.device).unsqueeze(0)
+            self.mask = key_pos <= query_pos
+            if _window_applies(sliding_window, context):
+                self.mask &= key_pos > query_pos - sliding_window
+
+
+def _window_applies(window: int | None, context: int) -> bool:
+    return window is not None and context > window
 
 
 class AttentionBatch:
-    """Flattened tokens of several sequences with their positions and cache addressing."""
+    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill) or a
+    padded [batch, max_context] slot table with its mask (decode, one token per sequence)."""
 
-    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor,
-                 sequences: list[SequenceSlice]) -> None:
+    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: list[SequenceSlice] = (),
+                 padded_slots: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
+        self.padded_slots, self.padded_mask = padded_slots, padded_mask
 
 
 class LlamaModel(nn.Module):
@@ -125,19 +175,18 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = Rotary(config.head_dim, config.max_position, config.rope_theta)
+        self.rotary = Rotary(config)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, logit_rows: torch.Tensor,
-                on_layer: LayerHook | None = None) -> torch.Tensor:
+                v_cache: torch.Tensor, logit_rows: torch.Tensor, on_layer: LayerHook | None = None) -> torch.Tensor:
         """Run the new tokens through every layer, writing their KV; return logits of `logit_rows`."""
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
-            x = layer(x, batch, self.rotary, k_cache[index], v_cache[index])
+            x, k, v = layer(x, batch, self.rotary, k_cache[index], v_cache[index])
             if on_layer is not None:
-                on_layer(index)
-        return self.lm_head(self.norm(x[logit_rows]))
+                on_layer(index, k, v)
+        return self.lm_head(self.norm(x[logit_rows])).float()
 
 
 def random_init(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
@@ -145,10 +194,37 @@ def random_init(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model
+
+
+def load_checkpoint(model: LlamaModel, directory: str) -> LlamaModel:
+    """Copy a Hugging Face checkpoint's safetensors into the model by name; missing or extra tensors fail."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{directory} has no *.safetensors files")
+    params = dict(model.named_parameters())
+    loaded = set()
+    with torch.no_grad():
+        for file in files:
+            for name, tensor in load_file(str(file)).items():
+                name = name.removeprefix("model.")
+                if name not in params:
+                    if "rotary_emb" in name:
+                        continue
+                    raise ValueError(f"{file.name}: unexpected tensor {name}")
+                params[name].copy_(tensor.to(params[name].dtype))
+                loaded.add(name)
+    missing = set(params) - loaded - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if missing:
+        raise ValueError(f"{directory}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
     return model
