@@ -140,3 +140,67 @@ def test_decode_fails_requests_whose_kv_never_arrives():
 def test_model_that_does_not_fit_in_memory_is_refused_with_numbers():
     with pytest.raises(MemoryError, match="llama2-70b.*GiB"):
         check_fits(preset("llama2-70b"), kv_bytes=0, dtype_size=4, available=8 << 30)
+
+
+def test_chunked_prefill_runs_in_chunks_and_gives_the_same_first_token():
+    runner = make_runner(block_size=4)
+    whole = PrefillEngine(runner, make_pool(runner), BlockHasher(block_size=4), chunk_tokens=1000)
+    chunked = PrefillEngine(make_runner(block_size=4), make_pool(runner), BlockHasher(block_size=4), chunk_tokens=5)
+    firsts = []
+    for engine in (whole, chunked):
+        engine.submit(prefill_job(prompt(23)))
+        while (chunk := engine.schedule()) is not None:
+            first = engine.execute(chunk)
+            engine.update(chunk)
+            if chunk.last:
+                engine.finish(chunk.work)
+                firsts.append(first)
+    assert firsts[0] == firsts[1]
+    assert whole.stats["prefill_chunks"] == 1 and chunked.stats["prefill_chunks"] == 5  # 5+5+5+5+3
+
+
+def test_decode_preempts_when_blocks_run_out_and_recomputes_to_the_same_tokens():
+    params = greedy(10)
+    prompts = [prompt(6, offset=i) for i in range(3)]
+    reference_runner = make_runner(block_size=4)
+    expected = [generate(reference_runner, make_pool(reference_runner), p, params)[0] for p in prompts]
+    runner = make_runner(num_blocks=9, block_size=4)  # 3 requests x 4 blocks needed: not enough
+    decode = DecodeEngine(runner, make_pool(runner))
+    chunks = []
+    for i, p in enumerate(prompts):
+        rid = f"r{i}"
+        decode.add(decode_job(rid, len(p), params), 0.0)
+        decode.begin_kv(rid, len(p), runner.config.num_layers, p)
+        blocks = decode.requests[rid].blocks
+        first = int(torch.argmax(runner.prefill(p, blocks, 0)))  # stands in for the prefill node
+        decode.requests[rid].layer_tokens = [len(p)] * runner.config.num_layers
+        chunks += decode.commit_kv(rid, first)
+    tokens, _ = run_decode(decode, chunks)
+    by_request = {f"r{i}": [] for i in range(3)}
+    for chunk in chunks:
+        by_request[chunk.request_id] += chunk.token_ids
+    assert [by_request[f"r{i}"] for i in range(3)] == expected
+    assert decode.stats["preemptions"] >= 1 and decode.stats["recomputed_tokens"] > 0
+    assert decode.pool.num_free == decode.pool.num_blocks
+
+
+def test_cancel_frees_a_running_request_at_once():
+    runner = make_runner()
+    decode = DecodeEngine(runner, make_pool(runner))
+    decode.add(decode_job("c", 4), 0.0)
+    decode.begin_kv("c", 4, runner.config.num_layers)
+    assert decode.pool.num_free < decode.pool.num_blocks
+    assert decode.abort("c", "abort").finish_reason == "abort"
+    assert decode.pool.num_free == decode.pool.num_blocks and not decode.has_work
+
+
+def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
+    from kvcentric.engine.runner import sample
+    logits = torch.randn(258, generator=torch.Generator().manual_seed(0))
+    top1 = SamplingParams(temperature=1.5, top_k=1, seed=3)
+    assert sample(logits, top1, 0) == int(torch.argmax(logits))
+    seeded = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=11)
+    draws = [sample(logits, seeded, step) for step in range(5)]
+    assert draws == [sample(logits, seeded, step) for step in range(5)]
+    allowed = set(torch.topk(logits, 20).indices.tolist())
+    assert set(draws) <= allowed
