@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Start nats-server, redis-server, kvs-meta, conductor, the gateway and "
                                          "prefill/decode instances; wait until healthy; stop all on Ctrl-C.")
     add_arguments(up, UpConfig)
+    from kvcentric.engine.profile import ProfileConfig
+    profile = commands.add_parser("profile", help="time the model here and fit the conductor's cost model",
+                                  description="Time prefill over (new x cached tokens) and decode steps over "
+                                              "(batch x context), fit T_prefill and T_decode, write JSON.")
+    add_arguments(profile, ProfileConfig)
     for command, (_, _, _, description) in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
@@ -58,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.command == "profile":
+            from kvcentric.engine.profile import ProfileConfig, main as profile_main
+            sys.exit(profile_main(from_namespace(ProfileConfig, args)))
         if args.command == "up":
             from kvcentric.launcher import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))

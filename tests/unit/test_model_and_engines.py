@@ -204,3 +204,22 @@ def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
     assert draws == [sample(logits, seeded, step) for step in range(5)]
     allowed = set(torch.topk(logits, 20).indices.tolist())
     assert set(draws) <= allowed
+
+
+def test_colocated_engine_interleaves_chunks_and_decode_and_matches_single_requests():
+    from kvcentric.engine.colocated import ColocatedEngine
+    params = greedy(9)
+    prompts = [prompt(n, offset=n) for n in (7, 19, 12)]
+    runner = make_runner(block_size=4)
+    expected = [generate(runner, make_pool(runner), p, params)[0] for p in prompts]
+    engine = ColocatedEngine(make_runner(block_size=4), make_pool(runner), BlockHasher(block_size=4), chunk_tokens=6)
+    for i, p in enumerate(prompts):
+        job = prefill_job(p, params, request_id=f"c{i}")
+        engine.submit(job, decode_job(job.request_id, len(p), params))
+    out = {f"c{i}": [] for i in range(3)}
+    while engine.has_work:
+        for chunk in engine.step():
+            out[chunk.request_id] += chunk.token_ids
+    assert [out[f"c{i}"] for i in range(3)] == expected
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.decode.stats["kv_bytes_received"] == 0  # nothing moved: the blocks were handed over

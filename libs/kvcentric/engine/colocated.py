@@ -1,0 +1,69 @@
+"""The colocated role (the baseline Mooncake compares against, as vLLM runs): one instance prefills and
+decodes, sharing one KV pool. Each step runs one prefill chunk, then one decode step of the continuous
+batch; a finished prompt hands its blocks straight to decode, so no KV moves. No I/O, no clock.
+"""
+
+from __future__ import annotations
+
+from kvcentric.engine.block_pool import BlockPool
+from kvcentric.engine.decode import DecodeEngine, DecodeRequest
+from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.hashing import BlockHasher
+from kvcentric.protocol import DecodeJob, PrefillJob, TokenChunk
+
+
+class ColocatedEngine:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
+                 max_batch: int = 64) -> None:
+        self.runner, self.pool = runner, pool
+        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens)
+        self.decode = DecodeEngine(runner, pool, max_batch)
+        self.jobs: dict[str, DecodeJob] = {}
+
+    def submit(self, prefill_job: PrefillJob, decode_job: DecodeJob) -> None:
+        self.prefill.submit(prefill_job)
+        self.jobs[prefill_job.request_id] = decode_job
+
+    def cancel(self, request_id: str) -> TokenChunk | None:
+        self.jobs.pop(request_id, None)
+        self.prefill.cancel(request_id)
+        return self.decode.abort(request_id, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefill.queue or self.prefill.running) or self.decode.has_work
+
+    def schedule(self) -> tuple[PrefillChunk | None, list[DecodeRequest], list[TokenChunk]]:
+        chunk = self.prefill.schedule()
+        batch, failed = self.decode.schedule()
+        return chunk, batch, failed
+
+    def execute(self, chunk: PrefillChunk | None, batch: list[DecodeRequest]) -> tuple[int | None, list[int]]:
+        first = self.prefill.execute(chunk) if chunk is not None else None
+        return first, self.decode.execute(batch) if batch else []
+
+    def update(self, chunk: PrefillChunk | None, first: int | None, batch: list[DecodeRequest],
+               tokens: list[int]) -> list[TokenChunk]:
+        out = self.decode.update(batch, tokens) if batch else []
+        if chunk is not None:
+            self.prefill.update(chunk)
+            if chunk.last:
+                out += self._hand_over(chunk, first)
+        return out
+
+    def step(self) -> list[TokenChunk]:
+        """schedule, execute, update in one call (for benchmarks and tests)."""
+        chunk, batch, failed = self.schedule()
+        first, tokens = self.execute(chunk, batch)
+        return failed + self.update(chunk, first, batch, tokens)
+
+    def _hand_over(self, chunk: PrefillChunk, first_token: int) -> list[TokenChunk]:
+        work = chunk.work
+        job = self.jobs.pop(work.request_id, None)
+        if job is None or work.cancelled:
+            self.prefill.finish(work)
+            return []
+        self.pool.share(work.blocks)  # decode's reference; finish() drops prefill's
+        self.prefill.finish(work)
+        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token)
