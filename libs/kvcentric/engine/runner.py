@@ -29,7 +29,7 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
     """The checkpoint's weights when the config has a path, else seeded random weights."""
     model = LlamaModel(config)
     model = load_checkpoint(model, config.path) if config.path else random_init(model, seed)
-    return model.to(device, dtype).eval()
+    return model.to(device, dtype).eval().fuse()
 
 
 class ModelRunner:

@@ -84,12 +84,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """One q|k|v matmul instead of three (same numbers, bigger and faster GEMM); call after loading."""
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.q_proj.bias is not None \
+            else None
+        self.qkv = (weight.detach(), None if bias is None else bias.detach())
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
+        return F.linear(x, *self.qkv).split(sizes, dim=-1)
 
     def forward(self, x, batch: "AttentionBatch", rotary: Rotary, k_cache, v_cache):
         tokens = x.shape[0]
-        q = rotary(self.q_proj(x).view(tokens, self.num_heads, self.head_dim), batch.positions)
-        k = rotary(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim), batch.positions)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = rotary(q.reshape(tokens, self.num_heads, self.head_dim), batch.positions)
+        k = rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), batch.positions)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         k_cache[batch.write_slots] = k
         v_cache[batch.write_slots] = v
         gqa = self.num_heads != self.num_kv_heads
@@ -100,12 +116,15 @@ class Attention(nn.Module):
                                                  enable_gqa=gqa).squeeze(2)
         else:
             out = torch.empty_like(q)
+            group = self.num_heads // self.num_kv_heads
             for seq in batch.sequences:
-                keys = k_cache[seq.context_slots].transpose(0, 1)
-                values = v_cache[seq.context_slots].transpose(0, 1)
-                attended = F.scaled_dot_product_attention(q[seq.start:seq.end].transpose(0, 1), keys, values,
-                                                          attn_mask=seq.mask, is_causal=seq.causal, enable_gqa=gqa)
-                out[seq.start:seq.end] = attended.transpose(0, 1)
+                # Repeat KV heads rather than enable_gqa: the fused CPU kernels take only equal head counts.
+                keys = k_cache[seq.context_slots].transpose(0, 1).repeat_interleave(group, dim=0)
+                values = v_cache[seq.context_slots].transpose(0, 1).repeat_interleave(group, dim=0)
+                attended = F.scaled_dot_product_attention(  # 4-D: the fused kernels want a batch dim
+                    q[seq.start:seq.end].transpose(0, 1)[None], keys[None], values[None], attn_mask=seq.mask,
+                    is_causal=seq.causal)
+                out[seq.start:seq.end] = attended[0].transpose(0, 1)
         return self.o_proj(out.reshape(tokens, -1)), k, v
 
 
@@ -116,8 +135,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+        self.gate_up: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """One gate|up matmul instead of two; call after loading."""
+        self.gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -176,6 +205,13 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
+
+    def fuse(self) -> "LlamaModel":
+        """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor,
