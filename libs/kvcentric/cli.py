@@ -22,6 +22,8 @@ SERVICES = {
                 "prefill engine: computes prompts and streams their KV layer by layer to decode"),
     "decode": ("kvc_decode", "DecodeService", "EngineConfig",
                "decode engine: takes KV in over gRPC and generates tokens in a continuous batch"),
+    "colocated": ("kvc_colocated", "ColocatedService", "EngineConfig",
+                  "colocated engine (the vLLM-style baseline): prefill and decode in one instance and KV pool"),
     "kvs-meta": ("kvc_kvs_meta", "KVSMetaService", "KVSMetaConfig",
                  "KV block location metadata in Redis; NATS queries and GET /batch_query_keys"),
     "messenger": ("kvc_messenger", "MessengerService", "MessengerConfig",

@@ -35,6 +35,8 @@ class UpConfig:
     port: int = setting(8000, "gateway HTTP port")
     prefill: int = setting(1, "number of prefill instances")
     decode: int = setting(1, "number of decode instances")
+    colocated: int = setting(0, "run this many colocated instances (prefill and decode in one, the "
+                                "vLLM-style baseline) instead of separate prefill and decode ones")
     model: str = setting("tiny", "model preset served: tiny, small, llama2-7b, llama2-70b")
     seed: int = setting(0, "seed of the model's random weights")
     nats_url: str = setting("", "use this NATS server instead of starting one")
@@ -47,8 +49,22 @@ class UpConfig:
     log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level of the services")
 
     def __post_init__(self) -> None:
-        require(self.prefill >= 1, "prefill", "need at least one prefill instance")
-        require(self.decode >= 1, "decode", "need at least one decode instance")
+        require(self.colocated >= 0, "colocated", "must be 0 or more")
+        require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
+        require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
+
+    @property
+    def engines(self) -> list[tuple[str, str]]:
+        """(name, subcommand) of every engine instance to start."""
+        if self.colocated:
+            return [(f"colocated-{i}", "colocated") for i in range(self.colocated)]
+        return [(f"prefill-{i}", "prefill") for i in range(self.prefill)] + \
+               [(f"decode-{i}", "decode") for i in range(self.decode)]
+
+    @property
+    def expected_alive(self) -> tuple[int, int]:
+        """Prefill and decode instances the conductor must see before the cluster counts as up."""
+        return (self.colocated, self.colocated) if self.colocated else (self.prefill, self.decode)
         require(0 <= self.port < 65536, "port", "must be 0..65535")
 
 
@@ -160,15 +176,13 @@ class Cluster:
             wait_for_port("127.0.0.1", port, 10)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         c = self.config
-        threads = str(max(1, (os.cpu_count() or 1) // (c.prefill + c.decode)))
+        threads = str(max(1, (os.cpu_count() or 1) // len(c.engines)))
         engine = ["--model", c.model, "--seed", str(c.seed), "--num-kv-blocks", str(c.num_kv_blocks),
                   "--block-size", str(c.block_size), "--torch-threads", threads]
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         self.service("conductor", "conductor")
-        for i in range(c.prefill):
-            self.service(f"prefill-{i}", "prefill", "--instance-id", f"prefill-{i}", *engine)
-        for i in range(c.decode):
-            self.service(f"decode-{i}", "decode", "--instance-id", f"decode-{i}", *engine)
+        for name, command in c.engines:
+            self.service(name, command, "--instance-id", name, *engine)
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port)
         self.write_manifest()
@@ -201,8 +215,9 @@ class Cluster:
             status, body = get_json(self.gateway.health_url)
         except (OSError, ValueError):
             return False
-        return (status == 200 and body.get("prefill_alive", 0) >= self.config.prefill
-                and body.get("decode_alive", 0) >= self.config.decode)
+        prefill, decode = self.config.expected_alive
+        return (status == 200 and body.get("prefill_alive", 0) >= prefill
+                and body.get("decode_alive", 0) >= decode)
 
     def check_alive(self) -> None:
         for child in self.children:
@@ -289,8 +304,9 @@ def run_up(config: UpConfig) -> int:
     signal.signal(signal.SIGINT, _raise_stop)
     cluster = Cluster(config)
     try:
-        print(f"kvcentric: starting {config.prefill} prefill + {config.decode} decode instances of "
-              f"'{config.model}'; logs in {cluster.log_dir}", flush=True)
+        engines = f"{config.colocated} colocated" if config.colocated else \
+            f"{config.prefill} prefill + {config.decode} decode"
+        print(f"kvcentric: starting {engines} instances of '{config.model}'; logs in {cluster.log_dir}", flush=True)
         cluster.start()
         cluster.wait_healthy()
         url = f"http://{_client_host(config.host)}:{config.port}"

@@ -13,8 +13,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
 from kvcentric.hashing import BlockHasher
 from kvcentric.proto import kv_pb2
-from kvcentric.protocol import (BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, PrefillJob,
-                                SubmitAck, Subjects, TokenChunk)
+from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk, Subjects
 from kvcentric.transfer import KVPusher
 
 
@@ -156,13 +155,4 @@ class PrefillService(EngineService):
     async def fail(self, work: PrefillWork, exc: BaseException) -> None:
         self.counters["requests_failed_total"] += 1
         self.log.warning("prefill of %s failed: %s", work.request_id, exc)
-        await self.publish(Subjects.out(work.request_id),
-                           TokenChunk(work.request_id, 0, [], "error", len(work.job.token_ids), 0,
-                                      f"prefill failed: {exc}"))
-
-    async def publish_kv_events(self) -> None:
-        stored, evicted = self.pool.drain_events()
-        events = ([BlockEvicted(self.instance_id, evicted)] if evicted else []) + \
-                 ([BlockStored(self.instance_id, stored)] if stored else [])
-        if events:
-            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+        self.emit([TokenChunk(work.request_id, 0, [], "error", len(work.job.token_ids), 0, f"prefill failed: {exc}")])

@@ -21,9 +21,11 @@ class ColocatedEngine:
         self.decode = DecodeEngine(runner, pool, max_batch)
         self.jobs: dict[str, DecodeJob] = {}
 
-    def submit(self, prefill_job: PrefillJob, decode_job: DecodeJob) -> None:
+    def submit(self, prefill_job: PrefillJob, decode_job: DecodeJob | None = None) -> None:
+        """Queue a prompt; its decode job comes here or was registered with `decode.add` before."""
         self.prefill.submit(prefill_job)
-        self.jobs[prefill_job.request_id] = decode_job
+        if decode_job is not None:
+            self.jobs[prefill_job.request_id] = decode_job
 
     def cancel(self, request_id: str) -> TokenChunk | None:
         self.jobs.pop(request_id, None)
@@ -60,7 +62,8 @@ class ColocatedEngine:
 
     def _hand_over(self, chunk: PrefillChunk, first_token: int) -> list[TokenChunk]:
         work = chunk.work
-        job = self.jobs.pop(work.request_id, None)
+        waiting = self.decode.requests.get(work.request_id)
+        job = self.jobs.pop(work.request_id, None) or (waiting.job if waiting and not waiting.blocks else None)
         if job is None or work.cancelled:
             self.prefill.finish(work)
             return []

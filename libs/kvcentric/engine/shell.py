@@ -15,9 +15,32 @@ from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import Cancel, LoadReport, Subjects
+from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.protocol import BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, Subjects, TokenChunk
 from kvcentric.service import Service
 from kvcentric.transfer import KVTransferServicer, start_server
+
+
+class DecodeSink:
+    """The messenger's sink on a node that decodes: pushed KV goes straight into the paged cache."""
+
+    def __init__(self, service: "EngineService", engine: DecodeEngine) -> None:
+        self.service, self.engine = service, engine
+
+    def begin(self, header) -> None:
+        if header.dtype != self.service.runner.dtype_name:
+            raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
+        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids)
+
+    def write(self, request_id: str, chunk) -> None:
+        self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
+
+    def commit(self, request_id: str, commit) -> None:
+        self.service.emit(self.engine.commit_kv(request_id, commit.first_token))
+        self.service.wake.set()
+
+    def abort(self, request_id: str, reason: str) -> None:
+        self.service.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])
 
 
 class EngineService(Service):
@@ -36,6 +59,7 @@ class EngineService(Service):
         self.wake = asyncio.Event()
         self.kv_addr = ""
         self._grpc = None
+        self.outbox: asyncio.Queue[TokenChunk] = asyncio.Queue()
 
     def kv_sink(self):
         raise NotImplementedError
@@ -55,6 +79,7 @@ class EngineService(Service):
         self.kv_addr = self.config.kv_advertise or f"{self.config.kv_host}:{port}"
         await self.subscribe(Subjects.CANCEL_ALL, Cancel, self.on_cancel)
         self.spawn(self.every(self.config.load_interval_s, self.report_load), "load-reports")
+        self.spawn(self.send_outbox(), "outbox")
         self.spawn(self.work_loop(), "work-loop")
 
     async def stop(self) -> None:
@@ -64,6 +89,25 @@ class EngineService(Service):
 
     async def report_load(self) -> None:
         await self.publish(Subjects.load(self.role, self.instance_id), self.load_report())
+
+    def emit(self, chunks: list[TokenChunk | None]) -> None:
+        """Queue token chunks for `kvc.req.<id>.out`; one sender keeps each request's chunks in order."""
+        for chunk in chunks:
+            if chunk is not None:
+                self.outbox.put_nowait(chunk)
+
+    async def send_outbox(self) -> None:
+        while True:
+            chunk = await self.outbox.get()
+            await self.publish(Subjects.out(chunk.request_id), chunk)
+
+    async def publish_kv_events(self) -> None:
+        """Announce blocks that entered or left this node's prefix cache (for kvs-meta)."""
+        stored, evicted = self.pool.drain_events()
+        events = ([BlockEvicted(self.instance_id, evicted)] if evicted else []) + \
+                 ([BlockStored(self.instance_id, stored)] if stored else [])
+        if events:
+            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
 
     async def run_model(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -75,8 +119,8 @@ class EngineService(Service):
             pass
         self.wake.clear()
 
-    def base_load(self, queued_requests: int, queued_tokens: int, running: int) -> LoadReport:
-        return LoadReport(self.instance_id, self.role, self.config.cluster, self.kv_addr, queued_requests,
+    def base_load(self, queued_requests: int, queued_tokens: int, running: int, role: str = "") -> LoadReport:
+        return LoadReport(self.instance_id, role or self.role, self.config.cluster, self.kv_addr, queued_requests,
                           queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time())
 
     def health(self) -> dict:

@@ -1,0 +1,83 @@
+"""The colocated service's asyncio shell: answers both prefill and decode submits for its id, runs one
+prefill chunk and one decode batch per step in the model thread, and streams tokens on
+`kvc.req.<id>.out`. It publishes load reports in both roles, so the conductor sees it as both; a prompt
+it prefills is decoded here, with no KV transfer (pushes from a prefill instance are accepted too).
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.decode import KVRejected
+from kvcentric.engine.prefill import PrefillRejected
+from kvcentric.engine.shell import DecodeSink, EngineService
+from kvcentric.hashing import BlockHasher
+from kvcentric.protocol import Cancel, DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects
+
+
+class ColocatedService(EngineService):
+    role = "colocated"
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        hasher = BlockHasher(config.hash_algo, config.block_size)
+        self.engine = ColocatedEngine(self.runner, self.pool, hasher, config.prefill_chunk, config.max_batch)
+
+    def kv_sink(self):
+        return DecodeSink(self, self.engine.decode)
+
+    async def start(self) -> None:
+        await super().start()
+        refuse = lambda error: SubmitAck(False, error)  # noqa: E731
+        await self.subscribe(Subjects.submit("prefill", self.instance_id), PrefillJob, self.on_prefill,
+                             bad_reply=refuse)
+        await self.subscribe(Subjects.submit("decode", self.instance_id), DecodeJob, self.on_decode,
+                             bad_reply=refuse)
+
+    async def on_decode(self, job: DecodeJob) -> SubmitAck:
+        try:
+            self.engine.decode.add(job, time.monotonic())
+        except KVRejected as exc:
+            return SubmitAck(False, str(exc))
+        return SubmitAck(True)
+
+    async def on_prefill(self, job: PrefillJob) -> SubmitAck:
+        if job.decode_id != self.instance_id:
+            return SubmitAck(False, f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
+                                    f"not {job.decode_id}")
+        try:
+            self.engine.submit(job)
+        except PrefillRejected as exc:
+            return SubmitAck(False, str(exc))
+        self.wake.set()
+        return SubmitAck(True)
+
+    async def on_cancel(self, cancel: Cancel) -> None:
+        self.emit([self.engine.cancel(cancel.request_id)])
+
+    async def report_load(self) -> None:
+        """The same load, once as a prefill and once as a decode instance."""
+        for role in ("prefill", "decode"):
+            await self.publish(Subjects.load(role, self.instance_id), self.role_load(role))
+
+    def role_load(self, role: str) -> LoadReport:
+        running = sum(r.state == "running" for r in self.engine.decode.requests.values())
+        return self.base_load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running, role)
+
+    def engine_stats(self) -> dict:
+        return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.transfer.stats,
+                "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
+
+    async def work_loop(self) -> None:
+        while not self.stopping.is_set():
+            self.emit(self.engine.decode.expire(time.monotonic()))
+            chunk, batch, failed = self.engine.schedule()
+            self.emit(failed)
+            if chunk is None and not batch:
+                await self.wait_for_work(0.05)
+                continue
+            first, tokens = await self.run_model(self.engine.execute, chunk, batch)
+            self.emit(self.engine.update(chunk, first, batch, tokens))
+            await self.publish_kv_events()
