@@ -71,22 +71,23 @@ class ModelRunner:
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
-        longest = max(positions) + 1
-        padded = torch.zeros((len(positions), longest), dtype=torch.long)
+        count = max(p // self.block_size + 1 for p in positions)
+        blocks = torch.zeros((len(positions), count), dtype=torch.long)
         for row, (position, table) in enumerate(zip(positions, block_tables)):
-            padded[row, : position + 1] = slots_of(table, 0, position + 1, self.block_size)
-        key_pos = torch.arange(longest).unsqueeze(0)
+            used = position // self.block_size + 1
+            blocks[row, :used] = torch.tensor(table[:used])
+        key_pos = torch.arange(count * self.block_size).unsqueeze(0)
         query_pos = torch.tensor(positions).unsqueeze(1)
         mask = key_pos <= query_pos
         if self.config.sliding_window is not None:
             mask &= key_pos > query_pos - self.config.sliding_window
-        padded = padded.to(self.device)
-        write = padded[torch.arange(len(positions)), torch.tensor(positions)]
-        batch = AttentionBatch(torch.tensor(positions, device=self.device), write, padded_slots=padded,
-                               padded_mask=mask[:, None, None, :].to(self.device))
+        rows = torch.arange(len(positions))
+        write = blocks[rows, query_pos[:, 0] // self.block_size] * self.block_size + query_pos[:, 0] % self.block_size
+        batch = AttentionBatch(torch.tensor(positions, device=self.device), write.to(self.device),
+                               padded_blocks=blocks.to(self.device), padded_mask=mask[:, None, None, :].to(self.device),
+                               block_size=self.block_size)
         ids = torch.tensor(token_ids, device=self.device)
-        rows = torch.arange(len(token_ids), device=self.device)
-        return self.model(ids, batch, self.k_cache, self.v_cache, rows)
+        return self.model(ids, batch, self.k_cache, self.v_cache, rows.to(self.device))
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
         """Key bytes, value bytes and their crc32 for token positions start..end-1 of a sequence."""

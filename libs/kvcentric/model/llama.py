@@ -106,12 +106,12 @@ class Attention(nn.Module):
         q = rotary(q.reshape(tokens, self.num_heads, self.head_dim), batch.positions)
         k = rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), batch.positions)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
-        k_cache[batch.write_slots] = k
-        v_cache[batch.write_slots] = v
+        k_cache.index_copy_(0, batch.write_slots, k)
+        v_cache.index_copy_(0, batch.write_slots, v)
         gqa = self.num_heads != self.num_kv_heads
-        if batch.padded_slots is not None:  # decode: one new token per sequence, one batched call
-            keys = k_cache[batch.padded_slots].transpose(1, 2)  # [batch, kv_heads, context, head_dim]
-            values = v_cache[batch.padded_slots].transpose(1, 2)
+        if batch.padded_blocks is not None:  # decode: one new token per sequence, one batched call
+            keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
+            values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
             out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.padded_mask,
                                                  enable_gqa=gqa).squeeze(2)
         else:
@@ -126,6 +126,14 @@ class Attention(nn.Module):
                     is_causal=seq.causal)
                 out[seq.start:seq.end] = attended[0].transpose(0, 1)
         return self.o_proj(out.reshape(tokens, -1)), k, v
+
+
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[batch, kv_heads, blocks * block_size, head_dim] from a [slots, kv_heads, head_dim] cache, copying
+    whole blocks (contiguous runs) rather than single slots."""
+    by_block = cache.view(-1, block_size, *cache.shape[1:])
+    batch, count = blocks.shape
+    return by_block[blocks].view(batch, count * block_size, *cache.shape[1:]).transpose(1, 2)
 
 
 class MLP(nn.Module):
@@ -185,13 +193,15 @@ def _window_applies(window: int | None, context: int) -> bool:
 
 
 class AttentionBatch:
-    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill) or a
-    padded [batch, max_context] slot table with its mask (decode, one token per sequence)."""
+    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), or a
+    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask (decode,
+    one token per sequence)."""
 
     def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: list[SequenceSlice] = (),
-                 padded_slots: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None) -> None:
+                 padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
+                 block_size: int = 0) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
-        self.padded_slots, self.padded_mask = padded_slots, padded_mask
+        self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
 
 
 class LlamaModel(nn.Module):
