@@ -29,6 +29,8 @@ class HostKVStore:
         self.evicted = 0
 
     def begin(self, header: kv_pb2.KVHeader) -> None:
+        if header.stripe > 0 and header.request_id in self.pending:
+            return  # another stripe of a push in progress
         if header.request_id in self.pending or header.request_id in self.complete:
             raise ValueError(f"request {header.request_id} is already stored")
         self.pending[header.request_id] = StoredKV(header)
@@ -48,7 +50,7 @@ class HostKVStore:
         entry.commit = commit
         self.complete[request_id] = entry
 
-    def abort(self, request_id: str, reason: str) -> None:
+    def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:
         entry = self.pending.pop(request_id, None)
         if entry is not None:
             self.used_bytes -= entry.nbytes

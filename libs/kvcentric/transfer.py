@@ -1,5 +1,6 @@
-"""KV bytes between nodes over gRPC (grpcio, C core): the servicer that receives into a sink, and the
-client that pushes a request's layers as they are produced.
+"""KV bytes between nodes over gRPC (grpcio, C core): the servicer that receives pushes into a sink and
+serves block pulls from a source, and the client that pushes a request's layers as they are produced,
+optionally striped over several connections and held to a per-peer rate (to emulate a slow link).
 
 The contract is `kvcentric/proto/kv.proto`; what a receiver does with the bytes (write into a decode
 engine's paged cache, keep in a host pool) is the sink's business, not this module's.
@@ -9,8 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 import zlib
-from typing import AsyncIterator, Protocol
+from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
 
 import grpc
 
@@ -24,65 +26,108 @@ CHANNEL_OPTIONS = [
 
 
 class TransferError(RuntimeError):
-    """A push that did not complete; the message says why."""
+    """A push that did not complete; the message says why. `retryable`: the receiver asks for a resend."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class ChecksumMismatch(ValueError):
+    """A layer or block whose bytes do not match their checksum."""
 
 
 class KVSink(Protocol):
-    """Where a receiving messenger puts a pushed request's KV. Raise to refuse; abort frees."""
+    """Where a receiving messenger puts a pushed request's KV. Raise to refuse; abort frees.
+
+    `begin` may be called once per stripe of the same request; it must accept the later ones."""
 
     def begin(self, header: kv_pb2.KVHeader) -> None: ...
     def write(self, request_id: str, chunk: kv_pb2.LayerChunk) -> None: ...
     def commit(self, request_id: str, commit: kv_pb2.KVCommit) -> None: ...
-    def abort(self, request_id: str, reason: str) -> None: ...
+    def abort(self, request_id: str, reason: str, retryable: bool = False) -> None: ...
 
 
-def checksum(key: bytes, value: bytes) -> int:
-    return zlib.crc32(value, zlib.crc32(key))
+class BlockSource(Protocol):
+    """Where a messenger serves pulled prefix blocks from."""
+
+    def read_blocks(self, block_hashes: list[str], dtype: str, block_size: int) -> Iterator[tuple[str, bytes | None]]:
+        """(hash, data) in order; data None for the first hash no longer held (the pull stops there)."""
+
+
+def checksum(*parts: bytes) -> int:
+    value = 0
+    for part in parts:
+        value = zlib.crc32(part, value)
+    return value
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    def __init__(self, sink: KVSink) -> None:
-        self.sink = sink
+    def __init__(self, sink: KVSink, source: BlockSource | None = None) -> None:
+        self.sink, self.source = sink, source
         self.stats: collections.Counter[str] = collections.Counter()
 
     async def PushKV(self, request_iterator, context) -> kv_pb2.PushAck:
-        request_id, received, committed = "", 0, False
+        header, received, done = None, 0, False
         try:
             async for chunk in request_iterator:
                 kind = chunk.WhichOneof("kind")
                 if kind == "header":
-                    if request_id:
+                    if header is not None:
                         raise ValueError("second header in one stream")
-                    request_id = chunk.header.request_id  # from here on a failure aborts it
-                    self.sink.begin(chunk.header)
-                elif not request_id:
+                    header = chunk.header  # from here on a failure aborts the request
+                    self.sink.begin(header)
+                elif header is None:
                     raise ValueError(f"{kind} before the header")
                 elif kind == "layer":
-                    layer = chunk.layer
-                    if checksum(layer.key, layer.value) != layer.checksum:
-                        self.stats["checksum_failures"] += 1
-                        raise ValueError(f"checksum mismatch in layer {layer.layer}")
-                    self.sink.write(request_id, layer)
-                    received += len(layer.key) + len(layer.value)
+                    received += self._write(header.request_id, chunk.layer)
                 elif kind == "commit":
-                    self.sink.commit(request_id, chunk.commit)
-                    committed = True
+                    self.sink.commit(header.request_id, chunk.commit)
+                    done = True
                     break
                 else:
                     raise ValueError("empty chunk")
-            if not committed:
+            done = done or (header is not None and header.stripe > 0)  # data stripes end without commit
+            if not done:
                 raise ValueError("stream ended before its commit")
             self.stats["bytes_received"] += received
             self.stats["streams_received"] += 1
             return kv_pb2.PushAck(ok=True, bytes_received=received)
+        except ChecksumMismatch as exc:
+            self.stats["checksum_failures"] += 1
+            self._abort(header, str(exc), retryable=True)
+            header = None
+            return kv_pb2.PushAck(ok=False, error=str(exc), bytes_received=received, retryable=True)
         except Exception as exc:  # noqa: BLE001 - every refusal goes back to the sender as an ack
             return kv_pb2.PushAck(ok=False, error=str(exc), bytes_received=received)
         finally:
-            if request_id and not committed:
-                self.sink.abort(request_id, "push did not complete")
+            if not done:
+                self._abort(header, "push did not complete")
+
+    def _write(self, request_id: str, layer: kv_pb2.LayerChunk) -> int:
+        if checksum(layer.key, layer.value) != layer.checksum:
+            raise ChecksumMismatch(f"checksum mismatch in layer {layer.layer} of {request_id}")
+        self.sink.write(request_id, layer)
+        return len(layer.key) + len(layer.value)
+
+    def _abort(self, header: kv_pb2.KVHeader | None, reason: str, retryable: bool = False) -> None:
+        if header is not None:
+            self.sink.abort(header.request_id, reason, retryable)
+
+    async def PullBlocks(self, request, context):
+        if self.source is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger holds no blocks")
+        for block_hash, data in self.source.read_blocks(list(request.block_hashes), request.dtype,
+                                                        request.block_size):
+            if data is None:
+                yield kv_pb2.BlockChunk(block_hash=block_hash, found=False)
+                return
+            self.stats["blocks_served"] += 1
+            self.stats["bytes_sent"] += len(data)
+            yield kv_pb2.BlockChunk(block_hash=block_hash, found=True, data=data, checksum=checksum(data))
 
     async def PullKV(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger does not serve pulls")
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger does not serve request pulls")
 
     async def Stats(self, request, context) -> kv_pb2.StatsReply:
         return kv_pb2.StatsReply(**{k: v for k, v in self.stats.items() if k in STATS_FIELDS})
@@ -102,31 +147,143 @@ async def start_server(servicer: kv_pb2_grpc.KVTransferServicer, host: str, port
     return server, bound
 
 
-class KVPusher:
-    """Client side: one channel per peer, reused across requests."""
+class TokenBucket:
+    """Bytes per second with a burst allowance; `consume` waits until the bytes may go."""
 
-    def __init__(self) -> None:
-        self._channels: dict[str, grpc.aio.Channel] = {}
+    def __init__(self, rate_bytes_s: float, burst_bytes: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate_bytes_s, burst_bytes, clock
+        self.tokens, self.stamp = burst_bytes, clock()
+
+    def delay_for(self, nbytes: int) -> float:
+        """Take `nbytes` and return how long to wait before sending them (0 when within budget)."""
+        now = self.clock()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        self.tokens -= nbytes
+        return max(0.0, -self.tokens / self.rate)
+
+    async def consume(self, nbytes: int) -> None:
+        delay = self.delay_for(nbytes)
+        if delay > 0:
+            await asyncio.sleep(delay)
+
+
+def chunk_bytes(chunk: kv_pb2.KVChunk) -> int:
+    return len(chunk.layer.key) + len(chunk.layer.value) if chunk.WhichOneof("kind") == "layer" else 0
+
+
+class KVPusher:
+    """Client side: channels per peer reused across requests, optional striping over `stripes`
+    connections, an optional per-peer rate limit, and the bandwidth each peer was measured at."""
+
+    def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0) -> None:
+        self.stripes, self.rate_limit = max(1, stripes), rate_limit_bytes_s
+        self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
+        self._buckets: dict[str, TokenBucket] = {}
+        self.bandwidth: dict[str, float] = {}
+        """Peer address -> bytes/s of its recent pushes (moving average)."""
         self.stats: collections.Counter[str] = collections.Counter()
 
-    def _stub(self, addr: str) -> kv_pb2_grpc.KVTransferStub:
-        channel = self._channels.get(addr)
-        if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+    def stub(self, addr: str, stripe: int = 0) -> kv_pb2_grpc.KVTransferStub:
+        channel = self._channels.get((addr, stripe))
+        if channel is None:  # a distinct option per stripe keeps gRPC from sharing one connection
+            options = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1), ("kvc.stripe", stripe)]
+            channel = self._channels[(addr, stripe)] = grpc.aio.insecure_channel(addr, options=options)
         return kv_pb2_grpc.KVTransferStub(channel)
 
-    async def push(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float = 60.0) -> int:
-        """Stream `chunks` (header, layers, commit) to the messenger at `addr`; returns bytes accepted."""
+    async def _paced(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk]) -> AsyncIterator[kv_pb2.KVChunk]:
+        bucket = self._buckets.get(addr)
+        if bucket is None and self.rate_limit > 0:
+            bucket = self._buckets[addr] = TokenBucket(self.rate_limit, max(self.rate_limit * 0.05, 1 << 20))
+        async for chunk in chunks:
+            if bucket is not None:
+                await bucket.consume(chunk_bytes(chunk))
+            yield chunk
+
+    async def _call(self, addr: str, stripe: int, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float) -> int:
         try:
-            ack = await self._stub(addr).PushKV(chunks, timeout=timeout_s)
+            ack = await self.stub(addr, stripe).PushKV(self._paced(addr, chunks), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise TransferError(f"KV push to {addr} failed: {exc.code().name}: {exc.details()}") from exc
         if not ack.ok:
-            raise TransferError(f"KV push to {addr} refused: {ack.error}")
-        self.stats["bytes_sent"] += ack.bytes_received
-        self.stats["streams_sent"] += 1
+            raise TransferError(f"KV push to {addr} refused: {ack.error}", retryable=ack.retryable)
         return ack.bytes_received
+
+    async def push(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float = 120.0) -> int:
+        """Stream one request's chunks (header, layers, commit) to the messenger at `addr`; returns bytes
+        accepted. With several stripes, layers are dealt round-robin over concurrent streams."""
+        started = time.monotonic()
+        if self.stripes == 1:
+            total = await self._call(addr, 0, chunks, timeout_s)
+        else:
+            total = await self._push_striped(addr, chunks, timeout_s)
+        self._measured(addr, total, time.monotonic() - started)
+        return total
+
+    async def _push_striped(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float) -> int:
+        queues = [asyncio.Queue() for _ in range(self.stripes)]
+        calls = [asyncio.ensure_future(self._call(addr, i, _drain(q), timeout_s)) for i, q in enumerate(queues)]
+        try:
+            total = await _deal(chunks, queues, calls[1:])
+            return total + await calls[0]
+        finally:
+            for call in calls:
+                call.cancel()
+
+    def _measured(self, addr: str, nbytes: int, seconds: float) -> None:
+        self.stats["bytes_sent"] += nbytes
+        self.stats["streams_sent"] += 1
+        if nbytes and seconds > 0:
+            sample = nbytes / seconds
+            previous = self.bandwidth.get(addr)
+            self.bandwidth[addr] = sample if previous is None else 0.7 * previous + 0.3 * sample
+
+    async def push_with_retry(self, addr: str, make_chunks: Callable[[int], AsyncIterator[kv_pb2.KVChunk]],
+                              retries: int = 2, timeout_s: float = 120.0) -> int:
+        """Push, and push again from scratch (make_chunks(attempt)) while the receiver says it may be resent."""
+        for attempt in range(retries + 1):
+            try:
+                return await self.push(addr, make_chunks(attempt), timeout_s)
+            except TransferError as exc:
+                if not exc.retryable or attempt == retries:
+                    raise
+                self.stats["retries"] += 1
+        raise AssertionError("unreachable")
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
+
+
+async def _drain(queue: asyncio.Queue) -> AsyncIterator[kv_pb2.KVChunk]:
+    while (item := await queue.get()) is not None:
+        yield item
+
+
+async def _deal(chunks: AsyncIterator[kv_pb2.KVChunk], queues: list[asyncio.Queue],
+                data_calls: list[Awaitable[int]]) -> int:
+    """Copy the header to every stripe, deal layers round-robin, and send the commit on stripe 0 only
+    once every other stripe has been acknowledged. Returns the bytes the data stripes delivered."""
+    layer_index, total, committed = 0, 0, False
+    async for chunk in chunks:
+        kind = chunk.WhichOneof("kind")
+        if kind == "header":
+            for stripe, queue in enumerate(queues):
+                header = kv_pb2.KVHeader()
+                header.CopyFrom(chunk.header)
+                header.stripes, header.stripe = len(queues), stripe
+                queue.put_nowait(kv_pb2.KVChunk(header=header))
+        elif kind == "layer":
+            queues[layer_index % len(queues)].put_nowait(chunk)
+            layer_index += 1
+        else:
+            for queue in queues[1:]:
+                queue.put_nowait(None)
+            total = sum(await asyncio.gather(*data_calls))
+            queues[0].put_nowait(chunk)
+            queues[0].put_nowait(None)
+            committed = True
+    if not committed:  # the producer stopped early: end every stream, the receiver drops the request
+        for queue in queues:
+            queue.put_nowait(None)
+    return total

@@ -78,6 +78,11 @@ class ColocatedService(EngineService):
             if chunk is None and not batch:
                 await self.wait_for_work(0.05)
                 continue
-            first, tokens = await self.run_model(self.engine.execute, chunk, batch)
+            try:
+                first, tokens = await self.run_model(self.engine.execute, chunk, batch)
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                self.log.exception("colocated step failed")
+                self.emit(self.engine.fail_step(chunk, batch, f"step failed: {exc}"))
+                continue
             self.emit(self.engine.update(chunk, first, batch, tokens))
             await self.publish_kv_events()

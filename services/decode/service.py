@@ -53,5 +53,10 @@ class DecodeService(EngineService):
             if not batch:  # everything left is preempted and waiting for blocks
                 await self.wait_for_work(0.05)
                 continue
-            tokens = await self.run_model(self.engine.execute, batch)
+            try:
+                tokens = await self.run_model(self.engine.execute, batch)
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                self.log.exception("decode step failed")
+                self.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
+                continue
             self.emit(self.engine.update(batch, tokens))

@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.runner import kv_payload
+from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
 from kvcentric.hashing import BlockHasher
-from kvcentric.proto import kv_pb2
 from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk, Subjects
 from kvcentric.transfer import KVPusher
 
@@ -25,7 +24,7 @@ class RefusingSink:
 
     def write(self, request_id, chunk): ...
     def commit(self, request_id, commit): ...
-    def abort(self, request_id, reason): ...
+    def abort(self, request_id, reason, retryable=False): ...
 
 
 class PrefillService(EngineService):
@@ -35,8 +34,8 @@ class PrefillService(EngineService):
         super().__init__(config)
         hasher = BlockHasher(config.hash_algo, config.block_size)
         self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk)
-        self.pusher = KVPusher()
-        self.pushes: dict[str, tuple[asyncio.Queue, asyncio.Future]] = {}
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        self.pushes: dict[str, RequestPush] = {}
 
     def kv_sink(self):
         return RefusingSink()
@@ -80,17 +79,18 @@ class PrefillService(EngineService):
         work = chunk.work
         try:
             if chunk.first:
-                self.open_push(work)
+                self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries)
+            push = self.pushes[work.request_id]
             if work.cancelled:
                 raise asyncio.CancelledError
-            push = self.pushes[work.request_id][1]
-            if push.done():  # the receiver gave up already: surface its error now, not after the prompt
-                await push
-                raise RuntimeError("the KV push ended before the prompt was computed")
-            token = await self.run_model(self.engine.execute, chunk, self.layer_hook(work))
+            if push.failed_early:  # the receiver gave up already: surface its error now, not after the prompt
+                await push.task
+            token = await self.run_model(self.engine.execute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             if chunk.last:
-                await self.close_push(work, token)
+                push.finish(token)
+                await push.task
+                self.end_push(work)
         except asyncio.CancelledError:
             if not work.cancelled:
                 raise
@@ -99,58 +99,13 @@ class PrefillService(EngineService):
             self.end_push(work)
             await self.fail(work, exc)
 
-    def open_push(self, work: PrefillWork) -> None:
-        """Start streaming to the decode instance: the header, then the cached prefix's KV per layer."""
-        layers: asyncio.Queue = asyncio.Queue()
-        push = asyncio.ensure_future(self.pusher.push(work.job.decode_kv_addr, self.chunks(work, layers)))
-        push.add_done_callback(lambda task: task.cancelled() or task.exception())
-        self.pushes[work.request_id] = (layers, push)
-        for layer in range(self.runner.config.num_layers) if work.num_cached else ():
-            key, value, crc = self.runner.read_layer(layer, work.blocks, 0, work.num_cached)
-            layers.put_nowait(kv_pb2.LayerChunk(layer=layer, token_start=0, token_end=work.num_cached, key=key,
-                                                value=value, checksum=crc))
-
-    async def close_push(self, work: PrefillWork, first_token: int) -> None:
-        layers, push = self.pushes[work.request_id]
-        layers.put_nowait(first_token)
-        try:
-            await push
-        finally:
-            self.end_push(work)
-
     def end_push(self, work: PrefillWork) -> None:
         """Stop the push (if still running) and release the prompt's blocks."""
-        layers, push = self.pushes.pop(work.request_id, (None, None))
+        push = self.pushes.pop(work.request_id, None)
         if push is not None:
             push.cancel()
         if work.request_id in self.engine.running:
             self.engine.finish(work)
-
-    def layer_hook(self, work: PrefillWork):
-        """Runs in the model thread after each layer: that layer's new KV to wire bytes, handed to the loop."""
-        loop = asyncio.get_running_loop()
-        layers, _ = self.pushes[work.request_id]
-        start = work.done
-
-        def on_layer(layer: int, keys, values) -> None:
-            key, value, crc = kv_payload(keys, values)
-            chunk = kv_pb2.LayerChunk(layer=layer, token_start=start, token_end=start + keys.shape[0], key=key,
-                                      value=value, checksum=crc)
-            loop.call_soon_threadsafe(layers.put_nowait, chunk)
-        return on_layer
-
-    async def chunks(self, work: PrefillWork, layers: asyncio.Queue):
-        """The push stream: header, layer chunks as they come, and the commit once the first token is in."""
-        config = self.runner.config
-        yield kv_pb2.KVChunk(header=kv_pb2.KVHeader(
-            request_id=work.request_id, num_layers=config.num_layers, num_tokens=work.num_tokens,
-            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.runner.dtype_name,
-            token_ids=work.job.token_ids))
-        total = 0
-        while not isinstance(item := await layers.get(), int):
-            total += len(item.key) + len(item.value)
-            yield kv_pb2.KVChunk(layer=item)
-        yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=item, total_bytes=total))
 
     async def fail(self, work: PrefillWork, exc: BaseException) -> None:
         self.counters["requests_failed_total"] += 1

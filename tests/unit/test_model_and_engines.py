@@ -223,3 +223,32 @@ def test_colocated_engine_interleaves_chunks_and_decode_and_matches_single_reque
     assert [out[f"c{i}"] for i in range(3)] == expected
     assert engine.pool.num_free == engine.pool.num_blocks
     assert engine.decode.stats["kv_bytes_received"] == 0  # nothing moved: the blocks were handed over
+
+
+def test_abort_during_a_step_keeps_the_blocks_until_the_step_ends():
+    runner = make_runner()
+    decode = DecodeEngine(runner, make_pool(runner))
+    for rid in ("a", "b"):
+        decode.add(decode_job(rid, 4), 0.0)
+        decode.begin_kv(rid, 4, runner.config.num_layers, [256, 1, 2, 3])
+        decode.requests[rid].layer_tokens = [4] * runner.config.num_layers
+        decode.commit_kv(rid, 5)
+    batch, _ = decode.schedule()
+    decode.abort("a", "abort")  # the client left while the step runs in the model thread
+    tokens = decode.execute(batch)  # must still see a's blocks
+    chunks = decode.update(batch, tokens)
+    assert [c.request_id for c in chunks] == ["b"]
+    decode.abort("b", "abort")
+    assert decode.pool.num_free == decode.pool.num_blocks
+
+
+def test_a_failed_step_ends_its_requests_and_frees_their_blocks():
+    runner = make_runner()
+    decode = DecodeEngine(runner, make_pool(runner))
+    decode.add(decode_job("x", 4), 0.0)
+    decode.begin_kv("x", 4, runner.config.num_layers)
+    decode.requests["x"].layer_tokens = [4] * runner.config.num_layers
+    decode.commit_kv("x", 5)
+    batch, _ = decode.schedule()
+    [chunk] = decode.fail_step(batch, "boom")
+    assert chunk.finish_reason == "error" and decode.pool.num_free == decode.pool.num_blocks

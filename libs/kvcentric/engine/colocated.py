@@ -54,6 +54,15 @@ class ColocatedEngine:
                 out += self._hand_over(chunk, first)
         return out
 
+    def fail_step(self, chunk: PrefillChunk | None, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
+        """The step raised: end the prompt in progress and the decode batch with the error."""
+        out = self.decode.fail_step(batch, error)
+        if chunk is not None and chunk.work.request_id in self.prefill.running:
+            self.jobs.pop(chunk.work.request_id, None)
+            self.prefill.finish(chunk.work)
+            out.append(self.decode.abort(chunk.work.request_id, "error", error))
+        return [c for c in out if c is not None]
+
     def step(self) -> list[TokenChunk]:
         """schedule, execute, update in one call (for benchmarks and tests)."""
         chunk, batch, failed = self.schedule()

@@ -26,6 +26,10 @@ class EngineConfig(BusConfig):
     load_interval_s: float = setting(0.1, "seconds between load reports on kvc.load.<role>.<id>")
     max_batch: int = setting(64, "most sequences in one decode step")
     prefill_chunk: int = setting(512, "prompt tokens computed per prefill step (chunked prefill)")
+    kv_stripes: int = setting(1, "concurrent gRPC connections one request's KV push is striped over")
+    kv_rate_limit_gbps: float = setting(0.0, "cap each peer's KV push bandwidth, Gbit/s (0: none); emulates "
+                                             "a cross-datacenter link")
+    kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,6 +40,9 @@ class EngineConfig(BusConfig):
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        require(self.kv_stripes >= 1, "kv_stripes", "must be at least 1")
+        require(self.kv_rate_limit_gbps >= 0, "kv_rate_limit_gbps", "must be 0 (none) or positive")
+        require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")

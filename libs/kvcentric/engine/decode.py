@@ -70,7 +70,11 @@ class DecodeEngine:
             raise KVRejected(f"request {job.request_id} is already here")
         self.requests[job.request_id] = DecodeRequest(job, deadline=now + job.kv_wait_s)
 
-    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: list[int] = ()) -> None:
+    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: list[int] = (),
+                 join: bool = False) -> None:
+        """Allocate blocks for a request's prompt KV; `join`: another stripe of a transfer already begun."""
+        if join and request_id in self.requests and self.requests[request_id].state == "receiving":
+            return
         request = self._expect(request_id, "waiting_kv")
         if num_tokens != request.job.n_prompt_tokens or num_layers != self.runner.config.num_layers:
             raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
@@ -100,6 +104,13 @@ class DecodeEngine:
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
         return [self._emit(request, first_token)]
+
+    def reset_kv(self, request_id: str) -> None:
+        """Drop what arrived of a request's KV and wait for it again (the sender will resend)."""
+        request = self.requests.get(request_id)
+        if request is not None and request.state == "receiving":
+            self.pool.free(request.blocks)
+            request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
     def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int) -> list[TokenChunk]:
         """Take over a request prefilled in this process (colocated): its blocks hold the prompt's KV."""
@@ -146,6 +157,13 @@ class DecodeEngine:
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
         return [sample(logits[i], r.job.sampling, len(r.generated)) for i, r in enumerate(batch)]
+
+    def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
+        """The step in flight raised: end its requests with the error and free everything it held."""
+        self._in_step = set()
+        self.pool.free(self._deferred_free)
+        self._deferred_free = []
+        return [self.abort(r.request_id, "error", error) for r in batch if r.request_id in self.requests]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
         self.stats["decode_steps"] += 1
@@ -217,10 +235,10 @@ class DecodeEngine:
         return request.chunk([token], reason)
 
     def _release(self, request: DecodeRequest) -> None:
-        if request.request_id in self._in_step:  # the step in flight still writes into its blocks
+        if request.request_id in self._in_step:  # the step in flight still reads and writes its blocks
             self._deferred_free += request.blocks
-        else:
-            self.pool.free(request.blocks)
+            return
+        self.pool.free(request.blocks)
         request.blocks = []
 
     def _expect(self, request_id: str, state: str) -> DecodeRequest:

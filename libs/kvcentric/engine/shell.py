@@ -30,7 +30,8 @@ class DecodeSink:
     def begin(self, header) -> None:
         if header.dtype != self.service.runner.dtype_name:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
-        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids)
+        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
+                             join=header.stripe > 0)
 
     def write(self, request_id: str, chunk) -> None:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
@@ -39,8 +40,11 @@ class DecodeSink:
         self.service.emit(self.engine.commit_kv(request_id, commit.first_token))
         self.service.wake.set()
 
-    def abort(self, request_id: str, reason: str) -> None:
-        self.service.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])
+    def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:
+        if retryable:
+            self.engine.reset_kv(request_id)
+        else:
+            self.service.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])
 
 
 class EngineService(Service):

@@ -39,6 +39,11 @@ class KVTransferStub:
                 request_serializer=kvcentric_dot_proto_dot_kv__pb2.KVChunk.SerializeToString,
                 response_deserializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
                 _registered_method=True)
+        self.PullBlocks = channel.unary_stream(
+                '/kvcentric.kv.KVTransfer/PullBlocks',
+                request_serializer=kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.SerializeToString,
+                response_deserializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.FromString,
+                _registered_method=True)
         self.PullKV = channel.unary_stream(
                 '/kvcentric.kv.KVTransfer/PullKV',
                 request_serializer=kvcentric_dot_proto_dot_kv__pb2.PullRequest.SerializeToString,
@@ -56,7 +61,17 @@ class KVTransferServicer:
 
     def PushKV(self, request_iterator, context):
         """Push the KV of one request, layer by layer, to a peer (prefill -> decode). One header first,
-        then layer chunks in any layer order, then one commit.
+        then layer chunks in any layer order, then one commit. A request may be striped over several
+        concurrent streams (header.stripes > 1): each opens with a header; only stripe 0 carries the
+        commit, sent after the other stripes were acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PullBlocks(self, request, context):
+        """Pull prefix blocks by hash from a peer's pool (hot-spot replication): one BlockChunk per hash,
+        in order, each holding every layer's key and value of that block.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +98,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=kvcentric_dot_proto_dot_kv__pb2.KVChunk.FromString,
                     response_serializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.SerializeToString,
+            ),
+            'PullBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullBlocks,
+                    request_deserializer=kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.FromString,
+                    response_serializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.SerializeToString,
             ),
             'PullKV': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKV,
@@ -122,6 +142,33 @@ class KVTransfer:
             '/kvcentric.kv.KVTransfer/PushKV',
             kvcentric_dot_proto_dot_kv__pb2.KVChunk.SerializeToString,
             kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcentric.kv.KVTransfer/PullBlocks',
+            kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.SerializeToString,
+            kvcentric_dot_proto_dot_kv__pb2.BlockChunk.FromString,
             options,
             channel_credentials,
             insecure,

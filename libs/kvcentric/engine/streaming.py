@@ -1,0 +1,88 @@
+"""The KV push of one prefilled request to its decode instance: each layer of each chunk goes out as soon
+as the model thread produces it (Mooncake §5.2, layer-wise transfer), the commit carries the first token,
+and a receiver that asks for a resend (a checksum failure) gets the whole KV again, read from the cache.
+
+It moves bytes for one request; it does not schedule prefill or decide where the KV goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvcentric.engine.prefill import PrefillWork
+from kvcentric.engine.runner import ModelRunner, kv_payload
+from kvcentric.proto import kv_pb2
+from kvcentric.transfer import KVPusher
+
+
+class RequestPush:
+    def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2) -> None:
+        self.runner, self.work = runner, work
+        self.loop = asyncio.get_running_loop()
+        self.layers: asyncio.Queue = asyncio.Queue()
+        self.first_token: asyncio.Future = self.loop.create_future()
+        self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries))
+        self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
+        if work.num_cached:
+            self._send_cached_prefix()
+
+    def _send_cached_prefix(self) -> None:
+        """The prefix found in the local cache is not computed: send its KV from the cache now."""
+        for layer in range(self.runner.config.num_layers):
+            self.layers.put_nowait(self._read(layer, 0, self.work.num_cached))
+
+    def _read(self, layer: int, start: int, end: int) -> kv_pb2.LayerChunk:
+        key, value, crc = self.runner.read_layer(layer, self.work.blocks, start, end)
+        return kv_pb2.LayerChunk(layer=layer, token_start=start, token_end=end, key=key, value=value, checksum=crc)
+
+    def hook(self, start: int):
+        """The layer hook for a chunk starting at `start`; runs in the model thread."""
+        def on_layer(layer: int, keys, values) -> None:
+            key, value, crc = kv_payload(keys, values)
+            chunk = kv_pb2.LayerChunk(layer=layer, token_start=start, token_end=start + keys.shape[0], key=key,
+                                      value=value, checksum=crc)
+            self.loop.call_soon_threadsafe(self.layers.put_nowait, chunk)
+        return on_layer
+
+    def finish(self, first_token: int) -> None:
+        """Every chunk is computed: close the stream with the first token."""
+        self.layers.put_nowait(first_token)
+        self.first_token.set_result(first_token)
+
+    def cancel(self) -> None:
+        self.task.cancel()
+        if not self.first_token.done():
+            self.first_token.cancel()
+
+    @property
+    def failed_early(self) -> bool:
+        """The push ended (with an error) before the prompt was computed."""
+        return self.task.done() and not self.first_token.done()
+
+    def _header(self) -> kv_pb2.KVChunk:
+        config, work = self.runner.config, self.work
+        return kv_pb2.KVChunk(header=kv_pb2.KVHeader(
+            request_id=work.request_id, num_layers=config.num_layers, num_tokens=work.num_tokens,
+            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.runner.dtype_name,
+            token_ids=work.job.token_ids))
+
+    def _chunks(self, attempt: int):
+        return self._live() if attempt == 0 else self._resend()
+
+    async def _live(self):
+        yield self._header()
+        total = 0
+        while not isinstance(item := await self.layers.get(), int):
+            total += len(item.key) + len(item.value)
+            yield kv_pb2.KVChunk(layer=item)
+        yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=item, total_bytes=total))
+
+    async def _resend(self):
+        token = await asyncio.shield(self.first_token)
+        yield self._header()
+        total = 0
+        for layer in range(self.runner.config.num_layers):
+            chunk = self._read(layer, 0, self.work.num_tokens)
+            total += len(chunk.key) + len(chunk.value)
+            yield kv_pb2.KVChunk(layer=chunk)
+        yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=token, total_bytes=total))
