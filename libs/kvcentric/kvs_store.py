@@ -10,6 +10,8 @@ from redis.asyncio import Redis
 
 from kvcentric.protocol import BlockEvicted, BlockStored, KVEvent
 
+TIERS = ("device", "dram", "gpu", "ssd")
+"""device: an engine's paged cache; dram: a node's host pool (Mooncake's KVCache pool)."""
 BLOCK_PREFIX = "kvc:blk:"
 NODE_PREFIX = "kvc:node:"
 
@@ -49,7 +51,7 @@ class KVMetaStore:
         pipe = self.redis.pipeline(transaction=False)
         for block_hash in hashes:
             key = block_hash.decode() if isinstance(block_hash, bytes) else block_hash
-            for tier in ("dram", "gpu", "ssd"):
+            for tier in TIERS:
                 pipe.srem(BLOCK_PREFIX + key, f"{node_id}:{tier}")
         pipe.delete(NODE_PREFIX + node_id)
         await pipe.execute()

@@ -86,6 +86,13 @@ class Placement(msgspec.Struct, frozen=True, tag="placement"):
     """host:port of the decode instance's messenger, where prefill pushes the KV."""
     cached_tokens: int = 0
     predicted_ttft_s: float = 0.0
+    predicted_tbt_s: float = 0.0
+    kv_source_id: str = ""
+    """Hot-spot replication (Mooncake Algorithm 1 line 28): the instance to pull prefix blocks from, or ""."""
+    kv_source_addr: str = ""
+    """host:port of that instance's messenger."""
+    pull_block_hashes: list[str] = []
+    """The prefix blocks to pull from kv_source before prefill (they follow the ones held locally)."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
@@ -93,6 +100,10 @@ class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
     reason: Literal["no_instance", "overloaded", "bad_request"]
     message: str
     retry_after_s: float = 1.0
+    stage: str = ""
+    """For "overloaded": "prefill" or "decode", the stage whose predicted load was too high."""
+    load: float = 0.0
+    """That load: predicted TTFT / TTFT_SLO or predicted TBT / TBT_SLO."""
 
 
 ScheduleReply = Placement | Rejection
@@ -140,6 +151,9 @@ class PrefillJob(msgspec.Struct, frozen=True):
     sampling: SamplingParams
     decode_id: str
     decode_kv_addr: str
+    kv_source_addr: str = ""
+    """Hot-spot replication: pull `pull_block_hashes` from this messenger before the prefill."""
+    pull_block_hashes: list[str] = []
 
 
 class DecodeJob(msgspec.Struct, frozen=True):
@@ -168,6 +182,8 @@ class LoadReport(msgspec.Struct, frozen=True):
     kv_blocks_total: int
     kv_blocks_free: int
     ts: float
+    est_queue_s: float = -1.0
+    """Prefill: the engine's estimate of seconds of queued work (-1: none; the conductor estimates)."""
 
 
 # ---------------------------------------------------------------- output

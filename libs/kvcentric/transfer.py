@@ -287,3 +287,23 @@ async def _deal(chunks: AsyncIterator[kv_pb2.KVChunk], queues: list[asyncio.Queu
         for queue in queues:
             queue.put_nowait(None)
     return total
+
+
+async def pull_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], host, first_depth: int, dtype: str,
+                      block_size: int, timeout_s: float = 60.0) -> int:
+    """Pull prefix blocks from the messenger at `addr` into `host` (a HostBlockPool); returns how many
+    arrived (the peer stops at the first it no longer holds). A corrupt block raises ChecksumMismatch."""
+    request = kv_pb2.PullBlocksRequest(block_hashes=block_hashes, dtype=dtype, block_size=block_size)
+    count = 0
+    try:
+        async for chunk in pusher.stub(addr).PullBlocks(request, timeout=timeout_s):
+            if not chunk.found:
+                break
+            if checksum(chunk.data) != chunk.checksum:
+                raise ChecksumMismatch(f"checksum mismatch in block {chunk.block_hash} from {addr}")
+            host.put(chunk.block_hash, first_depth + count, chunk.data)
+            count += 1
+    except grpc.aio.AioRpcError as exc:
+        raise TransferError(f"pulling blocks from {addr} failed: {exc.code().name}: {exc.details()}") from exc
+    pusher.stats["blocks_pulled"] += count
+    return count

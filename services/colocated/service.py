@@ -23,7 +23,8 @@ class ColocatedService(EngineService):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         hasher = BlockHasher(config.hash_algo, config.block_size)
-        self.engine = ColocatedEngine(self.runner, self.pool, hasher, config.prefill_chunk, config.max_batch)
+        self.engine = ColocatedEngine(self.runner, self.pool, hasher, config.prefill_chunk, config.max_batch,
+                                      self.host)
 
     def kv_sink(self):
         return DecodeSink(self, self.engine.decode)

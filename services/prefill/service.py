@@ -13,7 +13,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
 from kvcentric.hashing import BlockHasher
 from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk, Subjects
-from kvcentric.transfer import KVPusher
+from kvcentric.transfer import KVPusher, pull_blocks
 
 
 class RefusingSink:
@@ -33,7 +33,7 @@ class PrefillService(EngineService):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         hasher = BlockHasher(config.hash_algo, config.block_size)
-        self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk)
+        self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk, self.host)
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         self.pushes: dict[str, RequestPush] = {}
 
@@ -51,11 +51,39 @@ class PrefillService(EngineService):
 
     async def on_submit(self, job: PrefillJob) -> SubmitAck:
         try:
-            self.engine.submit(job)
+            self.engine.check(job)
         except PrefillRejected as exc:
             return SubmitAck(False, str(exc))
-        self.wake.set()
+        if job.pull_block_hashes and job.kv_source_addr and self.host is not None:
+            self.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
+        else:
+            self.submit(job)
         return SubmitAck(True)
+
+    def submit(self, job: PrefillJob) -> None:
+        try:
+            self.engine.submit(job)
+        except PrefillRejected as exc:  # a duplicate that slipped in while its blocks were pulled
+            self.emit([TokenChunk(job.request_id, 0, [], "error", len(job.token_ids), 0, str(exc))])
+            return
+        self.wake.set()
+
+    async def pull_then_submit(self, job: PrefillJob) -> None:
+        """Hot-spot replication (Mooncake Algorithm 1): copy the prefix blocks the conductor named from
+        their holder into this node's pool, then prefill; a failed pull only means more to compute."""
+        try:
+            depth = self.engine.hashes(job.token_ids).index(job.pull_block_hashes[0])
+        except ValueError:
+            depth = 0
+        try:
+            pulled = await pull_blocks(self.pusher, job.kv_source_addr, job.pull_block_hashes, self.host, depth,
+                                       self.runner.dtype_name, self.runner.block_size)
+            self.counters["blocks_pulled_total"] += pulled
+        except Exception as exc:  # noqa: BLE001 - fall back to computing the prefix
+            self.counters["pulls_failed_total"] += 1
+            self.log.warning("pulling %d blocks from %s failed: %s", len(job.pull_block_hashes),
+                             job.kv_source_addr, exc)
+        self.submit(job)
 
     async def on_cancel(self, cancel: Cancel) -> None:
         if self.engine.cancel(cancel.request_id):

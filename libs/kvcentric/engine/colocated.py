@@ -10,14 +10,15 @@ from kvcentric.engine.decode import DecodeEngine, DecodeRequest
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.hashing import BlockHasher
+from kvcentric.kvpool import HostBlockPool
 from kvcentric.protocol import DecodeJob, PrefillJob, TokenChunk
 
 
 class ColocatedEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
-                 max_batch: int = 64) -> None:
+                 max_batch: int = 64, host: HostBlockPool | None = None) -> None:
         self.runner, self.pool = runner, pool
-        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens)
+        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host)
         self.decode = DecodeEngine(runner, pool, max_batch)
         self.jobs: dict[str, DecodeJob] = {}
 

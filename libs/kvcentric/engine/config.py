@@ -29,6 +29,8 @@ class EngineConfig(BusConfig):
     kv_stripes: int = setting(1, "concurrent gRPC connections one request's KV push is striped over")
     kv_rate_limit_gbps: float = setting(0.0, "cap each peer's KV push bandwidth, Gbit/s (0: none); emulates "
                                              "a cross-datacenter link")
+    host_pool_mb: int = setting(256, "host-memory KV block pool of this node (prefill, colocated), MiB; 0: none")
+    host_pool_policy: str = setting("lru", "host pool eviction: lru, lfu, length_aware")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
 
     def __post_init__(self) -> None:
@@ -40,6 +42,9 @@ class EngineConfig(BusConfig):
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        require(self.host_pool_mb >= 0, "host_pool_mb", "must be 0 (none) or positive")
+        require(self.host_pool_policy in ("lru", "lfu", "length_aware"), "host_pool_policy",
+                "choose lru, lfu or length_aware")
         require(self.kv_stripes >= 1, "kv_stripes", "must be at least 1")
         require(self.kv_rate_limit_gbps >= 0, "kv_rate_limit_gbps", "must be 0 (none) or positive")
         require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")

@@ -14,6 +14,7 @@ import dataclasses
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
 from kvcentric.hashing import BlockHasher, to_hex
+from kvcentric.kvpool import HostBlockPool
 from kvcentric.model.llama import LayerHook
 from kvcentric.protocol import PrefillJob
 
@@ -58,16 +59,20 @@ class PrefillChunk:
 
 
 class PrefillEngine:
-    def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512) -> None:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
+                 host: HostBlockPool | None = None) -> None:
         if hasher.block_size != pool.block_size:
             raise ValueError("the hasher's block size must equal the pool's")
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.runner, self.pool, self.hasher, self.chunk_tokens = runner, pool, hasher, chunk_tokens
+        self.host = host
+        """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
+        computed full block is offloaded to it."""
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
-        self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_chunks": 0,
-                      "requests_prefilled": 0, "requests_cancelled": 0}
+        self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
+                      "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0}
 
     @property
     def queued_tokens(self) -> int:
@@ -75,6 +80,11 @@ class PrefillEngine:
         return pending + sum(len(job.token_ids) for job in self.queue)
 
     def submit(self, job: PrefillJob) -> None:
+        self.check(job)
+        self.queue.append(job)
+
+    def check(self, job: PrefillJob) -> None:
+        """Raise PrefillRejected for a job this engine would not queue."""
         if job.request_id in self.running or any(q.request_id == job.request_id for q in self.queue):
             raise PrefillRejected(f"request {job.request_id} is already here")
         if not 0 < len(job.token_ids) < self.runner.config.max_position:
@@ -82,7 +92,6 @@ class PrefillEngine:
                                   f"{self.runner.config.max_position - 1}")
         if self.pool.blocks_for(len(job.token_ids)) > self.pool.num_blocks:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens exceeds the KV pool")
-        self.queue.append(job)
 
     def cancel(self, request_id: str) -> bool:
         for job in self.queue:
@@ -107,19 +116,40 @@ class PrefillEngine:
         if not self.queue:
             return None
         job = self.queue[0]
-        hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
+        hashes = self.hashes(job.token_ids)
         cached = self.pool.cached_prefix(hashes)
-        if len(cached) * self.pool.block_size >= len(job.token_ids):
-            cached = cached[:-1]  # keep at least one token to compute: its logits give the first token
+        from_host = self.host.prefix(hashes[len(cached):]) if self.host is not None else 0
+        usable = (len(job.token_ids) - 1) // self.pool.block_size  # compute at least one token: its logits
+        cached, from_host = cached[:usable], max(0, min(from_host, usable - len(cached)))
         needed = self.pool.blocks_for(len(job.token_ids)) - len(cached)
         if not self.pool.can_allocate(needed):
             return None
         self.pool.share(cached)
         self.queue.popleft()
-        num_cached = len(cached) * self.pool.block_size
-        work = PrefillWork(job, cached + self.pool.allocate(needed), num_cached, hashes, done=num_cached)
+        blocks = cached + self.pool.allocate(needed)
+        self._load_from_host(blocks, hashes, len(cached), from_host)
+        num_cached = (len(cached) + from_host) * self.pool.block_size
+        work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached)
         self.running[job.request_id] = work
         return work
+
+    def hashes(self, token_ids: list[int]) -> list[str]:
+        return [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
+
+    def _load_from_host(self, blocks: list[int], hashes: list[str], first: int, count: int) -> None:
+        """Copy `count` blocks found in the host pool into the cache, after the `first` already there."""
+        for index in range(first, first + count):
+            self.runner.write_block(blocks[index], self.host.view(hashes[index], index))
+        self.pool.cache(blocks[first:first + count], hashes[first:first + count])
+        self.stats["prefill_tokens_from_host"] += count * self.pool.block_size
+
+    def _offload_to_host(self, blocks: list[int], hashes: list[str]) -> None:
+        """Every computed full block enters the node's host pool (Mooncake §3: the KVCache pool)."""
+        missing = [i for i, h in enumerate(hashes) if h not in self.host]
+        if missing:
+            data = self.runner.read_blocks([blocks[i] for i in missing])
+            for row, index in enumerate(missing):
+                self.host.put(hashes[index], index, data[row])
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
@@ -138,6 +168,8 @@ class PrefillEngine:
         del self.running[work.request_id]
         computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
         self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+        if self.host is not None:
+            self._offload_to_host(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         if work.done == work.num_tokens:
             self.stats["prefill_tokens_cached"] += work.num_cached
             self.stats["requests_prefilled"] += 1

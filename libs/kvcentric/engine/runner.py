@@ -94,6 +94,26 @@ class ModelRunner:
         slots = self._slots(block_table, start, end)
         return kv_payload(self.k_cache[layer, slots], self.v_cache[layer, slots])
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over all layers, key and value: the host pool's unit."""
+        return self.config.num_layers * 2 * self.block_size * self.layer_token_bytes
+
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), num_layers, 2, block_size, kv_heads, head_dim] copies of cache blocks, on the host."""
+        slots = block_slots(blocks, self.block_size).to(self.device)
+        both = torch.stack([self.k_cache[:, slots], self.v_cache[:, slots]], dim=1)  # [L, 2, n*bs, H, D]
+        shape = (self.config.num_layers, 2, len(blocks), self.block_size, *both.shape[-2:])
+        return both.view(shape).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def write_block(self, block: int, data: torch.Tensor) -> None:
+        """Install one block's bytes (host pool layout) into cache block `block`."""
+        shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        values = data.reshape(-1).view(self.dtype).view(shape).to(self.device)
+        slots = block_slots([block], self.block_size).to(self.device)
+        self.k_cache[:, slots] = values[:, 0]
+        self.v_cache[:, slots] = values[:, 1]
+
     def write_layer(self, layer: int, block_table: list[int], start: int, end: int,
                     key: bytes, value: bytes) -> None:
         """Store received KV for token positions start..end-1 of a sequence."""
@@ -105,6 +125,10 @@ class ModelRunner:
         slots = self._slots(block_table, start, end)
         self.k_cache[layer, slots] = torch.frombuffer(bytearray(key), dtype=self.dtype).view(shape).to(self.device)
         self.v_cache[layer, slots] = torch.frombuffer(bytearray(value), dtype=self.dtype).view(shape).to(self.device)
+
+
+def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
+    return (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + torch.arange(block_size)).reshape(-1)
 
 
 def kv_payload(keys: torch.Tensor, values: torch.Tensor) -> tuple[bytes, bytes, int]:

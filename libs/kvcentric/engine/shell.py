@@ -14,6 +14,7 @@ import torch
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.runner import ModelRunner
+from kvcentric.kvpool import HostBlockPool
 from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.protocol import BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, Subjects, TokenChunk
@@ -47,6 +48,23 @@ class DecodeSink:
             self.service.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])
 
 
+class HostPoolSource:
+    """The messenger's block source: prefix blocks served from this node's host pool (for pulls)."""
+
+    def __init__(self, host: HostBlockPool, runner) -> None:
+        self.host, self.runner = host, runner
+
+    def read_blocks(self, block_hashes: list[str], dtype: str, block_size: int):
+        if dtype != self.runner.dtype_name or block_size != self.runner.block_size:
+            raise ValueError(f"blocks here are {self.runner.dtype_name} x {self.runner.block_size} tokens, "
+                             f"asked for {dtype} x {block_size}")
+        for index, block_hash in enumerate(block_hashes):
+            data = self.host.read(block_hash, index)
+            yield block_hash, data
+            if data is None:
+                return
+
+
 class EngineService(Service):
     """Base of the two engine roles; subclasses provide the KV sink and the work loop."""
 
@@ -58,6 +76,9 @@ class EngineService(Service):
         self.runner = ModelRunner(load_model_config(config.model), config.num_kv_blocks, config.block_size,
                                   config.seed, config.dtype, config.device)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        host_blocks = (config.host_pool_mb << 20) // self.runner.block_bytes
+        self.host = HostBlockPool(host_blocks, self.runner.block_bytes, config.host_pool_policy) \
+            if host_blocks and self.role != "decode" else None
         # One worker thread runs the model so the event loop keeps serving NATS and gRPC meanwhile.
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{self.role}-model")
         self.wake = asyncio.Event()
@@ -78,7 +99,8 @@ class EngineService(Service):
         raise NotImplementedError
 
     async def start(self) -> None:
-        self.transfer = KVTransferServicer(self.kv_sink())
+        source = HostPoolSource(self.host, self.runner) if self.host is not None else None
+        self.transfer = KVTransferServicer(self.kv_sink(), source)
         self._grpc, port = await start_server(self.transfer, self.config.kv_host, self.config.kv_port)
         self.kv_addr = self.config.kv_advertise or f"{self.config.kv_host}:{port}"
         await self.subscribe(Subjects.CANCEL_ALL, Cancel, self.on_cancel)
@@ -107,9 +129,11 @@ class EngineService(Service):
 
     async def publish_kv_events(self) -> None:
         """Announce blocks that entered or left this node's prefix cache (for kvs-meta)."""
-        stored, evicted = self.pool.drain_events()
-        events = ([BlockEvicted(self.instance_id, evicted)] if evicted else []) + \
-                 ([BlockStored(self.instance_id, stored)] if stored else [])
+        events = []
+        for tier, pool in (("device", self.pool), ("dram", self.host)):
+            stored, evicted = pool.drain_events() if pool is not None else ([], [])
+            events += ([BlockEvicted(self.instance_id, evicted, tier)] if evicted else []) + \
+                      ([BlockStored(self.instance_id, stored, tier)] if stored else [])
         if events:
             await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
 
@@ -131,7 +155,9 @@ class EngineService(Service):
         return {"kv_addr": self.kv_addr, "model": self.config.model, "stats": self.engine_stats()}
 
     def engine_stats(self) -> dict:
-        return {**self.engine.stats, **self.transfer.stats, "kv_blocks_free": self.pool.num_free,
+        host = {**self.host.stats, "host_blocks": len(self.host), "host_blocks_capacity": self.host.capacity} \
+            if self.host is not None else {}
+        return {**self.engine.stats, **self.transfer.stats, **host, "kv_blocks_free": self.pool.num_free,
                 "kv_blocks_total": self.pool.num_blocks}
 
     def gauges(self) -> dict[str, float]:
