@@ -14,15 +14,21 @@ TIERS = ("device", "dram", "gpu", "ssd")
 """device: an engine's paged cache; dram: a node's host pool (Mooncake's KVCache pool)."""
 BLOCK_PREFIX = "kvc:blk:"
 NODE_PREFIX = "kvc:node:"
+LEASE_PREFIX = "kvc:lease:"
+NODES = "kvc:nodes"
+"""Every node that ever stored a block or held a lease; the sweeper purges those whose lease is gone."""
 
 
 class KVMetaStore:
-    def __init__(self, redis: Redis) -> None:
-        self.redis = redis
+    def __init__(self, redis: Redis, lease_ttl_s: float = 5.0) -> None:
+        self.redis, self.lease_ttl_s = redis, lease_ttl_s
 
     async def apply(self, events: list[KVEvent]) -> None:
         """Apply a batch of stored/evicted events in one pipelined round trip."""
         pipe = self.redis.pipeline(transaction=False)
+        for node_id in {e.node_id for e in events}:  # a node that stores blocks is alive: lease it
+            pipe.set(LEASE_PREFIX + node_id, "1", px=max(1, int(self.lease_ttl_s * 1000)))
+            pipe.sadd(NODES, node_id)
         for event in events:
             holder = f"{event.node_id}:{event.tier}"
             for block_hash in event.block_hashes:
@@ -43,19 +49,43 @@ class KVMetaStore:
         for block_hash in block_hashes:
             pipe.smembers(BLOCK_PREFIX + block_hash)
         results = await pipe.execute()
-        return [sorted(m.decode() if isinstance(m, bytes) else m for m in members) for members in results]
+        return [sorted(_text(m) for m in members) for members in results]
+
+    async def renew_leases(self, node_ids: list[str]) -> None:
+        """Heartbeats: each node's lease lives `lease_ttl_s` more seconds (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for node_id in node_ids:
+            pipe.set(LEASE_PREFIX + node_id, "1", px=max(1, int(self.lease_ttl_s * 1000)))
+            pipe.sadd(NODES, node_id)
+        await pipe.execute()
+
+    async def expired_nodes(self) -> list[str]:
+        """Nodes known here whose lease has run out."""
+        nodes = sorted(_text(n) for n in await self.redis.smembers(NODES))
+        if not nodes:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for node_id in nodes:
+            pipe.exists(LEASE_PREFIX + node_id)
+        alive = await pipe.execute()
+        return [node_id for node_id, live in zip(nodes, alive) if not live]
 
     async def purge_node(self, node_id: str) -> int:
         """Drop a node from every block it held; returns how many blocks it held."""
         hashes = await self.redis.smembers(NODE_PREFIX + node_id)
         pipe = self.redis.pipeline(transaction=False)
         for block_hash in hashes:
-            key = block_hash.decode() if isinstance(block_hash, bytes) else block_hash
+            key = _text(block_hash)
             for tier in TIERS:
                 pipe.srem(BLOCK_PREFIX + key, f"{node_id}:{tier}")
         pipe.delete(NODE_PREFIX + node_id)
+        pipe.srem(NODES, node_id)
         await pipe.execute()
         return len(hashes)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def mooncake_batch_reply(keys: list[str], holders: list[list[str]]) -> dict:

@@ -11,9 +11,13 @@ from kvcentric.config import BusConfig, require, setting
 class KVSMetaConfig(BusConfig):
     redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the metadata store")
     max_query_keys: int = setting(4096, "most keys one batch query may ask for")
+    lease_ttl_s: float = setting(5.0, "a node whose load reports (its heartbeat) stop for this long is purged "
+                                      "from every block it held")
+
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.redis_url.startswith(("redis://", "rediss://", "unix://")), "redis_url",
                 f"expected redis://host:port/db, got {self.redis_url!r}")
         require(self.max_query_keys > 0, "max_query_keys", "must be positive")
+        require(self.lease_ttl_s > 0, "lease_ttl_s", "must be positive")

@@ -1,5 +1,6 @@
-"""The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, answers kvc.kvs.query over
-NATS and GET /batch_query_keys over HTTP. The storage logic is `kvcentric.kvs_store`.
+"""The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, keeps a lease per node
+renewed by its load reports (the heartbeat) and purges nodes whose lease ran out, answers kvc.kvs.query
+over NATS and GET /batch_query_keys over HTTP. The storage logic is `kvcentric.kvs_store`.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from redis.asyncio import Redis
 
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvcentric.kvs_store import KVMetaStore, mooncake_batch_reply
-from kvcentric.protocol import KVEventBatch, KVSQuery, KVSReply, Subjects
+from kvcentric.protocol import KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects
 from kvcentric.service import Service
 
 
@@ -20,13 +21,16 @@ class KVSMetaService(Service):
         super().__init__(config)
         self.config: KVSMetaConfig = config
         self.redis = Redis.from_url(config.redis_url)
-        self.store = KVMetaStore(self.redis)
+        self.store = KVMetaStore(self.redis, config.lease_ttl_s)
+        self.heartbeats: set[str] = set()
 
     async def start(self) -> None:
         await self.redis.ping()
         await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
         await self.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
                              bad_reply=lambda error: KVSReply([]))
+        await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
+        self.spawn(self.every(self.config.lease_ttl_s / 4, self.leases), "leases")
 
     async def stop(self) -> None:
         await self.redis.aclose()
@@ -37,6 +41,19 @@ class KVSMetaService(Service):
     async def on_events(self, batch: KVEventBatch) -> None:
         await self.store.apply(batch.events)
         self.counters["kv_events_total"] += len(batch.events)
+
+    async def on_heartbeat(self, report: LoadReport) -> None:
+        self.heartbeats.add(report.instance_id)
+
+    async def leases(self) -> None:
+        """Renew the leases of nodes heard from since the last round; purge nodes whose lease ran out."""
+        beating, self.heartbeats = sorted(self.heartbeats), set()
+        if beating:
+            await self.store.renew_leases(beating)
+        for node_id in await self.store.expired_nodes():
+            purged = await self.store.purge_node(node_id)
+            self.counters["nodes_purged_total"] += 1
+            self.log.info("lease of %s ran out: purged it from %d blocks", node_id, purged)
 
     async def on_query(self, query: KVSQuery) -> KVSReply:
         self.counters["queries_total"] += 1

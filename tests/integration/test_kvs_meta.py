@@ -1,0 +1,82 @@
+"""kvs-meta on real NATS and Redis: events in, batch queries out, leases renewed by load reports, and a
+node that stops reporting purged from every block it held."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import nats
+import pytest
+
+from conftest import stop
+from kvcentric.launcher import free_port, get_json
+from kvcentric.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects,
+                                decode, encode)
+
+
+@pytest.fixture
+def kvs_meta(nats_url, redis_url):
+    port = free_port()
+    redis_db = redis_url.rsplit("/", 1)[0] + "/3"  # a database of its own: no other test's blocks
+    process = subprocess.Popen([sys.executable, "-m", "kvcentric", "kvs-meta", "--nats-url", nats_url, "--redis-url",
+                                redis_db, "--port", str(port), "--lease-ttl-s", "1.0"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if get_json(f"http://127.0.0.1:{port}/health")[0] == 200:
+                break
+        except OSError:
+            time.sleep(0.1)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(process)
+
+
+def report(node: str) -> LoadReport:
+    return LoadReport(node, "prefill", "local", "127.0.0.1:1", 0, 0, 0, 10, 10, time.time())
+
+
+async def holders(nc, hashes: list[str]) -> list[list[str]]:
+    reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes)), timeout=2)
+    return decode(reply.data, KVSReply).holders
+
+
+async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        events = KVEventBatch([BlockStored("alive-node", ["h1", "h2"]), BlockStored("dying-node", ["h1"], "device")])
+        await nc.publish(Subjects.kv_events("x"), encode(events))
+        for _ in range(6):  # ~1.5 s: alive-node keeps reporting, dying-node never does after this
+            await nc.publish(Subjects.load("prefill", "alive-node"), encode(report("alive-node")))
+            await asyncio.sleep(0.25)
+        assert await holders(nc, ["h1", "h2", "h3"]) == [["alive-node:dram"], ["alive-node:dram"], []]
+        await nc.publish(Subjects.kv_events("x"), encode(KVEventBatch([BlockEvicted("alive-node", ["h2"])])))
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        assert (await holders(nc, ["h2"])) == [[]]
+    finally:
+        await nc.close()
+    with urllib.request.urlopen(kvs_meta + "/metrics") as response:
+        assert "nodes_purged_total" in response.read().decode()
+
+
+async def test_the_http_batch_query_has_mooncakes_shape(kvs_meta, nats_url):
+    nc = await nats.connect(nats_url)
+    try:
+        await nc.publish(Subjects.kv_events("y"), encode(KVEventBatch([BlockStored("node-y", ["k1"])])))
+        await nc.publish(Subjects.load("prefill", "node-y"), encode(report("node-y")))
+        await nc.flush()
+        await asyncio.sleep(0.3)
+    finally:
+        await nc.close()
+    with urllib.request.urlopen(kvs_meta + "/batch_query_keys?keys=k1,missing") as response:
+        body = json.load(response)
+    assert body == {"success": True, "data": {"k1": {"ok": True, "values": [{"node_id": "node-y", "tier": "dram"}]},
+                                              "missing": {"ok": False, "error": "key not found"}}}
