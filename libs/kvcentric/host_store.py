@@ -29,7 +29,7 @@ class HostKVStore:
         self.evicted = 0
 
     def begin(self, header: kv_pb2.KVHeader) -> None:
-        if header.stripe > 0 and header.request_id in self.pending:
+        if header.stripes > 1 and header.request_id in self.pending:
             return  # another stripe of a push in progress
         if header.request_id in self.pending or header.request_id in self.complete:
             raise ValueError(f"request {header.request_id} is already stored")

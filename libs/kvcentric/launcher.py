@@ -247,13 +247,15 @@ class Cluster:
 class UpProcess:
     """`kvcentric up` run as a child process, for tests and benchmarks: start, wait ready, stop."""
 
-    def __init__(self, log_dir: str, *flags: str, port: int = 0, timeout_s: float = 120.0) -> None:
+    def __init__(self, log_dir: str, *flags: str, port: int = 0, timeout_s: float = 120.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.log_dir = log_dir
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "kvcentric", "up", "--port", str(self.port), "--log-dir", log_dir,
                 "--startup-timeout-s", str(timeout_s), *flags]
-        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env={**os.environ, **(env or {})})
         self._wait_ready(timeout_s + 10)
         with open(os.path.join(log_dir, "cluster.json")) as manifest:
             self.manifest = json.load(manifest)

@@ -184,6 +184,8 @@ class LoadReport(msgspec.Struct, frozen=True):
     ts: float
     est_queue_s: float = -1.0
     """Prefill: the engine's estimate of seconds of queued work (-1: none; the conductor estimates)."""
+    link_bandwidth: dict[str, float] = {}
+    """Bytes/s its recent KV pushes reached, per peer messenger address (for the conductor's T_transfer)."""
 
 
 # ---------------------------------------------------------------- output

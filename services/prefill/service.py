@@ -13,7 +13,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
 from kvcentric.hashing import BlockHasher
 from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk, Subjects
-from kvcentric.transfer import KVPusher, pull_blocks
+from kvcentric.transfer import pull_blocks
 
 
 class RefusingSink:
@@ -34,7 +34,6 @@ class PrefillService(EngineService):
         super().__init__(config)
         hasher = BlockHasher(config.hash_algo, config.block_size)
         self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk, self.host)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         self.pushes: dict[str, RequestPush] = {}
 
     def kv_sink(self):
@@ -44,10 +43,6 @@ class PrefillService(EngineService):
         await super().start()
         await self.subscribe(Subjects.submit(self.role, self.instance_id), PrefillJob, self.on_submit,
                              bad_reply=lambda error: SubmitAck(False, error))
-
-    async def stop(self) -> None:
-        await super().stop()
-        await self.pusher.close()
 
     async def on_submit(self, job: PrefillJob) -> SubmitAck:
         try:

@@ -19,7 +19,7 @@ from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.protocol import BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, Subjects, TokenChunk
 from kvcentric.service import Service
-from kvcentric.transfer import KVTransferServicer, start_server
+from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
 
 
 class DecodeSink:
@@ -32,7 +32,7 @@ class DecodeSink:
         if header.dtype != self.service.runner.dtype_name:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
         self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
-                             join=header.stripe > 0)
+                             join=header.stripes > 1)
 
     def write(self, request_id: str, chunk) -> None:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
@@ -85,6 +85,8 @@ class EngineService(Service):
         self.kv_addr = ""
         self._grpc = None
         self.outbox: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        """The messenger's client side: pushes to decode peers, pulls from block holders."""
 
     def kv_sink(self):
         raise NotImplementedError
@@ -112,6 +114,7 @@ class EngineService(Service):
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        await self.pusher.close()
 
     async def report_load(self) -> None:
         await self.publish(Subjects.load(self.role, self.instance_id), self.load_report())
@@ -149,7 +152,8 @@ class EngineService(Service):
 
     def base_load(self, queued_requests: int, queued_tokens: int, running: int, role: str = "") -> LoadReport:
         return LoadReport(self.instance_id, role or self.role, self.config.cluster, self.kv_addr, queued_requests,
-                          queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time())
+                          queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time(),
+                          link_bandwidth=dict(self.pusher.bandwidth))
 
     def health(self) -> dict:
         return {"kv_addr": self.kv_addr, "model": self.config.model, "stats": self.engine_stats()}
