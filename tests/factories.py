@@ -39,3 +39,42 @@ def decode_job(request_id: str, n_prompt: int, params: SamplingParams | None = N
 def load_report(instance_id: str, role: str, queued_tokens: int = 0, running: int = 0, ts: float = 0.0) -> LoadReport:
     return LoadReport(instance_id, role, "local", f"127.0.0.1:{5000 + hash(instance_id) % 1000}", 0, queued_tokens,
                       running, 100, 100, ts)
+
+
+# ---------------------------------------------------------------- conductor clusters (scheduling tests)
+
+def simple_cost():
+    """1 s per 1000 new tokens (no fixed or attention cost); decode steps of 10 ms + 1 ms per sequence."""
+    from kvcentric.costmodel import CostModel
+    return CostModel((0.0, 1e-3, 0.0, 0.0), (0.01, 1e-3, 0.0), 1000, "test")
+
+
+def make_conductor(prefills=2, decodes=2, now=0.0, colocated=False, cost=None, **settings):
+    """A Conductor on a hand-built cluster of idle instances p0.. and d0.. (blocks of 100 tokens)."""
+    from kvcentric.scheduling.conductor import Conductor
+    from kvcentric.scheduling.config import SchedulerConfig
+    settings.setdefault("block_size", 100)
+    conductor = Conductor(SchedulerConfig(**settings), cost or simple_cost(), stale_after_s=1.0, colocated=colocated)
+    for i in range(prefills):
+        conductor.observe(prefill_report(f"p{i}"), now)
+    for i in range(decodes):
+        conductor.observe(decode_report(f"d{i}"), now)
+    return conductor
+
+
+def prefill_report(instance_id: str, queue_s: float = 0.0, queued_tokens: int = 0) -> LoadReport:
+    return LoadReport(instance_id, "prefill", "local", f"{instance_id}:7000", 0, queued_tokens, 0, 0, 0, 0.0,
+                      queue_s)
+
+
+def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, total_blocks: int = 1000) -> LoadReport:
+    return LoadReport(instance_id, "decode", "local", f"{instance_id}:7000", 0, 0, running, total_blocks,
+                      total_blocks - used_blocks, 0.0)
+
+
+def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int = 0, blocks: int | None = None,
+                     max_tokens: int = 16):
+    """A request of n_tokens whose block hashes are h0, h1, ... (one per 100 tokens unless `blocks`)."""
+    from kvcentric.protocol import ScheduleRequest
+    count = blocks if blocks is not None else -(-n_tokens // 100)
+    return ScheduleRequest(request_id, n_tokens, [f"h{i}" for i in range(count)], max_tokens, priority)

@@ -1,16 +1,41 @@
-"""Settings of the conductor service (flags and KVC_* environment variables)."""
+"""Settings of the conductor service (flags and KVC_* environment variables): the bus, the scheduling core
+(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, and the kvs-meta lookups."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kvcentric.config import BusConfig, require, setting
+from kvcentric.costmodel import HARDWARE
+from kvcentric.model.config import PRESETS
+from kvcentric.scheduling.config import SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class ConductorConfig(BusConfig):
+class ConductorConfig(BusConfig, SchedulerConfig):
     stale_after_s: float = setting(1.5, "an instance with no load report for this long is out of placement")
+    profile: str = setting("", "cost model JSON written by `kvcentric profile` (default: a roofline of "
+                               "--model on --hardware)")
+    model: str = setting("tiny", "model preset for the roofline cost model when no --profile is given")
+    hardware: str = setting("cpu-2core", f"hardware preset for the roofline: {', '.join(HARDWARE)}")
+    kvs_retry_times: int = setting(5, "consecutive failed kvs-meta lookups that mark it down")
+    kvs_retry_interval_ms: int = setting(100, "pause between two attempts of one lookup")
+    kvs_timeout_s: float = setting(0.2, "how long one kvs-meta lookup may take")
+    kvs_down_duration_s: float = setting(30.0, "after being marked down, kvs-meta is not asked for this long "
+                                               "(placement is load-only meanwhile)")
 
     def __post_init__(self) -> None:
-        super().__post_init__()
+        BusConfig.__post_init__(self)
+        SchedulerConfig.__post_init__(self)
         require(self.stale_after_s > 0, "stale_after_s", "must be positive")
+        require(self.profile or self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
+        require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
+        require(self.kvs_retry_times >= 1, "kvs_retry_times", "must be at least 1")
+        require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")
+        require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
+        require(self.kvs_down_duration_s >= 0, "kvs_down_duration_s", "must be >= 0")
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        """The core's part of these settings."""
+        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)})

@@ -1,16 +1,35 @@
-"""The conductor's asyncio shell: feeds load reports into the registry and answers schedule requests
-with the Conductor core's decision. All policy is in `kvcentric.scheduling`.
+"""The conductor's asyncio shell: feeds load reports and request outcomes into the Conductor core, asks
+kvs-meta where each request's prefix blocks are (one batch per request, with retries and health gating),
+and answers kvc.conductor.schedule with the core's decision. All policy is in `kvcentric.scheduling`.
+
+When kvs-meta is down or unreachable the conductor keeps serving with load-only placement (no prefix
+hits), counted in `placements_load_only_total` and shown by the `kvs_metadata_down` gauge.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import nats.errors
+
 from kvc_conductor.config import ConductorConfig
-from kvcentric.protocol import InstancesQuery, InstancesReply, LoadReport, Rejection, ScheduleRequest, Subjects
+from kvcentric.costmodel import CostModel, hardware
+from kvcentric.model.config import preset
+from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVSQuery, KVSReply, LoadReport,
+                                Rejection, RequestOutcome, ScheduleRequest, Subjects, decode, encode)
 from kvcentric.scheduling.conductor import Conductor
-from kvcentric.scheduling.registry import InstanceRegistry
+from kvcentric.scheduling.kvs_gate import KVSGate
+from kvcentric.scheduling.prefix import prefix_from_holders
 from kvcentric.service import Service
+
+KVS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, BadMessage)
+
+
+def load_cost_model(config: ConductorConfig) -> CostModel:
+    if config.profile:
+        return CostModel.load(config.profile)
+    return CostModel.roofline(preset(config.model), hardware(config.hardware))
 
 
 class ConductorService(Service):
@@ -18,23 +37,64 @@ class ConductorService(Service):
 
     def __init__(self, config: ConductorConfig) -> None:
         super().__init__(config)
-        self.registry = InstanceRegistry(config.stale_after_s)
-        self.core = Conductor(self.registry)
+        self.config: ConductorConfig = config
+        self.core = Conductor(config.scheduler, load_cost_model(config), stale_after_s=config.stale_after_s)
+        self.registry = self.core.registry
+        self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
 
     async def start(self) -> None:
         await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
+        await self.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
         await self.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
                              bad_reply=lambda error: Rejection("", "bad_request", error, 0.0))
         await self.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                              bad_reply=lambda error: self.instances())
+        self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
+        self.log.info("policy %s, rejection %s, cost model %s", self.config.policy, self.config.rejection,
+                      self.core.estimator.cost.source)
 
     async def on_load(self, report: LoadReport) -> None:
-        self.registry.observe(report, time.monotonic())
+        self.core.observe(report, time.monotonic())
+
+    async def on_outcome(self, outcome: RequestOutcome) -> None:
+        self.core.on_outcome(outcome, time.monotonic())
 
     async def on_schedule(self, request: ScheduleRequest):
-        decision = self.core.schedule(request, time.monotonic())
+        hits = await self.prefix_hits(request.block_hashes)
+        decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
+        if hits is None and not isinstance(decision, Rejection):
+            self.counters["placements_load_only_total"] += 1
         return decision
+
+    async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
+        """Leading blocks each instance holds, from one kvs-meta batch query; None when it is down."""
+        if not block_hashes:
+            return {}
+        if not self.gate.available(time.monotonic()):
+            return None
+        query = encode(KVSQuery(block_hashes))
+        for attempt in range(self.config.kvs_retry_times):
+            try:
+                reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s)
+                holders = decode(reply.data, KVSReply).holders
+            except KVS_ERRORS as exc:
+                self.counters["kvs_query_failures_total"] += 1
+                if self.gate.on_failure(time.monotonic()):
+                    self.log.warning("kvs-meta marked down for %g s after %d failures (last: %s); "
+                                     "placing by load only", self.gate.down_duration_s, self.gate.retry_times,
+                                     type(exc).__name__)
+                    return None
+                await asyncio.sleep(self.gate.retry_interval_s)
+                continue
+            self.gate.on_success()
+            if len(holders) != len(block_hashes):
+                self.counters["kvs_short_replies_total"] += 1
+            return prefix_from_holders(holders)
+        return None
+
+    async def forget_departed(self) -> None:
+        self.registry.forget_stale(time.monotonic())
 
     async def on_instances(self, query: InstancesQuery) -> InstancesReply:
         return self.instances(query.role)
@@ -45,5 +105,22 @@ class ConductorService(Service):
 
     def health(self) -> dict:
         now = time.monotonic()
-        return {"prefill_alive": len(self.registry.alive("prefill", now)),
-                "decode_alive": len(self.registry.alive("decode", now))}
+        return {"prefill_alive": len(self.registry.alive_prefill(now)),
+                "decode_alive": len(self.registry.alive_decode(now)),
+                "policy": self.config.policy, "rejection": self.config.rejection,
+                "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source}
+
+    def gauges(self) -> dict[str, float]:
+        stats, outcomes = self.core.stats, self.core.stats["outcomes"]
+        gauges = {"kvs_metadata_down": float(self.gate.is_down(time.monotonic())),
+                  "kvs_marked_down_total": float(self.gate.times_marked_down),
+                  "decode_time_estimate_s": self.core.t_d,
+                  "placements_pulling_total": float(stats["pulls"]), "pulled_blocks_total": float(stats["pulled_blocks"]),
+                  "rejections_prefill_total": float(stats["rejected_prefill"]),
+                  "rejections_decode_total": float(stats["rejected_decode"]),
+                  "ttft_outcomes_total": float(outcomes)}
+        if outcomes:
+            gauges["ttft_prediction_error_mean_s"] = stats["ttft_error_sum_s"] / outcomes
+            gauges["ttft_prediction_abs_error_mean_s"] = stats["ttft_abs_error_sum_s"] / outcomes
+            gauges["ttft_prediction_rel_error_mean"] = stats["ttft_rel_error_sum"] / outcomes
+        return gauges

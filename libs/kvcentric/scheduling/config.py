@@ -1,0 +1,41 @@
+"""Settings of the Conductor core, shared by the live conductor service and the simulator (each field is
+a flag of both: `--policy`, `--rejection`, `--ttft-slo-s`, ...). It holds values; it decides nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from kvcentric.config import require, setting
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    policy: Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix"] = setting(
+        "kvcentric", "prefill placement policy (kvcentric = Mooncake Algorithm 1)")
+    rejection: Literal["never", "none", "early", "predictive"] = setting(
+        "early", "overload rejection: never, none (each stage on arrival), early, predictive (Mooncake §7)")
+    ttft_slo_s: float = setting(30.0, "TTFT SLO in seconds (a request predicted above it is rejected)")
+    tbt_slo_s: float = setting(0.1, "TBT SLO in seconds (time between tokens)")
+    kvcache_balancing_threshold: float = setting(
+        2.0, "pull the best prefix from another instance when it is longer than this many times the local one")
+    block_size: int = setting(16, "tokens per prefix-hash block (the engines' KV block size; 512 in Mooncake traces)")
+    link_gbps: float = setting(100.0, "KV transfer bandwidth between two instances, Gbit/s, when not measured")
+    decode_time_s: float = setting(10.0, "uniform decode duration t_d of predictive rejection (initial value)")
+    adapt_decode_time: bool = setting(True, "follow the observed decode durations (moving average) for t_d")
+    priority_step: float = setting(0.2, "each priority class below --top-priority is rejected this much load earlier")
+    top_priority: int = setting(0, "requests at or above this priority are held to the SLO itself")
+    seed: int = setting(0, "seed of the random policy")
+
+    def __post_init__(self) -> None:
+        require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
+        require(self.tbt_slo_s > 0, "tbt_slo_s", "must be positive")
+        require(self.kvcache_balancing_threshold >= 1, "kvcache_balancing_threshold", "must be >= 1")
+        require(self.block_size >= 1, "block_size", "must be at least 1")
+        require(self.link_gbps > 0, "link_gbps", "must be positive")
+        require(self.decode_time_s > 0, "decode_time_s", "must be positive")
+        require(0 <= self.priority_step <= 1, "priority_step", "must be in [0, 1]")
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * 1e9 / 8

@@ -1,0 +1,162 @@
+"""The conductor service on a real NATS server and a real kvs-meta on Redis: prefix-aware placement from
+kvs-meta's block locations, load-only placement while kvs-meta is down, rejections and outcomes on the wire."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+
+import nats
+import pytest
+
+from conftest import start_server, stop
+from kvc_conductor.config import ConductorConfig
+from kvc_conductor.service import ConductorService
+from kvc_kvs_meta.config import KVSMetaConfig
+from kvc_kvs_meta.service import KVSMetaService
+from kvcentric.launcher import free_port, nats_server_argv
+from kvcentric.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
+                                RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, decode, encode)
+
+
+@pytest.fixture
+def own_nats():
+    """A NATS server of this test's own, so no other conductor answers in the queue group."""
+    port = free_port()
+    server = start_server(nats_server_argv(port), port)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        stop(server)
+
+
+async def eventually(condition, what: str, patience_s: float = 10.0) -> None:
+    for _ in range(int(patience_s / 0.02)):
+        if condition():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def start_conductor(nats_url: str, **settings) -> ConductorService:
+    config = ConductorConfig(nats_url=nats_url, instance_id="conductor-test", stale_after_s=600.0,
+                             kvs_retry_times=2, kvs_retry_interval_ms=10, **settings)
+    service = ConductorService(config)
+    await service.open()
+    return service
+
+
+async def announce(nc, service: ConductorService, prefills=("p0", "p1"), decodes=("d0",)) -> None:
+    for role, names in (("prefill", prefills), ("decode", decodes)):
+        for name in names:
+            report = LoadReport(name, role, "local", f"{name}.example:50061", 0, 0, 0, 1000, 1000, 0.0)
+            await nc.publish(Subjects.load(role, name), encode(report))
+    await eventually(lambda: len(service.registry.prefill) == len(prefills)
+                     and len(service.registry.decode) == len(decodes), "the conductor saw every instance")
+
+
+async def schedule(nc, request: ScheduleRequest):
+    reply = await nc.request(Subjects.SCHEDULE, encode(request), timeout=5)
+    return decode(reply.data, ScheduleReply)
+
+
+def fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=2) as response:
+        return response.read().decode()
+
+
+async def metrics(service: ConductorService) -> str:
+    """GET /metrics from a thread: the service answers on this test's event loop."""
+    return await asyncio.to_thread(fetch, f"http://127.0.0.1:{service.http_port}/metrics")
+
+
+async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
+    kvs = KVSMetaService(KVSMetaConfig(nats_url=own_nats, instance_id="kvs-test", redis_url=redis_url))
+    await kvs.open()
+    conductor = await start_conductor(own_nats, policy="cache_aware")
+    nc = await nats.connect(own_nats)
+    try:
+        await announce(nc, conductor)
+        hashes = [f"conductor-test-{i}" for i in range(6)]
+        await nc.publish(Subjects.kv_events("p1"), encode(KVEventBatch([BlockStored("p1", hashes[:4])])))
+
+        async def stored() -> bool:
+            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes[:1])), timeout=2)
+            return decode(reply.data, KVSReply).holders == [["p1:dram"]]
+        for _ in range(200):
+            if await stored():
+                break
+            await asyncio.sleep(0.02)
+        decision = await schedule(nc, ScheduleRequest("a", 100, hashes, 8))
+        assert isinstance(decision, Placement)
+        assert decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
+        assert decision.decode_id == "d0" and decision.decode_kv_addr == "d0.example:50061"
+        assert "kvc_kvs_metadata_down" in await metrics(conductor) and conductor.counters["kvs_query_failures_total"] == 0
+    finally:
+        await nc.close()
+        await conductor.close()
+        await kvs.close()
+
+
+async def test_with_kvs_meta_down_the_conductor_places_by_load_only(own_nats):
+    conductor = await start_conductor(own_nats, kvs_down_duration_s=600.0)
+    nc = await nats.connect(own_nats)
+    try:
+        await announce(nc, conductor)
+        decisions = [await schedule(nc, ScheduleRequest(f"r{i}", 100, ["x0", "x1"], 8)) for i in range(3)]
+        assert all(isinstance(d, Placement) for d in decisions)
+        assert {d.prefill_id for d in decisions[:2]} == {"p0", "p1"}  # still balanced by queued time
+        text = await metrics(conductor)
+        assert 'kvc_kvs_metadata_down{role="conductor",instance="conductor-test"} 1.0' in text
+        assert 'kvc_placements_load_only_total{role="conductor",instance="conductor-test"} 3' in text
+        assert conductor.counters["kvs_query_failures_total"] == 2  # then no more asking while down
+    finally:
+        await nc.close()
+        await conductor.close()
+
+
+async def test_an_overloaded_cluster_gets_a_rejection_that_names_the_stage(own_nats):
+    conductor = await start_conductor(own_nats, ttft_slo_s=1e-9, rejection="early")
+    nc = await nats.connect(own_nats)
+    try:
+        await announce(nc, conductor, prefills=("p0",))
+        decision = await schedule(nc, ScheduleRequest("big", 1000, [], 8))
+        assert isinstance(decision, Rejection) and decision.reason == "overloaded"
+        assert decision.stage == "prefill" and decision.load > 1 and decision.retry_after_s >= 1
+    finally:
+        await nc.close()
+        await conductor.close()
+
+
+async def test_outcomes_are_compared_with_the_predicted_ttft(own_nats):
+    conductor = await start_conductor(own_nats)
+    nc = await nats.connect(own_nats)
+    try:
+        await announce(nc, conductor)
+        placed = await schedule(nc, ScheduleRequest("o1", 100, [], 8))
+        outcome = RequestOutcome("o1", placed.prefill_id, placed.decode_id, "length", placed.predicted_ttft_s + 0.5,
+                                 2.0, 100, 8, placed.predicted_ttft_s)
+        await nc.publish(Subjects.OUTCOME, encode(outcome))
+        await eventually(lambda: conductor.core.stats["outcomes"] == 1, "the outcome was recorded")
+        text = await metrics(conductor)
+        assert 'kvc_ttft_prediction_error_mean_s{role="conductor",instance="conductor-test"} -0.5' in text
+    finally:
+        await nc.close()
+        await conductor.close()
+
+
+def test_the_live_gateway_reports_outcomes_to_the_conductor(cluster):
+    body = json.dumps({"model": "tiny", "prompt": "outcome please", "max_tokens": 4, "temperature": 0}).encode()
+    request = urllib.request.Request(cluster.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+    url = cluster.manifest["services"]["conductor"]["health_url"].replace("/health", "/metrics")
+    for _ in range(250):
+        lines = [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")]
+        if lines and float(lines[0].split()[-1]) >= 1:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the conductor recorded no outcome: {lines}")
