@@ -9,13 +9,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from kvcentric.kvwire import LayerData
 from kvcentric.proto import kv_pb2
 
 
 @dataclasses.dataclass
 class StoredKV:
     header: kv_pb2.KVHeader
-    layers: dict[int, kv_pb2.LayerChunk] = dataclasses.field(default_factory=dict)
+    layers: dict[int, LayerData] = dataclasses.field(default_factory=dict)
     commit: kv_pb2.KVCommit | None = None
     nbytes: int = 0
 
@@ -35,7 +36,7 @@ class HostKVStore:
             raise ValueError(f"request {header.request_id} is already stored")
         self.pending[header.request_id] = StoredKV(header)
 
-    def write(self, request_id: str, chunk: kv_pb2.LayerChunk) -> None:
+    def write(self, request_id: str, chunk: LayerData) -> None:
         entry = self.pending[request_id]
         size = len(chunk.key) + len(chunk.value)
         if size > self.capacity_bytes:

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
 
 import grpc
 
+from kvcentric import kvwire
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
 
 MAX_MESSAGE_BYTES = 1 << 30
@@ -43,7 +44,7 @@ class KVSink(Protocol):
     `begin` may be called once per stripe of the same request; it must accept the later ones."""
 
     def begin(self, header: kv_pb2.KVHeader) -> None: ...
-    def write(self, request_id: str, chunk: kv_pb2.LayerChunk) -> None: ...
+    def write(self, request_id: str, chunk: kvwire.LayerData) -> None: ...
     def commit(self, request_id: str, commit: kv_pb2.KVCommit) -> None: ...
     def abort(self, request_id: str, reason: str, retryable: bool = False) -> None: ...
 
@@ -68,25 +69,24 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         self.stats: collections.Counter[str] = collections.Counter()
 
     async def PushKV(self, request_iterator, context) -> kv_pb2.PushAck:
+        """Takes raw serialized KVChunks (see `add_servicer`): layers are parsed without copying."""
         header, received, done = None, 0, False
         try:
-            async for chunk in request_iterator:
-                kind = chunk.WhichOneof("kind")
-                if kind == "header":
+            async for data in request_iterator:
+                item = kvwire.decode(data) if isinstance(data, (bytes, bytearray)) else kvwire.normalize(data)
+                if isinstance(item, kv_pb2.KVHeader):
                     if header is not None:
                         raise ValueError("second header in one stream")
-                    header = chunk.header  # from here on a failure aborts the request
+                    header = item  # from here on a failure aborts the request
                     self.sink.begin(header)
                 elif header is None:
-                    raise ValueError(f"{kind} before the header")
-                elif kind == "layer":
-                    received += self._write(header.request_id, chunk.layer)
-                elif kind == "commit":
-                    self.sink.commit(header.request_id, chunk.commit)
+                    raise ValueError(f"{type(item).__name__} before the header")
+                elif isinstance(item, kvwire.LayerData):
+                    received += self._write(header.request_id, item)
+                else:
+                    self.sink.commit(header.request_id, item)
                     done = True
                     break
-                else:
-                    raise ValueError("empty chunk")
             done = done or (header is not None and header.stripe > 0)  # data stripes end without commit
             if not done:
                 raise ValueError("stream ended before its commit")
@@ -104,11 +104,11 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             if not done:
                 self._abort(header, "push did not complete")
 
-    def _write(self, request_id: str, layer: kv_pb2.LayerChunk) -> int:
+    def _write(self, request_id: str, layer: kvwire.LayerData) -> int:
         if checksum(layer.key, layer.value) != layer.checksum:
             raise ChecksumMismatch(f"checksum mismatch in layer {layer.layer} of {request_id}")
         self.sink.write(request_id, layer)
-        return len(layer.key) + len(layer.value)
+        return layer.nbytes
 
     def _abort(self, header: kv_pb2.KVHeader | None, reason: str, retryable: bool = False) -> None:
         if header is not None:
@@ -136,10 +136,32 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
 STATS_FIELDS = set(kv_pb2.StatsReply.DESCRIPTOR.fields_by_name)
 
 
-async def start_server(servicer: kv_pb2_grpc.KVTransferServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+SERVICE = "kvcentric.kv.KVTransfer"
+PUSH_KV = f"/{SERVICE}/PushKV"
+
+
+def add_servicer(server: grpc.aio.Server, servicer: KVTransferServicer) -> None:
+    """Register KVTransfer with PushKV taking raw bytes (parsed by `kvwire`), the rest as generated."""
+    handlers = {
+        "PushKV": grpc.stream_unary_rpc_method_handler(
+            servicer.PushKV, request_deserializer=None, response_serializer=kv_pb2.PushAck.SerializeToString),
+        "PullBlocks": grpc.unary_stream_rpc_method_handler(
+            servicer.PullBlocks, request_deserializer=kv_pb2.PullBlocksRequest.FromString,
+            response_serializer=kv_pb2.BlockChunk.SerializeToString),
+        "PullKV": grpc.unary_stream_rpc_method_handler(
+            servicer.PullKV, request_deserializer=kv_pb2.PullRequest.FromString,
+            response_serializer=kv_pb2.KVChunk.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            servicer.Stats, request_deserializer=kv_pb2.StatsRequest.FromString,
+            response_serializer=kv_pb2.StatsReply.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+
+async def start_server(servicer: KVTransferServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
     """Serve KVTransfer on host:port (0 picks a free port); returns the server and its port."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    kv_pb2_grpc.add_KVTransferServicer_to_server(servicer, server)
+    add_servicer(server, servicer)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the KV transfer port {host}:{port}")
@@ -168,10 +190,6 @@ class TokenBucket:
             await asyncio.sleep(delay)
 
 
-def chunk_bytes(chunk: kv_pb2.KVChunk) -> int:
-    return len(chunk.layer.key) + len(chunk.layer.value) if chunk.WhichOneof("kind") == "layer" else 0
-
-
 class KVPusher:
     """Client side: channels per peer reused across requests, optional striping over `stripes`
     connections, an optional per-peer rate limit, and the bandwidth each peer was measured at."""
@@ -184,34 +202,42 @@ class KVPusher:
         """Peer address -> bytes/s of its recent pushes (moving average)."""
         self.stats: collections.Counter[str] = collections.Counter()
 
-    def stub(self, addr: str, stripe: int = 0) -> kv_pb2_grpc.KVTransferStub:
+    def _channel(self, addr: str, stripe: int = 0) -> grpc.aio.Channel:
         channel = self._channels.get((addr, stripe))
         if channel is None:  # a distinct option per stripe keeps gRPC from sharing one connection
             options = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1), ("kvc.stripe", stripe)]
             channel = self._channels[(addr, stripe)] = grpc.aio.insecure_channel(addr, options=options)
-        return kv_pb2_grpc.KVTransferStub(channel)
+        return channel
 
-    async def _paced(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk]) -> AsyncIterator[kv_pb2.KVChunk]:
+    def stub(self, addr: str, stripe: int = 0) -> kv_pb2_grpc.KVTransferStub:
+        return kv_pb2_grpc.KVTransferStub(self._channel(addr, stripe))
+
+    async def _paced(self, addr: str, items: AsyncIterator[kvwire.Item]) -> AsyncIterator[bytes]:
+        """Serialized chunks, each layer only once the peer's token bucket lets its bytes go."""
         bucket = self._buckets.get(addr)
         if bucket is None and self.rate_limit > 0:
             bucket = self._buckets[addr] = TokenBucket(self.rate_limit, max(self.rate_limit * 0.05, 1 << 20))
-        async for chunk in chunks:
-            if bucket is not None:
-                await bucket.consume(chunk_bytes(chunk))
-            yield chunk
+        async for item in items:
+            if bucket is not None and isinstance(item, kvwire.LayerData):
+                await bucket.consume(item.nbytes)
+            yield kvwire.encode(item)
 
-    async def _call(self, addr: str, stripe: int, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float) -> int:
+    async def _call(self, addr: str, stripe: int, items: AsyncIterator[kvwire.Item], timeout_s: float) -> int:
+        push = self._channel(addr, stripe).stream_unary(PUSH_KV, request_serializer=None,
+                                                         response_deserializer=kv_pb2.PushAck.FromString)
         try:
-            ack = await self.stub(addr, stripe).PushKV(self._paced(addr, chunks), timeout=timeout_s)
+            ack = await push(self._paced(addr, items), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             raise TransferError(f"KV push to {addr} failed: {exc.code().name}: {exc.details()}") from exc
         if not ack.ok:
             raise TransferError(f"KV push to {addr} refused: {ack.error}", retryable=ack.retryable)
         return ack.bytes_received
 
-    async def push(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float = 120.0) -> int:
-        """Stream one request's chunks (header, layers, commit) to the messenger at `addr`; returns bytes
-        accepted. With several stripes, layers are dealt round-robin over concurrent streams."""
+    async def push(self, addr: str, chunks: AsyncIterator, timeout_s: float = 120.0) -> int:
+        """Stream one request's chunks (header, layers, commit: `kvwire` items or generated KVChunks) to
+        the messenger at `addr`; returns bytes accepted. With several stripes, layers are dealt
+        round-robin over concurrent streams."""
+        chunks = _normalized(chunks)
         started = time.monotonic()
         if self.stripes == 1:
             total = await self._call(addr, 0, chunks, timeout_s)
@@ -220,7 +246,7 @@ class KVPusher:
         self._measured(addr, total, time.monotonic() - started)
         return total
 
-    async def _push_striped(self, addr: str, chunks: AsyncIterator[kv_pb2.KVChunk], timeout_s: float) -> int:
+    async def _push_striped(self, addr: str, chunks: AsyncIterator[kvwire.Item], timeout_s: float) -> int:
         queues = [asyncio.Queue() for _ in range(self.stripes)]
         calls = [asyncio.ensure_future(self._call(addr, i, _drain(q), timeout_s)) for i, q in enumerate(queues)]
         try:
@@ -238,7 +264,7 @@ class KVPusher:
             previous = self.bandwidth.get(addr)
             self.bandwidth[addr] = sample if previous is None else 0.7 * previous + 0.3 * sample
 
-    async def push_with_retry(self, addr: str, make_chunks: Callable[[int], AsyncIterator[kv_pb2.KVChunk]],
+    async def push_with_retry(self, addr: str, make_chunks: Callable[[int], AsyncIterator],
                               retries: int = 2, timeout_s: float = 120.0) -> int:
         """Push, and push again from scratch (make_chunks(attempt)) while the receiver says it may be resent."""
         for attempt in range(retries + 1):
@@ -255,32 +281,36 @@ class KVPusher:
         self._channels.clear()
 
 
-async def _drain(queue: asyncio.Queue) -> AsyncIterator[kv_pb2.KVChunk]:
+async def _normalized(chunks: AsyncIterator) -> AsyncIterator[kvwire.Item]:
+    async for chunk in chunks:
+        yield kvwire.normalize(chunk)
+
+
+async def _drain(queue: asyncio.Queue) -> AsyncIterator[kvwire.Item]:
     while (item := await queue.get()) is not None:
         yield item
 
 
-async def _deal(chunks: AsyncIterator[kv_pb2.KVChunk], queues: list[asyncio.Queue],
+async def _deal(items: AsyncIterator[kvwire.Item], queues: list[asyncio.Queue],
                 data_calls: list[Awaitable[int]]) -> int:
     """Copy the header to every stripe, deal layers round-robin, and send the commit on stripe 0 only
     once every other stripe has been acknowledged. Returns the bytes the data stripes delivered."""
     layer_index, total, committed = 0, 0, False
-    async for chunk in chunks:
-        kind = chunk.WhichOneof("kind")
-        if kind == "header":
+    async for item in items:
+        if isinstance(item, kv_pb2.KVHeader):
             for stripe, queue in enumerate(queues):
                 header = kv_pb2.KVHeader()
-                header.CopyFrom(chunk.header)
+                header.CopyFrom(item)
                 header.stripes, header.stripe = len(queues), stripe
-                queue.put_nowait(kv_pb2.KVChunk(header=header))
-        elif kind == "layer":
-            queues[layer_index % len(queues)].put_nowait(chunk)
+                queue.put_nowait(header)
+        elif isinstance(item, kvwire.LayerData):
+            queues[layer_index % len(queues)].put_nowait(item)
             layer_index += 1
         else:
             for queue in queues[1:]:
                 queue.put_nowait(None)
             total = sum(await asyncio.gather(*data_calls))
-            queues[0].put_nowait(chunk)
+            queues[0].put_nowait(item)
             queues[0].put_nowait(None)
             committed = True
     if not committed:  # the producer stopped early: end every stream, the receiver drops the request

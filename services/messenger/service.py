@@ -31,8 +31,11 @@ class StoreServicer(KVTransferServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV for request {request.request_id}")
             await asyncio.sleep(0.005)
         yield kv_pb2.KVChunk(header=entry.header)
-        for layer in sorted(entry.layers):
-            yield kv_pb2.KVChunk(layer=entry.layers[layer])
+        for number in sorted(entry.layers):
+            layer = entry.layers[number]
+            yield kv_pb2.KVChunk(layer=kv_pb2.LayerChunk(
+                layer=layer.layer, token_start=layer.token_start, token_end=layer.token_end, key=bytes(layer.key),
+                value=bytes(layer.value), checksum=layer.checksum))
         yield kv_pb2.KVChunk(commit=entry.commit)
         self.stats["bytes_sent"] += entry.nbytes
         self.stats["streams_sent"] += 1

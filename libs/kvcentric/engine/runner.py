@@ -7,6 +7,7 @@ allocate blocks.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 
 import torch
@@ -123,8 +124,15 @@ class ModelRunner:
             raise ValueError(f"layer {layer}: expected {expected} bytes each for key and value, "
                              f"got {len(key)} and {len(value)}")
         slots = self._slots(block_table, start, end)
-        self.k_cache[layer, slots] = torch.frombuffer(bytearray(key), dtype=self.dtype).view(shape).to(self.device)
-        self.v_cache[layer, slots] = torch.frombuffer(bytearray(value), dtype=self.dtype).view(shape).to(self.device)
+        self.k_cache[layer].index_copy_(0, slots, _tensor(key, self.dtype, shape).to(self.device))
+        self.v_cache[layer].index_copy_(0, slots, _tensor(value, self.dtype, shape).to(self.device))
+
+
+def _tensor(data: bytes | memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """A tensor over received bytes without copying them (read-only: only ever copied from)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns that the buffer is not writable
+        return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:

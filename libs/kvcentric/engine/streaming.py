@@ -11,6 +11,7 @@ import asyncio
 
 from kvcentric.engine.prefill import PrefillWork
 from kvcentric.engine.runner import ModelRunner, kv_payload
+from kvcentric.kvwire import LayerData
 from kvcentric.proto import kv_pb2
 from kvcentric.transfer import KVPusher
 
@@ -31,16 +32,15 @@ class RequestPush:
         for layer in range(self.runner.config.num_layers):
             self.layers.put_nowait(self._read(layer, 0, self.work.num_cached))
 
-    def _read(self, layer: int, start: int, end: int) -> kv_pb2.LayerChunk:
+    def _read(self, layer: int, start: int, end: int) -> LayerData:
         key, value, crc = self.runner.read_layer(layer, self.work.blocks, start, end)
-        return kv_pb2.LayerChunk(layer=layer, token_start=start, token_end=end, key=key, value=value, checksum=crc)
+        return LayerData(layer, start, end, key, value, crc)
 
     def hook(self, start: int):
         """The layer hook for a chunk starting at `start`; runs in the model thread."""
         def on_layer(layer: int, keys, values) -> None:
             key, value, crc = kv_payload(keys, values)
-            chunk = kv_pb2.LayerChunk(layer=layer, token_start=start, token_end=start + keys.shape[0], key=key,
-                                      value=value, checksum=crc)
+            chunk = LayerData(layer, start, start + keys.shape[0], key, value, crc)
             self.loop.call_soon_threadsafe(self.layers.put_nowait, chunk)
         return on_layer
 
@@ -59,12 +59,11 @@ class RequestPush:
         """The push ended (with an error) before the prompt was computed."""
         return self.task.done() and not self.first_token.done()
 
-    def _header(self) -> kv_pb2.KVChunk:
+    def _header(self) -> kv_pb2.KVHeader:
         config, work = self.runner.config, self.work
-        return kv_pb2.KVChunk(header=kv_pb2.KVHeader(
-            request_id=work.request_id, num_layers=config.num_layers, num_tokens=work.num_tokens,
-            num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, dtype=self.runner.dtype_name,
-            token_ids=work.job.token_ids))
+        return kv_pb2.KVHeader(request_id=work.request_id, num_layers=config.num_layers, num_tokens=work.num_tokens,
+                               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+                               dtype=self.runner.dtype_name, token_ids=work.job.token_ids)
 
     def _chunks(self, attempt: int):
         return self._live() if attempt == 0 else self._resend()
@@ -73,9 +72,9 @@ class RequestPush:
         yield self._header()
         total = 0
         while not isinstance(item := await self.layers.get(), int):
-            total += len(item.key) + len(item.value)
-            yield kv_pb2.KVChunk(layer=item)
-        yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=item, total_bytes=total))
+            total += item.nbytes
+            yield item
+        yield kv_pb2.KVCommit(first_token=item, total_bytes=total)
 
     async def _resend(self):
         token = await asyncio.shield(self.first_token)
@@ -83,6 +82,6 @@ class RequestPush:
         total = 0
         for layer in range(self.runner.config.num_layers):
             chunk = self._read(layer, 0, self.work.num_tokens)
-            total += len(chunk.key) + len(chunk.value)
-            yield kv_pb2.KVChunk(layer=chunk)
-        yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=token, total_bytes=total))
+            total += chunk.nbytes
+            yield chunk
+        yield kv_pb2.KVCommit(first_token=token, total_bytes=total)
