@@ -3,24 +3,41 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from kvcentric.config import BusConfig, require, setting
 from kvcentric.hashing import HASH_ALGOS
-from kvcentric.model.config import PRESETS
+from kvcentric.model.config import ModelConfig, load_model_config
 
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig(BusConfig):
     port: int = setting(8000, "HTTP port of the OpenAI-compatible API")
-    model: str = setting("tiny", "model the engines serve (preset name); sets tokenizer and context")
+    model: str = setting("tiny", "model the engines serve: a preset name or a checkpoint directory; sets the "
+                                 "tokenizer, chat template and context length")
     block_size: int = setting(16, "tokens per KV block (must match the engines)")
     hash_algo: str = setting("sha256_cbor", "prefix block hash (must match the engines)")
     request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
+    api_key: str = setting("", "if set, /v1/* requires the header 'Authorization: Bearer <key>' (else 401)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.model in PRESETS, "model", f"unknown preset; choose one of {', '.join(PRESETS)}")
+        try:
+            self.model_config
+        except ValueError as exc:
+            require(False, "model", str(exc))
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
+        require(self.bus_timeout_s > 0, "bus_timeout_s", "must be positive")
+
+    @functools.cached_property
+    def model_config(self) -> ModelConfig:
+        return load_model_config(self.model)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The name /v1/models lists first, then the other names a request may use for it."""
+        names = (self.model_config.name, self.model)
+        return tuple(dict.fromkeys(names))

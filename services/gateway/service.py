@@ -1,30 +1,40 @@
 """The gateway's asyncio shell: OpenAI-compatible HTTP in, NATS out.
 
-For each completion it validates and tokenizes, hashes the prompt's blocks, asks the conductor for a
-placement, hands the job to the decode then the prefill instance, and relays the tokens that come
-back on `kvc.req.<id>.out` as one JSON body or as server-sent events. Validation and response shapes
-live in `kvcentric.openai_api`.
+For each completion or chat completion it validates and tokenizes, hashes the prompt's blocks, asks the
+conductor for a placement, hands the job to the decode then the prefill instance, and relays the tokens
+that come back on `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a
+RequestOutcome and, unless the engine finished it, a Cancel. Validation and response shapes live in
+`kvcentric.openai_api`; it holds no scheduling policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
 import json
 import time
 import uuid
 
+import msgspec
 import nats.errors
 from aiohttp import web
 
+from kvc_gateway import relay
 from kvc_gateway.config import GatewayConfig
+from kvc_gateway.openapi import openapi_document
+from kvc_gateway.textstream import TextStream
+from kvcentric import tracing
 from kvcentric.hashing import BlockHasher, to_hex
-from kvcentric.model.config import preset
-from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.openai_api import ApiError, check_context, completion_body, parse_completion, usage
+from kvcentric.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
+from kvcentric.model.tokenizer import load_tokenizer
+from kvcentric.openai_api import ApiError, check_context, parse_chat, parse_completion
 from kvcentric.protocol import (BadMessage, Cancel, DecodeJob, InstancesQuery, InstancesReply, Placement,
-                                PrefillJob, Rejection, ScheduleReply, ScheduleRequest, SubmitAck, Subjects,
-                                TokenChunk, decode, encode)
+                                PrefillJob, Rejection, RequestOutcome, ScheduleReply, ScheduleRequest,
+                                SubmitAck, Subjects, TokenChunk, decode)
 from kvcentric.service import Service
+
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -37,101 +47,175 @@ class GatewayService(Service):
     def __init__(self, config: GatewayConfig) -> None:
         super().__init__(config)
         self.config: GatewayConfig = config
-        self.model = preset(config.model)
-        self.tokenizer = ByteTokenizer()
+        self.model = config.model_config
+        self.model_name = config.served_names[0]
+        self.tokenizer = load_tokenizer(config.model)
         self.hasher = BlockHasher(config.hash_algo, config.block_size)
+        self.in_flight = 0
+        self.ttft = self.histogram("ttft_seconds", help="time to first token, request in to first token out")
+        self.tbt = self.histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
+        self.e2e = self.histogram("e2e_seconds", help="request in to last token out")
+        self.ttft_error = self.histogram("ttft_prediction_error_seconds",
+                                         help="|actual - conductor-predicted| TTFT")
+        self.prompt_tokens = self.histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
 
     def add_routes(self, app: web.Application) -> None:
+        app.middlewares.append(self.check_api_key)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/openapi.json", self.openapi)
+
+    def gauges(self) -> dict[str, float]:
+        return {"requests_in_flight": self.in_flight}
+
+    @web.middleware
+    async def check_api_key(self, request: web.Request, handler):
+        """With --api-key set, everything but health, metrics and the API description needs the key."""
+        key = self.config.api_key
+        if key and request.path not in OPEN_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+                self.counters[labelled("requests_total", outcome="401")] += 1
+                return error_response(ApiError(401, "Incorrect or missing API key: send the header "
+                                                    "'Authorization: Bearer <key>' (the gateway's --api-key).",
+                                               code="invalid_api_key",
+                                               headers={"WWW-Authenticate": "Bearer"}))
+        return await handler(request)
+
+    # ---------------------------------------------------------------- small endpoints
 
     async def instances(self) -> InstancesReply:
-        reply = await self.nc.request(Subjects.INSTANCES, encode(InstancesQuery()), timeout=0.5)
-        return decode(reply.data, InstancesReply)
+        return await self.request(Subjects.INSTANCES, InstancesQuery(), InstancesReply, timeout_s=0.5)
 
     async def _health(self, request: web.Request) -> web.Response:
         try:
             instances = (await self.instances()).instances
         except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
             instances = None
-        body = {"status": "ok" if self.ready else "starting", "role": self.role, "model": self.config.model,
+        body = {"status": "ok" if self.ready else "starting", "role": self.role, "model": self.model_name,
                 "conductor": instances is not None,
                 "prefill_alive": sum(i.role == "prefill" for i in instances or []),
                 "decode_alive": sum(i.role == "decode" for i in instances or [])}
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "kvcentric",
-                "max_model_len": self.model.max_position}
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvcentric",
+                "max_model_len": self.model.max_position, "vocab_size": self.model.vocab_size}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(self.model_name))
 
     # ---------------------------------------------------------------- completions
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        self.counters["requests_total"] += 1
-        try:
+        return await self.serve(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self.serve(request, chat=True)
+
+    async def serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        started = time.perf_counter()
+        with tracing.span("gateway.request", tracing.extract_headers(request.headers), tracing.SpanKind.SERVER,
+                          {"http.route": request.path}) as span:
             try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"the body is not valid JSON: {exc}")
-            parsed = parse_completion(body, self.config.model, self.model.vocab_size)
+                job = await self.parse(request, chat, started)
+            except ApiError as exc:
+                self.counters[labelled("requests_total", outcome=str(exc.status))] += 1
+                span.set_attribute("http.response.status_code", exc.status)
+                return error_response(exc)
+            span.set_attributes({"kvc.request_id": job.request_id, "kvc.prompt_tokens": len(job.token_ids),
+                                 "kvc.max_tokens": job.request.sampling.max_tokens,
+                                 "kvc.stream": job.request.stream, "enduser.id": job.request.user or ""})
+            self.in_flight += 1
+            outcome = "cancelled"
+            try:
+                response, outcome = await self.generate(request, job)
+                span.set_attribute("http.response.status_code", response.status)
+                return response
+            finally:
+                self.in_flight -= 1
+                span.set_attribute("kvc.outcome", outcome)
+                await self.finish(job, outcome)
+
+    async def parse(self, request: web.Request, chat: bool, started: float) -> relay.Job:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        context = self.model.max_position
+        if chat:
+            parsed = parse_chat(body, self.config.served_names, context)
+            token_ids = self.tokenizer.encode_chat(parsed.messages)
+            if parsed.max_tokens_defaulted:
+                sampling = msgspec.structs.replace(parsed.sampling, max_tokens=max(1, context - len(token_ids)))
+                parsed = dataclasses.replace(parsed, sampling=sampling)
+        else:
+            parsed = parse_completion(body, self.config.served_names, self.model.vocab_size)
             token_ids = parsed.prompt_token_ids or self.tokenizer.encode(parsed.prompt)
-            check_context(len(token_ids), parsed.sampling.max_tokens, self.model.max_position)
-        except ApiError as exc:
-            self.counters["requests_invalid_total"] += 1
-            return error_response(exc)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        subscription = await self.nc.subscribe(Subjects.out(request_id))
-        finished = False
+        check_context(len(token_ids), parsed.sampling.max_tokens, context)
+        prefix = "chatcmpl" if chat else "cmpl"
+        return relay.Job(f"{prefix}-{uuid.uuid4().hex}", parsed, token_ids, chat, started)
+
+    async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
+        """Place, relay and answer; returns the response and the outcome label of the request."""
+        subscription = await self.nc.subscribe(Subjects.out(job.request_id))
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                placement = await self.place(request_id, token_ids, parsed.sampling)
-                chunks = self.token_chunks(subscription)
-                if parsed.stream:
-                    response = await self.stream(request, request_id, parsed, len(token_ids), chunks, placement)
+                job.placement = await self.place(job)
+                text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
+                pairs = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
+                headers = self.response_headers(job)
+                if job.request.stream:
+                    response = await relay.stream(request, job, pairs, self.model_name, headers)
                 else:
-                    response = await self.collect(request_id, parsed, len(token_ids), chunks, placement)
-                finished = True
-                return response
+                    response = await relay.collect(job, pairs, self.model_name, headers)
+                return response, job.finish_reason or "500"
         except ApiError as exc:
-            finished = exc.status != 504
-            self.counters[f"requests_{exc.status}_total"] += 1
-            return error_response(exc)
+            return error_response(exc), str(exc.status)
         except TimeoutError:
-            self.counters["requests_504_total"] += 1
-            return error_response(ApiError(504, f"the request did not finish in {self.config.request_timeout_s} s",
-                                           kind="timeout"))
+            error = ApiError(504, f"the request did not finish in {self.config.request_timeout_s} s "
+                                  f"(--request-timeout-s)", kind="timeout")
+            if job.response is not None:  # the stream had started: the error goes into it
+                await relay.EventWriter(job, self.model_name).error(error)
+                return job.response, "504"
+            return error_response(error), "504"
+        except ConnectionResetError:
+            return job.response, "cancelled"
         finally:
-            if not finished:
-                await self.publish(Subjects.cancel(request_id), Cancel(request_id))
             await subscription.unsubscribe()
 
     async def ask(self, subject: str, message, kind):
         try:
-            reply = await self.nc.request(subject, encode(message), timeout=self.config.bus_timeout_s)
+            return await self.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
         except nats.errors.NoRespondersError:
             raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
-            raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s",
+            raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s (--bus-timeout-s)",
                            kind="service_unavailable") from None
-        return decode(reply.data, kind)
 
-    async def place(self, request_id: str, token_ids: list[int], sampling) -> Placement:
+    async def place(self, job: relay.Job) -> Placement:
         """Ask the conductor, then hand the job to decode (which waits for KV) and to prefill."""
-        hashes = [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
-        decision = await self.ask(Subjects.SCHEDULE, ScheduleRequest(request_id, len(token_ids), hashes,
+        hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
+        sampling, n_prompt = job.request.sampling, len(job.token_ids)
+        decision = await self.ask(Subjects.SCHEDULE, ScheduleRequest(job.request_id, n_prompt, hashes,
                                                                       sampling.max_tokens), ScheduleReply)
         if isinstance(decision, Rejection):
+            self.counters[labelled("rejections_total", reason=decision.reason)] += 1
             if decision.reason == "no_instance":
                 raise ApiError(503, decision.message, kind="service_unavailable")
-            raise ApiError(429, decision.message, kind="rate_limit_exceeded",
+            if decision.reason == "bad_request":  # the conductor could not handle it: not the client's fault
+                raise ApiError(500, f"the conductor failed: {decision.message}", kind="server_error")
+            raise ApiError(429, decision.message, kind="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
-        for role, instance, job in (
-            ("decode", decision.decode_id, DecodeJob(request_id, len(token_ids), sampling)),
-            ("prefill", decision.prefill_id, PrefillJob(request_id, token_ids, sampling, decision.decode_id,
-                                                        decision.decode_kv_addr)),
+        job.placement = decision
+        for role, instance, submit in (
+            ("decode", decision.decode_id, DecodeJob(job.request_id, n_prompt, sampling)),
+            ("prefill", decision.prefill_id, PrefillJob(job.request_id, job.token_ids, sampling,
+                                                        decision.decode_id, decision.decode_kv_addr)),
         ):
-            ack = await self.ask(Subjects.submit(role, instance), job, SubmitAck)
+            ack = await self.ask(Subjects.submit(role, instance), submit, SubmitAck)
             if not ack.ok:
                 raise ApiError(503, f"{role} instance {instance} refused the request: {ack.error}",
                                kind="service_unavailable")
@@ -150,47 +234,30 @@ class GatewayService(Service):
             if chunk.finish_reason is not None:
                 return
 
-    async def collect(self, request_id, parsed, n_prompt, chunks, placement) -> web.Response:
-        generated: list[int] = []
-        async for chunk in chunks:
-            generated += chunk.token_ids
-            if chunk.finish_reason == "error":
-                raise ApiError(500, chunk.error or "generation failed", kind="server_error")
-            if chunk.finish_reason is not None:
-                body = completion_body(request_id, parsed.model, self.tokenizer.decode(generated),
-                                       chunk.finish_reason, usage(n_prompt, len(generated)))
-                return web.json_response(body, headers=self.placement_headers(placement))
-        raise ApiError(500, "the token stream ended early", kind="server_error")
+    # ---------------------------------------------------------------- the end of a request
 
-    async def stream(self, request, request_id, parsed, n_prompt, chunks, placement) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **self.placement_headers(placement)})
-        await response.prepare(request)
-        decoder, created, count = self.tokenizer.stream_decoder(), int(time.time()), 0
-        async for chunk in chunks:
-            count += len(chunk.token_ids)
-            text = decoder.feed(chunk.token_ids)
-            if chunk.finish_reason == "error":
-                error = ApiError(500, chunk.error or "generation failed", kind="server_error")
-                await self.send_event(response, error.body())
-                break
-            if chunk.finish_reason is not None:
-                text += decoder.flush()
-            if text or chunk.finish_reason is not None:
-                await self.send_event(response, completion_body(request_id, parsed.model, text,
-                                                                 chunk.finish_reason, None, created))
-        if parsed.include_usage:
-            body = completion_body(request_id, parsed.model, "", None, usage(n_prompt, count), created)
-            body["choices"] = []
-            await self.send_event(response, body)
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+    async def finish(self, job: relay.Job, outcome: str) -> None:
+        """Account for the request; cancel it on the engines unless they finished it; tell the conductor."""
+        self.counters[labelled("requests_total", outcome=outcome)] += 1
+        self.prompt_tokens.observe(len(job.token_ids))
+        if job.placement is None:
+            return
+        if not job.engine_finished:
+            await self.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
+        e2e = time.perf_counter() - job.started
+        ttft = job.ttft_s
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if job.placement.predicted_ttft_s > 0:
+                self.ttft_error.observe(abs(ttft - job.placement.predicted_ttft_s))
+        if outcome in ("stop", "length"):
+            self.e2e.observe(e2e)
+        await self.publish(Subjects.OUTCOME, RequestOutcome(
+            job.request_id, job.placement.prefill_id, job.placement.decode_id, job.finish_reason or outcome,
+            -1.0 if ttft is None else ttft, e2e, len(job.token_ids), job.completion_tokens,
+            job.placement.predicted_ttft_s))
 
     @staticmethod
-    async def send_event(response: web.StreamResponse, body: dict) -> None:
-        await response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-
-    @staticmethod
-    def placement_headers(placement: Placement) -> dict:
-        return {"x-kvcentric-prefill": placement.prefill_id, "x-kvcentric-decode": placement.decode_id}
+    def response_headers(job: relay.Job) -> dict:
+        return {"x-request-id": job.request_id, "x-kvcentric-prefill": job.placement.prefill_id,
+                "x-kvcentric-decode": job.placement.decode_id}

@@ -57,3 +57,56 @@ def test_completion_body_has_the_openai_shape():
     body = completion_body("cmpl-1", "tiny", "abc", "length", {"prompt_tokens": 1})
     assert body["object"] == "text_completion"
     assert body["choices"][0] == {"index": 0, "text": "abc", "logprobs": None, "finish_reason": "length"}
+
+
+# ---------------------------------------------------------------- chat, stop, user
+
+
+from kvcentric.openai_api import chat_body, chat_chunk, parse_chat, usage  # noqa: E402
+
+
+def chat(**body):
+    return parse_chat(body, ("tiny", "/models/tiny"), 2048)
+
+
+def test_chat_messages_become_role_and_text_with_content_parts_joined():
+    request = chat(messages=[{"role": "system", "content": "be brief"},
+                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                             {"role": "assistant", "content": None}])
+    assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
+                                {"role": "assistant", "content": ""}]
+    assert request.max_tokens_defaulted and request.sampling.max_tokens == 2048
+
+
+def test_chat_takes_max_completion_tokens_and_any_served_name():
+    request = chat(model="/models/tiny", messages=[{"role": "user", "content": "x"}], max_completion_tokens=7)
+    assert request.model == "tiny" and request.sampling.max_tokens == 7 and not request.max_tokens_defaulted
+
+
+@pytest.mark.parametrize("messages", [None, [], ["hi"], [{"role": "wizard", "content": "x"}],
+                                      [{"role": "user", "content": 3}],
+                                      [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]])
+def test_bad_chat_messages_are_400_naming_messages(messages):
+    body = {} if messages is None else {"messages": messages}
+    with pytest.raises(ApiError) as caught:
+        chat(**body)
+    assert caught.value.status == 400 and caught.value.param == "messages"
+
+
+def test_stop_is_a_string_or_up_to_four_strings_and_user_is_kept():
+    assert parse(prompt="x", stop="END").stop == ("END",)
+    assert parse(prompt="x", stop=["a", "b"], user="u-1").user == "u-1"
+    assert parse(prompt="x", stop=[]).stop == ()
+    for bad in (["a", ""], ["a"] * 5, 3, [1]):
+        with pytest.raises(ApiError) as caught:
+            parse(prompt="x", stop=bad)
+        assert caught.value.param == "stop"
+
+
+def test_chat_shapes_and_cached_tokens_in_usage():
+    body = chat_body("chatcmpl-1", "tiny", "hi", "stop", usage(3, 1))
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+    chunk = chat_chunk("chatcmpl-1", "tiny", {"content": "h"}, None, None, 1)
+    assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
+    assert usage(32, 1, 16)["prompt_tokens_details"] == {"cached_tokens": 16}

@@ -1,0 +1,1 @@
+"""kvcentric gateway service: the OpenAI-compatible HTTP front door."""

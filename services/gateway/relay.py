@@ -1,0 +1,158 @@
+"""One request's way back to its client: token chunks from NATS become text pieces (stop strings
+applied), and the pieces become one JSON answer or server-sent events in the completions or chat shape.
+
+`Job` keeps what the gateway needs to account for the request (times, token counts, placement, how it
+ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import AsyncIterator, Callable
+
+from aiohttp import web
+
+from kvc_gateway.textstream import TextStream
+from kvcentric.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
+                                  usage)
+from kvcentric.protocol import Placement, TokenChunk
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    request: CompletionRequest
+    token_ids: list[int]
+    chat: bool
+    started: float
+    """time.perf_counter() when the HTTP request arrived."""
+    placement: Placement | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    engine_finished: bool = False
+    """The engine sent the final chunk itself (nothing to cancel)."""
+    response: web.StreamResponse | None = None
+    """The SSE response once its headers went out (errors after that go into the stream)."""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    def usage(self) -> dict:
+        cached = self.placement.cached_tokens if self.placement is not None else 0
+        return usage(len(self.token_ids), self.completion_tokens, cached)
+
+    def record_tokens(self, count: int, now: float, on_gap: Callable[[float], None]) -> None:
+        """Count tokens that just arrived; report the time per token since the previous ones (TBT)."""
+        if not count:
+            return
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            gap = (now - self.last_token_at) / count
+            for _ in range(count):
+                on_gap(gap)
+        self.last_token_at = now
+        self.completion_tokens += count
+
+
+async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
+                 on_gap: Callable[[float], None]) -> AsyncIterator[tuple[str, str | None]]:
+    """(text piece, finish_reason) pairs; the last one has the finish reason. An engine error is ApiError."""
+    async for chunk in chunks:
+        job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
+        if chunk.finish_reason == "error":
+            job.engine_finished = True
+            raise ApiError(500, chunk.error or "generation failed", kind="server_error")
+        piece = text.feed(chunk.token_ids)
+        if chunk.finish_reason is not None and not text.stopped:
+            job.engine_finished = True
+            piece += text.finish()
+        if text.stopped:
+            job.finish_reason = "stop"
+            yield piece, "stop"
+            return
+        if chunk.finish_reason is not None:
+            job.finish_reason = chunk.finish_reason
+            yield piece, chunk.finish_reason
+            return
+        if piece:
+            yield piece, None
+    raise ApiError(500, "the token stream ended early", kind="server_error")
+
+
+# ---------------------------------------------------------------- answers
+
+
+async def collect(job: Job, stream: AsyncIterator[tuple[str, str | None]], model: str,
+                  headers: dict) -> web.Response:
+    """The whole answer as one JSON body, `usage` included."""
+    text = []
+    async for piece, finish_reason in stream:
+        text.append(piece)
+    shape = chat_body if job.chat else completion_body
+    body = shape(job.request_id, model, "".join(text), job.finish_reason, job.usage())
+    return web.json_response(body, headers=headers)
+
+
+class EventWriter:
+    """Server-sent events in OpenAI's format: `data: {json}` blocks, then `data: [DONE]`."""
+
+    def __init__(self, job: Job, model: str) -> None:
+        self.job, self.model, self.created = job, model, int(time.time())
+
+    async def open(self, request: web.Request, headers: dict) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **headers})
+        await response.prepare(request)
+        self.job.response = response
+        if self.job.chat:
+            await self.send(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
+                                       None, None, self.created))
+        return response
+
+    async def piece(self, text: str, finish_reason: str | None) -> None:
+        final_usage = self.job.usage() if finish_reason is not None else None
+        if self.job.chat:
+            delta = {"content": text} if text else {}
+            body = chat_chunk(self.job.request_id, self.model, delta, finish_reason, final_usage, self.created)
+        else:
+            body = completion_body(self.job.request_id, self.model, text, finish_reason, final_usage, self.created)
+        await self.send(body)
+
+    async def close(self, include_usage: bool) -> None:
+        if include_usage:  # OpenAI's extra last chunk: no choices, the usage
+            shape, empty = (chat_chunk, {}) if self.job.chat else (completion_body, "")
+            body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
+            body["choices"] = []
+            await self.send(body)
+        await self.job.response.write(b"data: [DONE]\n\n")
+        await self.job.response.write_eof()
+
+    async def error(self, error: ApiError) -> None:
+        await self.send(error.body())
+        await self.job.response.write(b"data: [DONE]\n\n")
+        await self.job.response.write_eof()
+
+    async def send(self, body: dict) -> None:
+        await self.job.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+
+async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str, str | None]], model: str,
+                 headers: dict) -> web.StreamResponse:
+    """Relay the pieces as SSE; an error after the headers went out becomes an error event."""
+    writer = EventWriter(job, model)
+    response = await writer.open(request, headers)
+    try:
+        async for piece, finish_reason in pairs:
+            if piece or finish_reason is not None:
+                await writer.piece(piece, finish_reason)
+    except ApiError as exc:
+        await writer.error(exc)
+        return response
+    await writer.close(job.request.include_usage)
+    return response
