@@ -10,6 +10,13 @@ from redis.asyncio import Redis
 
 from kvcentric.protocol import BlockEvicted, BlockStored, KVEvent
 
+HOLDERS_LUA = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = table.concat(redis.call('SMEMBERS', key), ',')
+end
+return out
+"""
 TIERS = ("device", "dram", "gpu", "ssd")
 """device: an engine's paged cache; dram: a node's host pool (Mooncake's KVCache pool)."""
 BLOCK_PREFIX = "kvc:blk:"
@@ -22,6 +29,7 @@ NODES = "kvc:nodes"
 class KVMetaStore:
     def __init__(self, redis: Redis, lease_ttl_s: float = 5.0) -> None:
         self.redis, self.lease_ttl_s = redis, lease_ttl_s
+        self._holders_script = None
 
     async def apply(self, events: list[KVEvent]) -> None:
         """Apply a batch of stored/evicted events in one pipelined round trip."""
@@ -42,14 +50,14 @@ class KVMetaStore:
             await pipe.execute()
 
     async def holders(self, block_hashes: list[str]) -> list[list[str]]:
-        """For each hash, its holders as sorted "node_id:tier" strings (empty when nobody has it)."""
+        """For each hash, its holders as sorted "node_id:tier" strings (empty when nobody has it); one
+        Redis call, a Lua script that answers the whole batch as one array of strings."""
         if not block_hashes:
             return []
-        pipe = self.redis.pipeline(transaction=False)
-        for block_hash in block_hashes:
-            pipe.smembers(BLOCK_PREFIX + block_hash)
-        results = await pipe.execute()
-        return [sorted(_text(m) for m in members) for members in results]
+        if self._holders_script is None:
+            self._holders_script = self.redis.register_script(HOLDERS_LUA)
+        joined = await self._holders_script(keys=[BLOCK_PREFIX + h for h in block_hashes])
+        return [sorted(_text(text).split(",")) if text else [] for text in joined]
 
     async def renew_leases(self, node_ids: list[str]) -> None:
         """Heartbeats: each node's lease lives `lease_ttl_s` more seconds (one round trip)."""

@@ -226,7 +226,7 @@ class Cluster:
                 raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
                                    f"{child.log_tail()}")
 
-    def stop(self, grace_s: float = 4.0) -> None:
+    def stop(self, grace_s: float = 3.0) -> None:
         """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
         services = [c for c in self.children if c.health_url is not None]
         servers = [c for c in self.children if c.health_url is None]
