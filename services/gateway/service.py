@@ -213,7 +213,8 @@ class GatewayService(Service):
         for role, instance, submit in (
             ("decode", decision.decode_id, DecodeJob(job.request_id, n_prompt, sampling)),
             ("prefill", decision.prefill_id, PrefillJob(job.request_id, job.token_ids, sampling,
-                                                        decision.decode_id, decision.decode_kv_addr)),
+                                                        decision.decode_id, decision.decode_kv_addr,
+                                                        decision.kv_source_addr, decision.pull_block_hashes)),
         ):
             ack = await self.ask(Subjects.submit(role, instance), submit, SubmitAck)
             if not ack.ok:
