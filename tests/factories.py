@@ -49,12 +49,12 @@ def simple_cost():
     return CostModel((0.0, 1e-3, 0.0, 0.0), (0.01, 1e-3, 0.0), 1000, "test")
 
 
-def make_conductor(prefills=2, decodes=2, now=0.0, colocated=False, cost=None, **settings):
+def make_conductor(prefills=2, decodes=2, now=0.0, cost=None, **settings):
     """A Conductor on a hand-built cluster of idle instances p0.. and d0.. (blocks of 100 tokens)."""
     from kvcentric.scheduling.conductor import Conductor
     from kvcentric.scheduling.config import SchedulerConfig
     settings.setdefault("block_size", 100)
-    conductor = Conductor(SchedulerConfig(**settings), cost or simple_cost(), stale_after_s=1.0, colocated=colocated)
+    conductor = Conductor(SchedulerConfig(**settings), cost or simple_cost(), stale_after_s=1.0)
     for i in range(prefills):
         conductor.observe(prefill_report(f"p{i}"), now)
     for i in range(decodes):

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Time prefill over (new x cached tokens) and decode steps over "
                                               "(batch x context), fit T_prefill and T_decode, write JSON.")
     add_arguments(profile, ProfileConfig)
+    commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
+                                    "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
+                        add_help=False)
     for command, (_, _, _, description) in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
@@ -62,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["sim"]:  # its own parser, with a `cache` subcommand
+        from kvcentric.sim.cli import main as sim_main
+        sys.exit(sim_main(argv[1:]))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

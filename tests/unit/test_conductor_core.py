@@ -93,7 +93,7 @@ def test_forget_drops_a_request_from_the_decode_forecast():
 
 
 def test_colocated_placement_decodes_where_it_prefilled():
-    conductor = make_conductor(0, 0, colocated=True, policy="load_balance")
+    conductor = make_conductor(0, 0, policy="load_balance")
     for name in ("c0", "c1"):
         conductor.observe(prefill_report(name), 0.0)
         conductor.observe(decode_report(name), 0.0)
@@ -103,7 +103,7 @@ def test_colocated_placement_decodes_where_it_prefilled():
 
 
 def test_colocated_rejects_on_the_chosen_instances_decode_load():
-    conductor = make_conductor(0, 0, colocated=True, rejection="early", tbt_slo_s=0.015)
+    conductor = make_conductor(0, 0, rejection="early", tbt_slo_s=0.015)
     conductor.observe(prefill_report("c0"), 0.0)
     conductor.observe(decode_report("c0", running=8), 0.0)
     decision = conductor.schedule(schedule_request(), {}, 0.1)

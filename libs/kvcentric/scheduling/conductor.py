@@ -36,11 +36,8 @@ class Pending:
 
 
 class Conductor:
-    def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
-                 colocated: bool = False) -> None:
+    def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5) -> None:
         self.config = config
-        self.colocated = colocated
-        """Each instance both prefills and decodes (a request decodes where it prefilled)."""
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
         self.registry = InstanceRegistry(self.estimator, stale_after_s)
@@ -103,8 +100,6 @@ class Conductor:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
         prefills = self.registry.alive_prefill(now)
         decodes = self.registry.alive_decode(now)
-        if self.colocated:
-            prefills = [p for p in prefills if p.instance_id in self.registry.decode]
         if not prefills or not decodes:
             missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
             self.stats["rejected_no_instance"] += 1
@@ -121,10 +116,11 @@ class Conductor:
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
                     now: float) -> DecodeChoice:
+        """Colocated: an instance that reports in both roles decodes what it prefilled (no KV transfer)."""
         arrival = now + choice.ttft_s
-        if not self.colocated:
+        state = self.registry.decode.get(choice.instance.instance_id)
+        if state is None:
             return self.admission.choose_decode(request, decodes, arrival, now, self.t_d)
-        state = self.registry.decode[choice.instance.instance_id]
         if self.admission.mode == "predictive":
             return self.admission.judge_predicted(request, state, arrival, self.t_d)
         return self.admission.judge_current(request, state)

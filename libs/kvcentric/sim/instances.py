@@ -1,0 +1,246 @@
+"""Simulated serving instances: a prefill instance (FIFO, one prompt at a time, host-memory prefix cache,
+pulls of named prefixes), and a batch instance that decodes in continuous batches and, when colocated,
+also prefills like vLLM (a prefill step that stalls the batch, or chunked prefill mixed into each step).
+They model time with the cost model and report load; they make no placement decision.
+
+Mooncake §3-§5: prefill reuses the prefix it holds, loads a named remote prefix layer by layer while it
+computes (so it takes the longer of the two), stores the new blocks in its DRAM pool, and streams KV to
+decode layer by layer; decode double-checks its TBT SLO when the KV arrives and may reject (the prefill
+is then wasted), otherwise the request joins the next step of the continuous batch.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+from kvcentric.protocol import LoadReport
+from kvcentric.scheduling.eviction import BlockCache
+from kvcentric.sim.batch import DecodeBatch
+from kvcentric.sim.metrics import Record
+
+if TYPE_CHECKING:
+    from kvcentric.sim.cluster import Simulation
+
+
+class PrefillInstance:
+    def __init__(self, sim: Simulation, instance_id: str, cache: BlockCache) -> None:
+        self.sim, self.instance_id, self.cache = sim, instance_id, cache
+        self.queue: collections.deque[Record] = collections.deque()
+        self.current: Record | None = None
+        self.busy_until = 0.0
+
+    def submit(self, record: Record, now: float) -> None:
+        self.queue.append(record)
+        if self.current is None:
+            self._start(now)
+
+    def queue_s(self, now: float) -> float:
+        """Seconds of work here: the rest of the current prompt plus the predictions of the queued ones."""
+        rest = max(0.0, self.busy_until - now) if self.current is not None else 0.0
+        return rest + sum(r.predicted_prefill_s for r in self.queue)
+
+    def _start(self, now: float) -> None:
+        record = self.current = self.queue.popleft()
+        cached_blocks, ready_at = self.sim.reuse_prefix(self, record, now)
+        compute_s = self.sim.prefill_seconds(record, cached_blocks)
+        self.busy_until = max(now + compute_s, ready_at)
+        record.prefill_start = now
+        self.sim.at(self.busy_until, self._finish, record, compute_s)
+        self.sim.report(self.load_report(now), now)
+
+    def _finish(self, now: float, record: Record, compute_s: float) -> None:
+        self.sim.store_blocks(self, record.request.hashes)
+        self.current = None
+        self.sim.prefill_done(record, now, compute_s)
+        if self.queue:
+            self._start(now)
+        else:
+            self.sim.report(self.load_report(now), now)
+
+    def load_report(self, now: float) -> LoadReport:
+        queued = sum(r.request.input_len for r in self.queue)
+        return LoadReport(self.instance_id, "prefill", "sim", self.instance_id, len(self.queue), queued,
+                          int(self.current is not None), 0, 0, now, self.queue_s(now))
+
+
+class BatchInstance:
+    """Continuous-batching decode; with `colocated` it also prefills (vLLM-like, optionally chunked)."""
+
+    def __init__(self, sim: Simulation, instance_id: str, capacity_tokens: float, *, colocated: bool = False,
+                 cache: BlockCache | None = None, chunk_tokens: int = 0) -> None:
+        self.sim, self.instance_id = sim, instance_id
+        self.capacity_tokens = capacity_tokens
+        self.colocated, self.cache, self.chunk_tokens = colocated, cache, chunk_tokens
+        self.batch = DecodeBatch(sim.cost)
+        self.joining: collections.deque[Record] = collections.deque()
+        """KV arrived (or prefill done here): joins at the next step boundary, capacity permitting."""
+        self.waiting: collections.deque[Record] = collections.deque()
+        """Colocated: requests waiting for their prefill."""
+        self.reserved = 0
+        """KV tokens promised to admitted requests (prompt plus whole output)."""
+        self.segment: tuple[float, int] | None = None
+        self.stepping = False
+        self.version = 0
+        self.prefill_done_tokens = 0
+        self.prefill_compute_s = 0.0
+
+    # ---------------------------------------------------------------- arrivals
+
+    def kv_arrived(self, now: float, record: Record) -> None:
+        """Disaggregated decode: the local TBT double-check (§3 step 4), then join or reject."""
+        if not self.sim.decode_accepts(self, record, now):
+            self.sim.rejected_after_prefill(record, now)
+            return
+        self.joining.append(record)
+        self._wake(now)
+
+    def submit_prefill(self, record: Record, now: float) -> None:
+        self.waiting.append(record)
+        self._wake(now)
+
+    def kv_now(self, now: float) -> int:
+        """Context tokens in the batch now, counting the steps of the segment in progress."""
+        if self.segment is None:
+            return self.batch.kv_tokens
+        start, _ = self.segment
+        return self.batch.kv_tokens + len(self.batch) * self.batch.steps_within(now - start)
+
+    def batch_size(self) -> int:
+        return len(self.batch) + len(self.joining)
+
+    def _wake(self, now: float) -> None:
+        """New work: start stepping if idle, or cut the decode segment at its next step boundary."""
+        if self.stepping:
+            if self.segment is not None:
+                start, planned = self.segment
+                done = self.batch.steps_within(now - start) + 1
+                if done < planned:
+                    self._schedule_segment(start, done)
+            return
+        self._next(now)
+        self.sim.report_batch(self, now)
+
+    # ---------------------------------------------------------------- stepping
+
+    def _schedule_segment(self, start: float, steps: int) -> None:
+        self.version += 1
+        self.segment = (start, steps)
+        self.sim.at(start + self.batch.duration(steps), self._segment_end, self.version)
+
+    def _segment_end(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        _, steps = self.segment
+        self.segment = None
+        self._retire(self.batch.advance(steps), now)
+        self._next(now)
+        self.sim.report_batch(self, now)
+
+    def _retire(self, finished: list[Record], now: float) -> None:
+        for record in finished:
+            context = record.request.input_len + record.request.output_len
+            self.batch.release(context)
+            self.reserved -= context
+            record.finish = now
+            self.sim.finished(record, now)
+
+    def _admit_joins(self) -> None:
+        while self.joining:
+            request = self.joining[0].request
+            if self.batch.heap and self.reserved + request.input_len + request.output_len > self.capacity_tokens:
+                return  # wait for finishes to free KV (admission already checked what it could)
+            record = self.joining.popleft()
+            self.reserved += request.input_len + request.output_len
+            self.batch.add(record, request.input_len + 1, request.output_len - 1)
+
+    def _next(self, now: float) -> None:
+        self._admit_joins()
+        if self.waiting and self._prefill_fits():
+            if self.chunk_tokens:
+                self._mixed_step(now)
+            else:
+                self._prefill_step(now)
+            return
+        if len(self.batch):
+            self.stepping = True
+            self._schedule_segment(now, self.batch.steps_to_next_finish())
+            return
+        self.stepping = False
+
+    def _prefill_fits(self) -> bool:
+        request = self.waiting[0].request
+        return self.reserved + request.input_len + request.output_len <= self.capacity_tokens or not self.batch.heap
+
+    def _begin_prefill(self, record: Record, now: float) -> int:
+        if record.prefill_start < 0:
+            cached_blocks, _ = self.sim.reuse_prefix(self, record, now)
+            record.prefill_start = now
+            self.prefill_done_tokens = self.sim.estimator.cached_tokens(record.request.input_len, cached_blocks)
+            self.prefill_compute_s = 0.0
+        return record.request.input_len - self.prefill_done_tokens
+
+    def _prefill_step(self, now: float) -> None:
+        """vLLM without chunking: the whole prompt in one step; the decode batch waits."""
+        record = self.waiting[0]
+        todo = self._begin_prefill(record, now)
+        seconds = self.sim.prefill_seconds(record, None, todo, self.prefill_done_tokens)
+        self.prefill_compute_s += seconds
+        self.prefill_done_tokens += todo
+        self.stepping = True
+        self.sim.at(now + seconds, self._prefill_step_end, self.version)
+
+    def _mixed_step(self, now: float) -> None:
+        """Chunked prefill: one step carries every decode sequence plus up to the budget of prompt tokens."""
+        record = self.waiting[0]
+        todo = self._begin_prefill(record, now)
+        budget = self.chunk_tokens - len(self.batch)
+        chunk = min(todo, max(budget, self.chunk_tokens // 8))
+        seconds = self.sim.prefill_seconds(record, None, chunk, self.prefill_done_tokens)
+        self.prefill_compute_s += seconds
+        if len(self.batch):
+            seconds += self.batch.first_step_s() - self.sim.cost.prefill[0]  # one pass reads the weights once
+        self.prefill_done_tokens += chunk
+        self.stepping = True
+        self.sim.at(now + seconds, self._mixed_step_end, self.version)
+
+    def _prefill_step_end(self, now: float, version: int) -> None:
+        self._prefill_progress(now)
+        self._next(now)
+        self.sim.report_batch(self, now)
+
+    def _mixed_step_end(self, now: float, version: int) -> None:
+        if len(self.batch):
+            self._retire(self.batch.advance(1), now)
+        self._prefill_progress(now)
+        self._next(now)
+        self.sim.report_batch(self, now)
+
+    def _prefill_progress(self, now: float) -> None:
+        record = self.waiting[0]
+        if self.prefill_done_tokens < record.request.input_len:
+            return
+        self.waiting.popleft()
+        self.sim.store_blocks(self, record.request.hashes)
+        if self.sim.prefill_done(record, now, self.prefill_compute_s, local=True):
+            self.joining.append(record)
+
+    # ---------------------------------------------------------------- reports
+
+    def queue_s(self, now: float) -> float:
+        return sum(r.predicted_prefill_s for r in self.waiting)
+
+    def step_s(self, now: float) -> float:
+        return self.sim.cost.t_decode(len(self.batch), self.kv_now(now)) if len(self.batch) else 0.0
+
+    def load_reports(self, now: float, block: int) -> list[LoadReport]:
+        total = int(self.capacity_tokens // block) if self.capacity_tokens != float("inf") else 0
+        used = min(total, -(-self.kv_now(now) // block)) if total else 0
+        decode = LoadReport(self.instance_id, "decode", "sim", self.instance_id, 0, 0, self.batch_size(), total,
+                            total - used, now)
+        if not self.colocated:
+            return [decode]
+        queued = sum(r.request.input_len for r in self.waiting)
+        prefill = LoadReport(self.instance_id, "prefill", "sim", self.instance_id, len(self.waiting), queued, 0, 0, 0,
+                             now, self.queue_s(now))
+        return [prefill, decode]
