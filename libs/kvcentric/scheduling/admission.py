@@ -73,12 +73,18 @@ class Admission:
         still in prefill count for the choice (so a burst spreads out) but not for the load judged."""
         if self.mode == "predictive":
             return self._choose_predicted(request, decodes, arrival, t_d)
-        estimator, n = self.estimator, request.n_tokens
+        d0, d1, d2 = self.estimator.cost.decode
+        n = request.n_tokens
         best, best_tbt = decodes[0], math.inf
-        for instance in decodes:
-            flying, flying_tokens = instance.forecast.in_flight(now)
-            tbt = estimator.tbt(instance.running + flying + 1, instance.kv_tokens + flying_tokens + n,
-                                instance.capacity_tokens)
+        for instance in decodes:  # hot loop, kept flat: t_decode of its batch plus what is in flight
+            forecast = instance.forecast
+            batch, tokens = instance.running + 1, instance.kv_tokens + n
+            if forecast.starts and forecast.starts[-1] > now:
+                flying, flying_tokens = forecast.in_flight(now)
+                batch, tokens = batch + flying, tokens + flying_tokens
+            if tokens > instance.capacity_tokens:
+                continue
+            tbt = d0 + d1 * batch + d2 * tokens
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
         return self.judge_current(request, best)

@@ -119,23 +119,26 @@ class KVCentricPolicy(_Policy):
 
     def choose(self, request, prefills, hits, now):
         estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
-        source, best_prefix = self.best_holder(prefills, hits)
+        source, best_prefix = self.best_holder(prefills, hits) if hits else (None, 0)
         memo: dict[int, float] = {}
-        choice: PrefillChoice | None = None
-        for instance in prefills:
-            prefix = hits.get(instance.instance_id, 0)
+        best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
+        for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
+            prefix = get(instance.instance_id, 0)
             pull = best_prefix > prefix * threshold
             reused = best_prefix if pull else prefix
             prefill_s = memo.get(reused)
             if prefill_s is None:
                 prefill_s = memo[reused] = estimator.t_prefill(n, reused)
-            ttft = instance.queue_s(now) + prefill_s
+            queue = instance.queue_end - now
+            ttft = (queue if queue > 0.0 else 0.0) + instance.dispatched_s + prefill_s
             if pull:
                 nbytes = estimator.block_bytes(best_prefix - prefix)
                 ttft += self.links.t_transfer(source.instance_id, instance.instance_id, nbytes, now)
-            if choice is None or ttft < choice.ttft_s:
-                choice = PrefillChoice(instance, ttft, prefill_s, reused, source if pull else None, prefix)
-        return choice
+            if ttft < best_ttft:
+                best, best_ttft, best_pull = instance, ttft, pull
+        prefix = get(best.instance_id, 0)
+        reused = best_prefix if best_pull else prefix
+        return PrefillChoice(best, best_ttft, memo[reused], reused, source if best_pull else None, prefix)
 
     @staticmethod
     def best_holder(prefills: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
