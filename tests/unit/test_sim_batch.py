@@ -6,6 +6,7 @@ import pytest
 
 from kvcentric.costmodel import CostModel
 from kvcentric.sim.batch import DecodeBatch
+from kvcentric.sim.instances import _slow_steps
 
 COST = CostModel((0.0, 1e-3, 0.0, 0.0), (0.01, 1e-3, 1e-6), 1000)
 
@@ -41,3 +42,10 @@ def test_advance_finishes_items_in_step_order_and_grows_the_context():
     batch.release(102)
     assert batch.steps_to_next_finish() == 3 and batch.advance(3) == ["long"]
     assert batch.steps_within(1.0) == 0  # empty batch
+
+
+def test_slow_steps_counts_the_steps_of_a_segment_over_the_slo():
+    for first, growth, steps, slo in ((0.01, 0.001, 20, 0.0155), (0.02, 0.0, 5, 0.015), (0.01, 0.0, 5, 0.015),
+                                      (0.01, 0.002, 3, 0.1)):
+        expected = sum(first + growth * j > slo for j in range(steps))
+        assert _slow_steps(first, growth, steps, slo) == expected

@@ -97,6 +97,8 @@ def test_colocated_prefill_stalls_the_running_decode_and_chunking_spreads_it():
     assert whole["long"].ttft_s == pytest.approx(3.0, abs=0.02)
     assert chunked["long"].ttft_s > whole["long"].ttft_s  # chunks share steps with the decode
     assert chunked["running"].finish > 0 and whole["running"].decode_id == "c0"
+    assert whole["running"].max_gap_s > 2.9 and whole["running"].slow_gaps == 1
+    assert 0.011 < chunked["running"].max_gap_s < 1.0 < chunked["running"].slow_gaps
 
 
 def test_summary_has_every_required_key_and_counts_slo_attainment():

@@ -58,6 +58,7 @@ class Simulation:
         self.conductor = Conductor(scheduler, cost, stale_after_s=math.inf)
         self.conductor.links.default = spec.link_bytes_per_s
         self.estimator = self.conductor.estimator
+        self.tbt_slo_s = scheduler.tbt_slo_s
         self.links = LinkTable(spec.link_bytes_per_s)
         """The real links (the conductor keeps its own estimate)."""
         self.index = PrefixIndex()

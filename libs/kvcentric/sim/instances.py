@@ -11,6 +11,7 @@ is then wasted), otherwise the request joins the next step of the continuous bat
 
 from __future__ import annotations
 
+import bisect
 import collections
 from typing import TYPE_CHECKING
 
@@ -84,6 +85,11 @@ class BatchInstance:
         self.version = 0
         self.prefill_done_tokens = 0
         self.prefill_compute_s = 0.0
+        self.gap_end: list[float] = []
+        self.gap_s: list[float] = []
+        """The longest time between two tokens of the batch, per segment or step, by end time."""
+        self.slow_total: list[int] = []
+        """Running count of steps whose gap exceeded the TBT SLO, at each of those end times."""
 
     # ---------------------------------------------------------------- arrivals
 
@@ -133,6 +139,8 @@ class BatchInstance:
             return
         _, steps = self.segment
         self.segment = None
+        first, growth = self.batch.first_step_s(), self.batch.cost.decode[2] * len(self.batch)
+        self._note_gap(now, first + growth * (steps - 1), _slow_steps(first, growth, steps, self.sim.tbt_slo_s))
         self._retire(self.batch.advance(steps), now)
         self._next(now)
         self.sim.report_batch(self, now)
@@ -143,7 +151,18 @@ class BatchInstance:
             self.batch.release(context)
             self.reserved -= context
             record.finish = now
+            since = bisect.bisect_right(self.gap_end, record.first_token)
+            record.max_gap_s = max(self.gap_s[since:], default=0.0)
+            record.slow_gaps = self.slow_total[-1] - self.slow_total[since - 1] if since else self.slow_total[-1]
             self.sim.finished(record, now)
+
+    def _note_gap(self, now: float, seconds: float, slow: int | None = None) -> None:
+        """Every sequence in the batch just had a gap of up to `seconds`; `slow` of them exceeded the SLO."""
+        if len(self.batch):
+            self.gap_end.append(now)
+            self.gap_s.append(seconds)
+            slow = int(seconds > self.sim.tbt_slo_s) if slow is None else slow
+            self.slow_total.append((self.slow_total[-1] if self.slow_total else 0) + slow)
 
     def _admit_joins(self) -> None:
         while self.joining:
@@ -188,7 +207,7 @@ class BatchInstance:
         self.prefill_compute_s += seconds
         self.prefill_done_tokens += todo
         self.stepping = True
-        self.sim.at(now + seconds, self._prefill_step_end, self.version)
+        self.sim.at(now + seconds, self._prefill_step_end, seconds)
 
     def _mixed_step(self, now: float) -> None:
         """Chunked prefill: one step carries every decode sequence plus up to the budget of prompt tokens."""
@@ -202,14 +221,17 @@ class BatchInstance:
             seconds += self.batch.first_step_s() - self.sim.cost.prefill[0]  # one pass reads the weights once
         self.prefill_done_tokens += chunk
         self.stepping = True
-        self.sim.at(now + seconds, self._mixed_step_end, self.version)
+        self.sim.at(now + seconds, self._mixed_step_end, seconds)
 
-    def _prefill_step_end(self, now: float, version: int) -> None:
+    def _prefill_step_end(self, now: float, stall_s: float) -> None:
+        if len(self.batch):  # the running sequences' next token comes one step after the stall
+            self._note_gap(now, stall_s + self.batch.first_step_s())
         self._prefill_progress(now)
         self._next(now)
         self.sim.report_batch(self, now)
 
-    def _mixed_step_end(self, now: float, version: int) -> None:
+    def _mixed_step_end(self, now: float, step_s: float) -> None:
+        self._note_gap(now, step_s)
         if len(self.batch):
             self._retire(self.batch.advance(1), now)
         self._prefill_progress(now)
@@ -244,3 +266,13 @@ class BatchInstance:
         prefill = LoadReport(self.instance_id, "prefill", "sim", self.instance_id, len(self.waiting), queued, 0, 0, 0,
                              now, self.queue_s(now))
         return [prefill, decode]
+
+
+def _slow_steps(first_s: float, growth_s: float, steps: int, slo_s: float) -> int:
+    """How many of `steps` steps lasting first_s + growth_s * j (j = 0, 1, ...) exceed slo_s."""
+    if first_s > slo_s:
+        return steps
+    if growth_s <= 0:
+        return 0
+    within = int((slo_s - first_s) // growth_s) + 1
+    return max(0, steps - within)
