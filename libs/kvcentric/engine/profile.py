@@ -39,12 +39,13 @@ class ProfileConfig:
 
 
 def prefill_grid(limit: int) -> list[tuple[int, int]]:
-    sizes = [n for n in (16, 64, 128, 256, 512, 1024, 2048, 4096) if n <= limit]
-    return [(new, cached) for cached in (0, 256, 1024) for new in sizes if new + cached <= limit]
+    """(new, cached) pairs: new tokens doubling from 16, cached prefixes of 0, 1/4 and 1/2 of the limit."""
+    sizes = [16 << i for i in range(12) if 16 << i <= limit]
+    return [(new, cached) for cached in (0, limit // 4, limit // 2) for new in sizes if new + cached <= limit]
 
 
 def decode_grid(limit: int) -> list[tuple[int, int]]:
-    contexts = [c for c in (64, 256, 1024, 2048) if c < limit]
+    contexts = [c for c in (32, 128, 512, 2048) if c < limit]
     return [(batch, context) for batch in (1, 4, 16, 32) for context in contexts]
 
 
