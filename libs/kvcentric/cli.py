@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Time prefill over (new x cached tokens) and decode steps over "
                                               "(batch x context), fit T_prefill and T_decode, write JSON.")
     add_arguments(profile, ProfileConfig)
+    from kvcentric.prfaas.cli import PlanConfig
+    plan = commands.add_parser("plan", help="PrfaaS planner: threshold t and N_p/N_d from a profile and a workload",
+                               description="Prefill-as-a-Service throughput model (§3.4, eqs 3-8): grid search "
+                                           "over t and N_p/N_d; prints the optimum as Table 6, writes JSON + PNGs.")
+    add_arguments(plan, PlanConfig)
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "profile":
             from kvcentric.engine.profile import ProfileConfig, main as profile_main
             sys.exit(profile_main(from_namespace(ProfileConfig, args)))
+        if args.command == "plan":
+            from kvcentric.prfaas.cli import PlanConfig, main as plan_main
+            sys.exit(plan_main(from_namespace(PlanConfig, args)))
         if args.command == "up":
             from kvcentric.launcher import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))
