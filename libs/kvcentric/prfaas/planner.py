@@ -109,6 +109,19 @@ def search(profile: PrfaasProfile, workload: LengthDistribution, n_prfaas: int, 
     return best, grid, lam
 
 
+def best_threshold(profile: PrfaasProfile, workload: LengthDistribution, counts: Counts, points: int = 1000,
+                   mode: Mode = "representative") -> OperatingPoint:
+    """The best t for fixed instance counts: the re-optimisation §3.4.3 runs after a role change, or with
+    the measured egress bandwidth (`profile.with_egress(gbps)`) when the link drifts. Ties as `search`."""
+    grid = threshold_grid(workload, points)
+    routed = route_workload(profile, workload, grid, mode)
+    th = throughputs(profile, routed, counts, workload.output_length)
+    headroom = np.minimum(th.prfaas_per_p, th.pd_p_per_rest)
+    tied = np.flatnonzero(th.lambda_max >= th.lambda_max.max() * (1 - 1e-9))
+    index = int(tied[np.lexsort((grid[tied], headroom[tied]))[-1]])
+    return operating_point(profile, routed, counts, workload.output_length, index)
+
+
 def _column(name: str, profile: PrfaasProfile, workload: LengthDistribution, point: OperatingPoint,
             short_on_prfaas: bool = False) -> Column:
     mean, p90 = ttft(profile, workload, point.threshold, short_on_prfaas)

@@ -5,6 +5,8 @@ nothing new (matplotlib is imported only to plot).
 from __future__ import annotations
 
 import json
+import math
+import re
 from pathlib import Path
 
 from kvcentric.prfaas.planner import Column, Plan
@@ -60,7 +62,20 @@ def _ratio(value) -> str:
 
 
 def write_json(plan: Plan, path: str | Path, **extra) -> None:
-    Path(path).write_text(json.dumps({**plan.to_dict(), **extra}, indent=2, ensure_ascii=False) + "\n")
+    """plan.to_dict() and `extra` as JSON: NaN and infinities become null, lists of numbers stay on one line."""
+    text = json.dumps(_finite({**plan.to_dict(), **extra}), indent=2, ensure_ascii=False, allow_nan=False)
+    text = re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r",\s+", ", ", m.group(1)) + "]", text)
+    Path(path).write_text(text + "\n")
+
+
+def _finite(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def plot_split_search(plan: Plan, path: str | Path, title: str = "") -> None:
