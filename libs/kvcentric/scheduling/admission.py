@@ -100,7 +100,7 @@ class Admission:
         best, best_tbt, ratios = decodes[0], math.inf, 0.0
         for instance in decodes:
             batch, tokens = instance.forecast.at(arrival, t_d)
-            tbt = estimator.tbt(math.ceil(batch) + 1, tokens + n, instance.capacity_tokens)
+            tbt = estimator.tbt(batch + 1, tokens + n, instance.capacity_tokens)
             ratios += min(MAX_RATIO, tbt / self.tbt_slo_s)
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
@@ -109,7 +109,7 @@ class Admission:
     def judge_predicted(self, request, instance: DecodeState, arrival: float, t_d: float) -> DecodeChoice:
         """Predictive load of one given decode instance (colocated placement has no choice)."""
         batch, tokens = instance.forecast.at(arrival, t_d)
-        tbt = self.estimator.tbt(math.ceil(batch) + 1, tokens + request.n_tokens, instance.capacity_tokens)
+        tbt = self.estimator.tbt(batch + 1, tokens + request.n_tokens, instance.capacity_tokens)
         return DecodeChoice(instance, tbt, min(MAX_RATIO, tbt / self.tbt_slo_s))
 
     # ---------------------------------------------------------------- admission
