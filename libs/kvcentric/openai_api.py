@@ -74,10 +74,11 @@ def _prompt(body: dict, vocab_size: int) -> tuple[str | None, list[int] | None]:
     if isinstance(prompt, str):
         _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
         return prompt, None
-    _check(isinstance(prompt, list) and len(prompt) > 0 and all(_is_int(t) for t in prompt),
+    _check(isinstance(prompt, list) and len(prompt) > 0 and all(type(t) is int for t in prompt),
            "'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    _check(not bad, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        raise ApiError(400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
     return None, list(prompt)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import secrets
 import signal
 import time
@@ -234,6 +235,15 @@ async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s:
 
 
 def run_service(service: Service) -> None:
+    """Run until SIGINT/SIGTERM, on uvloop when it is installed (KVC_EVENT_LOOP=asyncio to opt out)."""
     logging.basicConfig(level=service.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(service.run())
+    loop_factory = None
+    if os.environ.get("KVC_EVENT_LOOP", "uvloop") == "uvloop":
+        try:
+            import uvloop
+            loop_factory = uvloop.new_event_loop
+        except ImportError:
+            pass
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(service.run())

@@ -127,7 +127,10 @@ def tracer() -> trace.Tracer:
 def span(name: str, parent: Context | None = None, kind: SpanKind = SpanKind.INTERNAL,
          attributes: dict | None = None) -> Iterator[Span]:
     """A span that is current inside the block (so bus messages sent there carry it); an exception
-    escaping the block is recorded on it."""
+    escaping the block is recorded on it. Without an exporter and a traced parent it is a no-op."""
+    if _provider is None and not trace.get_current_span(parent).get_span_context().is_valid:
+        yield trace.INVALID_SPAN
+        return
     with tracer().start_as_current_span(name, context=parent, kind=kind, attributes=attributes) as current:
         yield current
 
@@ -148,6 +151,8 @@ def capture() -> Context:
 
 def inject_headers(headers: Mapping[str, str] | None = None, parent: Context | None = None) -> dict | None:
     """NATS headers carrying the current (or given) trace context; None when there is nothing to send."""
+    if not trace.get_current_span(parent).get_span_context().is_valid:  # the common, untraced case: fast
+        return dict(headers) if headers else None
     carrier = dict(headers or {})
     propagate.inject(carrier, context=parent)
     return carrier or None

@@ -57,17 +57,14 @@ def test_bus_span_names_come_from_the_subject():
 
 
 @pytest.fixture
-def spans():
+def spans(monkeypatch):
     """A recording tracer provider for this test only (the global one stays a no-op)."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    original = tracing.tracer
-    tracing.tracer = lambda: provider.get_tracer("test")
-    try:
-        yield exporter
-    finally:
-        tracing.tracer = original
+    monkeypatch.setattr(tracing, "tracer", lambda: provider.get_tracer("test"))
+    monkeypatch.setattr(tracing, "_provider", provider)
+    return exporter
 
 
 def test_context_crosses_nats_headers_and_grpc_metadata(spans):
@@ -98,6 +95,11 @@ def test_a_captured_context_parents_a_span_started_later(spans):
     later.end()
     run = [s for s in spans.get_finished_spans() if s.name == "prefill.run"][0]
     assert run.parent.span_id == submit.get_span_context().span_id and run.events[0].name == "chunk"
+
+
+def test_without_an_exporter_spans_and_injection_cost_nothing():
+    with tracing.span("gateway.request") as span:
+        assert span is trace.INVALID_SPAN and tracing.inject_headers({"a": "b"}) == {"a": "b"}
 
 
 def test_an_empty_carrier_extracts_no_parent():
