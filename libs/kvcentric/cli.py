@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                                description="Prefill-as-a-Service throughput model (§3.4, eqs 3-8): grid search "
                                            "over t and N_p/N_d; prints the optimum as Table 6, writes JSON + PNGs.")
     add_arguments(plan, PlanConfig)
+    commands.add_parser("bench", help="benchmarks against a running cluster: `kvcentric bench replay TRACE --url ...` "
+                                      "sends a Mooncake trace or a Poisson workload as real requests",
+                        add_help=False)
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
@@ -74,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["sim"]:  # its own parser, with a `cache` subcommand
         from kvcentric.sim.cli import main as sim_main
         sys.exit(sim_main(argv[1:]))
+    if argv[:1] == ["bench"]:  # `kvcentric bench replay TRACE ...`, its own parser
+        from kvcentric.replay import bench_main
+        sys.exit(bench_main(argv[1:]))
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
