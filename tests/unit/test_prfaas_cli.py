@@ -1,6 +1,7 @@
 """`kvcentric plan`: files in, the Table-6-style text out, plan.json and the Figure 5 PNGs written."""
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,18 @@ def test_plan_requires_its_inputs(capsys):
     assert code == 2 and "--profile: required" in err
     code, _, err = run(["plan", "--profile", str(PROFILE), "--workload", str(WORKLOAD)], capsys)
     assert code == 2 and "--pd-instances" in err and "--topology" in err
+
+
+def test_the_readme_example_runs_and_prints_what_the_readme_shows(tmp_path, capsys, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Prefill-as-a-Service planner", 1)[1].split("\n## ", 1)[0]
+    commands = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    line = next(c for c in commands.splitlines() if c.startswith("kvcentric plan"))
+    argv = shlex.split(line.split("#")[0])[1:]
+    argv[argv.index("--out") + 1] = str(tmp_path)
+    monkeypatch.chdir(ROOT)
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    shown = section.split("The output of that second command:\n\n```\n", 1)[1].split("```", 1)[0]
+    printed = [row.rstrip() for row in out.splitlines()]
+    assert shown.splitlines() == printed[:len(shown.splitlines())]
