@@ -11,4 +11,6 @@ threshold t, the N_p/N_d split, role changes); it sends nothing and starts nothi
 - `replan`     the long-term role change of §3.4.3 from measured pool load
 - `routing`    the short-term routing rules of §3.3 and §3.4.3
 - `topology`   clusters and inter-cluster links from JSON or YAML
+- `inputs`     field-checked readers shared by the three input files
+- `cli`        `kvcentric plan`
 """
