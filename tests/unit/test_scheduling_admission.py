@@ -73,10 +73,11 @@ def test_predictive_admits_when_the_current_decode_batch_will_be_gone_on_arrival
 
 def test_predictive_averages_the_decode_pool():
     conductor = make_conductor(1, 2, rejection="predictive", tbt_slo_s=0.015, decode_time_s=100.0)
-    conductor.observe(decode_report("d0", running=20), 0.0)  # d0 predicted 31 ms, d1 11 ms: mean 1.4 x SLO
-    decision = schedule(conductor)
+    conductor.observe(decode_report("d0", running=20), 0.0)
+    decision = schedule(conductor)  # arrives at 1.1 s, when d0's 20 have faded by 1.1 / t_d
     assert isinstance(decision, Rejection) and decision.stage == "decode"
-    assert decision.load == pytest.approx((0.031 + 0.011) / 2 / 0.015, rel=1e-3)
+    d0, d1 = 0.010 + 0.001 * (20 * (1 - 1.1 / 100) + 1), 0.011
+    assert decision.load == pytest.approx((d0 + d1) / 2 / 0.015, rel=1e-3)
 
 
 def test_lower_priority_is_rejected_first():

@@ -96,14 +96,17 @@ class Admission:
         return DecodeChoice(instance, tbt, tbt / self.tbt_slo_s if self.mode == "early" else 0.0)
 
     def _choose_predicted(self, request, decodes, arrival, t_d) -> DecodeChoice:
-        estimator, n = self.estimator, request.n_tokens
-        best, best_tbt, ratios = decodes[0], math.inf, 0.0
-        for instance in decodes:
+        d0, d1, d2 = self.estimator.cost.decode
+        n, slo, limit = request.n_tokens, self.tbt_slo_s, MAX_RATIO * self.tbt_slo_s
+        best, best_tbt, total = decodes[0], math.inf, 0.0
+        for instance in decodes:  # hot loop, kept flat
             batch, tokens = instance.forecast.at(arrival, t_d)
-            tbt = estimator.tbt(batch + 1, tokens + n, instance.capacity_tokens)
-            ratios += min(MAX_RATIO, tbt / self.tbt_slo_s)
+            tokens += n
+            tbt = d0 + d1 * (batch + 1) + d2 * tokens if tokens <= instance.capacity_tokens else math.inf
+            total += tbt if tbt < limit else limit
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
+        ratios = total / slo
         return DecodeChoice(best, best_tbt, ratios / len(decodes))
 
     def judge_predicted(self, request, instance: DecodeState, arrival: float, t_d: float) -> DecodeChoice:

@@ -134,8 +134,11 @@ class DecodeForecast:
         return len(self.starts) - index, sum(self.tokens[index:])
 
     def tracked_at(self, t: float, t_d: float) -> tuple[int, int]:
-        lo = bisect.bisect_right(self.starts, t - t_d)
-        hi = bisect.bisect_right(self.starts, t)
+        starts = self.starts
+        if not starts or starts[-1] <= t - t_d or starts[0] > t:
+            return 0, 0
+        lo = bisect.bisect_right(starts, t - t_d)
+        hi = bisect.bisect_right(starts, t)
         return hi - lo, sum(self.tokens[lo:hi])
 
     def reconcile(self, running: int, kv_tokens: int, now: float, t_d: float) -> None:
@@ -146,5 +149,10 @@ class DecodeForecast:
     def at(self, t: float, t_d: float) -> tuple[float, float]:
         """Predicted (batch, kv tokens) at moment t."""
         batch, tokens = self.tracked_at(t, t_d)
-        fade = max(0.0, 1.0 - (t - self.offset_at) / t_d) if t_d > 0 else 0.0
-        return max(0.0, batch + fade * self.offset_batch), max(0.0, tokens + fade * self.offset_tokens)
+        if not (self.offset_batch or self.offset_tokens) or t_d <= 0:
+            return batch, tokens
+        fade = 1.0 - (t - self.offset_at) / t_d
+        if fade <= 0.0:
+            return batch, tokens
+        batch, tokens = batch + fade * self.offset_batch, tokens + fade * self.offset_tokens
+        return (batch if batch > 0.0 else 0.0), (tokens if tokens > 0.0 else 0.0)
