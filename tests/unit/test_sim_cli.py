@@ -86,3 +86,30 @@ def test_poisson_workload_shares_the_requested_part_of_each_prompt():
     assert all(len(r.hashes) == 8 and r.hashes[:4] == [f"{r.hashes[0][:-2]}.{i}" for i in range(4)] for r in requests)
     gaps = [b.arrival_s - a.arrival_s for a, b in zip(requests, requests[1:])]
     assert 0.1 < sum(gaps) / len(gaps) < 0.3
+
+
+def readme_sim_examples() -> list[tuple[str, str]]:
+    """(command, the output its comment promises if it is JSON, else "") for each `kvcentric sim` line of the
+    README's "Conductor and simulator" section."""
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Conductor and simulator", 1)[1].split("\n## ", 1)[0]
+    examples = []
+    for line in section.splitlines():
+        if line.startswith("kvcentric sim"):
+            command, _, comment = line.partition("#")
+            examples.append((command.strip(), comment.strip() if comment.strip().startswith("{") else ""))
+    return examples
+
+
+def test_the_readme_sim_examples_run_and_print_what_they_say(tmp_path):
+    examples = readme_sim_examples()
+    assert len(examples) >= 3
+    for command, promised in examples:
+        quiet = [] if command.startswith("kvcentric sim cache") else ["--no-progress", "--no-plots"]
+        result = subprocess.run([sys.executable, "-m", "kvcentric", *command.split()[1:], *quiet],
+                                capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+        if promised:
+            assert json.loads(result.stdout) == json.loads(promised)
+    assert (tmp_path / "sim-out" / "summary.json").exists() and (tmp_path / "sim-colocated" / "summary.json").exists()

@@ -121,6 +121,8 @@ def summarize(records: list[Record], ttft_slo_s: float, tbt_slo_s: float) -> dic
         "pulls": sum(r.pulled_blocks > 0 for r in prefilled),
         "pulled_blocks": sum(r.pulled_blocks for r in prefilled),
         "wasted_prefill_requests": len(wasted),
+        "ttft_prediction_abs_error_mean_s": float(np.mean([abs(r.predicted_ttft_s - r.ttft_s) for r in done]))
+        if done else 0.0,
         "duration_s": span,
     }
 
