@@ -222,33 +222,37 @@ class KVPusher:
                 await bucket.consume(item.nbytes)
             yield kvwire.encode(item)
 
-    async def _call(self, addr: str, stripe: int, items: AsyncIterator[kvwire.Item], timeout_s: float) -> int:
+    async def _call(self, addr: str, stripe: int, items: AsyncIterator[kvwire.Item], timeout_s: float,
+                    metadata: list | None = None) -> int:
         push = self._channel(addr, stripe).stream_unary(PUSH_KV, request_serializer=None,
                                                          response_deserializer=kv_pb2.PushAck.FromString)
         try:
-            ack = await push(self._paced(addr, items), timeout=timeout_s)
+            ack = await push(self._paced(addr, items), timeout=timeout_s, metadata=metadata)
         except grpc.aio.AioRpcError as exc:
             raise TransferError(f"KV push to {addr} failed: {exc.code().name}: {exc.details()}") from exc
         if not ack.ok:
             raise TransferError(f"KV push to {addr} refused: {ack.error}", retryable=ack.retryable)
         return ack.bytes_received
 
-    async def push(self, addr: str, chunks: AsyncIterator, timeout_s: float = 120.0) -> int:
+    async def push(self, addr: str, chunks: AsyncIterator, timeout_s: float = 120.0,
+                   metadata: list | None = None) -> int:
         """Stream one request's chunks (header, layers, commit: `kvwire` items or generated KVChunks) to
         the messenger at `addr`; returns bytes accepted. With several stripes, layers are dealt
         round-robin over concurrent streams."""
         chunks = _normalized(chunks)
         started = time.monotonic()
         if self.stripes == 1:
-            total = await self._call(addr, 0, chunks, timeout_s)
+            total = await self._call(addr, 0, chunks, timeout_s, metadata)
         else:
-            total = await self._push_striped(addr, chunks, timeout_s)
+            total = await self._push_striped(addr, chunks, timeout_s, metadata)
         self._measured(addr, total, time.monotonic() - started)
         return total
 
-    async def _push_striped(self, addr: str, chunks: AsyncIterator[kvwire.Item], timeout_s: float) -> int:
+    async def _push_striped(self, addr: str, chunks: AsyncIterator[kvwire.Item], timeout_s: float,
+                            metadata: list | None) -> int:
         queues = [asyncio.Queue() for _ in range(self.stripes)]
-        calls = [asyncio.ensure_future(self._call(addr, i, _drain(q), timeout_s)) for i, q in enumerate(queues)]
+        calls = [asyncio.ensure_future(self._call(addr, i, _drain(q), timeout_s, metadata))
+                 for i, q in enumerate(queues)]
         try:
             total = await _deal(chunks, queues, calls[1:])
             return total + await calls[0]
@@ -265,11 +269,11 @@ class KVPusher:
             self.bandwidth[addr] = sample if previous is None else 0.7 * previous + 0.3 * sample
 
     async def push_with_retry(self, addr: str, make_chunks: Callable[[int], AsyncIterator],
-                              retries: int = 2, timeout_s: float = 120.0) -> int:
+                              retries: int = 2, timeout_s: float = 120.0, metadata: list | None = None) -> int:
         """Push, and push again from scratch (make_chunks(attempt)) while the receiver says it may be resent."""
         for attempt in range(retries + 1):
             try:
-                return await self.push(addr, make_chunks(attempt), timeout_s)
+                return await self.push(addr, make_chunks(attempt), timeout_s, metadata)
             except TransferError as exc:
                 if not exc.retryable or attempt == retries:
                     raise

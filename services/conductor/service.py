@@ -14,6 +14,7 @@ import time
 import nats.errors
 
 from kvc_conductor.config import ConductorConfig
+from kvcentric import tracing
 from kvcentric.costmodel import CostModel, hardware
 from kvcentric.model.config import preset
 from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVSQuery, KVSReply, LoadReport,
@@ -76,7 +77,8 @@ class ConductorService(Service):
         query = encode(KVSQuery(block_hashes))
         for attempt in range(self.config.kvs_retry_times):
             try:
-                reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s)
+                reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s,
+                                              headers=tracing.inject_headers())  # the trace goes on to kvs-meta
                 holders = decode(reply.data, KVSReply).holders
             except KVS_ERRORS as exc:
                 self.counters["kvs_query_failures_total"] += 1

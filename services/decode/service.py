@@ -33,6 +33,8 @@ class DecodeService(EngineService):
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:
             return SubmitAck(False, str(exc))
+        self.spans.received(job.request_id)
+        self.spans.start(job.request_id, "decode.queue", prompt_tokens=job.n_prompt_tokens)
         return SubmitAck(True)
 
     async def on_cancel(self, cancel: Cancel) -> None:

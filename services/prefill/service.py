@@ -49,6 +49,7 @@ class PrefillService(EngineService):
             self.engine.check(job)
         except PrefillRejected as exc:
             return SubmitAck(False, str(exc))
+        self.spans.received(job.request_id)
         if job.pull_block_hashes and job.kv_source_addr and self.host is not None:
             self.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
         else:
@@ -102,7 +103,10 @@ class PrefillService(EngineService):
         work = chunk.work
         try:
             if chunk.first:
-                self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries)
+                self.spans.start(work.request_id, "prefill.run", prompt_tokens=work.num_tokens,
+                                 cached_tokens=work.num_cached)
+                self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries,
+                                                           self.spans.context(work.request_id, "prefill.run"))
             push = self.pushes[work.request_id]
             if work.cancelled:
                 raise asyncio.CancelledError
@@ -110,6 +114,8 @@ class PrefillService(EngineService):
                 await push.task
             token = await self.run_model(self.engine.execute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
+            self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
+                                                                                "kvc.end": chunk.end})
             if chunk.last:
                 push.finish(token)
                 await push.task
@@ -119,11 +125,12 @@ class PrefillService(EngineService):
                 raise
             self.end_push(work)
         except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
-            self.end_push(work)
+            self.end_push(work, str(exc))
             await self.fail(work, exc)
 
-    def end_push(self, work: PrefillWork) -> None:
-        """Stop the push (if still running) and release the prompt's blocks."""
+    def end_push(self, work: PrefillWork, error: str = "") -> None:
+        """Stop the push (if still running), release the prompt's blocks, close its spans."""
+        self.spans.finish(work.request_id, error)
         push = self.pushes.pop(work.request_id, None)
         if push is not None:
             push.cancel()

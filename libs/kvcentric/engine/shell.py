@@ -14,6 +14,7 @@ import torch
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.spans import RequestSpans
 from kvcentric.kvpool import HostBlockPool
 from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
@@ -38,6 +39,9 @@ class DecodeSink:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
 
     def commit(self, request_id: str, commit) -> None:
+        spans = self.service.spans
+        spans.end(request_id, "decode.queue")
+        spans.start(request_id, "decode.generate").add_event("first_token", {"kvc.token": commit.first_token})
         self.service.emit(self.engine.commit_kv(request_id, commit.first_token))
         self.service.wake.set()
 
@@ -85,6 +89,7 @@ class EngineService(Service):
         self.kv_addr = ""
         self._grpc = None
         self.outbox: asyncio.Queue[TokenChunk] = asyncio.Queue()
+        self.spans = RequestSpans()
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
 
@@ -124,6 +129,8 @@ class EngineService(Service):
         for chunk in chunks:
             if chunk is not None:
                 self.outbox.put_nowait(chunk)
+                if chunk.finish_reason is not None:
+                    self.spans.finish(chunk.request_id, chunk.error if chunk.finish_reason == "error" else "")
 
     async def send_outbox(self) -> None:
         while True:

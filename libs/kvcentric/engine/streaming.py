@@ -8,7 +8,12 @@ It moves bytes for one request; it does not schedule prefill or decide where the
 from __future__ import annotations
 
 import asyncio
+import time
 
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from kvcentric import tracing
 from kvcentric.engine.prefill import PrefillWork
 from kvcentric.engine.runner import ModelRunner, kv_payload
 from kvcentric.kvwire import LayerData
@@ -17,15 +22,30 @@ from kvcentric.transfer import KVPusher
 
 
 class RequestPush:
-    def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2) -> None:
+    def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2,
+                 trace_context=None) -> None:
         self.runner, self.work = runner, work
         self.loop = asyncio.get_running_loop()
         self.layers: asyncio.Queue = asyncio.Queue()
         self.first_token: asyncio.Future = self.loop.create_future()
-        self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries))
-        self.task.add_done_callback(lambda task: task.cancelled() or task.exception())
+        self.span = tracing.start_span("messenger.transfer", trace_context, tracing.SpanKind.CLIENT,
+                                       {"kvc.request_id": work.request_id, "kvc.peer": work.job.decode_kv_addr})
+        self.started = time.monotonic()
+        metadata = tracing.inject_metadata(parent=trace.set_span_in_context(self.span, trace_context))
+        self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries,
+                                                                 metadata=metadata))
+        self.task.add_done_callback(self._done)
         if work.num_cached:
             self._send_cached_prefix()
+
+    def _done(self, task: asyncio.Task) -> None:
+        error = "cancelled" if task.cancelled() else str(task.exception() or "")
+        if not error:
+            self.span.set_attributes({"kvc.bytes": task.result(),
+                                      "kvc.duration_s": round(time.monotonic() - self.started, 6)})
+        else:
+            self.span.set_status(Status(StatusCode.ERROR, error))
+        self.span.end()
 
     def _send_cached_prefix(self) -> None:
         """The prefix found in the local cache is not computed: send its KV from the cache now."""
