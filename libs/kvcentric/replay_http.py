@@ -30,6 +30,8 @@ class Outcome:
     retry_after_s: float = 0.0
     prefill_id: str = ""
     decode_id: str = ""
+    predicted_ttft_s: float = 0.0
+    """The conductor's prediction, from the x-kvcentric-predicted-ttft-s header."""
     last_chunk: float = -1.0
     gaps: list[float] = dataclasses.field(default_factory=list)
     """Seconds between consecutive chunks of text after the first (a stall shows as one long gap)."""
@@ -51,6 +53,7 @@ async def send(session: aiohttp.ClientSession, url: str, body: dict, headers: di
                 outcome.status = response.status
                 outcome.prefill_id = response.headers.get("x-kvcentric-prefill", "")
                 outcome.decode_id = response.headers.get("x-kvcentric-decode", "")
+                outcome.predicted_ttft_s = float(response.headers.get("x-kvcentric-predicted-ttft-s", 0.0))
                 if response.status != 200:
                     await _http_error(outcome, response)
                 else:

@@ -261,4 +261,5 @@ class GatewayService(Service):
     @staticmethod
     def response_headers(job: relay.Job) -> dict:
         return {"x-request-id": job.request_id, "x-kvcentric-prefill": job.placement.prefill_id,
-                "x-kvcentric-decode": job.placement.decode_id}
+                "x-kvcentric-decode": job.placement.decode_id,
+                "x-kvcentric-predicted-ttft-s": f"{job.placement.predicted_ttft_s:.6f}"}
