@@ -24,7 +24,7 @@ def kvs_meta(nats_url, redis_url):
     port = free_port()
     redis_db = redis_url.rsplit("/", 1)[0] + "/3"  # a database of its own: no other test's blocks
     process = subprocess.Popen([sys.executable, "-m", "kvcentric", "kvs-meta", "--nats-url", nats_url, "--redis-url",
-                                redis_db, "--port", str(port), "--lease-ttl-s", "1.0"],
+                                redis_db, "--port", str(port), "--lease-ttl-s", "2.0"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -53,14 +53,21 @@ async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nat
     try:
         events = KVEventBatch([BlockStored("alive-node", ["h1", "h2"]), BlockStored("dying-node", ["h1"], "device")])
         await nc.publish(Subjects.kv_events("x"), encode(events))
-        for _ in range(6):  # ~1.5 s: alive-node keeps reporting, dying-node never does after this
+        purged = None
+        for _ in range(40):  # alive-node keeps reporting; dying-node never does, and its 2 s lease runs out
             await nc.publish(Subjects.load("prefill", "alive-node"), encode(report("alive-node")))
             await asyncio.sleep(0.25)
-        assert await holders(nc, ["h1", "h2", "h3"]) == [["alive-node:dram"], ["alive-node:dram"], []]
+            purged = await holders(nc, ["h1", "h2", "h3"])
+            if purged == [["alive-node:dram"], ["alive-node:dram"], []]:
+                break
+        assert purged == [["alive-node:dram"], ["alive-node:dram"], []]
         await nc.publish(Subjects.kv_events("x"), encode(KVEventBatch([BlockEvicted("alive-node", ["h2"])])))
         await nc.flush()
-        await asyncio.sleep(0.2)
-        assert (await holders(nc, ["h2"])) == [[]]
+        for _ in range(20):
+            if await holders(nc, ["h2"]) == [[]]:
+                break
+            await asyncio.sleep(0.1)
+        assert await holders(nc, ["h2"]) == [[]]
     finally:
         await nc.close()
     with urllib.request.urlopen(kvs_meta + "/metrics") as response:
