@@ -1,1 +1,5 @@
-"""Scheduling cores: the instance registry fed by load reports and the placement policies. Pure."""
+"""The Conductor's pure cores (no I/O, time passed in): `conductor` (Mooncake Algorithm 1 end to end),
+`policies` (prefill placement by name), `admission` (decode choice and rejection modes), `estimators`
+(T_prefill, T_transfer, decode forecast), `registry` (load reports + dispatch accounting), `prefix`
+(prefix matching), `eviction` (LRU/LFU/length-aware block caches), `kvs_gate` (kvs-meta health gating),
+`config` (their settings). The live conductor service and the simulator both drive them."""
