@@ -113,3 +113,27 @@ def test_the_readme_sim_examples_run_and_print_what_they_say(tmp_path):
         if promised:
             assert json.loads(result.stdout) == json.loads(promised)
     assert (tmp_path / "sim-out" / "summary.json").exists() and (tmp_path / "sim-colocated" / "summary.json").exists()
+
+
+def test_a_low_priority_share_marks_that_share_of_requests(tmp_path):
+    from kvcentric.sim.cli import SimConfig, workload
+    config = SimConfig(workload="poisson", num_requests=400, low_priority_share=0.25, out=str(tmp_path))
+    priorities = [r.priority for r in workload(config)]
+    assert set(priorities) == {0, -1} and 0.18 < priorities.count(-1) / 400 < 0.32
+    assert priorities == [r.priority for r in workload(config)]  # seeded
+
+
+def test_lower_priority_is_rejected_first_at_cluster_scale():
+    from factories import simple_cost
+    from kvcentric.scheduling.config import SchedulerConfig
+    from kvcentric.sim.cluster import ClusterSpec, Simulation
+    from kvcentric.sim.metrics import summarize
+    from kvcentric.sim.workload import poisson_workload
+    requests = poisson_workload(rps=1.5, num_requests=300, input_len=1000, output_len=4, cache_ratio=0.0,
+                                block_tokens=100, seed=2)
+    for i, request in enumerate(requests):
+        request.priority = -1 if i % 2 else 0
+    sim = Simulation(SchedulerConfig(block_size=100, rejection="early", ttft_slo_s=5.0), simple_cost(),
+                     ClusterSpec(prefill=1, decode=1, link_bytes_per_s=1e12))
+    shares = summarize(sim.run(requests, sample_s=0), 5.0, 0.1)["rejected_share_by_priority"]
+    assert shares["-1"] > shares["0"] + 0.1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import sys
 import time
 from pathlib import Path
@@ -55,6 +56,7 @@ class SimConfig(SchedulerConfig):
     profile: str = setting("", "cost model JSON from `kvcentric profile` (default: roofline of --model on --hardware)")
     decode_kv_tokens: int = setting(0, "KV tokens a decode instance holds (0: from --hardware memory)")
     noise: float = setting(0.0, "lognormal sigma of execution-time noise (0: exact cost model)")
+    low_priority_share: float = setting(0.0, "this share of requests (seeded draw) gets priority -1, the rest 0")
     sample_s: float = setting(1.0, "load sampled every this many simulated seconds (0: never)")
     out: str = setting("sim-out", "output directory")
     plots: bool = setting(True, "write PNG plots (needs matplotlib)")
@@ -70,6 +72,7 @@ class SimConfig(SchedulerConfig):
                 parse_capacity(self.cache_blocks)
             except ValueError as exc:
                 require(False, "cache_blocks", str(exc))
+        require(0 <= self.low_priority_share <= 1, "low_priority_share", "must be in [0, 1]")
         require(self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
         require(self.hardware in HARDWARE, "hardware", f"choose one of {', '.join(HARDWARE)}")
 
@@ -95,9 +98,15 @@ def build(config: SimConfig) -> tuple[Simulation, dict]:
 
 def workload(config: SimConfig):
     if config.workload == "poisson":
-        return poisson_workload(config.rps, config.num_requests, config.input_len, config.output_len,
-                                config.cache_ratio, config.block_size, seed=config.seed)
-    return load_trace(config.trace, config.speed, config.limit)
+        requests = poisson_workload(config.rps, config.num_requests, config.input_len, config.output_len,
+                                    config.cache_ratio, config.block_size, seed=config.seed)
+    else:
+        requests = load_trace(config.trace, config.speed, config.limit)
+    if config.low_priority_share > 0:
+        rng = random.Random(config.seed)
+        for request in requests:
+            request.priority = -1 if rng.random() < config.low_priority_share else 0
+    return requests
 
 
 def run(config: SimConfig) -> dict:

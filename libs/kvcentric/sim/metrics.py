@@ -121,10 +121,21 @@ def summarize(records: list[Record], ttft_slo_s: float, tbt_slo_s: float) -> dic
         "pulls": sum(r.pulled_blocks > 0 for r in prefilled),
         "pulled_blocks": sum(r.pulled_blocks for r in prefilled),
         "wasted_prefill_requests": len(wasted),
+        "rejected_share_by_priority": _rejected_by_priority(records),
         "ttft_prediction_abs_error_mean_s": float(np.mean([abs(r.predicted_ttft_s - r.ttft_s) for r in done]))
         if done else 0.0,
         "duration_s": span,
     }
+
+
+def _rejected_by_priority(records: list[Record]) -> dict[str, float]:
+    """Per priority class, the share of its requests rejected (before or after prefill)."""
+    classes: dict[int, list[int]] = {}
+    for record in records:
+        counts = classes.setdefault(record.request.priority, [0, 0])
+        counts[0] += 1
+        counts[1] += record.status.startswith("rejected")
+    return {str(p): round(rejected / total, 4) for p, (total, rejected) in sorted(classes.items())}
 
 
 def write_results(out: Path, summary: dict, records: list[Record], series: LoadSeries) -> None:
