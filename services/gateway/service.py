@@ -194,6 +194,8 @@ class GatewayService(Service):
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
             raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s (--bus-timeout-s)",
                            kind="service_unavailable") from None
+        except BadMessage as exc:
+            raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
 
     async def place(self, job: relay.Job) -> Placement:
         """Ask the conductor, then hand the job to decode (which waits for KV) and to prefill."""
