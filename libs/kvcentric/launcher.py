@@ -42,6 +42,8 @@ class UpConfig:
     nats_url: str = setting("", "use this NATS server instead of starting one")
     redis_url: str = setting("", "use this Redis instead of starting one")
     cluster: str = setting("local", "cluster name of every service")
+    profile: str = setting("", "cost model from `kvcentric profile` for the conductor (default: a roofline of "
+                               "the model on this machine)")
     num_kv_blocks: int = setting(2048, "KV blocks per engine instance")
     block_size: int = setting(16, "tokens per KV block")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
@@ -180,7 +182,8 @@ class Cluster:
         engine = ["--model", c.model, "--seed", str(c.seed), "--num-kv-blocks", str(c.num_kv_blocks),
                   "--block-size", str(c.block_size), "--torch-threads", threads]
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
-        self.service("conductor", "conductor")
+        self.service("conductor", "conductor", "--model", c.model, "--block-size", str(c.block_size),
+                     *(["--profile", c.profile] if c.profile else []))
         for name, command in c.engines:
             self.service(name, command, "--instance-id", name, *engine)
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from kvcentric.config import BusConfig, require, setting
+from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.costmodel import HARDWARE
-from kvcentric.model.config import PRESETS
+from kvcentric.model.config import load_model_config
 from kvcentric.scheduling.config import SchedulerConfig
 
 
@@ -16,7 +16,8 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     stale_after_s: float = setting(1.5, "an instance with no load report for this long is out of placement")
     profile: str = setting("", "cost model JSON written by `kvcentric profile` (default: a roofline of "
                                "--model on --hardware)")
-    model: str = setting("tiny", "model preset for the roofline cost model when no --profile is given")
+    model: str = setting("tiny", "model (preset or checkpoint directory) of the roofline cost model when no "
+                                 "--profile is given")
     hardware: str = setting("cpu-2core", f"hardware preset for the roofline: {', '.join(HARDWARE)}")
     kvs_retry_times: int = setting(5, "consecutive failed kvs-meta lookups that mark it down")
     kvs_retry_interval_ms: int = setting(100, "pause between two attempts of one lookup")
@@ -28,7 +29,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         BusConfig.__post_init__(self)
         SchedulerConfig.__post_init__(self)
         require(self.stale_after_s > 0, "stale_after_s", "must be positive")
-        require(self.profile or self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
+        if not self.profile:
+            try:
+                load_model_config(self.model)
+            except ValueError as exc:
+                raise ConfigError(f"--model: {exc}") from None
         require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
         require(self.kvs_retry_times >= 1, "kvs_retry_times", "must be at least 1")
         require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")

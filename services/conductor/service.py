@@ -16,7 +16,7 @@ import nats.errors
 from kvc_conductor.config import ConductorConfig
 from kvcentric import tracing
 from kvcentric.costmodel import CostModel, hardware
-from kvcentric.model.config import preset
+from kvcentric.model.config import load_model_config
 from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVSQuery, KVSReply, LoadReport,
                                 Rejection, RequestOutcome, ScheduleRequest, Subjects, decode, encode)
 from kvcentric.scheduling.conductor import Conductor
@@ -30,7 +30,7 @@ KVS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, BadMessage)
 def load_cost_model(config: ConductorConfig) -> CostModel:
     if config.profile:
         return CostModel.load(config.profile)
-    return CostModel.roofline(preset(config.model), hardware(config.hardware))
+    return CostModel.roofline(load_model_config(config.model), hardware(config.hardware))
 
 
 class ConductorService(Service):
