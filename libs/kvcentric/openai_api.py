@@ -130,9 +130,11 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
     options = body.get("stream_options") or {}
     _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
+    _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
-                              ignore_eos=_flag(body, "ignore_eos"))
+                              ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0))
     return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
             "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user}
 

@@ -110,3 +110,10 @@ def test_chat_shapes_and_cached_tokens_in_usage():
     chunk = chat_chunk("chatcmpl-1", "tiny", {"content": "h"}, None, None, 1)
     assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk
     assert usage(32, 1, 16)["prompt_tokens_details"] == {"cached_tokens": 16}
+
+
+def test_top_k_is_accepted_as_vllm_does():
+    assert parse(prompt="x", top_k=5).sampling.top_k == 5
+    assert parse(prompt="x", top_k=-1).sampling.top_k == 0
+    with pytest.raises(ApiError):
+        parse(prompt="x", top_k="five")
