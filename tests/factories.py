@@ -62,13 +62,15 @@ def make_conductor(prefills=2, decodes=2, now=0.0, cost=None, **settings):
     return conductor
 
 
-def prefill_report(instance_id: str, queue_s: float = 0.0, queued_tokens: int = 0) -> LoadReport:
-    return LoadReport(instance_id, "prefill", "local", f"{instance_id}:7000", 0, queued_tokens, 0, 0, 0, 0.0,
-                      queue_s)
+def prefill_report(instance_id: str, queue_s: float = 0.0, queued_tokens: int = 0, cluster: str = "local",
+                   kv_bytes_sent: int = 0) -> LoadReport:
+    return LoadReport(instance_id, "prefill", cluster, f"{instance_id}:7000", 0, queued_tokens, 0, 0, 0, 0.0,
+                      queue_s, kv_bytes_sent=kv_bytes_sent)
 
 
-def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, total_blocks: int = 1000) -> LoadReport:
-    return LoadReport(instance_id, "decode", "local", f"{instance_id}:7000", 0, 0, running, total_blocks,
+def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, total_blocks: int = 1000,
+                  cluster: str = "local") -> LoadReport:
+    return LoadReport(instance_id, "decode", cluster, f"{instance_id}:7000", 0, 0, running, total_blocks,
                       total_blocks - used_blocks, 0.0)
 
 
@@ -78,3 +80,30 @@ def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int 
     from kvcentric.protocol import ScheduleRequest
     count = blocks if blocks is not None else -(-n_tokens // 100)
     return ScheduleRequest(request_id, n_tokens, [f"h{i}" for i in range(count)], max_tokens, priority)
+
+
+def two_cluster_setup(threshold: float = 1000, gbps: float = 8.0, adjust_s: float = 0.0, costs=None, **short_term):
+    """PrfaaS topology: PD cluster "pd" and PrfaaS cluster "prfaas" joined by a `gbps` link (8 Gbit/s = 1 GB/s)."""
+    from kvcentric.prfaas.routing import ShortTermPolicy
+    from kvcentric.prfaas.topology import Topology
+    from kvcentric.scheduling.clusters import ClusterSetup
+    topology = Topology.from_dict({"clusters": [{"name": "pd", "role": "pd", "instances": 3},
+                                                {"name": "prfaas", "role": "prfaas", "instances": 1}],
+                                   "links": [{"between": ["prfaas", "pd"], "gbps": gbps}]})
+    return ClusterSetup(topology, "pd", threshold, adjust_s, ShortTermPolicy(**short_term), costs or {})
+
+
+def make_two_cluster_conductor(pd_prefills=1, prfaas_prefills=1, decodes=1, now=0.0, setup=None, **settings):
+    """A Conductor routing across clusters: prefills a0.. in "pd", r0.. in "prfaas", decodes d0.. in "pd"."""
+    from kvcentric.scheduling.conductor import Conductor
+    from kvcentric.scheduling.config import SchedulerConfig
+    settings.setdefault("block_size", 100)
+    conductor = Conductor(SchedulerConfig(**settings), simple_cost(), stale_after_s=1.0,
+                          clusters=setup or two_cluster_setup())
+    for i in range(pd_prefills):
+        conductor.observe(prefill_report(f"a{i}", cluster="pd"), now)
+    for i in range(prfaas_prefills):
+        conductor.observe(prefill_report(f"r{i}", cluster="prfaas"), now)
+    for i in range(decodes):
+        conductor.observe(decode_report(f"d{i}", cluster="pd"), now)
+    return conductor

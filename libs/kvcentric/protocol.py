@@ -186,6 +186,8 @@ class LoadReport(msgspec.Struct, frozen=True):
     """Prefill: the engine's estimate of seconds of queued work (-1: none; the conductor estimates)."""
     link_bandwidth: dict[str, float] = {}
     """Bytes/s its recent KV pushes reached, per peer messenger address (for the conductor's T_transfer)."""
+    kv_bytes_sent: int = 0
+    """KV bytes its messenger has pushed since it started (the conductor's measure of PrfaaS egress use)."""
 
 
 # ---------------------------------------------------------------- output

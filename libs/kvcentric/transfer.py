@@ -218,8 +218,10 @@ class KVPusher:
         if bucket is None and self.rate_limit > 0:
             bucket = self._buckets[addr] = TokenBucket(self.rate_limit, max(self.rate_limit * 0.05, 1 << 20))
         async for item in items:
-            if bucket is not None and isinstance(item, kvwire.LayerData):
-                await bucket.consume(item.nbytes)
+            if isinstance(item, kvwire.LayerData):
+                if bucket is not None:
+                    await bucket.consume(item.nbytes)
+                self.stats["bytes_streamed"] += item.nbytes
             yield kvwire.encode(item)
 
     async def _call(self, addr: str, stripe: int, items: AsyncIterator[kvwire.Item], timeout_s: float,

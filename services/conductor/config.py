@@ -1,12 +1,16 @@
 """Settings of the conductor service (flags and KVC_* environment variables): the bus, the scheduling core
-(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, and the kvs-meta lookups."""
+(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, the kvs-meta lookups and the PrfaaS
+topology and threshold."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.costmodel import HARDWARE
+from kvcentric.costmodel import HARDWARE, CostModel
+from kvcentric.prfaas.inputs import InputError
+from kvcentric.prfaas.topology import Topology
+from kvcentric.scheduling.clusters import ClusterSetup
 from kvcentric.model.config import load_model_config
 from kvcentric.scheduling.config import SchedulerConfig
 
@@ -24,6 +28,14 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     kvs_timeout_s: float = setting(0.2, "how long one kvs-meta lookup may take")
     kvs_down_duration_s: float = setting(30.0, "after being marked down, kvs-meta is not asked for this long "
                                                "(placement is load-only meanwhile)")
+    topology: str = setting("", "PrfaaS topology (JSON/YAML: clusters with role pd|prfaas, links with gbps); "
+                                "with a prfaas cluster, long uncached prefills go there (default: one cluster)")
+    prfaas_threshold: int = setting(0, "PrfaaS: planned threshold t, uncached tokens above which a request "
+                                       "prefills in the prfaas cluster (`kvcentric plan` finds it)")
+    prfaas_adjust_s: float = setting(1.0, "PrfaaS: seconds between short-term steps of t from the measured "
+                                          "egress use and queues (0: t stays at --prfaas-threshold)")
+    prfaas_profile: str = setting("", "PrfaaS: cost model JSON of the prfaas cluster's hardware (default: "
+                                      "the same as the local one)")
 
     def __post_init__(self) -> None:
         BusConfig.__post_init__(self)
@@ -39,6 +51,24 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")
         require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
         require(self.kvs_down_duration_s >= 0, "kvs_down_duration_s", "must be >= 0")
+        require(self.prfaas_threshold >= 0, "prfaas_threshold", "must be 0 or more tokens")
+        require(self.prfaas_adjust_s >= 0, "prfaas_adjust_s", "must be >= 0")
+        if self.topology:
+            self.clusters()  # reads the file and checks --cluster against it
+
+    def clusters(self, prfaas_cost: CostModel | None = None) -> ClusterSetup | None:
+        """The PrfaaS routing set-up from --topology (None without one); errors name the flag."""
+        if not self.topology:
+            return None
+        try:
+            topology = Topology.load(self.topology)
+        except InputError as exc:
+            raise ConfigError(f"--topology: {exc}") from None
+        if self.cluster not in [c.name for c in topology.of_role("pd")]:
+            raise ConfigError(f"--cluster: {self.cluster!r} must name a pd cluster of --topology "
+                              f"{self.topology} (pd clusters: {', '.join(c.name for c in topology.of_role('pd'))})")
+        costs = {name: prfaas_cost for name in (c.name for c in topology.of_role("prfaas"))} if prfaas_cost else {}
+        return ClusterSetup(topology, self.cluster, float(self.prfaas_threshold), self.prfaas_adjust_s, costs=costs)
 
     @property
     def scheduler(self) -> SchedulerConfig:

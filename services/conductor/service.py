@@ -39,7 +39,9 @@ class ConductorService(Service):
     def __init__(self, config: ConductorConfig) -> None:
         super().__init__(config)
         self.config: ConductorConfig = config
-        self.core = Conductor(config.scheduler, load_cost_model(config), stale_after_s=config.stale_after_s)
+        prfaas_cost = CostModel.load(config.prfaas_profile) if config.prfaas_profile else None
+        self.core = Conductor(config.scheduler, load_cost_model(config), stale_after_s=config.stale_after_s,
+                              clusters=config.clusters(prfaas_cost))
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
 
@@ -53,6 +55,10 @@ class ConductorService(Service):
         self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
         self.log.info("policy %s, rejection %s, cost model %s", self.config.policy, self.config.rejection,
                       self.core.estimator.cost.source)
+        if self.core.router is not None:
+            router = self.core.router
+            self.log.info("PrfaaS routing: local PD cluster %s, prfaas clusters %s, t = %d uncached tokens",
+                          router.pd, ", ".join(router.prfaas) or "none", router.threshold)
 
     async def on_load(self, report: LoadReport) -> None:
         self.core.observe(report, time.monotonic())
@@ -110,7 +116,9 @@ class ConductorService(Service):
         return {"prefill_alive": len(self.registry.alive_prefill(now)),
                 "decode_alive": len(self.registry.alive_decode(now)),
                 "policy": self.config.policy, "rejection": self.config.rejection,
-                "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source}
+                "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
+                **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
+                   if self.core.router is not None else {})}
 
     def gauges(self) -> dict[str, float]:
         stats, outcomes = self.core.stats, self.core.stats["outcomes"]
@@ -121,8 +129,21 @@ class ConductorService(Service):
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "ttft_outcomes_total": float(outcomes)}
+        if self.core.router is not None:
+            gauges.update(self.prfaas_gauges())
         if outcomes:
             gauges["ttft_prediction_error_mean_s"] = stats["ttft_error_sum_s"] / outcomes
             gauges["ttft_prediction_abs_error_mean_s"] = stats["ttft_abs_error_sum_s"] / outcomes
             gauges["ttft_prediction_rel_error_mean"] = stats["ttft_rel_error_sum"] / outcomes
+        return gauges
+
+    def prfaas_gauges(self) -> dict[str, float]:
+        router = self.core.router
+        status = router.status(self.registry.alive_prefill(time.monotonic()), time.monotonic())
+        gauges = {"prfaas_threshold_tokens": router.threshold,
+                  "prfaas_routed_local_total": float(router.stats["routed_pd"]),
+                  "prfaas_routed_remote_total": float(router.stats["routed_prfaas"]),
+                  "prfaas_cross_cluster_transfers_total": float(router.stats["cross_cluster_transfers"])}
+        for cluster, value in status["egress_utilization"].items():
+            gauges[f'prfaas_egress_utilization{{cluster="{cluster}"}}'] = value
         return gauges

@@ -160,15 +160,18 @@ class EngineService(Service):
     def base_load(self, queued_requests: int, queued_tokens: int, running: int, role: str = "") -> LoadReport:
         return LoadReport(self.instance_id, role or self.role, self.config.cluster, self.kv_addr, queued_requests,
                           queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time(),
-                          link_bandwidth=dict(self.pusher.bandwidth))
+                          link_bandwidth=dict(self.pusher.bandwidth),
+                          kv_bytes_sent=self.pusher.stats["bytes_streamed"])
 
     def health(self) -> dict:
-        return {"kv_addr": self.kv_addr, "model": self.config.model, "stats": self.engine_stats()}
+        return {"kv_addr": self.kv_addr, "model": self.config.model, "cluster": self.config.cluster,
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.engine_stats()}
 
     def engine_stats(self) -> dict:
         host = {**self.host.stats, "host_blocks": len(self.host), "host_blocks_capacity": self.host.capacity} \
             if self.host is not None else {}
-        return {**self.engine.stats, **self.transfer.stats, **host, "kv_blocks_free": self.pool.num_free,
+        pushed = {f"push_{key}": value for key, value in self.pusher.stats.items()}
+        return {**self.engine.stats, **self.transfer.stats, **host, **pushed, "kv_blocks_free": self.pool.num_free,
                 "kv_blocks_total": self.pool.num_blocks}
 
     def gauges(self) -> dict[str, float]:

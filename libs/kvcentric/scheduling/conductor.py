@@ -19,6 +19,7 @@ from typing import Mapping
 from kvcentric.costmodel import CostModel
 from kvcentric.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.scheduling.admission import Admission, DecodeChoice
+from kvcentric.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.scheduling.config import SchedulerConfig
 from kvcentric.scheduling.estimators import Estimator, LinkTable
 from kvcentric.scheduling.policies import PrefillChoice, make_policy
@@ -36,24 +37,32 @@ class Pending:
 
 
 class Conductor:
-    def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5) -> None:
+    def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
+                 clusters: ClusterSetup | None = None) -> None:
         self.config = config
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
         self.registry = InstanceRegistry(self.estimator, stale_after_s)
-        self.policy = make_policy(config.policy, self.estimator, self.links, config.kvcache_balancing_threshold,
-                                  config.seed)
+        self.policy = self._make_policy(self.estimator)
+        self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
+        """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
         self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
                                    config.priority_step, config.top_priority)
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
         self.stats: collections.Counter[str] = collections.Counter()
 
+    def _make_policy(self, estimator: Estimator):
+        config = self.config
+        return make_policy(config.policy, estimator, self.links, config.kvcache_balancing_threshold, config.seed)
+
     # ---------------------------------------------------------------- inputs
 
     def observe(self, report: LoadReport, now: float) -> None:
         """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator)."""
         state = self.registry.observe(report, now)
+        if self.router is not None:
+            self.router.observe(report, now)
         if report.link_bandwidth:
             self._learn_links(report)
         if isinstance(state, DecodeState):
@@ -100,11 +109,13 @@ class Conductor:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
         prefills = self.registry.alive_prefill(now)
         decodes = self.registry.alive_decode(now)
+        if self.router is not None:
+            decodes = self.router.in_scope(decodes, self.router.pd)
         if not prefills or not decodes:
-            missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
-            self.stats["rejected_no_instance"] += 1
-            return Rejection(request.request_id, "no_instance", f"no {missing} instance is alive", 1.0)
-        choice = self.policy.choose(request, prefills, hits, now)
+            return self._no_instance(request, prefills, decodes)
+        choice = self._choose_prefill(request, prefills, hits, now)
+        if choice is None:
+            return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
         verdict = self.admission.verdict(request, choice.ttft_s, decode, self.t_d)
         if verdict is not None:
@@ -113,6 +124,19 @@ class Conductor:
                              verdict.stage, round(verdict.load, 4))
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
+
+    def _no_instance(self, request: ScheduleRequest, prefills: list, decodes: list) -> Rejection:
+        missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
+        self.stats["rejected_no_instance"] += 1
+        return Rejection(request.request_id, "no_instance", f"no {missing} instance is alive", 1.0)
+
+    def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
+                        now: float) -> PrefillChoice | None:
+        """The placement policy over every alive instance, or, with clusters, over the routed cluster's."""
+        if self.router is None:
+            return self.policy.choose(request, prefills, hits, now)
+        self.router.tick(prefills, now)
+        return self.router.choose(request, prefills, hits, now)
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
                     now: float) -> DecodeChoice:
@@ -127,6 +151,8 @@ class Conductor:
 
     def _account(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice, now: float) -> None:
         instance = choice.instance
+        if self.router is not None:
+            self.router.account(request, choice, now)
         instance.dispatched_s += choice.prefill_s
         cached = self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks)
         instance.dispatched_tokens += request.n_tokens - cached
