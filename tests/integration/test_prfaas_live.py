@@ -1,0 +1,56 @@
+"""Prefill-as-a-Service across two datacenters on real servers: two nats-server processes joined by a NATS
+gateway, the PrfaaS prefill (rate-limited KV push) on one, the PD cluster on the other (a small version of
+bench/prfaas_live.py). Long prompts must prefill remotely, short ones locally, and decode stays local."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+
+import pytest
+
+from kvcentric.twodc import TwoDatacenters, TwoDCConfig
+
+THRESHOLD = 64
+
+
+@pytest.fixture(scope="module")
+def two_dcs(tmp_path_factory):
+    config = TwoDCConfig(model="tiny", threshold=THRESHOLD, link_gbps=0.01, num_kv_blocks=256,
+                         log_dir=str(tmp_path_factory.mktemp("2dc")))
+    with TwoDatacenters(config) as dcs:
+        yield dcs
+
+
+def complete(url: str, n_tokens: int, seed: int) -> tuple[int, str, str]:
+    rng = random.Random(seed)
+    body = json.dumps({"model": "tiny", "prompt": [rng.randrange(256) for _ in range(n_tokens)],
+                       "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.load(response)
+        assert answer["usage"]["completion_tokens"] == 4
+        return response.status, response.headers["x-kvcentric-prefill"], response.headers["x-kvcentric-decode"]
+
+
+def test_the_two_nats_servers_are_joined_by_a_gateway_and_services_see_across_it(two_dcs):
+    assert two_dcs.gateways_connected()
+    assert two_dcs.health("prefill-prfaas-0")["cluster"] == "prfaas"
+    conductor = two_dcs.health("conductor")
+    assert conductor["prefill_alive"] == 2 and conductor["prfaas"]["local"] == "pd"
+
+
+def test_long_prompts_prefill_in_the_prfaas_cluster_and_short_ones_locally(two_dcs):
+    before = two_dcs.health("prefill-prfaas-0")["stats"].get("push_bytes_streamed", 0)
+    results = {n: complete(two_dcs.url, n, seed) for seed, n in enumerate((200, 20, 300, 40))}
+    assert all(status == 200 for status, _, _ in results.values())
+    assert {n: prefill for n, (_, prefill, _) in results.items()} == {
+        200: "prefill-prfaas-0", 20: "prefill-pd-0", 300: "prefill-prfaas-0", 40: "prefill-pd-0"}
+    assert {decode for _, _, decode in results.values()} == {"decode-pd-0"}
+    prfaas = two_dcs.health("prefill-prfaas-0")
+    kv_bytes_per_token = 4 * 2 * 2 * 16 * 4  # tiny: layers x (K, V) x kv heads x head dim x fp32
+    assert prfaas["stats"]["push_bytes_streamed"] - before == (200 + 300) * kv_bytes_per_token
+    assert prfaas["link_bandwidth"]  # the measured egress rate to the PD decode instance
+    routed = two_dcs.health("conductor")["prfaas"]["routed"]
+    assert routed["routed_prfaas"] == 2 and routed["routed_pd"] == 2
