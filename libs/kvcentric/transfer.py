@@ -20,6 +20,7 @@ from kvcentric import kvwire
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
 
 MAX_MESSAGE_BYTES = 1 << 30
+OFFLOAD_CHECKSUM_BYTES = 256 << 10
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -82,7 +83,9 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 elif header is None:
                     raise ValueError(f"{type(item).__name__} before the header")
                 elif isinstance(item, kvwire.LayerData):
-                    received += self._write(header.request_id, item)
+                    await self._verify(header.request_id, item)
+                    self.sink.write(header.request_id, item)
+                    received += item.nbytes
                 else:
                     self.sink.commit(header.request_id, item)
                     done = True
@@ -104,11 +107,14 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             if not done:
                 self._abort(header, "push did not complete")
 
-    def _write(self, request_id: str, layer: kvwire.LayerData) -> int:
-        if checksum(layer.key, layer.value) != layer.checksum:
+    async def _verify(self, request_id: str, layer: kvwire.LayerData) -> None:
+        """crc32 of a big layer runs in a thread (zlib drops the GIL), so gRPC keeps receiving meanwhile."""
+        if layer.nbytes >= OFFLOAD_CHECKSUM_BYTES:
+            crc = await asyncio.get_running_loop().run_in_executor(None, checksum, layer.key, layer.value)
+        else:
+            crc = checksum(layer.key, layer.value)
+        if crc != layer.checksum:
             raise ChecksumMismatch(f"checksum mismatch in layer {layer.layer} of {request_id}")
-        self.sink.write(request_id, layer)
-        return layer.nbytes
 
     def _abort(self, header: kv_pb2.KVHeader | None, reason: str, retryable: bool = False) -> None:
         if header is not None:
