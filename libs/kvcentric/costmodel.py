@@ -84,6 +84,9 @@ class CostModel:
     """KV bytes of one token over all layers (what a transfer moves per cached token)."""
     source: str = ""
     """Where the coefficients came from (a profile file, or roofline:<model>@<hardware>)."""
+    kv_bytes_fixed: int = 0
+    """KV bytes of a request whatever its length: the fixed-size state of a hybrid model's linear-attention
+    layers (PrfaaS Table 5: 190.8 MiB at 1K tokens, 2316 MiB at 128K, i.e. about 174 MiB + 17 KB/token)."""
 
     def t_prefill(self, n_new: int, n_cached: int = 0) -> float:
         p0, p1, p2, p3 = self.prefill
@@ -94,13 +97,14 @@ class CostModel:
         return d0 + d1 * batch + d2 * kv_tokens
 
     def kv_bytes(self, tokens: int) -> int:
-        return tokens * self.kv_bytes_per_token
+        return tokens * self.kv_bytes_per_token + (self.kv_bytes_fixed if tokens > 0 else 0)
 
     # ---------------------------------------------------------------- persistence
 
     def to_dict(self) -> dict:
+        fixed = {"kv_bytes_fixed": self.kv_bytes_fixed} if self.kv_bytes_fixed else {}
         return {"prefill": list(self.prefill), "decode": list(self.decode),
-                "kv_bytes_per_token": self.kv_bytes_per_token, "source": self.source}
+                "kv_bytes_per_token": self.kv_bytes_per_token, "source": self.source, **fixed}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
@@ -109,7 +113,8 @@ class CostModel:
         try:
             prefill = tuple(float(x) for x in data["prefill"])
             decode = tuple(float(x) for x in data["decode"])
-            model = cls(prefill, decode, int(data["kv_bytes_per_token"]), str(data.get("source", "")))
+            model = cls(prefill, decode, int(data["kv_bytes_per_token"]), str(data.get("source", "")),
+                        int(data.get("kv_bytes_fixed", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc!r}") from None
         if len(prefill) != 4 or len(decode) != 3:

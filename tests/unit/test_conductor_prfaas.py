@@ -60,7 +60,7 @@ def scarce(conductor, now=2.0, gbps=8.0):
 def test_scarce_bandwidth_judges_each_clusters_prefix_on_its_own_and_moves_no_cache():
     conductor = make_two_cluster_conductor()
     scarce(conductor)
-    assert conductor.router.utilization("prfaas", conductor.registry.alive_prefill(2.0)) == pytest.approx(1.0)
+    assert conductor.router.utilization("prfaas", conductor.registry.alive_prefill(2.0), 2.0) == pytest.approx(1.0)
     decision = place(conductor, 3000, hits={"r0": 25}, now=2.0)  # l judged against pd's own prefix: 3000 > t
     assert decision.prefill_id == "r0" and decision.kv_source_id == "" and decision.cached_tokens == 2500
 
@@ -174,3 +174,15 @@ def test_the_conductor_flags_build_the_routing_and_name_the_flag_at_fault(tmp_pa
         ConductorConfig(topology=str(path))
     with pytest.raises(ConfigError, match="--topology: topology: cannot read"):
         ConductorConfig(topology=str(tmp_path / "missing.yaml"), cluster="pd")
+
+
+def test_egress_use_is_measured_over_a_window_and_fades_when_reports_stop_counting_bytes():
+    from kvcentric.scheduling.clusters import EgressMeter
+    meter = EgressMeter(window_s=5.0)
+    for t in range(11):
+        meter.observe("r0", 1000 * t, float(t))
+    assert meter.rate(["r0"], 10.0) == pytest.approx(1000)
+    assert meter.rate(["r0"], 12.0) == pytest.approx(3000 / 5)  # from t = 7; nothing more sent since t = 10
+    assert meter.rate(["r0"], 30.0) == 0.0 and meter.rate(["missing"], 30.0) == 0.0
+    meter.observe("r0", 10, 31.0)  # a restarted instance starts its counter again
+    assert meter.rate(["r0"], 31.0) == 0.0

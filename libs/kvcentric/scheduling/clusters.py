@@ -74,15 +74,23 @@ class EgressMeter:
         if samples and sent_bytes < samples[-1][1]:
             samples.clear()  # the instance restarted: its counter began again
         samples.append((now, sent_bytes))
-        while len(samples) > 2 and samples[1][0] <= now - self.window_s:
+        self._trim(samples, now)
+
+    def _trim(self, samples: collections.deque, now: float) -> None:
+        """Keep the samples of the window plus the last one before it (the baseline)."""
+        while len(samples) > 1 and samples[1][0] <= now - self.window_s:
             samples.popleft()
 
-    def rate(self, instance_ids: list[str]) -> float:
+    def rate(self, instance_ids: list[str], now: float) -> float:
+        """Bytes/s over the window up to `now`: an instance that stopped reporting sent nothing since."""
         total = 0.0
         for instance_id in instance_ids:
             samples = self.samples.get(instance_id)
-            if samples and len(samples) > 1 and samples[-1][0] > samples[0][0]:
-                total += (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+            if not samples:
+                continue
+            self._trim(samples, now)
+            if len(samples) > 1 and now > samples[0][0]:
+                total += (samples[-1][1] - samples[0][1]) / (now - samples[0][0])
         return total
 
 
@@ -122,10 +130,10 @@ class ClusterRouter:
     def in_scope(self, states: list, cluster: str) -> list:
         return [s for s in states if s.cluster == cluster]
 
-    def utilization(self, cluster: str, prefills: list[PrefillState]) -> float:
+    def utilization(self, cluster: str, prefills: list[PrefillState], now: float) -> float:
         """Measured egress of a PrfaaS cluster over its link's capacity (0..1, more when over-driven)."""
         ids = [s.instance_id for s in prefills if s.cluster == cluster]
-        return self.egress.rate(ids) / self.setup.link_bytes_per_s(cluster, self.pd)
+        return self.egress.rate(ids, now) / self.setup.link_bytes_per_s(cluster, self.pd)
 
     # ---------------------------------------------------------------- short-term t (§3.4.3)
 
@@ -136,7 +144,7 @@ class ClusterRouter:
         if self.last_adjust is not None and now - self.last_adjust < self.setup.adjust_s:
             return None
         self.last_adjust = now
-        egress = max(self.utilization(name, prefills) for name in self.prfaas)
+        egress = max(self.utilization(name, prefills, now) for name in self.prfaas)
         remote_q = max(_mean_queue(self.in_scope(prefills, name), now) for name in self.prfaas)
         change = adjust_threshold(self.threshold, self.setup.threshold, egress, remote_q,
                                   _mean_queue(self.in_scope(prefills, self.pd), now), self.setup.short_term)
@@ -159,7 +167,7 @@ class ClusterRouter:
         prefixes = {name: self.estimators[name].cached_tokens(n, blocks) for name, (_, blocks) in holders.items()
                     if name == self.pd or name in remote}
         threshold = self.threshold if pools[self.pd] else -1.0  # no PD-P alive: everything goes remote
-        scarce = bandwidth_is_scarce(max((self.utilization(r, prefills) for r in remote), default=0.0),
+        scarce = bandwidth_is_scarce(max((self.utilization(r, prefills, now) for r in remote), default=0.0),
                                      self.setup.short_term)
         decision = route(n, prefixes, self.pd, remote, threshold, scarce)
         fallback = not pools[decision.cluster]
@@ -225,7 +233,7 @@ class ClusterRouter:
         """For /health and /metrics: t, the plan, egress use and queues per PrfaaS cluster, route counts."""
         return {"threshold": self.threshold, "planned_threshold": self.setup.threshold,
                 "last_change": self.last_change.reason, "local": self.pd,
-                "egress_utilization": {n: round(self.utilization(n, prefills), 4) for n in self.prfaas},
+                "egress_utilization": {n: round(self.utilization(n, prefills, now), 4) for n in self.prfaas},
                 "prfaas_queue_s": {n: round(_mean_queue(self.in_scope(prefills, n), now), 3) for n in self.prfaas},
                 "routed": {k: v for k, v in self.stats.items()}}
 

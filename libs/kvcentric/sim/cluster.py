@@ -1,5 +1,7 @@
 """The discrete-event cluster: P prefill + D decode instances, or N colocated ones, replaying a workload
-through the live Conductor core (`kvcentric.scheduling.conductor.Conductor`) on a virtual clock.
+through the live Conductor core (`kvcentric.scheduling.conductor.Conductor`) on a virtual clock. With a
+`ClusterSetup` (PrfaaS) it adds a PrfaaS cluster of prefill instances joined to the PD cluster by a
+bandwidth-limited link, and the conductor routes between them as it does live.
 
 It plays the parts the live system's services play around the core: it turns arrivals into
 ScheduleRequests with the prefix hits of an in-memory block index (kvs-meta's role), sends load reports
@@ -19,6 +21,7 @@ from typing import Callable
 
 from kvcentric.costmodel import CostModel
 from kvcentric.protocol import LoadReport, Rejection, RequestOutcome, ScheduleRequest
+from kvcentric.scheduling.clusters import ClusterSetup
 from kvcentric.scheduling.conductor import Conductor
 from kvcentric.scheduling.config import SchedulerConfig
 from kvcentric.scheduling.estimators import LinkTable
@@ -50,17 +53,24 @@ class ClusterSpec:
     noise: float = 0.0
     """Execution times are multiplied by a lognormal factor of this sigma (0: exactly the cost model)."""
     seed: int = 0
+    prfaas: int = 0
+    """Prefill instances of the PrfaaS cluster (with a `ClusterSetup`; `prefill` is then the PD cluster's)."""
+    decode_max_batch: int = 0
+    """Most sequences a decode instance runs at once, BS_max (0: no limit but its KV capacity)."""
 
 
 class Simulation:
-    def __init__(self, scheduler: SchedulerConfig, cost: CostModel, spec: ClusterSpec) -> None:
-        self.scheduler, self.cost, self.spec = scheduler, cost, spec
-        self.conductor = Conductor(scheduler, cost, stale_after_s=math.inf)
+    def __init__(self, scheduler: SchedulerConfig, cost: CostModel, spec: ClusterSpec,
+                 clusters: ClusterSetup | None = None) -> None:
+        self.scheduler, self.cost, self.spec, self.clusters = scheduler, cost, spec, clusters
+        self.conductor = Conductor(scheduler, cost, stale_after_s=math.inf, clusters=clusters)
         self.conductor.links.default = spec.link_bytes_per_s
         self.estimator = self.conductor.estimator
         self.tbt_slo_s = scheduler.tbt_slo_s
         self.links = LinkTable(spec.link_bytes_per_s)
         """The real links (the conductor keeps its own estimate)."""
+        self.cross_links = LinkTable(spec.link_bytes_per_s)
+        """The real inter-cluster links (PrfaaS), keyed by cluster."""
         self.index = PrefixIndex()
         self.rng = random.Random(spec.seed)
         self.now = 0.0
@@ -81,15 +91,29 @@ class Simulation:
                                          cache=BlockCache(spec.cache_blocks, spec.eviction), chunk_tokens=spec.chunk_tokens)
                 self.prefills[instance.instance_id] = self.decodes[instance.instance_id] = instance
         else:
+            local = self.clusters.local if self.clusters else "sim"
             for i in range(spec.prefill):
-                self.prefills[f"p{i}"] = PrefillInstance(self, f"p{i}", BlockCache(spec.cache_blocks, spec.eviction))
+                self.prefills[f"p{i}"] = PrefillInstance(self, f"p{i}", BlockCache(spec.cache_blocks, spec.eviction),
+                                                         local)
+            self._build_prfaas()
             for i in range(spec.decode):
-                self.decodes[f"d{i}"] = BatchInstance(self, f"d{i}", spec.decode_capacity_tokens)
+                self.decodes[f"d{i}"] = BatchInstance(self, f"d{i}", spec.decode_capacity_tokens, cluster=local,
+                                                      max_batch=spec.decode_max_batch)
         for instance in self.prefills.values():
             self.index.slot(instance.instance_id)
             self.report_instance(instance, 0.0)
         for instance in self.decodes.values():
             self.report_batch(instance, 0.0)
+
+    def _build_prfaas(self) -> None:
+        """PrfaaS prefill instances r0.. in the first PrfaaS cluster, on that cluster's cost model."""
+        if not self.clusters or not self.spec.prfaas:
+            return
+        name = self.clusters.prfaas[0]
+        cost = self.clusters.costs.get(name, self.cost)
+        for i in range(self.spec.prfaas):
+            cache = BlockCache(self.spec.cache_blocks, self.spec.eviction)
+            self.prefills[f"r{i}"] = PrefillInstance(self, f"r{i}", cache, name, cost, remote=True)
 
     # ---------------------------------------------------------------- event loop
 
@@ -184,11 +208,11 @@ class Simulation:
         return local + pulled, ready_at
 
     def prefill_seconds(self, record: Record, cached_blocks: int | None, n_new: int | None = None,
-                        n_cached: int | None = None) -> float:
+                        n_cached: int | None = None, cost: CostModel | None = None) -> float:
         if n_new is None:
             n_cached = self.estimator.cached_tokens(record.request.input_len, cached_blocks)
             n_new = record.request.input_len - n_cached
-        seconds = self.cost.t_prefill(n_new, n_cached)
+        seconds = (cost or self.cost).t_prefill(n_new, n_cached)
         if self.spec.noise:
             seconds *= self.rng.lognormvariate(0.0, self.spec.noise)
         return seconds
@@ -201,7 +225,8 @@ class Simulation:
         if evicted:
             self.index.remove(instance.instance_id, evicted)
 
-    def prefill_done(self, record: Record, now: float, compute_s: float, local: bool = False) -> bool:
+    def prefill_done(self, record: Record, now: float, compute_s: float, local: bool = False,
+                     sender: PrefillInstance | None = None) -> bool:
         """First token out. Returns whether the request goes on decoding (output longer than one token)."""
         record.first_token = now
         if record.request.output_len <= 1:
@@ -209,11 +234,24 @@ class Simulation:
             self.finished(record, now)
             return False
         if not local:
-            nbytes = self.cost.kv_bytes(record.request.input_len)
-            transfer_s = nbytes / self.spec.link_bytes_per_s
-            arrival = max(now, record.prefill_start + transfer_s) + transfer_s / self.spec.num_layers
+            if sender is not None and sender.remote:
+                arrival = self._cross_link(sender, record, now)
+            else:
+                nbytes = self.cost.kv_bytes(record.request.input_len)
+                transfer_s = nbytes / self.spec.link_bytes_per_s
+                arrival = max(now, record.prefill_start + transfer_s) + transfer_s / self.spec.num_layers
             self.at(arrival, self.decodes[record.decode_id].kv_arrived, record)
         return True
+
+    def _cross_link(self, sender: PrefillInstance, record: Record, now: float) -> float:
+        """A PrfaaS prefill's KV over the inter-cluster link, shared FIFO by the cluster's instances: it
+        streams from prefill start, and the last layer leaves only when the prefill ends (PrfaaS §3.3)."""
+        nbytes = sender.cost.kv_bytes(record.request.input_len)
+        sender.kv_bytes_sent += nbytes
+        bandwidth = self.clusters.link_bytes_per_s(sender.cluster, self.clusters.local)
+        self.cross_links.set_bandwidth(sender.cluster, self.clusters.local, bandwidth)
+        done = self.cross_links.reserve(sender.cluster, self.clusters.local, nbytes, record.prefill_start)
+        return max(done, now + nbytes / bandwidth / self.spec.num_layers)
 
     def decode_accepts(self, instance: BatchInstance, record: Record, now: float) -> bool:
         """The decode instance's own check when the KV arrives: TBT SLO and KV capacity."""

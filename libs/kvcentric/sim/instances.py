@@ -6,7 +6,8 @@ They model time with the cost model and report load; they make no placement deci
 Mooncake §3-§5: prefill reuses the prefix it holds, loads a named remote prefix layer by layer while it
 computes (so it takes the longer of the two), stores the new blocks in its DRAM pool, and streams KV to
 decode layer by layer; decode double-checks its TBT SLO when the KV arrives and may reject (the prefill
-is then wasted), otherwise the request joins the next step of the continuous batch.
+is then wasted), otherwise the request joins the next step of the continuous batch. A PrfaaS prefill
+instance (PrfaaS §3.3) runs on its cluster's cost model and its KV crosses the inter-cluster link.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import bisect
 import collections
 from typing import TYPE_CHECKING
 
+from kvcentric.costmodel import CostModel
 from kvcentric.protocol import LoadReport
 from kvcentric.scheduling.eviction import BlockCache
 from kvcentric.sim.batch import DecodeBatch
@@ -25,11 +27,15 @@ if TYPE_CHECKING:
 
 
 class PrefillInstance:
-    def __init__(self, sim: Simulation, instance_id: str, cache: BlockCache) -> None:
+    def __init__(self, sim: Simulation, instance_id: str, cache: BlockCache, cluster: str = "sim",
+                 cost: CostModel | None = None, remote: bool = False) -> None:
         self.sim, self.instance_id, self.cache = sim, instance_id, cache
+        # remote: a PrfaaS instance, whose KV crosses the inter-cluster link to decode
+        self.cluster, self.cost, self.remote = cluster, cost or sim.cost, remote
         self.queue: collections.deque[Record] = collections.deque()
         self.current: Record | None = None
         self.busy_until = 0.0
+        self.kv_bytes_sent = 0
 
     def submit(self, record: Record, now: float) -> None:
         self.queue.append(record)
@@ -44,7 +50,7 @@ class PrefillInstance:
     def _start(self, now: float) -> None:
         record = self.current = self.queue.popleft()
         cached_blocks, ready_at = self.sim.reuse_prefix(self, record, now)
-        compute_s = self.sim.prefill_seconds(record, cached_blocks)
+        compute_s = self.sim.prefill_seconds(record, cached_blocks, cost=self.cost)
         self.busy_until = max(now + compute_s, ready_at)
         record.prefill_start = now
         self.sim.at(self.busy_until, self._finish, record, compute_s)
@@ -53,7 +59,7 @@ class PrefillInstance:
     def _finish(self, now: float, record: Record, compute_s: float) -> None:
         self.sim.store_blocks(self, record.request.hashes)
         self.current = None
-        self.sim.prefill_done(record, now, compute_s)
+        self.sim.prefill_done(record, now, compute_s, sender=self)
         if self.queue:
             self._start(now)
         else:
@@ -61,17 +67,21 @@ class PrefillInstance:
 
     def load_report(self, now: float) -> LoadReport:
         queued = sum(r.request.input_len for r in self.queue)
-        return LoadReport(self.instance_id, "prefill", "sim", self.instance_id, len(self.queue), queued,
-                          int(self.current is not None), 0, 0, now, self.queue_s(now))
+        return LoadReport(self.instance_id, "prefill", self.cluster, self.instance_id, len(self.queue), queued,
+                          int(self.current is not None), 0, 0, now, self.queue_s(now),
+                          kv_bytes_sent=self.kv_bytes_sent)
 
 
 class BatchInstance:
     """Continuous-batching decode; with `colocated` it also prefills (vLLM-like, optionally chunked)."""
 
     def __init__(self, sim: Simulation, instance_id: str, capacity_tokens: float, *, colocated: bool = False,
-                 cache: BlockCache | None = None, chunk_tokens: int = 0) -> None:
-        self.sim, self.instance_id = sim, instance_id
+                 cache: BlockCache | None = None, chunk_tokens: int = 0, cluster: str = "sim",
+                 max_batch: int = 0) -> None:
+        self.sim, self.instance_id, self.cluster = sim, instance_id, cluster
         self.capacity_tokens = capacity_tokens
+        self.max_batch = max_batch
+        """Most sequences decoding at once (0: only the KV capacity limits the batch)."""
         self.colocated, self.cache, self.chunk_tokens = colocated, cache, chunk_tokens
         self.batch = DecodeBatch(sim.cost)
         self.joining: collections.deque[Record] = collections.deque()
@@ -166,6 +176,8 @@ class BatchInstance:
 
     def _admit_joins(self) -> None:
         while self.joining:
+            if self.max_batch and len(self.batch) >= self.max_batch:
+                return  # BS_max reached: wait for a sequence to finish
             request = self.joining[0].request
             if self.batch.heap and self.reserved + request.input_len + request.output_len > self.capacity_tokens:
                 return  # wait for finishes to free KV (admission already checked what it could)
@@ -258,12 +270,12 @@ class BatchInstance:
     def load_reports(self, now: float, block: int) -> list[LoadReport]:
         total = int(self.capacity_tokens // block) if self.capacity_tokens != float("inf") else 0
         used = min(total, -(-self.kv_now(now) // block)) if total else 0
-        decode = LoadReport(self.instance_id, "decode", "sim", self.instance_id, 0, 0, self.batch_size(), total,
+        decode = LoadReport(self.instance_id, "decode", self.cluster, self.instance_id, 0, 0, self.batch_size(), total,
                             total - used, now)
         if not self.colocated:
             return [decode]
         queued = sum(r.request.input_len for r in self.waiting)
-        prefill = LoadReport(self.instance_id, "prefill", "sim", self.instance_id, len(self.waiting), queued, 0, 0, 0,
+        prefill = LoadReport(self.instance_id, "prefill", self.cluster, self.instance_id, len(self.waiting), queued, 0, 0, 0,
                              now, self.queue_s(now))
         return [prefill, decode]
 
