@@ -223,28 +223,37 @@ class Cluster:
                 and body.get("decode_alive", 0) >= decode)
 
     def check_alive(self) -> None:
-        for child in self.children:
-            code = child.process.poll()
-            if code is not None:
-                raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
-                                   f"{child.log_tail()}")
+        check_alive(self.children)
 
     def stop(self, grace_s: float = 3.0) -> None:
-        """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
-        services = [c for c in self.children if c.health_url is not None]
-        servers = [c for c in self.children if c.health_url is None]
-        for group in (services, servers):
-            for child in group:
-                if child.process.poll() is None:
-                    child.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for child in group:
-                try:
-                    child.process.wait(max(0.05, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.process.kill()
-                    child.process.wait()
-                child.log_file.close()
+        stop_children(self.children, grace_s)
+
+
+def check_alive(children: list[Child]) -> None:
+    """Raise, with the end of its log, if any child has exited."""
+    for child in children:
+        code = child.process.poll()
+        if code is not None:
+            raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                               f"{child.log_tail()}")
+
+
+def stop_children(children: list[Child], grace_s: float = 3.0) -> None:
+    """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
+    services = [c for c in reversed(children) if c.health_url is not None]
+    servers = [c for c in reversed(children) if c.health_url is None]
+    for group in (services, servers):
+        for child in group:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in group:
+            try:
+                child.process.wait(max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+            child.log_file.close()
 
 
 class UpProcess:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
-from kvcentric.launcher import (Child, free_port, get_json, nats_server_binary, redis_server_argv,
-                                wait_for_port)
+from kvcentric.launcher import (Child, check_alive, free_port, get_json, nats_server_binary, redis_server_argv,
+                                stop_children, wait_for_port)
 
 PD, PRFAAS = "pd", "prfaas"
 
@@ -159,31 +157,14 @@ class TwoDatacenters:
     def wait_ready(self) -> None:
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not self.ready():
-            for child in self.children:
-                if child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with code {child.process.returncode}:\n"
-                                       f"{child.log_tail()}")
+            check_alive(self.children)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the two datacenters were not ready after {self.config.startup_timeout_s} s; "
                                    f"logs in {self.log_dir}")
             time.sleep(0.2)
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM the services, then the servers; SIGKILL whatever outlives `grace_s`."""
-        services = [c for c in reversed(self.children) if c.health_url is not None]
-        servers = [c for c in reversed(self.children) if c.health_url is None]
-        for group in (services, servers):
-            for child in group:
-                if child.process.poll() is None:
-                    child.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for child in group:
-                try:
-                    child.process.wait(max(0.05, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    child.process.kill()
-                    child.process.wait()
-                child.log_file.close()
+        stop_children(self.children, grace_s)
 
     def __enter__(self) -> TwoDatacenters:
         try:
