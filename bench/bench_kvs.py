@@ -22,7 +22,7 @@ from pathlib import Path
 
 import nats
 
-from kvcentric.launcher import free_port, get_json, nats_server_argv, redis_server_argv, wait_for_port
+from kvcentric.launcher import free_port, nats_server_argv, redis_server_argv, spawn_service, wait_for_port
 from kvcentric.protocol import BlockStored, KVEventBatch, KVSQuery, KVSReply, Subjects, decode, encode
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -33,22 +33,15 @@ def log(message: str) -> None:
 
 
 def start_servers() -> tuple[list[subprocess.Popen], str]:
-    nats_port, redis_port, http_port = free_port(), free_port(), free_port()
+    nats_port, redis_port = free_port(), free_port()
     processes = [subprocess.Popen(nats_server_argv(nats_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
                  subprocess.Popen(redis_server_argv(redis_port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     wait_for_port("127.0.0.1", nats_port, 10)
     wait_for_port("127.0.0.1", redis_port, 10)
     url = f"nats://127.0.0.1:{nats_port}"
-    processes.append(subprocess.Popen([sys.executable, "-m", "kvcentric", "kvs-meta", "--nats-url", url, "--redis-url",
-                                       f"redis://127.0.0.1:{redis_port}/0", "--port", str(http_port),
-                                       "--log-level", "warning"]))
-    for _ in range(300):
-        try:
-            if get_json(f"http://127.0.0.1:{http_port}/health")[0] == 200:
-                return processes, url
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError("kvs-meta did not come up")
+    kvs_meta, _ = spawn_service("kvs-meta", url, "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+                                "--log-level", "warning", quiet=False)
+    return processes + [kvs_meta], url
 
 
 async def populate(nc, blocks: int, nodes: int = 16) -> list[str]:

@@ -122,6 +122,27 @@ def get_json(url: str, timeout_s: float = 1.0) -> tuple[int, dict]:
         return exc.code, json.load(exc) if exc.headers.get_content_type() == "application/json" else {}
 
 
+def spawn_service(command: str, nats_url: str, *flags: str, timeout_s: float = 60.0,
+                  quiet: bool = True) -> tuple[subprocess.Popen, int]:
+    """Start one `kvcentric <command>` on a free HTTP port and wait until its /health answers 200;
+    returns (process, port). For tests and benchmarks; the process is killed if it never gets healthy."""
+    port = free_port()
+    output = subprocess.DEVNULL if quiet else None
+    process = subprocess.Popen([sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url,
+                                "--port", str(port), *flags], stdout=output, stderr=output)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if get_json(f"http://127.0.0.1:{port}/health")[0] == 200:
+                return process, port
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    process.kill()
+    process.wait()
+    raise RuntimeError(f"kvcentric {command} did not become healthy in {timeout_s} s")
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None) -> None:
         self.name, self.argv, self.health_url = name, argv, health_url

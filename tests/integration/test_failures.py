@@ -4,33 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
-import time
 import urllib.request
 
 import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.launcher import free_port, get_json, nats_server_argv
+from kvcentric.launcher import free_port, nats_server_argv, spawn_service
 from kvcentric.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
-
-
-def spawn(command: str, nats_url: str, *flags: str) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url,
-                                "--port", str(port), *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if get_json(f"http://127.0.0.1:{port}/health")[0] == 200:
-                return process, port
-        except OSError:
-            time.sleep(0.1)
-    stop(process)
-    raise RuntimeError(f"{command} did not come up")
 
 
 @pytest.fixture
@@ -39,8 +21,8 @@ def bare_bus():
     port = free_port()
     server = start_server(nats_server_argv(port), port)
     url = f"nats://127.0.0.1:{port}"
-    conductor, conductor_port = spawn("conductor", url)
-    gateway, gateway_port = spawn("gateway", url)
+    conductor, conductor_port = spawn_service("conductor", url)
+    gateway, gateway_port = spawn_service("gateway", url)
     try:
         yield url, f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{conductor_port}"
     finally:

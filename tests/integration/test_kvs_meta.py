@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -14,25 +12,15 @@ import nats
 import pytest
 
 from conftest import stop
-from kvcentric.launcher import free_port, get_json
+from kvcentric.launcher import spawn_service
 from kvcentric.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects,
                                 decode, encode)
 
 
 @pytest.fixture
 def kvs_meta(nats_url, redis_url):
-    port = free_port()
     redis_db = redis_url.rsplit("/", 1)[0] + "/3"  # a database of its own: no other test's blocks
-    process = subprocess.Popen([sys.executable, "-m", "kvcentric", "kvs-meta", "--nats-url", nats_url, "--redis-url",
-                                redis_db, "--port", str(port), "--lease-ttl-s", "2.0"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if get_json(f"http://127.0.0.1:{port}/health")[0] == 200:
-                break
-        except OSError:
-            time.sleep(0.1)
+    process, port = spawn_service("kvs-meta", nats_url, "--redis-url", redis_db, "--lease-ttl-s", "2.0")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
