@@ -16,7 +16,7 @@ from conftest import start_server, stop
 from kvcentric.launcher import free_port, nats_server_argv
 from kvcentric.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, SubmitAck, Subjects,
                                 TokenChunk, decode, encode)
-from test_failures import spawn
+from kvcentric.launcher import spawn_service as spawn
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

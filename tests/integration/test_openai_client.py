@@ -12,7 +12,7 @@ import pytest
 from conftest import stop
 from kvcentric.launcher import get_json
 from kvcentric.model.tokenizer import DummyTokenizer
-from test_failures import spawn
+from kvcentric.launcher import spawn_service as spawn
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a cache."}]
