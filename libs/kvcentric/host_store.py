@@ -29,7 +29,7 @@ class HostKVStore:
         self.complete: collections.OrderedDict[str, StoredKV] = collections.OrderedDict()
         self.evicted = 0
 
-    def begin(self, header: kv_pb2.KVHeader) -> None:
+    async def begin(self, header: kv_pb2.KVHeader) -> None:
         if header.stripes > 1 and header.request_id in self.pending:
             return  # another stripe of a push in progress
         if header.request_id in self.pending or header.request_id in self.complete:

@@ -42,9 +42,10 @@ class ChecksumMismatch(ValueError):
 class KVSink(Protocol):
     """Where a receiving messenger puts a pushed request's KV. Raise to refuse; abort frees.
 
-    `begin` may be called once per stripe of the same request; it must accept the later ones."""
+    `begin` may be called once per stripe of the same request; it must accept the later ones. It is a
+    coroutine so that a sink may wait a moment for the request it is told about elsewhere."""
 
-    def begin(self, header: kv_pb2.KVHeader) -> None: ...
+    async def begin(self, header: kv_pb2.KVHeader) -> None: ...
     def write(self, request_id: str, chunk: kvwire.LayerData) -> None: ...
     def commit(self, request_id: str, commit: kv_pb2.KVCommit) -> None: ...
     def abort(self, request_id: str, reason: str, retryable: bool = False) -> None: ...
@@ -79,7 +80,7 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                     if header is not None:
                         raise ValueError("second header in one stream")
                     header = item  # from here on a failure aborts the request
-                    self.sink.begin(header)
+                    await self.sink.begin(header)
                 elif header is None:
                     raise ValueError(f"{type(item).__name__} before the header")
                 elif isinstance(item, kvwire.LayerData):

@@ -48,8 +48,11 @@ class ColocatedService(EngineService):
         if job.decode_id != self.instance_id:
             return SubmitAck(False, f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
                                     f"not {job.decode_id}")
+        # The decode side of the request comes with it: the gateway sends a colocated instance one submit.
+        decode_job = None if job.request_id in self.engine.decode.requests else \
+            DecodeJob(job.request_id, len(job.token_ids), job.sampling)
         try:
-            self.engine.submit(job)
+            self.engine.submit(job, decode_job)
         except PrefillRejected as exc:
             return SubmitAck(False, str(exc))
         self.wake.set()

@@ -21,7 +21,8 @@ class DecodeService(EngineService):
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch)
 
     def kv_sink(self):
-        return DecodeSink(self, self.engine)
+        self.sink = DecodeSink(self, self.engine)
+        return self.sink
 
     async def start(self) -> None:
         await super().start()
@@ -33,6 +34,7 @@ class DecodeService(EngineService):
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:
             return SubmitAck(False, str(exc))
+        self.sink.registered(job.request_id)
         self.spans.received(job.request_id)
         self.spans.start(job.request_id, "decode.queue", prompt_tokens=job.n_prompt_tokens)
         return SubmitAck(True)

@@ -1,7 +1,7 @@
 """The gateway's asyncio shell: OpenAI-compatible HTTP in, NATS out.
 
 For each completion or chat completion it validates and tokenizes, hashes the prompt's blocks, asks the
-conductor for a placement, hands the job to the decode then the prefill instance, and relays the tokens
+conductor for a placement, hands the job to the prefill and the decode instance at once, and relays the tokens
 that come back on `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a
 RequestOutcome and, unless the engine finished it, a Cancel. Validation and response shapes live in
 `kvcentric.openai_api`; it holds no scheduling policy.
@@ -198,7 +198,7 @@ class GatewayService(Service):
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
 
     async def place(self, job: relay.Job) -> Placement:
-        """Ask the conductor, then hand the job to decode (which waits for KV) and to prefill."""
+        """Ask the conductor, then hand the job to prefill and decode (which waits for the KV) at once."""
         hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
         sampling, n_prompt = job.request.sampling, len(job.token_ids)
         decision = await self.ask(Subjects.SCHEDULE, ScheduleRequest(job.request_id, n_prompt, hashes,
@@ -212,13 +212,17 @@ class GatewayService(Service):
             raise ApiError(429, decision.message, kind="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
         job.placement = decision
-        for role, instance, submit in (
-            ("decode", decision.decode_id, DecodeJob(job.request_id, n_prompt, sampling)),
-            ("prefill", decision.prefill_id, PrefillJob(job.request_id, job.token_ids, sampling,
-                                                        decision.decode_id, decision.decode_kv_addr,
-                                                        decision.kv_source_addr, decision.pull_block_hashes)),
-        ):
-            ack = await self.ask(Subjects.submit(role, instance), submit, SubmitAck)
+        prefill = PrefillJob(job.request_id, job.token_ids, sampling, decision.decode_id, decision.decode_kv_addr,
+                             decision.kv_source_addr, decision.pull_block_hashes)
+        submits = [("prefill", decision.prefill_id, prefill)]
+        if decision.decode_id != decision.prefill_id:  # a colocated instance takes its decode job from the prefill's
+            submits.append(("decode", decision.decode_id, DecodeJob(job.request_id, n_prompt, sampling)))
+        # At once: the decode messenger holds KV that overtakes its job until the job is in (DecodeSink).
+        acks = await asyncio.gather(*(self.ask(Subjects.submit(role, instance), submit, SubmitAck)
+                                      for role, instance, submit in submits), return_exceptions=True)
+        for (role, instance, _), ack in zip(submits, acks):
+            if isinstance(ack, BaseException):
+                raise ack
             if not ack.ok:
                 raise ApiError(503, f"{role} instance {instance} refused the request: {ack.error}",
                                kind="service_unavailable")

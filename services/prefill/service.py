@@ -19,7 +19,7 @@ from kvcentric.transfer import pull_blocks
 class RefusingSink:
     """A prefill node's messenger takes no pushes (it sends them)."""
 
-    def begin(self, header):
+    async def begin(self, header):
         raise ValueError("this is a prefill instance; push KV to a decode instance")
 
     def write(self, request_id, chunk): ...

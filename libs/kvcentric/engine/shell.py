@@ -23,17 +23,42 @@ from kvcentric.service import Service
 from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
 
 
+JOB_WAIT_S = 5.0
+"""How long pushed KV waits for its request's DecodeJob: the gateway sends the decode and the prefill
+submits at once, so the first layer can overtake the job on a fast prefill."""
+
+
 class DecodeSink:
     """The messenger's sink on a node that decodes: pushed KV goes straight into the paged cache."""
 
     def __init__(self, service: "EngineService", engine: DecodeEngine) -> None:
         self.service, self.engine = service, engine
+        self.waiting: dict[str, asyncio.Event] = {}
 
-    def begin(self, header) -> None:
+    def registered(self, request_id: str) -> None:
+        """The request's DecodeJob is in: KV that came first may go on."""
+        event = self.waiting.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def begin(self, header) -> None:
         if header.dtype != self.service.runner.dtype_name:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
+        if header.request_id not in self.engine.requests:
+            await self._job_of(header.request_id)
         self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
                              join=header.stripes > 1)
+
+    async def _job_of(self, request_id: str) -> None:
+        event = self.waiting.setdefault(request_id, asyncio.Event())
+        self.service.counters["kv_before_job_total"] += 1
+        try:
+            async with asyncio.timeout(JOB_WAIT_S):
+                await event.wait()
+        except TimeoutError:
+            raise KVRejected(f"request {request_id} is not expected here (no job in {JOB_WAIT_S:g} s)") from None
+        finally:
+            self.waiting.pop(request_id, None)
 
     def write(self, request_id: str, chunk) -> None:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)

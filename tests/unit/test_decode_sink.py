@@ -1,0 +1,59 @@
+"""The decode messenger's sink when pushed KV overtakes the request's DecodeJob: the gateway submits to
+prefill and decode at once, so the header may come first; it waits for the job, and gives up after a
+while without leaking blocks."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import types
+
+import pytest
+
+from factories import decode_job, make_pool, make_runner
+from kvcentric.engine import shell
+from kvcentric.engine.decode import DecodeEngine, KVRejected
+
+
+def make_sink():
+    runner = make_runner()
+    engine = DecodeEngine(runner, make_pool(runner))
+    service = types.SimpleNamespace(runner=runner, counters=collections.Counter())
+    return shell.DecodeSink(service, engine), engine, service
+
+
+def header(request_id: str, engine: DecodeEngine, num_tokens: int = 4):
+    return types.SimpleNamespace(request_id=request_id, dtype=engine.runner.dtype_name, num_tokens=num_tokens,
+                                 num_layers=engine.runner.config.num_layers, token_ids=[1] * num_tokens, stripes=1)
+
+
+def test_kv_that_overtakes_its_job_waits_for_it():
+    sink, engine, service = make_sink()
+
+    async def scenario():
+        begun = asyncio.create_task(sink.begin(header("r", engine)))
+        await asyncio.sleep(0.05)
+        assert not begun.done()  # held: no job yet
+        engine.add(decode_job("r", 4), time.monotonic())
+        sink.registered("r")
+        await asyncio.wait_for(begun, 1.0)
+
+    asyncio.run(scenario())
+    assert engine.requests["r"].state == "receiving"
+    assert service.counters["kv_before_job_total"] == 1 and not sink.waiting
+
+
+def test_kv_whose_job_never_comes_is_refused_without_taking_blocks(monkeypatch):
+    monkeypatch.setattr(shell, "JOB_WAIT_S", 0.05)
+    sink, engine, _ = make_sink()
+    with pytest.raises(KVRejected, match="not expected"):
+        asyncio.run(sink.begin(header("ghost", engine)))
+    assert engine.pool.num_free == engine.pool.num_blocks and not sink.waiting
+
+
+def test_kv_for_a_known_job_begins_at_once():
+    sink, engine, service = make_sink()
+    engine.add(decode_job("r", 4), time.monotonic())
+    asyncio.run(asyncio.wait_for(sink.begin(header("r", engine)), 0.5))
+    assert engine.requests["r"].state == "receiving" and service.counters["kv_before_job_total"] == 0
