@@ -7,7 +7,9 @@ lists them. Services are imported only when their subcommand runs, so `--help` s
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import os
 import sys
 
 from kvcentric.config import ConfigError, add_arguments, from_namespace
@@ -29,6 +31,12 @@ SERVICES = {
     "messenger": ("kvc_messenger", "MessengerService", "MessengerConfig",
                   "a node's host-memory KV store and gRPC KV transfer endpoint"),
 }
+
+
+def engine_class(role: str) -> type:
+    """The service class of an engine role (for a role change in a running process)."""
+    package, service_name, _, _ = SERVICES[role]
+    return getattr(importlib.import_module(f"{package}.service"), service_name)
 
 
 def _config_class(command: str) -> type:
@@ -66,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
+    role = commands.add_parser("role", help="switch an engine instance between prefill and decode (it drains first)",
+                               description="Send a RoleSwitch on kvc.control.<id>: the instance finishes its work, "
+                                           "takes no new, and serves on in the other role (PrfaaS §3.4.3).")
+    role.add_argument("instance_id", help="the engine instance (its --instance-id)")
+    role.add_argument("to_role", choices=["prefill", "decode"], help="the role it serves next")
+    role.add_argument("--nats-url", default=os.environ.get("KVC_NATS_URL", "nats://127.0.0.1:4222"),
+                      help="NATS server (env KVC_NATS_URL)")
+    role.add_argument("--reason", default="by hand", help="logged by the instance")
     for command, (_, _, _, description) in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
@@ -89,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "plan":
             from kvcentric.prfaas.cli import PlanConfig, main as plan_main
             sys.exit(plan_main(from_namespace(PlanConfig, args)))
+        if args.command == "role":
+            sys.exit(switch_role(args.nats_url, args.instance_id, args.to_role, args.reason))
         if args.command == "up":
             from kvcentric.launcher import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))
@@ -99,6 +117,37 @@ def main(argv: list[str] | None = None) -> None:
     from kvcentric.service import run_service
     service_class = getattr(importlib.import_module(f"{package}.service"), service_name)
     try:
-        run_service(service_class(config))
+        service = service_class(config)
+        run_service(service, getattr(service, "successor", None))
     except (MemoryError, ConnectionError, OSError) as exc:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
+
+
+def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout_s: float = 5.0) -> int:
+    """`kvcentric role`: ask one engine to drain and switch; 0 when it agreed."""
+    import nats
+    import nats.errors
+
+    from kvcentric.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
+
+    async def ask() -> SubmitAck:
+        nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0)
+        try:
+            reply = await nc.request(Subjects.control(instance_id), encode(RoleSwitch(role, reason)), timeout_s)
+            return decode(reply.data, SubmitAck)
+        finally:
+            await nc.close()
+
+    try:
+        ack = asyncio.run(ask())
+    except nats.errors.NoRespondersError:
+        print(f"kvcentric role: no engine {instance_id!r} listens on {nats_url}", file=sys.stderr)
+        return 1
+    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        print(f"kvcentric role: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if not ack.ok:
+        print(f"kvcentric role: {instance_id} refused: {ack.error}", file=sys.stderr)
+        return 1
+    print(f"{instance_id}: {ack.error or f'draining, then serving as {role}'}")
+    return 0

@@ -30,6 +30,7 @@ class Subjects:
     LOAD_ALL = "kvc.load.>"
     KV_EVENTS_ALL = "kvc.kv.events.>"
     KVS_QUERY = "kvc.kvs.query"
+    KVS_DUMP = "kvc.kvs.dump"
     CANCEL_ALL = "kvc.req.*.cancel"
 
     @staticmethod
@@ -43,6 +44,10 @@ class Subjects:
     @staticmethod
     def kv_events(node_id: str) -> str:
         return f"kvc.kv.events.{node_id}"
+
+    @staticmethod
+    def control(instance_id: str) -> str:
+        return f"kvc.control.{instance_id}"
 
     @staticmethod
     def out(request_id: str) -> str:
@@ -188,6 +193,17 @@ class LoadReport(msgspec.Struct, frozen=True):
     """Bytes/s its recent KV pushes reached, per peer messenger address (for the conductor's T_transfer)."""
     kv_bytes_sent: int = 0
     """KV bytes its messenger has pushed since it started (the conductor's measure of PrfaaS egress use)."""
+    draining: bool = False
+    """It finishes what it has and takes nothing new in this role (a role change is under way)."""
+
+
+class RoleSwitch(msgspec.Struct, frozen=True):
+    """On `kvc.control.<id>` (request/reply, answered with a SubmitAck): drain, then serve as `role`.
+
+    PrfaaS §3.4.3 long-term re-planning converts PD instances between prefill and decode."""
+
+    role: Literal["prefill", "decode"]
+    reason: str = ""
 
 
 # ---------------------------------------------------------------- output
@@ -239,6 +255,22 @@ class KVSQuery(msgspec.Struct, frozen=True):
 class KVSReply(msgspec.Struct, frozen=True):
     holders: list[list[str]]
     """For each queried hash, the holders as "node_id:tier" strings, in query order."""
+
+
+class KVSDumpQuery(msgspec.Struct, frozen=True):
+    """One page of kvs-meta's whole block index (a conductor seeding its local mirror)."""
+
+    cursor: int = 0
+    """0 for the first page, then the cursor of the previous reply."""
+    count: int = 2000
+    """About how many blocks the page should hold (kvs-meta may answer fewer, or a few more)."""
+
+
+class KVSDump(msgspec.Struct, frozen=True):
+    events: list[BlockStored]
+    """The page's blocks, one event per holder (node and tier)."""
+    cursor: int
+    """Where the next page starts; 0 when this was the last page."""
 
 
 # ---------------------------------------------------------------- codec

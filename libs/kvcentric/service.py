@@ -58,6 +58,11 @@ class Service:
     def gauges(self) -> dict[str, float]:
         return {}
 
+    @property
+    def hands_over(self) -> bool:
+        """Another service goes on in this process once this one stops (see `run_service`)."""
+        return False
+
     # ---------------------------------------------------------------- lifecycle
 
     async def run(self) -> None:
@@ -92,7 +97,8 @@ class Service:
                 await self.nc.close()
         if self._http is not None:
             await self._http.cleanup()
-        await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
+        if not self.hands_over:  # the tracer is the process's; the next service goes on with it
+            await asyncio.get_running_loop().run_in_executor(None, tracing.shutdown)
 
     def spawn(self, coro: Awaitable, name: str) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -234,8 +240,11 @@ async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s:
             await asyncio.sleep(0.25)
 
 
-def run_service(service: Service) -> None:
-    """Run until SIGINT/SIGTERM, on uvloop when it is installed (KVC_EVENT_LOOP=asyncio to opt out)."""
+def run_service(service: Service, successor: Callable[[], Service | None] | None = None) -> None:
+    """Run until SIGINT/SIGTERM, on uvloop when it is installed (KVC_EVENT_LOOP=asyncio to opt out).
+
+    `successor`, called when the service stops, may hand over to another in the same process (an engine's
+    role change); a signal ends the process."""
     logging.basicConfig(level=service.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop_factory = None
@@ -246,4 +255,7 @@ def run_service(service: Service) -> None:
         except ImportError:
             pass
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(service.run())
+        while service is not None:
+            runner.run(service.run())
+            service = successor() if successor is not None else None
+            successor = getattr(service, "successor", None)

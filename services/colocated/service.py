@@ -74,6 +74,9 @@ class ColocatedService(EngineService):
         return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.transfer.stats,
                 "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
 
+    def idle(self) -> bool:
+        return not self.engine.has_work
+
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
             self.emit(self.engine.decode.expire(time.monotonic()))

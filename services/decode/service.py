@@ -5,6 +5,7 @@ in-process messenger's gRPC server, runs decode steps in the model thread, and s
 
 from __future__ import annotations
 
+import collections
 import time
 
 from kvcentric.engine.decode import DecodeEngine, KVRejected
@@ -16,8 +17,8 @@ from kvcentric.protocol import Cancel, DecodeJob, LoadReport, SubmitAck, Subject
 class DecodeService(EngineService):
     role = "decode"
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, runner=None) -> None:
+        super().__init__(config, runner)
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch)
 
     def kv_sink(self):
@@ -43,8 +44,14 @@ class DecodeService(EngineService):
         self.emit([self.engine.abort(cancel.request_id, "abort")])
 
     def load_report(self) -> LoadReport:
-        waiting = sum(r.state != "running" for r in self.engine.requests.values())
-        return self.base_load(waiting, 0, len(self.engine.requests) - waiting)
+        """queued: requests whose KV is here but that wait for a batch slot (preempted, or beyond
+        --max-batch); running: the requests generating (those still waiting for KV are neither)."""
+        states = collections.Counter(r.state for r in self.engine.requests.values())
+        running = states["running"]
+        return self.base_load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
+
+    def idle(self) -> bool:
+        return not self.engine.requests and not self.sink.waiting
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():

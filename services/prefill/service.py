@@ -30,11 +30,12 @@ class RefusingSink:
 class PrefillService(EngineService):
     role = "prefill"
 
-    def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: EngineConfig, runner=None) -> None:
+        super().__init__(config, runner)
         hasher = BlockHasher(config.hash_algo, config.block_size)
         self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk, self.host)
         self.pushes: dict[str, RequestPush] = {}
+        self.pulling = 0
 
     def kv_sink(self):
         return RefusingSink()
@@ -71,6 +72,7 @@ class PrefillService(EngineService):
             depth = self.engine.hashes(job.token_ids).index(job.pull_block_hashes[0])
         except ValueError:
             depth = 0
+        self.pulling += 1
         try:
             pulled = await pull_blocks(self.pusher, job.kv_source_addr, job.pull_block_hashes, self.host, depth,
                                        self.runner.dtype_name, self.runner.block_size)
@@ -79,6 +81,8 @@ class PrefillService(EngineService):
             self.counters["pulls_failed_total"] += 1
             self.log.warning("pulling %d blocks from %s failed: %s", len(job.pull_block_hashes),
                              job.kv_source_addr, exc)
+        finally:
+            self.pulling -= 1
         self.submit(job)
 
     async def on_cancel(self, cancel: Cancel) -> None:
@@ -87,6 +91,9 @@ class PrefillService(EngineService):
 
     def load_report(self) -> LoadReport:
         return self.base_load(len(self.engine.queue), self.engine.queued_tokens, len(self.engine.running))
+
+    def idle(self) -> bool:
+        return not (self.engine.queue or self.engine.running or self.pushes or self.pulling)
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():

@@ -73,3 +73,70 @@ def test_threshold_is_re_optimised_for_the_new_counts():
     assert more_local.threshold >= best.threshold  # more PD-P capacity keeps more requests local
     thin = best_threshold(profile.with_egress(0.05), SPREAD, best.counts)
     assert thin.threshold >= best.threshold and thin.egress_gbps <= 0.05 * (1 + 1e-9)
+
+
+# ---------------------------------------------------------------- draining instances and the live re-planner
+
+def _draining(report):
+    import msgspec
+    return msgspec.structs.replace(report, draining=True)
+
+
+def test_a_draining_instance_gets_no_new_placement():
+    from factories import decode_report, make_conductor, prefill_report, schedule_request
+    conductor = make_conductor(prefills=2, decodes=2)
+    conductor.observe(_draining(prefill_report("p0")), 0.1)
+    conductor.observe(_draining(decode_report("d1")), 0.1)
+    for i in range(6):
+        placement = conductor.schedule(schedule_request(request_id=f"r{i}"), {"p0": 10}, 0.2)
+        assert (placement.prefill_id, placement.decode_id) == ("p1", "d0")
+
+
+def test_a_switched_instance_is_not_mistaken_for_a_colocated_one():
+    """d0 drained and came back as a prefill instance: its old decode entry must not make the conductor
+    decode on it what it prefills."""
+    from factories import decode_report, make_conductor, prefill_report, schedule_request
+    conductor = make_conductor(prefills=0, decodes=2)
+    conductor.observe(_draining(decode_report("d0")), 0.1)
+    conductor.observe(prefill_report("d0"), 0.2)
+    placement = conductor.schedule(schedule_request(), {}, 0.3)
+    assert (placement.prefill_id, placement.decode_id) == ("d0", "d1")
+
+
+def _registry_states(conductor, now):
+    return conductor.registry.alive_prefill(now), conductor.registry.alive_decode(now)
+
+
+def test_the_replanner_moves_an_idle_prefill_instance_to_a_backlogged_decode_pool():
+    from factories import decode_report, make_conductor, prefill_report
+    from kvcentric.prfaas.replan import Replanner
+    import msgspec
+    conductor = make_conductor(prefills=3, decodes=1)
+    planner = Replanner(ReplanPolicy(window_s=10.0), bs_max=4, decode_time_s=2.0)
+    for step in range(20):
+        now = step * 0.5
+        conductor.observe(prefill_report("p0", queue_s=0.5), now)  # p0 busy, p1 and p2 idle
+        for idle in ("p1", "p2"):
+            conductor.observe(prefill_report(idle), now)
+        conductor.observe(msgspec.structs.replace(decode_report("d0", running=4), queued_requests=20), now)
+        planner.observe(*_registry_states(conductor, now), now)
+    switch = planner.decide(*_registry_states(conductor, 9.5), 9.5)
+    assert switch is not None and switch.to_role == "decode" and switch.change.action == "prefill_to_decode"
+    assert switch.instance_ids == ("p1",)  # the least loaded (ties by id), never the busy p0
+    assert planner.decide(*_registry_states(conductor, 9.6), 9.6) is None  # quiet for a window after a switch
+
+
+def test_the_replanner_leaves_a_balanced_cluster_alone():
+    from factories import decode_report, make_conductor, prefill_report
+    from kvcentric.prfaas.replan import Replanner
+    conductor = make_conductor(prefills=2, decodes=2)
+    planner = Replanner(ReplanPolicy(window_s=5.0), bs_max=4, decode_time_s=1.0)
+    for step in range(10):
+        now = step * 0.5
+        for name in ("p0", "p1"):
+            conductor.observe(prefill_report(name, queue_s=0.2), now)
+        for name in ("d0", "d1"):
+            conductor.observe(decode_report(name, running=4), now)
+        planner.observe(*_registry_states(conductor, now), now)
+    assert planner.decide(*_registry_states(conductor, 4.5), 4.5) is None
+    assert planner.last.action == "none"

@@ -1,12 +1,14 @@
 """What the prefill and decode services share: their config, model and KV pool set-up, the in-process
-messenger's gRPC server, load reports, and cancel handling. The role-specific loops live in
-`services/prefill` and `services/decode`.
+messenger's gRPC server, load reports, cancel handling, and the role change of PrfaaS §3.4.3 (a
+`RoleSwitch` on `kvc.control.<id>`: drain, announce the cached blocks gone, hand the loaded model to the
+other role's service). The role-specific loops live in `services/prefill` and `services/decode`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import time
 
 import torch
@@ -18,11 +20,14 @@ from kvcentric.engine.spans import RequestSpans
 from kvcentric.kvpool import HostBlockPool
 from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.protocol import BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, Subjects, TokenChunk
+from kvcentric.protocol import (BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, RoleSwitch, Subjects,
+                                SubmitAck, TokenChunk)
 from kvcentric.service import Service
 from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
 
 
+DRAIN_GRACE_S = 0.5
+"""A draining instance still takes what was placed before the conductor saw its draining report."""
 JOB_WAIT_S = 5.0
 """How long pushed KV waits for its request's DecodeJob: the gateway sends the decode and the prefill
 submits at once, so the first layer can overtake the job on a fast prefill."""
@@ -97,13 +102,14 @@ class HostPoolSource:
 class EngineService(Service):
     """Base of the two engine roles; subclasses provide the KV sink and the work loop."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config)
         self.config: EngineConfig = config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        self.runner = ModelRunner(load_model_config(config.model), config.num_kv_blocks, config.block_size,
-                                  config.seed, config.dtype, config.device)
+        self.runner = runner or ModelRunner(load_model_config(config.model), config.num_kv_blocks,
+                                            config.block_size, config.seed, config.dtype, config.device)
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         host_blocks = (config.host_pool_mb << 20) // self.runner.block_bytes
         self.host = HostBlockPool(host_blocks, self.runner.block_bytes, config.host_pool_policy) \
@@ -117,11 +123,19 @@ class EngineService(Service):
         self.spans = RequestSpans()
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
+        self.draining_to: str | None = None
+        """The role this instance is draining to, while a role change is under way."""
+        self.next_role: str | None = None
+        """Set when the drain is done: the process goes on as this role (`successor`)."""
 
     def kv_sink(self):
         raise NotImplementedError
 
     def load_report(self) -> LoadReport:
+        raise NotImplementedError
+
+    def idle(self) -> bool:
+        """Nothing queued, running or in transfer (a drain waits for this)."""
         raise NotImplementedError
 
     async def on_cancel(self, cancel: Cancel) -> None:
@@ -136,6 +150,8 @@ class EngineService(Service):
         self._grpc, port = await start_server(self.transfer, self.config.kv_host, self.config.kv_port)
         self.kv_addr = self.config.kv_advertise or f"{self.config.kv_host}:{port}"
         await self.subscribe(Subjects.CANCEL_ALL, Cancel, self.on_cancel)
+        await self.subscribe(Subjects.control(self.instance_id), RoleSwitch, self.on_role_switch,
+                             bad_reply=lambda error: SubmitAck(False, error))
         self.spawn(self.every(self.config.load_interval_s, self.report_load), "load-reports")
         self.spawn(self.send_outbox(), "outbox")
         self.spawn(self.work_loop(), "work-loop")
@@ -148,6 +164,55 @@ class EngineService(Service):
 
     async def report_load(self) -> None:
         await self.publish(Subjects.load(self.role, self.instance_id), self.load_report())
+
+    # ---------------------------------------------------------------- role change (PrfaaS §3.4.3)
+
+    async def on_role_switch(self, command: RoleSwitch) -> SubmitAck:
+        """Drain, then serve as `command.role`; answered at once (the drain goes on in the background)."""
+        if self.role not in ("prefill", "decode"):
+            return SubmitAck(False, f"a {self.role} instance serves both roles; it does not switch")
+        if command.role == self.role and self.draining_to is None:
+            return SubmitAck(True, f"already a {self.role} instance")
+        if self.draining_to is not None:
+            return SubmitAck(self.draining_to == command.role, f"already draining to {self.draining_to}")
+        self.draining_to = command.role
+        self.counters["role_switches_total"] += 1
+        self.log.info("draining to become a %s instance%s", command.role,
+                      f" ({command.reason})" if command.reason else "")
+        await self.report_load()  # the conductor stops placing here now, not at the next tick
+        self.spawn(self.drain_then_switch(), "role-switch")
+        return SubmitAck(True)
+
+    async def drain_then_switch(self) -> None:
+        started = time.monotonic()
+        while not (self.idle() and self.outbox.empty() and time.monotonic() - started >= DRAIN_GRACE_S):
+            await asyncio.sleep(0.05)
+        await self.forget_cached_blocks()
+        self.log.info("drained in %.2f s; switching to %s", time.monotonic() - started, self.draining_to)
+        self.next_role = self.draining_to
+        self.stopping.set()
+
+    async def forget_cached_blocks(self) -> None:
+        """The next role starts with an empty cache: tell kvs-meta (and conductors) these blocks are gone."""
+        events = []
+        for tier, hashes in (("device", list(self.pool.hash_to_block)),
+                             ("dram", list(self.host.slot_of) if self.host is not None else [])):
+            if hashes:
+                events.append(BlockEvicted(self.instance_id, hashes, tier))
+        if events:
+            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+
+    @property
+    def hands_over(self) -> bool:
+        return self.next_role is not None
+
+    def successor(self) -> "EngineService | None":
+        """The service this process runs next: the other role on the same model, same id and ports."""
+        if self.next_role is None:
+            return None
+        from kvcentric.cli import engine_class  # the services are packages above this library
+        config = dataclasses.replace(self.config, instance_id=self.instance_id)
+        return engine_class(self.next_role)(config, self.runner)
 
     def emit(self, chunks: list[TokenChunk | None]) -> None:
         """Queue token chunks for `kvc.req.<id>.out`; one sender keeps each request's chunks in order."""
@@ -186,10 +251,12 @@ class EngineService(Service):
         return LoadReport(self.instance_id, role or self.role, self.config.cluster, self.kv_addr, queued_requests,
                           queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time(),
                           link_bandwidth=dict(self.pusher.bandwidth),
-                          kv_bytes_sent=self.pusher.stats["bytes_streamed"])
+                          kv_bytes_sent=self.pusher.stats["bytes_streamed"],
+                          draining=self.draining_to is not None)
 
     def health(self) -> dict:
         return {"kv_addr": self.kv_addr, "model": self.config.model, "cluster": self.config.cluster,
+                "draining_to": self.draining_to,
                 "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.engine_stats()}
 
     def engine_stats(self) -> dict:

@@ -1,6 +1,7 @@
 """Long-term re-planning of PrfaaS §3.4.3: from the measured load of the PD cluster's prefill and decode
 pools, which role change (prefill -> decode or decode -> prefill, how many instances) restores the balance
-of equation (8); it decides, the conductor sends `kvc.control.<id>` and re-plans t (`planner.best_threshold`).
+of equation (8); it decides, the conductor sends `kvc.control.<id>` (a `RoleSwitch`), the engine drains and
+serves on in the other role (`kvcentric.engine.shell`). `Replanner` is the conductor's loop around it.
 
 §3.4.3: "When Θ_prfaas + Θ_pd-p ≪ Θ_pd-d, prefill is the system bottleneck, and when ≫, decode is. The
 scheduler identifies the binding constraint by monitoring queue depth and utilization at each stage" and
@@ -119,3 +120,73 @@ def _why_not(before: tuple[float, float], target: int, n_p: int) -> str:
     if max(before) == 0:
         return "both pools are idle"
     return f"the split is already the balanced one (N_p = {n_p})" if target == n_p else "no move allowed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One look at a pool: its instances' busy fractions and queued seconds, summed."""
+
+    instances: int
+    busy: float
+    queued_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """A decision of the live re-planner: which instances change role, and why."""
+
+    change: RoleChange
+    instance_ids: tuple[str, ...]
+    to_role: str
+
+
+class Replanner:
+    """The conductor's long-term re-planning loop, pure (time passed in): average each pool's load over
+    `policy.window_s`, ask `recommend_role_change`, and pick the least-loaded instances of the pool that
+    gives. After a switch it waits a whole window (the drained instances come back in their new role and
+    the averages must see the new split) before it judges again.
+    """
+
+    def __init__(self, policy: ReplanPolicy, bs_max: int, decode_time_s: float) -> None:
+        if bs_max < 1 or decode_time_s <= 0:
+            raise ValueError("bs_max must be >= 1 and decode_time_s > 0")
+        self.policy, self.bs_max, self.decode_time_s = policy, bs_max, decode_time_s
+        self.samples: list[tuple[float, Sample, Sample]] = []
+        self.quiet_until = 0.0
+        self.last: RoleChange | None = None
+
+    def observe(self, prefill: list, decode: list, now: float) -> None:
+        """Registry states (`PrefillState`, `DecodeState`) of the PD cluster's serving instances."""
+        p = Sample(len(prefill), sum(1.0 for s in prefill if s.queue_s(now) > 0 or s.pending_tokens > 0),
+                   sum(s.queue_s(now) for s in prefill))
+        # A decode backlog: requests with KV but no batch slot, each needing a slot for about t_d.
+        d = Sample(len(decode), sum(min(1.0, s.running / self.bs_max) for s in decode),
+                   sum(s.waiting for s in decode) * self.decode_time_s / self.bs_max)
+        self.samples.append((now, p, d))
+        horizon = now - self.policy.window_s
+        while self.samples and self.samples[0][0] < horizon:
+            self.samples.pop(0)
+
+    def decide(self, prefill: list, decode: list, now: float) -> Switch | None:
+        """A role change to make now, or None (too early, balanced, or nothing to move)."""
+        if now < self.quiet_until or not self.samples or not prefill or not decode:
+            return None
+        n = len(self.samples)
+        loads = []
+        for index, count in ((1, len(prefill)), (2, len(decode))):
+            busy = sum(sample[index].busy for sample in self.samples) / n
+            queued = sum(sample[index].queued_s for sample in self.samples) / n
+            loads.append(PoolLoad(count, min(1.0, busy / count), queued))
+        change = recommend_role_change(loads[0], loads[1], self.policy)
+        self.last = change
+        if change.action == "none":
+            return None
+        if change.action == "prefill_to_decode":
+            donors = sorted(prefill, key=lambda s: (s.queue_s(now), s.instance_id))
+            to_role = "decode"
+        else:
+            donors = sorted(decode, key=lambda s: (s.running, s.instance_id))
+            to_role = "prefill"
+        self.quiet_until = now + self.policy.window_s
+        self.samples.clear()
+        return Switch(change, tuple(s.instance_id for s in donors[:change.count]), to_role)

@@ -142,7 +142,7 @@ class Conductor:
                     now: float) -> DecodeChoice:
         """Colocated: an instance that reports in both roles decodes what it prefilled (no KV transfer)."""
         arrival = now + choice.ttft_s
-        state = self.registry.decode.get(choice.instance.instance_id)
+        state = self.registry.serving_decode(choice.instance.instance_id, now)
         if state is None:
             return self.admission.choose_decode(request, decodes, arrival, now, self.t_d)
         if self.admission.mode == "predictive":
