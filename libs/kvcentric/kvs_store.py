@@ -1,7 +1,8 @@
 """KV block location metadata in Redis: block hash -> holders, node -> blocks. One round trip per batch.
 
-Keys: `kvc:blk:<hash>` is a set of "node_id:tier" holders; `kvc:node:<node_id>` is the set of hashes
-the node holds (so a departed node can be purged). It stores and answers; it does not decide placement.
+Keys: `kvc:blk:<hash>` is a set of "node_id:tier" holders; `kvc:node:<node_id>` is the set of
+"tier:hash" the node holds (so a departed node can be purged from exactly what it held). It stores,
+answers and dumps the index page by page (for a conductor's local mirror); it does not decide placement.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ NODE_PREFIX = "kvc:node:"
 LEASE_PREFIX = "kvc:lease:"
 NODES = "kvc:nodes"
 """Every node that ever stored a block or held a lease; the sweeper purges those whose lease is gone."""
+DUMP_MAX_BYTES = 256 * 1024
+"""About the most bytes of block hashes one dump page carries: well under NATS's 1 MB payload limit."""
+DUMP_SCAN_STEP = 256
+"""Keys one SCAN step asks for; a page ends after the step that reaches its count or DUMP_MAX_BYTES."""
 
 
 class KVMetaStore:
@@ -42,10 +47,10 @@ class KVMetaStore:
             for block_hash in event.block_hashes:
                 if isinstance(event, BlockStored):
                     pipe.sadd(BLOCK_PREFIX + block_hash, holder)
-                    pipe.sadd(NODE_PREFIX + event.node_id, block_hash)
+                    pipe.sadd(NODE_PREFIX + event.node_id, f"{event.tier}:{block_hash}")
                 elif isinstance(event, BlockEvicted):
                     pipe.srem(BLOCK_PREFIX + block_hash, holder)
-                    pipe.srem(NODE_PREFIX + event.node_id, block_hash)
+                    pipe.srem(NODE_PREFIX + event.node_id, f"{event.tier}:{block_hash}")
         if len(pipe):
             await pipe.execute()
 
@@ -58,6 +63,25 @@ class KVMetaStore:
             self._holders_script = self.redis.register_script(HOLDERS_LUA)
         joined = await self._holders_script(keys=[BLOCK_PREFIX + h for h in block_hashes])
         return [sorted(_text(text).split(",")) if text else [] for text in joined]
+
+    async def dump(self, cursor: int = 0, count: int = 2000,
+                   max_bytes: int = DUMP_MAX_BYTES) -> tuple[list[BlockStored], int]:
+        """One page of the whole index from `cursor` (0: the start): the blocks as BlockStored events,
+        one per holder, and the next cursor (0: that was the last page). SCAN steps over `kvc:blk:*`,
+        each with one Lua read of the holders, until about `count` blocks or `max_bytes` of hashes."""
+        hashes: list[str] = []
+        holders: list[list[str]] = []
+        size = 0
+        while True:
+            cursor, keys = await self.redis.scan(cursor, match=BLOCK_PREFIX + "*",
+                                                 count=max(1, min(count - len(hashes), DUMP_SCAN_STEP)))
+            step = [_text(key)[len(BLOCK_PREFIX):] for key in keys]
+            found = await self.holders(step)
+            hashes += step
+            holders += found
+            size += sum((len(block_hash) + 3) * len(held) for block_hash, held in zip(step, found))
+            if not cursor or len(hashes) >= count or size >= max_bytes:
+                return dump_events(hashes, holders), int(cursor)
 
     async def renew_leases(self, node_ids: list[str]) -> None:
         """Heartbeats: each node's lease lives `lease_ttl_s` more seconds (one round trip)."""
@@ -80,20 +104,34 @@ class KVMetaStore:
 
     async def purge_node(self, node_id: str) -> int:
         """Drop a node from every block it held; returns how many blocks it held."""
-        hashes = await self.redis.smembers(NODE_PREFIX + node_id)
+        held = await self.redis.smembers(NODE_PREFIX + node_id)
         pipe = self.redis.pipeline(transaction=False)
-        for block_hash in hashes:
-            key = _text(block_hash)
-            for tier in TIERS:
-                pipe.srem(BLOCK_PREFIX + key, f"{node_id}:{tier}")
+        for member in held:
+            tier, _, block_hash = _text(member).partition(":")
+            pipe.srem(BLOCK_PREFIX + block_hash, f"{node_id}:{tier}")
         pipe.delete(NODE_PREFIX + node_id)
         pipe.srem(NODES, node_id)
         await pipe.execute()
-        return len(hashes)
+        return len(held)
 
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def dump_events(hashes: list[str], holders: list[list[str]]) -> list[BlockStored]:
+    """Blocks with their "node_id:tier" holders, regrouped as one BlockStored per holder (first seen
+    first, hashes in the order given); a block nobody holds adds nothing."""
+    groups: dict[str, list[str]] = {}
+    for block_hash, held in zip(hashes, holders):
+        for holder in held:
+            groups.setdefault(holder, []).append(block_hash)
+    events = []
+    for holder, blocks in groups.items():
+        node_id, _, tier = holder.rpartition(":")
+        if node_id:
+            events.append(BlockStored(node_id, blocks, tier))
+    return events
 
 
 def mooncake_batch_reply(keys: list[str], holders: list[list[str]]) -> dict:

@@ -1,10 +1,11 @@
 """Settings of the conductor service (flags and KVC_* environment variables): the bus, the scheduling core
-(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, the kvs-meta lookups and the PrfaaS
-topology and threshold."""
+(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, where prefix hits come from (the local
+block index or kvs-meta lookups) and the PrfaaS topology and threshold."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.costmodel import HARDWARE, CostModel
@@ -28,6 +29,15 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     kvs_timeout_s: float = setting(0.2, "how long one kvs-meta lookup may take")
     kvs_down_duration_s: float = setting(30.0, "after being marked down, kvs-meta is not asked for this long "
                                                "(placement is load-only meanwhile)")
+    prefix_index: Literal["local", "kvs-meta"] = setting(
+        "local", "where prefix hits come from: local (a mirror of kvs-meta's block index kept from the KV "
+                 "events, seeded from kvs-meta at start; no lookup per request) or kvs-meta (one "
+                 "kvc.kvs.query per request)")
+    prefix_lease_ttl_s: float = setting(5.0, "local index: a node not heard from (KV events, load reports) for "
+                                             "this long is dropped from it, as kvs-meta's --lease-ttl-s")
+    prefix_seed_patience_s: float = setting(10.0, "local index: how long to keep asking kvs-meta for its index "
+                                                  "at start before going on from the KV events alone (prefix "
+                                                  "hits come from kvs-meta lookups meanwhile)")
     topology: str = setting("", "PrfaaS topology (JSON/YAML: clusters with role pd|prfaas, links with gbps); "
                                 "with a prfaas cluster, long uncached prefills go there (default: one cluster)")
     prfaas_threshold: int = setting(0, "PrfaaS: planned threshold t, uncached tokens above which a request "
@@ -51,6 +61,10 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")
         require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
         require(self.kvs_down_duration_s >= 0, "kvs_down_duration_s", "must be >= 0")
+        require(self.prefix_index in ("local", "kvs-meta"), "prefix_index",
+                f"choose local or kvs-meta, got {self.prefix_index!r}")
+        require(self.prefix_lease_ttl_s > 0, "prefix_lease_ttl_s", "must be positive")
+        require(self.prefix_seed_patience_s >= 0, "prefix_seed_patience_s", "must be >= 0")
         require(self.prfaas_threshold >= 0, "prfaas_threshold", "must be 0 or more tokens")
         require(self.prfaas_adjust_s >= 0, "prfaas_adjust_s", "must be >= 0")
         if self.topology:

@@ -1,9 +1,14 @@
-"""The conductor's asyncio shell: feeds load reports and request outcomes into the Conductor core, asks
-kvs-meta where each request's prefix blocks are (one batch per request, with retries and health gating),
-and answers kvc.conductor.schedule with the core's decision. All policy is in `kvcentric.scheduling`.
+"""The conductor's asyncio shell: feeds load reports and request outcomes into the Conductor core, finds
+where each request's prefix blocks are, and answers kvc.conductor.schedule with the core's decision. All
+policy is in `kvcentric.scheduling`.
 
-When kvs-meta is down or unreachable the conductor keeps serving with load-only placement (no prefix
-hits), counted in `placements_load_only_total` and shown by the `kvs_metadata_down` gauge.
+Prefix hits come from a local mirror of kvs-meta's block index (`--prefix-index local`, the default): it
+follows the same kvc.kv.events.> events kvs-meta ingests, and at start it is seeded from kvs-meta's
+kvc.kvs.dump (events are buffered meanwhile and applied after the dump, so none is lost or applied out of
+order). Until the seed is done, and always with `--prefix-index kvs-meta`, it asks kvs-meta once per
+request (one batch, with retries and health gating). When kvs-meta is down or unreachable on that path,
+placement is load-only (no prefix hits), counted in `placements_load_only_total` and shown by the
+`kvs_metadata_down` gauge. kvs-meta stays the durable source of truth; the mirror is never written back.
 """
 
 from __future__ import annotations
@@ -17,14 +22,19 @@ from kvc_conductor.config import ConductorConfig
 from kvcentric import tracing
 from kvcentric.costmodel import CostModel, hardware
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVSQuery, KVSReply, LoadReport,
-                                Rejection, RequestOutcome, ScheduleRequest, Subjects, decode, encode)
+from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVEventBatch, KVSDump, KVSDumpQuery,
+                                KVSQuery, KVSReply, LoadReport, Rejection, RequestOutcome, ScheduleRequest, Subjects,
+                                decode, encode)
 from kvcentric.scheduling.conductor import Conductor
 from kvcentric.scheduling.kvs_gate import KVSGate
-from kvcentric.scheduling.prefix import prefix_from_holders
+from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
 from kvcentric.service import Service
 
 KVS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, BadMessage)
+DUMP_PAGE_BLOCKS = 2000
+"""Blocks asked for per page of kvs-meta's dump."""
+DUMP_PAGE_TIMEOUT_S = 2.0
+"""How long one page of the dump may take."""
 
 
 def load_cost_model(config: ConductorConfig) -> CostModel:
@@ -44,8 +54,17 @@ class ConductorService(Service):
                               clusters=config.clusters(prfaas_cost))
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
+        self.local_index = config.prefix_index == "local"
+        self.index = HolderIndex(config.prefix_lease_ttl_s)
+        self.pending: list[tuple[float, KVEventBatch]] | None = [] if self.local_index else None
+        """KV events that arrived while the local index is being seeded; None once it is live."""
+        self.seeded = False
 
     async def start(self) -> None:
+        if self.local_index:  # subscribed before the dump is asked for: no event falls between the two
+            await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
+            self.spawn(self.seed(), "seed-prefix-index")
+            self.spawn(self.every(self.config.prefix_lease_ttl_s / 4, self.expire_leases), "prefix-index-leases")
         await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
         await self.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
         await self.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
@@ -53,15 +72,18 @@ class ConductorService(Service):
         await self.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                              bad_reply=lambda error: self.instances())
         self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
-        self.log.info("policy %s, rejection %s, cost model %s", self.config.policy, self.config.rejection,
-                      self.core.estimator.cost.source)
+        self.log.info("policy %s, rejection %s, cost model %s, prefix index %s", self.config.policy,
+                      self.config.rejection, self.core.estimator.cost.source, self.config.prefix_index)
         if self.core.router is not None:
             router = self.core.router
             self.log.info("PrfaaS routing: local PD cluster %s, prfaas clusters %s, t = %d uncached tokens",
                           router.pd, ", ".join(router.prfaas) or "none", router.threshold)
 
     async def on_load(self, report: LoadReport) -> None:
-        self.core.observe(report, time.monotonic())
+        now = time.monotonic()
+        self.core.observe(report, now)
+        if self.local_index:
+            self.index.renew(report.instance_id, now)
 
     async def on_outcome(self, outcome: RequestOutcome) -> None:
         self.core.on_outcome(outcome, time.monotonic())
@@ -75,9 +97,16 @@ class ConductorService(Service):
         return decision
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
-        """Leading blocks each instance holds, from one kvs-meta batch query; None when it is down."""
+        """Leading blocks each instance holds; None when they cannot be known (kvs-meta down)."""
         if not block_hashes:
             return {}
+        if self.local_index and self.pending is None:
+            with tracing.span("kvs.query", attributes={"kvc.block_hashes": len(block_hashes), "kvc.index": "local"}):
+                return self.index.match(block_hashes)
+        return await self.query_kvs_meta(block_hashes)
+
+    async def query_kvs_meta(self, block_hashes: list[str]) -> dict[str, int] | None:
+        """Prefix hits from one kvs-meta batch query; None when it is down."""
         if not self.gate.available(time.monotonic()):
             return None
         query = encode(KVSQuery(block_hashes))
@@ -101,6 +130,65 @@ class ConductorService(Service):
             return prefix_from_holders(holders)
         return None
 
+    # ---------------------------------------------------------------- local block index
+
+    async def on_kv_events(self, batch: KVEventBatch) -> None:
+        if self.pending is not None:
+            self.pending.append((time.monotonic(), batch))
+        else:
+            self.index.apply(batch.events, time.monotonic())
+
+    async def seed(self) -> None:
+        """Apply kvs-meta's dump, then the events buffered meanwhile, then go live. When kvs-meta does not
+        answer for --prefix-seed-patience-s, go live from the events alone."""
+        deadline = time.monotonic() + self.config.prefix_seed_patience_s
+        while not await self.load_dump():
+            if time.monotonic() >= deadline:
+                self.counters["prefix_seed_failures_total"] += 1
+                self.log.warning("kvs-meta did not answer kvc.kvs.dump for %g s: the local block index starts "
+                                 "from the KV events alone", self.config.prefix_seed_patience_s)
+                self.go_live()
+                return
+            await asyncio.sleep(self.gate.retry_interval_s)
+        self.seeded = True
+        self.go_live()
+
+    async def load_dump(self) -> bool:
+        """Apply kvs-meta's dump page by page; False when a page did not come (the next try starts over:
+        applying a page twice changes nothing, and the buffered events correct what changed meanwhile)."""
+        cursor, blocks = 0, 0
+        while True:
+            try:
+                page = await self.request(Subjects.KVS_DUMP, KVSDumpQuery(cursor, DUMP_PAGE_BLOCKS), KVSDump,
+                                          DUMP_PAGE_TIMEOUT_S)
+            except KVS_ERRORS as exc:
+                self.counters["prefix_dump_failures_total"] += 1
+                say = self.log.warning if isinstance(exc, BadMessage) else self.log.debug
+                say("no dump page from kvs-meta at cursor %d: %s: %s", cursor, type(exc).__name__, exc)
+                return False
+            self.index.apply(page.events, time.monotonic())
+            blocks += sum(len(event.block_hashes) for event in page.events)
+            cursor = page.cursor
+            if not cursor:
+                self.counters["prefix_seed_blocks_total"] += blocks
+                return True
+
+    def go_live(self) -> None:
+        pending, self.pending = self.pending or [], None
+        for arrived, batch in pending:
+            self.index.apply(batch.events, arrived)
+        self.log.info("local block index live (%s): %d blocks on %d nodes, %d buffered event batches applied",
+                      "seeded from kvs-meta" if self.seeded else "not seeded", len(self.index), self.index.nodes,
+                      len(pending))
+
+    async def expire_leases(self) -> None:
+        for node_id in self.index.expire(time.monotonic()):
+            self.counters["prefix_index_nodes_purged_total"] += 1
+            self.log.info("no word from %s for %g s: dropped it from the local block index", node_id,
+                          self.index.lease_ttl_s)
+
+    # ---------------------------------------------------------------- instances, health, metrics
+
     async def forget_departed(self) -> None:
         self.registry.forget_stale(time.monotonic())
 
@@ -117,6 +205,9 @@ class ConductorService(Service):
                 "decode_alive": len(self.registry.alive_decode(now)),
                 "policy": self.config.policy, "rejection": self.config.rejection,
                 "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
+                "prefix_index": self.config.prefix_index,
+                **({"prefix_index_live": self.pending is None, "prefix_index_seeded": self.seeded}
+                   if self.local_index else {}),
                 **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
                    if self.core.router is not None else {})}
 
@@ -129,6 +220,10 @@ class ConductorService(Service):
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "ttft_outcomes_total": float(outcomes)}
+        if self.local_index:
+            gauges.update({"prefix_index_blocks": float(len(self.index)),
+                           "prefix_index_nodes": float(self.index.nodes), "prefix_index_seeded": float(self.seeded),
+                           "prefix_index_events_applied_total": float(self.index.events_applied)})
         if self.core.router is not None:
             gauges.update(self.prfaas_gauges())
         if outcomes:

@@ -1,6 +1,7 @@
 """The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, keeps a lease per node
 renewed by its load reports (the heartbeat) and purges nodes whose lease ran out, answers kvc.kvs.query
-over NATS and GET /batch_query_keys over HTTP. The storage logic is `kvcentric.kvs_store`.
+over NATS and GET /batch_query_keys over HTTP, and pages through the whole index on kvc.kvs.dump (how a
+conductor seeds its local mirror). The storage logic is `kvcentric.kvs_store`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from redis.asyncio import Redis
 
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvcentric.kvs_store import KVMetaStore, mooncake_batch_reply
-from kvcentric.protocol import KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects
+from kvcentric.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
 from kvcentric.service import Service
 
 
@@ -29,6 +30,7 @@ class KVSMetaService(Service):
         await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
         await self.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
                              bad_reply=lambda error: KVSReply([]))
+        await self.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
         await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
         self.spawn(self.every(self.config.lease_ttl_s / 4, self.leases), "leases")
 
@@ -58,6 +60,14 @@ class KVSMetaService(Service):
     async def on_query(self, query: KVSQuery) -> KVSReply:
         self.counters["queries_total"] += 1
         return KVSReply(await self.store.holders(query.block_hashes[: self.config.max_query_keys]))
+
+    async def on_dump(self, query: KVSDumpQuery) -> KVSDump:
+        """One page of the index; a query that fails gets no answer (the asker retries), never an
+        empty "last page" that would pass for the whole index."""
+        self.counters["dump_pages_total"] += 1
+        count = max(1, min(query.count, self.config.max_query_keys))
+        events, cursor = await self.store.dump(max(0, query.cursor), count)
+        return KVSDump(events, cursor)
 
     async def batch_query_keys(self, request: web.Request) -> web.Response:
         keys = [k for k in request.query.get("keys", "").split(",") if k]

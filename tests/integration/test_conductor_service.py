@@ -1,5 +1,6 @@
 """The conductor service on a real NATS server and a real kvs-meta on Redis: prefix-aware placement from
-kvs-meta's block locations, load-only placement while kvs-meta is down, rejections and outcomes on the wire."""
+kvs-meta's block locations asked per request (`--prefix-index kvs-meta`; the local index has its own tests
+in test_prefix_mirror.py), load-only placement while kvs-meta is down, rejections and outcomes on the wire."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ async def metrics(service: ConductorService) -> str:
 async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
     kvs = KVSMetaService(KVSMetaConfig(nats_url=own_nats, instance_id="kvs-test", redis_url=redis_url))
     await kvs.open()
-    conductor = await start_conductor(own_nats, policy="cache_aware")
+    conductor = await start_conductor(own_nats, policy="cache_aware", prefix_index="kvs-meta")
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor)
@@ -101,7 +102,7 @@ async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
 
 
 async def test_with_kvs_meta_down_the_conductor_places_by_load_only(own_nats):
-    conductor = await start_conductor(own_nats, kvs_down_duration_s=600.0)
+    conductor = await start_conductor(own_nats, kvs_down_duration_s=600.0, prefix_index="kvs-meta")
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor)

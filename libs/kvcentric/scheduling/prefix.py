@@ -3,12 +3,16 @@
 Mooncake Algorithm 1 lines 4-6 (FindBestPrefixMatch, instance.prefix_len) and Llumnix's "longest
 contiguous prefix hit length" per instance. `PrefixIndex` is an in-memory block -> holders index (the
 simulator's, and the benchmark's stand-in for kvs-meta); `prefix_from_holders` reads a kvs-meta batch
-reply. It matches; it does not decide placement and does not talk to kvs-meta.
+reply; `HolderIndex` is the conductor's local mirror of kvs-meta, kept from the same KV events and leases
+(Mooncake §4.2's KVCache metadata, read without a network hop). It matches; it does not decide placement,
+does no I/O and reads no clock.
 """
 
 from __future__ import annotations
 
 from typing import Hashable, Iterable, Sequence
+
+from kvcentric.protocol import BlockEvicted, BlockStored, KVEvent
 
 
 def prefix_from_holders(holders: Sequence[Iterable[str]]) -> dict[str, int]:
@@ -78,3 +82,90 @@ class PrefixIndex:
             result[ids[low.bit_length() - 1]] = depth
             alive ^= low
         return result
+
+
+class HolderIndex:
+    """Block hash -> holding nodes, from BlockStored / BlockEvicted events, with kvs-meta's semantics.
+
+    A node holds a block while it holds it in any tier. Every event and every load report of a node
+    renews its lease; `expire` purges nodes not heard from for `lease_ttl_s` (kvs-meta's --lease-ttl-s).
+    `match` answers what `prefix_from_holders` answers for kvs-meta's reply to the same hashes.
+    """
+
+    def __init__(self, lease_ttl_s: float = 5.0) -> None:
+        self.lease_ttl_s = lease_ttl_s
+        self.prefix = PrefixIndex()
+        self.tiers: dict[str, dict[str, int]] = {}
+        """node -> block hash -> bitmask of the tiers it holds the block in."""
+        self.tier_bits: dict[str, int] = {}
+        self.heard: dict[str, float] = {}
+        """node -> when it last sent an event or a load report."""
+        self.events_applied = 0
+
+    def __len__(self) -> int:
+        """Blocks held by at least one node."""
+        return len(self.prefix.holders)
+
+    @property
+    def nodes(self) -> int:
+        """Nodes holding at least one block."""
+        return sum(1 for blocks in self.tiers.values() if blocks)
+
+    def apply(self, events: Iterable[KVEvent], now: float) -> None:
+        for event in events:
+            self.renew(event.node_id, now)
+            if isinstance(event, BlockStored):
+                self.store(event.node_id, event.tier, event.block_hashes)
+            elif isinstance(event, BlockEvicted):
+                self.evict(event.node_id, event.tier, event.block_hashes)
+            self.events_applied += 1
+
+    def store(self, node_id: str, tier: str, block_hashes: Iterable[str]) -> None:
+        bit, blocks, new = self._tier_bit(tier), self.tiers.setdefault(node_id, {}), []
+        for block_hash in block_hashes:
+            mask = blocks.get(block_hash, 0)
+            if not mask:
+                new.append(block_hash)
+            blocks[block_hash] = mask | bit
+        self.prefix.add(node_id, new)
+
+    def evict(self, node_id: str, tier: str, block_hashes: Iterable[str]) -> None:
+        blocks = self.tiers.get(node_id)
+        if not blocks:
+            return
+        clear, gone = ~self._tier_bit(tier), []
+        for block_hash in block_hashes:
+            mask = blocks.get(block_hash, 0) & clear
+            if mask:
+                blocks[block_hash] = mask
+            elif blocks.pop(block_hash, None) is not None:
+                gone.append(block_hash)
+        self.prefix.remove(node_id, gone)
+
+    def renew(self, node_id: str, now: float) -> None:
+        """A sign of life from the node (an event or a load report): its lease runs `lease_ttl_s` more."""
+        self.heard[node_id] = max(now, self.heard.get(node_id, now))
+
+    def purge(self, node_id: str) -> int:
+        """Forget the node and every block it held; returns how many it held."""
+        self.heard.pop(node_id, None)
+        blocks = self.tiers.pop(node_id, {})
+        self.prefix.remove(node_id, blocks)
+        return len(blocks)
+
+    def expire(self, now: float) -> list[str]:
+        """Purge the nodes whose lease ran out; returns them."""
+        expired = [node for node, heard in self.heard.items() if now - heard > self.lease_ttl_s]
+        for node_id in expired:
+            self.purge(node_id)
+        return expired
+
+    def match(self, block_hashes: Sequence[str]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` held per node (nodes holding none are absent)."""
+        return self.prefix.match(block_hashes)
+
+    def _tier_bit(self, tier: str) -> int:
+        bit = self.tier_bits.get(tier)
+        if bit is None:
+            bit = self.tier_bits[tier] = 1 << len(self.tier_bits)
+        return bit
