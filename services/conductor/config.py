@@ -10,6 +10,7 @@ from typing import Literal
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.costmodel import HARDWARE, CostModel
 from kvcentric.prfaas.inputs import InputError
+from kvcentric.prfaas.profile import PrfaasProfile
 from kvcentric.prfaas.topology import Topology
 from kvcentric.scheduling.clusters import ClusterSetup
 from kvcentric.model.config import load_model_config
@@ -44,6 +45,17 @@ class ConductorConfig(BusConfig, SchedulerConfig):
                                        "prefills in the prfaas cluster (`kvcentric plan` finds it)")
     prfaas_adjust_s: float = setting(1.0, "PrfaaS: seconds between short-term steps of t from the measured "
                                           "egress use and queues (0: t stays at --prfaas-threshold)")
+    replan_interval_s: float = setting(0.0, "long-term re-planning (PrfaaS §3.4.3): seconds between looks at "
+                                            "the prefill and decode pools; when one is the bottleneck over "
+                                            "--replan-window-s an instance of the other switches role (0: off)")
+    replan_window_s: float = setting(60.0, "re-planning: the window pool loads are averaged over, and the pause "
+                                           "after a switch")
+    replan_imbalance: float = setting(1.25, "re-planning: switch only when one pool's pressure is this many "
+                                            "times the other's")
+    replan_bs_max: int = setting(64, "re-planning: decode batch slots per instance (the engines' --max-batch)")
+    replan_profile: str = setting("", "re-planning with --topology: the planner's profile (`kvcentric plan "
+                                      "--profile`); after a role change t is re-planned with it for the new "
+                                      "counts over recently placed lengths")
     prfaas_profile: str = setting("", "PrfaaS: cost model JSON of the prfaas cluster's hardware (default: "
                                       "the same as the local one)")
 
@@ -65,6 +77,15 @@ class ConductorConfig(BusConfig, SchedulerConfig):
                 f"choose local or kvs-meta, got {self.prefix_index!r}")
         require(self.prefix_lease_ttl_s > 0, "prefix_lease_ttl_s", "must be positive")
         require(self.prefix_seed_patience_s >= 0, "prefix_seed_patience_s", "must be >= 0")
+        require(self.replan_interval_s >= 0, "replan_interval_s", "must be >= 0 (0: off)")
+        require(self.replan_window_s > 0, "replan_window_s", "must be positive")
+        require(self.replan_imbalance >= 1, "replan_imbalance", "must be at least 1")
+        require(self.replan_bs_max >= 1, "replan_bs_max", "must be at least 1")
+        if self.replan_profile:
+            try:
+                PrfaasProfile.load(self.replan_profile)
+            except InputError as exc:
+                raise ConfigError(f"--replan-profile: {exc}") from None
         require(self.prfaas_threshold >= 0, "prfaas_threshold", "must be 0 or more tokens")
         require(self.prfaas_adjust_s >= 0, "prfaas_adjust_s", "must be >= 0")
         if self.topology:

@@ -19,12 +19,13 @@ import time
 import nats.errors
 
 from kvc_conductor.config import ConductorConfig
+from kvc_conductor.replanning import ReplanLoop
 from kvcentric import tracing
 from kvcentric.costmodel import CostModel, hardware
 from kvcentric.model.config import load_model_config
 from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVEventBatch, KVSDump, KVSDumpQuery,
-                                KVSQuery, KVSReply, LoadReport, Rejection, RequestOutcome, ScheduleRequest, Subjects,
-                                decode, encode)
+                                KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest,
+                                Subjects, decode, encode)
 from kvcentric.scheduling.conductor import Conductor
 from kvcentric.scheduling.kvs_gate import KVSGate
 from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
@@ -59,6 +60,7 @@ class ConductorService(Service):
         self.pending: list[tuple[float, KVEventBatch]] | None = [] if self.local_index else None
         """KV events that arrived while the local index is being seeded; None once it is live."""
         self.seeded = False
+        self.replan = ReplanLoop(self, config) if config.replan_interval_s > 0 else None
 
     async def start(self) -> None:
         if self.local_index:  # subscribed before the dump is asked for: no event falls between the two
@@ -72,6 +74,8 @@ class ConductorService(Service):
         await self.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                              bad_reply=lambda error: self.instances())
         self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
+        if self.replan is not None:
+            self.spawn(self.every(self.config.replan_interval_s, self.replan.tick), "replan")
         self.log.info("policy %s, rejection %s, cost model %s, prefix index %s", self.config.policy,
                       self.config.rejection, self.core.estimator.cost.source, self.config.prefix_index)
         if self.core.router is not None:
@@ -94,6 +98,8 @@ class ConductorService(Service):
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
         if hits is None and not isinstance(decision, Rejection):
             self.counters["placements_load_only_total"] += 1
+        if self.replan is not None and isinstance(decision, Placement):
+            self.replan.placed(request, decision)
         return decision
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
@@ -209,7 +215,8 @@ class ConductorService(Service):
                 **({"prefix_index_live": self.pending is None, "prefix_index_seeded": self.seeded}
                    if self.local_index else {}),
                 **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
-                   if self.core.router is not None else {})}
+                   if self.core.router is not None else {}),
+                **({"replan": self.replan.status()} if self.replan is not None else {})}
 
     def gauges(self) -> dict[str, float]:
         stats, outcomes = self.core.stats, self.core.stats["outcomes"]

@@ -73,15 +73,16 @@ def test_engines_switch_roles_after_draining_and_serve_the_same_tokens(cluster):
     _, reference = complete(cluster.url)
 
     # A long request is decoding when its decode instance is told to switch: it still finishes.
-    results = {}
+    def committed(name: str) -> int:
+        return cluster.health(name)["stats"].get("kv_streams_committed", 0)
+
+    results, before = {}, {name: committed(name) for name in ("decode-0", "decode-1")}
     long_request = threading.Thread(target=lambda: results.update(long=complete(cluster.url, max_tokens=96)))
     long_request.start()
     deadline = time.monotonic() + 30
     busy = None
     while busy is None and time.monotonic() < deadline:
-        for name in ("decode-0", "decode-1"):
-            if cluster.health(name)["stats"].get("kv_streams_committed"):
-                busy = name
+        busy = next((name for name in before if committed(name) > before[name]), None)
         time.sleep(0.02)
     assert busy is not None, "the long request never reached a decode instance"
     done = switch(nats_url, busy, "prefill")
@@ -118,3 +119,35 @@ def test_role_commands_are_validated(cluster):
     bad_role = asyncio.run(raw(encode({"role": "gateway"})))
     assert not bad_role.ok
     assert asyncio.run(raw(encode(RoleSwitch("decode")))).ok  # already decode: nothing to do
+
+
+def test_the_conductor_switches_an_idle_prefill_instance_when_decode_is_the_bottleneck(tmp_path):
+    """--replan-interval-s on: decode holds one sequence at a time (--max-batch 1) and a burst queues
+    behind it while both prefill instances idle, so the conductor turns one prefill into decode."""
+    env = {"KVC_REPLAN_INTERVAL_S": "0.2", "KVC_REPLAN_WINDOW_S": "2", "KVC_REPLAN_BS_MAX": "1",
+           "KVC_DECODE_TIME_S": "2", "KVC_MAX_BATCH": "1"}
+    up = UpProcess(str(tmp_path), "--prefill", "2", "--decode", "1", env=env)
+    try:
+        nats_url = up.manifest["nats_url"]
+        wait_for_roles(nats_url, {"prefill-0", "prefill-1"}, {"decode-0"})
+        results = []
+        burst = [threading.Thread(target=lambda: results.append(complete(up.url, max_tokens=64))) for _ in range(6)]
+        for thread in burst:
+            thread.start()
+        for thread in burst:
+            thread.join(120)
+        assert len(results) == 6 and all(text for _, text in results)  # nothing lost to the switch
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            seen = roles(nats_url)
+            if len(seen["prefill"]) == 1 and len(seen["decode"]) == 2:
+                break
+            time.sleep(0.2)
+        assert len(seen["prefill"]) == 1 and seen["decode"] >= {"decode-0"}, seen
+        replan = up.health("conductor")["replan"]
+        assert replan["switches"] and replan["switches"][0]["to"] == "decode" and replan["switches"][0]["ok"]
+        assert "decode is the bottleneck" in replan["switches"][0]["reason"]
+        _, text = complete(up.url)  # and the new split serves
+        assert text
+    finally:
+        up.stop()

@@ -142,8 +142,8 @@ class Switch:
 
 class Replanner:
     """The conductor's long-term re-planning loop, pure (time passed in): average each pool's load over
-    `policy.window_s`, ask `recommend_role_change`, and pick the least-loaded instances of the pool that
-    gives. After a switch it waits a whole window (the drained instances come back in their new role and
+    `policy.window_s`, ask `recommend_role_change` once at least half a window has been seen, and pick the
+    least-loaded instances of the pool that gives. After a switch it waits a whole window (the drained instances come back in their new role and
     the averages must see the new split) before it judges again.
     """
 
@@ -171,6 +171,8 @@ class Replanner:
         """A role change to make now, or None (too early, balanced, or nothing to move)."""
         if now < self.quiet_until or not self.samples or not prefill or not decode:
             return None
+        if now - self.samples[0][0] < self.policy.window_s / 2:
+            return None  # too little seen yet to call an imbalance persistent
         n = len(self.samples)
         loads = []
         for index, count in ((1, len(prefill)), (2, len(decode))):

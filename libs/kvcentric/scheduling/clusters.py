@@ -153,6 +153,14 @@ class ClusterRouter:
         self.threshold, self.last_change = change.threshold, change
         return change
 
+    def replan(self, threshold: float, reason: str) -> None:
+        """Long-term: a new planned t (`planner.best_threshold` after a role change); the short-term steps
+        now return toward it."""
+        self.setup = dataclasses.replace(self.setup, threshold=float(threshold))
+        self.threshold = float(threshold)
+        self.last_change = ThresholdChange(self.threshold, True, reason)
+        self.stats["threshold_replans"] += 1
+
     # ---------------------------------------------------------------- routing (§3.3, §3.4.3)
 
     def route(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
