@@ -8,8 +8,9 @@ Usage:
 
 Each request is a streaming /v1/completions with max_tokens=1 sent on schedule whatever the answers do;
 TTFT is from the send to the first `data:` event, as a client sees it (the client shares the 2 cores).
-The gateway's own TTFT histogram (request in -> first token out) and a bare NATS request/reply round
-trip on the same server are reported beside it. Writes bench/results/gateway.json.
+The gateway's own TTFT histogram (request in -> first token out), a bare NATS request/reply round trip
+on the same server, and the HTTP floor (the same client against `bench/sse_floor.py`, an SSE server with
+nothing behind it) are reported beside it. Writes bench/results/gateway.json.
 """
 
 from __future__ import annotations
@@ -201,16 +202,32 @@ def main() -> None:
             breakdown = runner.run(hops(nats_url))
             run = runner.run(load(gateway + "/v1/completions", args.rate, args.duration_s, args.warmup,
                                   args.prompt_tokens))
+            floor = runner.run(http_floor(args))
         server_ttft_ms = gateway_histogram_mean_ms(gateway, "ttft_seconds")
     finally:
         for child in reversed(children):
             child.process.terminate()
         for child in reversed(children):
             child.process.wait(10)
-    report(args, run, rtt, breakdown, server_ttft_ms, log_dir)
+    report(args, run, rtt, breakdown, server_ttft_ms, log_dir, floor)
 
 
-def report(args, run: dict, rtt: list[float], breakdown: dict, server_ttft_ms: float, log_dir: str) -> None:
+async def http_floor(args) -> dict:
+    """The same load against `bench/sse_floor.py` (HTTP + SSE + this client, nothing behind)."""
+    port = free_port()
+    server = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).with_name("sse_floor.py")),
+                                                  str(port))
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, wait_for_port, "127.0.0.1", port, 20)
+        return await load(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration_s, args.warmup,
+                          args.prompt_tokens)
+    finally:
+        server.terminate()
+        await server.wait()
+
+
+def report(args, run: dict, rtt: list[float], breakdown: dict, server_ttft_ms: float, log_dir: str,
+           floor: dict) -> None:
     ok = [r for r in run["results"] if not r[2]]
     errors = [r[2] for r in run["results"] if r[2]]
     ttft = percentiles_ms([r[0] for r in ok])
@@ -224,6 +241,7 @@ def report(args, run: dict, rtt: list[float], breakdown: dict, server_ttft_ms: f
         "ttft_ms": ttft, "e2e_ms": percentiles_ms([r[1] for r in ok]),
         "gateway_ttft_mean_ms": server_ttft_ms, "nats_request_reply_ms": percentiles_ms(rtt),
         "hops_alone_ms": breakdown,
+        "http_floor_ttft_ms": percentiles_ms([r[0] for r in floor["results"] if not r[2]]),
         "goal_p50_ms": GOAL_P50_MS, "meets_goal": ttft["p50"] <= GOAL_P50_MS, "log_dir": log_dir,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -233,6 +251,9 @@ def report(args, run: dict, rtt: list[float], breakdown: dict, server_ttft_ms: f
           f"{'met' if result['meets_goal'] else 'NOT met'}); gateway-side mean {server_ttft_ms:.2f} ms; "
           f"NATS request/reply p50 {result['nats_request_reply_ms']['p50']:.3f} ms -> {args.out}")
     print("hops alone, p50 ms: " + ", ".join(f"{k} {v['p50']:.2f}" for k, v in breakdown.items()))
+    floor_p50 = result["http_floor_ttft_ms"]["p50"]
+    print(f"HTTP floor (same client, an SSE server with nothing behind it): TTFT p50 {floor_p50:.2f} ms; "
+          f"above it, gateway + NATS + conductor add {ttft['p50'] - floor_p50:.2f} ms at p50")
 
 
 if __name__ == "__main__":

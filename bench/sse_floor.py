@@ -1,0 +1,40 @@
+"""The HTTP floor of the gateway benchmark: an aiohttp server that answers every POST with one SSE event
+and `data: [DONE]` at once, on uvloop like the gateway. What the same client measures against it is the
+cost of HTTP, SSE and the client itself on this machine, without NATS, the conductor or any engine.
+
+Usage: .venv/bin/python bench/sse_floor.py PORT
+"""
+
+from __future__ import annotations
+
+import sys
+
+from aiohttp import web
+
+EVENT = (b'data: {"id":"floor","object":"text_completion","choices":[{"index":0,"text":"A",'
+         b'"finish_reason":"length"}]}\n\n')
+
+
+async def complete(request: web.Request) -> web.StreamResponse:
+    await request.json()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(request)
+    await response.write(EVENT)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def main() -> None:
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    try:
+        import uvloop
+        loop = uvloop.new_event_loop()
+    except ImportError:
+        loop = None
+    web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, loop=loop)
+
+
+if __name__ == "__main__":
+    main()
