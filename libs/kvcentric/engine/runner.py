@@ -8,13 +8,13 @@ allocate blocks.
 from __future__ import annotations
 
 import warnings
-import zlib
 
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
 from kvcentric.model.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
 from kvcentric.protocol import SamplingParams
+from kvcentric.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -91,7 +91,7 @@ class ModelRunner:
         return self.model(ids, batch, self.k_cache, self.v_cache, rows.to(self.device))
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
-        """Key bytes, value bytes and their crc32 for token positions start..end-1 of a sequence."""
+        """Key bytes, value bytes and their checksum (CRC-32C) for token positions start..end-1 of a sequence."""
         slots = self._slots(block_table, start, end)
         return kv_payload(self.k_cache[layer, slots], self.v_cache[layer, slots])
 
@@ -140,10 +140,10 @@ def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
 
 
 def kv_payload(keys: torch.Tensor, values: torch.Tensor) -> tuple[bytes, bytes, int]:
-    """Tensors to wire bytes (C order, on the host) and their crc32."""
+    """Tensors to wire bytes (C order, on the host) and their checksum (`transfer.checksum`, CRC-32C)."""
     key = keys.contiguous().cpu().numpy().tobytes()
     value = values.contiguous().cpu().numpy().tobytes()
-    return key, value, zlib.crc32(value, zlib.crc32(key))
+    return key, value, checksum(key, value)
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
