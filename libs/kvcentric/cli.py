@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     from kvcentric.service import run_service
     service_class = getattr(importlib.import_module(f"{package}.service"), service_name)
     try:
-        service = service_class(config)
-        run_service(service, getattr(service, "successor", None))
+        run_service(service_class(config))
     except (MemoryError, ConnectionError, OSError) as exc:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 

@@ -3,6 +3,7 @@
 Keys: `kvc:blk:<hash>` is a set of "node_id:tier" holders; `kvc:node:<node_id>` is the set of
 "tier:hash" the node holds (so a departed node can be purged from exactly what it held). It stores,
 answers and dumps the index page by page (for a conductor's local mirror); it does not decide placement.
+Tiers: `device` is an engine's paged cache, `dram` a node's host pool (Mooncake's KVCache pool).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ for i, key in ipairs(KEYS) do
 end
 return out
 """
-TIERS = ("device", "dram", "gpu", "ssd")
-"""device: an engine's paged cache; dram: a node's host pool (Mooncake's KVCache pool)."""
 BLOCK_PREFIX = "kvc:blk:"
 NODE_PREFIX = "kvc:node:"
 LEASE_PREFIX = "kvc:lease:"

@@ -63,6 +63,10 @@ class Service:
         """Another service goes on in this process once this one stops (see `run_service`)."""
         return False
 
+    def successor(self) -> "Service | None":
+        """The service this process runs next, once this one has stopped (None: the process ends)."""
+        return None
+
     # ---------------------------------------------------------------- lifecycle
 
     async def run(self) -> None:
@@ -240,11 +244,11 @@ async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s:
             await asyncio.sleep(0.25)
 
 
-def run_service(service: Service, successor: Callable[[], Service | None] | None = None) -> None:
+def run_service(service: Service) -> None:
     """Run until SIGINT/SIGTERM, on uvloop when it is installed (KVC_EVENT_LOOP=asyncio to opt out).
 
-    `successor`, called when the service stops, may hand over to another in the same process (an engine's
-    role change); a signal ends the process."""
+    A stopped service may hand over to its `successor` in the same process (an engine's role change); a
+    signal ends the process."""
     logging.basicConfig(level=service.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop_factory = None
@@ -257,5 +261,4 @@ def run_service(service: Service, successor: Callable[[], Service | None] | None
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         while service is not None:
             runner.run(service.run())
-            service = successor() if successor is not None else None
-            successor = getattr(service, "successor", None)
+            service = service.successor()

@@ -65,8 +65,8 @@ class ReplanLoop:
                               switch.to_role)
         for instance_id in switch.instance_ids:
             try:
-                ack = await self.service.request(Subjects.control(instance_id), RoleSwitch(switch.to_role, change.reason),
-                                                 SubmitAck, timeout_s=2.0)
+                command = RoleSwitch(switch.to_role, change.reason)
+                ack = await self.service.request(Subjects.control(instance_id), command, SubmitAck, timeout_s=2.0)
             except (nats.errors.Error, TimeoutError, BadMessage) as exc:
                 ack = SubmitAck(False, f"{type(exc).__name__}: {exc}")
             self.service.counters[f"role_switches_{'sent' if ack.ok else 'failed'}_total"] += 1

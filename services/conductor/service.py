@@ -107,7 +107,8 @@ class ConductorService(Service):
         if not block_hashes:
             return {}
         if self.local_index and self.pending is None:
-            with tracing.span("kvs.query", attributes={"kvc.block_hashes": len(block_hashes), "kvc.index": "local"}):
+            attributes = {"kvc.block_hashes": len(block_hashes), "kvc.index": "local"}
+            with tracing.span("kvs.query", attributes=attributes):
                 return self.index.match(block_hashes)
         return await self.query_kvs_meta(block_hashes)
 

@@ -18,6 +18,7 @@ the move lowers the larger pressure, at most `max_step` instances at a time.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Literal
@@ -126,7 +127,6 @@ def _why_not(before: tuple[float, float], target: int, n_p: int) -> str:
 class Sample:
     """One look at a pool: its instances' busy fractions and queued seconds, summed."""
 
-    instances: int
     busy: float
     queued_s: float
 
@@ -143,29 +143,29 @@ class Switch:
 class Replanner:
     """The conductor's long-term re-planning loop, pure (time passed in): average each pool's load over
     `policy.window_s`, ask `recommend_role_change` once at least half a window has been seen, and pick the
-    least-loaded instances of the pool that gives. After a switch it waits a whole window (the drained instances come back in their new role and
-    the averages must see the new split) before it judges again.
+    least-loaded instances of the pool that gives. After a switch it waits a whole window (the drained
+    instances come back in their new role and the averages must see the new split) before it judges again.
     """
 
     def __init__(self, policy: ReplanPolicy, bs_max: int, decode_time_s: float) -> None:
         if bs_max < 1 or decode_time_s <= 0:
             raise ValueError("bs_max must be >= 1 and decode_time_s > 0")
         self.policy, self.bs_max, self.decode_time_s = policy, bs_max, decode_time_s
-        self.samples: list[tuple[float, Sample, Sample]] = []
+        self.samples: collections.deque[tuple[float, Sample, Sample]] = collections.deque()
         self.quiet_until = 0.0
         self.last: RoleChange | None = None
 
     def observe(self, prefill: list, decode: list, now: float) -> None:
         """Registry states (`PrefillState`, `DecodeState`) of the PD cluster's serving instances."""
-        p = Sample(len(prefill), sum(1.0 for s in prefill if s.queue_s(now) > 0 or s.pending_tokens > 0),
+        p = Sample(sum(1.0 for s in prefill if s.queue_s(now) > 0 or s.pending_tokens > 0),
                    sum(s.queue_s(now) for s in prefill))
         # A decode backlog: requests with KV but no batch slot, each needing a slot for about t_d.
-        d = Sample(len(decode), sum(min(1.0, s.running / self.bs_max) for s in decode),
+        d = Sample(sum(min(1.0, s.running / self.bs_max) for s in decode),
                    sum(s.waiting for s in decode) * self.decode_time_s / self.bs_max)
         self.samples.append((now, p, d))
         horizon = now - self.policy.window_s
         while self.samples and self.samples[0][0] < horizon:
-            self.samples.pop(0)
+            self.samples.popleft()
 
     def decide(self, prefill: list, decode: list, now: float) -> Switch | None:
         """A role change to make now, or None (too early, balanced, or nothing to move)."""
