@@ -75,12 +75,23 @@ class SamplingParams(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- conductor
 
 
+class Dispatch(msgspec.Struct, frozen=True):
+    """What the engines need besides the placement, when the conductor is to hand the jobs over itself."""
+
+    token_ids: list[int]
+    sampling: SamplingParams
+
+
 class ScheduleRequest(msgspec.Struct, frozen=True):
     request_id: str
     n_tokens: int
     block_hashes: list[str]
     max_tokens: int
     priority: int = 0
+    dispatch: Dispatch | None = None
+    """Set: the conductor sends the prefill and decode jobs itself as soon as it has placed the request and
+    answers without waiting for their acks (a refused job comes back as an error chunk on
+    `kvc.req.<id>.out`). None: it only answers, and the asker sends the jobs."""
 
 
 class Placement(msgspec.Struct, frozen=True, tag="placement"):
@@ -219,6 +230,8 @@ class TokenChunk(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    error_status: int = 500
+    """With finish_reason "error": the HTTP status it means (503 when an instance refused the job)."""
 
 
 class Cancel(msgspec.Struct, frozen=True):

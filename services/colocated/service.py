@@ -31,11 +31,8 @@ class ColocatedService(EngineService):
 
     async def start(self) -> None:
         await super().start()
-        refuse = lambda error: SubmitAck(False, error)  # noqa: E731
-        await self.subscribe(Subjects.submit("prefill", self.instance_id), PrefillJob, self.on_prefill,
-                             bad_reply=refuse)
-        await self.subscribe(Subjects.submit("decode", self.instance_id), DecodeJob, self.on_decode,
-                             bad_reply=refuse)
+        await self.subscribe_jobs("prefill", PrefillJob, self.on_prefill)
+        await self.subscribe_jobs("decode", DecodeJob, self.on_decode)
 
     async def on_decode(self, job: DecodeJob) -> SubmitAck:
         try:

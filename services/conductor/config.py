@@ -39,6 +39,9 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     prefix_seed_patience_s: float = setting(10.0, "local index: how long to keep asking kvs-meta for its index "
                                                   "at start before going on from the KV events alone (prefix "
                                                   "hits come from kvs-meta lookups meanwhile)")
+    submit_timeout_s: float = setting(5.0, "when the conductor hands a placed request to its engines itself "
+                                           "(the gateway's --dispatch conductor): how long an engine may take "
+                                           "to take the job before the request fails with 503")
     topology: str = setting("", "PrfaaS topology (JSON/YAML: clusters with role pd|prfaas, links with gbps); "
                                 "with a prfaas cluster, long uncached prefills go there (default: one cluster)")
     prfaas_threshold: int = setting(0, "PrfaaS: planned threshold t, uncached tokens above which a request "
@@ -72,6 +75,7 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         require(self.kvs_retry_times >= 1, "kvs_retry_times", "must be at least 1")
         require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")
         require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
+        require(self.submit_timeout_s > 0, "submit_timeout_s", "must be positive")
         require(self.kvs_down_duration_s >= 0, "kvs_down_duration_s", "must be >= 0")
         require(self.prefix_index in ("local", "kvs-meta"), "prefix_index",
                 f"choose local or kvs-meta, got {self.prefix_index!r}")

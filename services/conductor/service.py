@@ -20,12 +20,12 @@ import nats.errors
 
 from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
-from kvcentric import tracing
+from kvcentric import dispatch, tracing
 from kvcentric.costmodel import CostModel, hardware
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import (BadMessage, InstancesQuery, InstancesReply, KVEventBatch, KVSDump, KVSDumpQuery,
-                                KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest,
-                                Subjects, decode, encode)
+from kvcentric.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
+                                KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome,
+                                ScheduleRequest, Subjects, TokenChunk, decode, encode)
 from kvcentric.scheduling.conductor import Conductor
 from kvcentric.scheduling.kvs_gate import KVSGate
 from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
@@ -36,6 +36,18 @@ DUMP_PAGE_BLOCKS = 2000
 """Blocks asked for per page of kvs-meta's dump."""
 DUMP_PAGE_TIMEOUT_S = 2.0
 """How long one page of the dump may take."""
+
+
+def bad_dispatch(request: ScheduleRequest) -> str:
+    """Why a request's dispatch part does not fit the rest of it, or ""."""
+    job = request.dispatch
+    if job is None:
+        return ""
+    if len(job.token_ids) != request.n_tokens:
+        return f"dispatch.token_ids has {len(job.token_ids)} tokens, n_tokens says {request.n_tokens}"
+    if job.sampling.max_tokens != request.max_tokens:
+        return f"dispatch.sampling.max_tokens is {job.sampling.max_tokens}, max_tokens says {request.max_tokens}"
+    return ""
 
 
 def load_cost_model(config: ConductorConfig) -> CostModel:
@@ -93,14 +105,36 @@ class ConductorService(Service):
         self.core.on_outcome(outcome, time.monotonic())
 
     async def on_schedule(self, request: ScheduleRequest):
+        problem = bad_dispatch(request)
+        if problem:
+            self.counters["bus_drops_total"] += 1
+            return Rejection(request.request_id, "bad_request", problem, 0.0)
         hits = await self.prefix_hits(request.block_hashes)
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
         if hits is None and not isinstance(decision, Rejection):
             self.counters["placements_load_only_total"] += 1
-        if self.replan is not None and isinstance(decision, Placement):
-            self.replan.placed(request, decision)
+        if isinstance(decision, Placement):
+            if self.replan is not None:
+                self.replan.placed(request, decision)
+            if request.dispatch is not None:  # the jobs go out with the answer, which does not wait for the acks
+                self.spawn(self.dispatch(request, decision), f"dispatch-{request.request_id}")
         return decision
+
+    async def dispatch(self, request: ScheduleRequest, placement: Placement) -> None:
+        """Hand the placed request to its engines. When one does not take it, the gateway hears it as an error
+        chunk on the request's output (HTTP 503) and the engine that did take it gets a Cancel."""
+        job = request.dispatch
+        submits = dispatch.jobs(request.request_id, placement, job.token_ids, job.sampling)
+        why = await dispatch.submit(self, submits, self.config.submit_timeout_s)
+        self.counters["dispatched_total"] += 1
+        if not why:
+            return
+        self.counters["dispatch_failures_total"] += 1
+        self.log.warning("request %s: %s", request.request_id, why)
+        rid = request.request_id
+        await self.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
+        await self.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
         """Leading blocks each instance holds; None when they cannot be known (kvs-meta down)."""

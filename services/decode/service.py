@@ -11,7 +11,7 @@ import time
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import DecodeSink, EngineService
-from kvcentric.protocol import Cancel, DecodeJob, LoadReport, SubmitAck, Subjects
+from kvcentric.protocol import Cancel, DecodeJob, LoadReport, SubmitAck
 
 
 class DecodeService(EngineService):
@@ -27,8 +27,7 @@ class DecodeService(EngineService):
 
     async def start(self) -> None:
         await super().start()
-        await self.subscribe(Subjects.submit(self.role, self.instance_id), DecodeJob, self.on_submit,
-                             bad_reply=lambda error: SubmitAck(False, error))
+        await self.subscribe_jobs(self.role, DecodeJob, self.on_submit)
 
     async def on_submit(self, job: DecodeJob) -> SubmitAck:
         try:

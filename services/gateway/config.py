@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Literal
 
 from kvcentric.config import BusConfig, require, setting
 from kvcentric.hashing import HASH_ALGOS
@@ -19,6 +20,10 @@ class GatewayConfig(BusConfig):
     hash_algo: str = setting("sha256_cbor", "prefix block hash (must match the engines)")
     request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
+    dispatch: Literal["conductor", "gateway"] = setting(
+        "conductor", "who hands a placed request to the prefill and decode instances: conductor (it sends the "
+                     "jobs as it answers, one bus round trip fewer before the first token) or gateway (after "
+                     "the conductor's answer, as DESIGN.md first had it)")
     api_key: str = setting("", "if set, /v1/* requires the header 'Authorization: Bearer <key>' (else 401)")
 
     def __post_init__(self) -> None:

@@ -37,6 +37,9 @@ class Job:
     """The engine sent the final chunk itself (nothing to cancel)."""
     response: web.StreamResponse | None = None
     """The SSE response once its headers went out (errors after that go into the stream)."""
+    dispatch_pending: bool = False
+    """The conductor was asked to hand the request to the engines and has not answered yet: an ending now
+    must cancel it on engines that may already have it."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -67,7 +70,8 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
         job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
             job.engine_finished = True
-            raise ApiError(500, chunk.error or "generation failed", kind="server_error")
+            kind = "service_unavailable" if chunk.error_status == 503 else "server_error"
+            raise ApiError(chunk.error_status, chunk.error or "generation failed", kind=kind)
         piece = text.feed(chunk.token_ids)
         if chunk.finish_reason is not None and not text.stopped:
             job.engine_finished = True
@@ -144,15 +148,20 @@ class EventWriter:
 
 async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str, str | None]], model: str,
                  headers: dict) -> web.StreamResponse:
-    """Relay the pieces as SSE; an error after the headers went out becomes an error event."""
+    """Relay the pieces as SSE. The headers go out with the first piece, so a request that fails before its
+    first token (an instance refused it, the engine failed) still gets its HTTP status; an error after
+    that becomes an error event."""
     writer = EventWriter(job, model)
-    response = await writer.open(request, headers)
     try:
         async for piece, finish_reason in pairs:
+            if job.response is None:
+                await writer.open(request, headers)
             if piece or finish_reason is not None:
                 await writer.piece(piece, finish_reason)
     except ApiError as exc:
+        if job.response is None:
+            raise
         await writer.error(exc)
-        return response
+        return job.response
     await writer.close(job.request.include_usage)
-    return response
+    return job.response

@@ -1,8 +1,8 @@
 """The gateway's asyncio shell: OpenAI-compatible HTTP in, NATS out.
 
 For each completion or chat completion it validates and tokenizes, hashes the prompt's blocks, asks the
-conductor for a placement, hands the job to the prefill and the decode instance at once, and relays the tokens
-that come back on `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a
+conductor for a placement (the conductor hands the jobs to the prefill and the decode instance as it answers,
+or with --dispatch gateway the gateway does), and relays the tokens that come back on `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a
 RequestOutcome and, unless the engine finished it, a Cancel. Validation and response shapes live in
 `kvcentric.openai_api`; it holds no scheduling policy.
 """
@@ -24,14 +24,14 @@ from kvc_gateway import relay
 from kvc_gateway.config import GatewayConfig
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
-from kvcentric import tracing
+from kvcentric import dispatch, tracing
 from kvcentric.hashing import BlockHasher, to_hex
 from kvcentric.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.openai_api import ApiError, check_context, parse_chat, parse_completion
-from kvcentric.protocol import (BadMessage, Cancel, DecodeJob, InstancesQuery, InstancesReply, Placement,
-                                PrefillJob, Rejection, RequestOutcome, ScheduleReply, ScheduleRequest,
-                                SubmitAck, Subjects, TokenChunk, decode)
+from kvcentric.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
+                                Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, TokenChunk,
+                                decode)
 from kvcentric.service import Service
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
@@ -198,11 +198,16 @@ class GatewayService(Service):
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
 
     async def place(self, job: relay.Job) -> Placement:
-        """Ask the conductor, then hand the job to prefill and decode (which waits for the KV) at once."""
+        """Ask the conductor for a placement. With --dispatch conductor it hands the jobs to the engines as it
+        answers; with --dispatch gateway they are sent from here, to prefill and decode at once."""
         hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
         sampling, n_prompt = job.request.sampling, len(job.token_ids)
-        decision = await self.ask(Subjects.SCHEDULE, ScheduleRequest(job.request_id, n_prompt, hashes,
-                                                                      sampling.max_tokens), ScheduleReply)
+        by_conductor = self.config.dispatch == "conductor"
+        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens,
+                              dispatch=Dispatch(job.token_ids, sampling) if by_conductor else None)
+        job.dispatch_pending = by_conductor
+        decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
+        job.dispatch_pending = False
         if isinstance(decision, Rejection):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1
             if decision.reason == "no_instance":
@@ -212,20 +217,11 @@ class GatewayService(Service):
             raise ApiError(429, decision.message, kind="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
         job.placement = decision
-        prefill = PrefillJob(job.request_id, job.token_ids, sampling, decision.decode_id, decision.decode_kv_addr,
-                             decision.kv_source_addr, decision.pull_block_hashes)
-        submits = [("prefill", decision.prefill_id, prefill)]
-        if decision.decode_id != decision.prefill_id:  # a colocated instance takes its decode job from the prefill's
-            submits.append(("decode", decision.decode_id, DecodeJob(job.request_id, n_prompt, sampling)))
-        # At once: the decode messenger holds KV that overtakes its job until the job is in (DecodeSink).
-        acks = await asyncio.gather(*(self.ask(Subjects.submit(role, instance), submit, SubmitAck)
-                                      for role, instance, submit in submits), return_exceptions=True)
-        for (role, instance, _), ack in zip(submits, acks):
-            if isinstance(ack, BaseException):
-                raise ack
-            if not ack.ok:
-                raise ApiError(503, f"{role} instance {instance} refused the request: {ack.error}",
-                               kind="service_unavailable")
+        if not by_conductor:
+            why = await dispatch.submit(self, dispatch.jobs(job.request_id, decision, job.token_ids, sampling),
+                                        self.config.bus_timeout_s)
+            if why:
+                raise ApiError(503, why, kind="service_unavailable")
         return decision
 
     async def token_chunks(self, subscription):
@@ -247,10 +243,10 @@ class GatewayService(Service):
         """Account for the request; cancel it on the engines unless they finished it; tell the conductor."""
         self.counters[labelled("requests_total", outcome=outcome)] += 1
         self.prompt_tokens.observe(len(job.token_ids))
+        if not job.engine_finished and (job.placement is not None or job.dispatch_pending):
+            await self.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
         if job.placement is None:
             return
-        if not job.engine_finished:
-            await self.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
         e2e = time.perf_counter() - job.started
         ttft = job.ttft_s
         if ttft is not None:

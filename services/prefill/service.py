@@ -12,7 +12,7 @@ from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
 from kvcentric.hashing import BlockHasher
-from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk, Subjects
+from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk
 from kvcentric.transfer import pull_blocks
 
 
@@ -42,8 +42,7 @@ class PrefillService(EngineService):
 
     async def start(self) -> None:
         await super().start()
-        await self.subscribe(Subjects.submit(self.role, self.instance_id), PrefillJob, self.on_submit,
-                             bad_reply=lambda error: SubmitAck(False, error))
+        await self.subscribe_jobs(self.role, PrefillJob, self.on_submit)
 
     async def on_submit(self, job: PrefillJob) -> SubmitAck:
         try:

@@ -1,6 +1,7 @@
 """The gateway's error answers on a real NATS bus, with stand-in conductor and engines answering there
 (plain NATS subscribers in this test): 429 with Retry-After, 500, 503, 504, and the Cancel and
-RequestOutcome it publishes when a request ends early."""
+RequestOutcome it publishes when a request ends early. The gateway here sends the jobs itself
+(`--dispatch gateway`); test_dispatch.py has the same failures with the real conductor dispatching."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def bus():
     port = free_port()
     server = start_server(nats_server_argv(port), port)
     url = f"nats://127.0.0.1:{port}"
-    gateway, gateway_port = spawn("gateway", url, "--request-timeout-s", "1", "--bus-timeout-s", "1")
+    gateway, gateway_port = spawn("gateway", url, "--request-timeout-s", "1", "--bus-timeout-s", "1",
+                                  "--dispatch", "gateway")
     try:
         yield url, f"http://127.0.0.1:{gateway_port}"
     finally:

@@ -7,6 +7,7 @@ other role's service). The role-specific loops live in `services/prefill` and `s
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import time
@@ -28,6 +29,8 @@ from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
 
 DRAIN_GRACE_S = 0.5
 """A draining instance still takes what was placed before the conductor saw its draining report."""
+CANCELLED_REMEMBERED = 4096
+"""How many cancelled request ids an engine remembers, to refuse a job that comes after its cancel."""
 JOB_WAIT_S = 5.0
 """How long pushed KV waits for its request's DecodeJob: the gateway sends the decode and the prefill
 submits at once, so the first layer can overtake the job on a fast prefill."""
@@ -127,6 +130,9 @@ class EngineService(Service):
         """The role this instance is draining to, while a role change is under way."""
         self.next_role: str | None = None
         """Set when the drain is done: the process goes on as this role (`successor`)."""
+        self.cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """The last CANCELLED_REMEMBERED request ids cancelled: a job that arrives after its cancel (the
+        conductor dispatches it while the gateway, a different sender, cancels) is refused."""
 
     def kv_sink(self):
         raise NotImplementedError
@@ -141,6 +147,24 @@ class EngineService(Service):
     async def on_cancel(self, cancel: Cancel) -> None:
         raise NotImplementedError
 
+    async def _cancel(self, cancel: Cancel) -> None:
+        self.cancelled[cancel.request_id] = None
+        if len(self.cancelled) > CANCELLED_REMEMBERED:
+            self.cancelled.popitem(last=False)
+        await self.on_cancel(cancel)
+
+    async def subscribe_jobs(self, role: str, kind, handler) -> None:
+        """Take `kind` jobs on kvc.<role>.<id>.submit with `handler`; a bad one, or one whose request was
+        cancelled before it came, is refused in the ack."""
+        async def take(job) -> SubmitAck:
+            if job.request_id in self.cancelled:
+                self.counters["jobs_after_cancel_total"] += 1
+                return SubmitAck(False, f"request {job.request_id} was cancelled before its job arrived")
+            return await handler(job)
+
+        await self.subscribe(Subjects.submit(role, self.instance_id), kind, take,
+                             bad_reply=lambda error: SubmitAck(False, error))
+
     async def work_loop(self) -> None:
         raise NotImplementedError
 
@@ -149,7 +173,7 @@ class EngineService(Service):
         self.transfer = KVTransferServicer(self.kv_sink(), source)
         self._grpc, port = await start_server(self.transfer, self.config.kv_host, self.config.kv_port)
         self.kv_addr = self.config.kv_advertise or f"{self.config.kv_host}:{port}"
-        await self.subscribe(Subjects.CANCEL_ALL, Cancel, self.on_cancel)
+        await self.subscribe(Subjects.CANCEL_ALL, Cancel, self._cancel)
         await self.subscribe(Subjects.control(self.instance_id), RoleSwitch, self.on_role_switch,
                              bad_reply=lambda error: SubmitAck(False, error))
         self.spawn(self.every(self.config.load_interval_s, self.report_load), "load-reports")

@@ -1,0 +1,169 @@
+"""The conductor hands placed requests to the engines itself (the gateway's default `--dispatch conductor`):
+a real nats-server, conductor and gateway, with the engines played by NATS subscribers that report load and
+record the jobs they get; and a real prefill engine for the job that comes after its cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import msgspec
+import nats
+import pytest
+
+from conftest import start_server, stop
+from kvcentric.launcher import free_port, nats_server_argv
+from kvcentric.launcher import spawn_service as spawn
+from kvcentric.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, PrefillJob, Rejection, SamplingParams,
+                                ScheduleReply, ScheduleRequest, SubmitAck, Subjects, TokenChunk, decode, encode)
+
+BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """nats-server, a conductor and a gateway (default dispatch); no engines."""
+    port = free_port()
+    server = start_server(nats_server_argv(port), port)
+    url = f"nats://127.0.0.1:{port}"
+    conductor, _ = spawn("conductor", url, "--stale-after-s", "600", "--submit-timeout-s", "1")
+    gateway, gateway_port = spawn("gateway", url, "--request-timeout-s", "5")
+    try:
+        yield url, f"http://127.0.0.1:{gateway_port}"
+    finally:
+        stop(gateway)
+        stop(conductor)
+        stop(server)
+
+
+class Engines:
+    """A prefill "p" and a decode "d" played by NATS subscribers: they report load (so the conductor
+    places on them), answer submits with the given acks, and record jobs and cancels."""
+
+    def __init__(self, nc, prefill_ack: SubmitAck | None = SubmitAck(True),
+                 decode_ack: SubmitAck | None = SubmitAck(True)) -> None:
+        self.nc, self.prefill_ack, self.decode_ack = nc, prefill_ack, decode_ack
+        self.prefill_jobs: list[PrefillJob] = []
+        self.decode_jobs: list[DecodeJob] = []
+        self.cancels: list[Cancel] = []
+        self.subscriptions = []
+
+    async def __aenter__(self) -> "Engines":
+        subjects = [(Subjects.CANCEL_ALL, self.on_cancel)]
+        if self.prefill_ack is not None:  # None: registered by its load report, but nobody takes its jobs
+            subjects.append((Subjects.submit("prefill", "p"), self.on_prefill))
+        if self.decode_ack is not None:
+            subjects.append((Subjects.submit("decode", "d"), self.on_decode))
+        for subject, callback in subjects:
+            self.subscriptions.append(await self.nc.subscribe(subject, cb=callback))
+        for role, name in (("prefill", "p"), ("decode", "d")):
+            report = LoadReport(name, role, "local", "127.0.0.1:1", 0, 0, 0, 1000, 1000, 0.0)
+            await self.nc.publish(Subjects.load(role, name), encode(report))
+        await self.nc.flush()
+        await asyncio.sleep(0.2)  # the conductor has seen both reports
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for subscription in self.subscriptions:
+            await subscription.unsubscribe()
+
+    async def on_prefill(self, msg) -> None:
+        job = decode(msg.data, PrefillJob)
+        self.prefill_jobs.append(job)
+        await msg.respond(encode(self.prefill_ack))
+        if self.prefill_ack.ok and self.decode_ack is not None and self.decode_ack.ok:  # as a prefill instance does
+            await self.nc.publish(Subjects.out(job.request_id), encode(TokenChunk(job.request_id, 0, [104])))
+
+    async def on_decode(self, msg) -> None:
+        job = decode(msg.data, DecodeJob)
+        self.decode_jobs.append(job)
+        await msg.respond(encode(self.decode_ack))
+        if self.decode_ack.ok:
+            final = TokenChunk(job.request_id, 1, [105], "length", job.n_prompt_tokens, 2)
+            await asyncio.sleep(0.05)
+            await self.nc.publish(Subjects.out(job.request_id), encode(final))
+
+    async def on_cancel(self, msg) -> None:
+        self.cancels.append(decode(msg.data, Cancel))
+
+    async def cancelled(self, request_id: str) -> bool:
+        for _ in range(100):
+            if any(c.request_id == request_id for c in self.cancels):
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+
+@pytest.fixture
+async def nc(cluster):
+    client = await nats.connect(cluster[0])
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def post(url: str, body: dict) -> tuple[int, dict, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            return response.status, {k.lower(): v for k, v in response.headers.items()}, await response.text()
+
+
+async def test_the_conductor_hands_both_jobs_over_with_the_prompt(cluster, nc):
+    async with Engines(nc) as engines:
+        status, headers, text = await post(cluster[1], BODY)
+    body = json.loads(text)
+    assert status == 200 and body["choices"][0]["text"] == "hi" and body["choices"][0]["finish_reason"] == "length"
+    assert headers["x-kvcentric-prefill"] == "p" and headers["x-kvcentric-decode"] == "d"
+    [prefill], [decode_job] = engines.prefill_jobs, engines.decode_jobs
+    assert prefill.request_id == decode_job.request_id == headers["x-request-id"]
+    assert len(prefill.token_ids) == decode_job.n_prompt_tokens == body["usage"]["prompt_tokens"]
+    assert prefill.decode_id == "d" and prefill.sampling.max_tokens == 2
+    assert engines.cancels == []  # the engine ended the request itself
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_refused_job_is_503_and_the_side_that_took_it_is_cancelled(cluster, nc, stream):
+    async with Engines(nc, decode_ack=SubmitAck(False, "no KV room")) as engines:
+        status, headers, text = await post(cluster[1], {**BODY, "stream": stream})
+        error = json.loads(text)["error"]  # no byte of the stream went out before the refusal
+        assert status == 503 and "decode instance d refused the request: no KV room" in error["message"]
+        assert error["type"] == "service_unavailable"
+        assert await engines.cancelled(engines.prefill_jobs[-1].request_id)
+
+
+async def test_a_job_for_an_instance_that_is_gone_is_503(cluster, nc):
+    async with Engines(nc, prefill_ack=None):
+        status, _, text = await post(cluster[1], BODY)
+    assert status == 503 and "prefill instance p is gone" in json.loads(text)["error"]["message"]
+
+
+async def test_a_dispatch_that_does_not_match_its_request_is_refused(cluster, nc):
+    sampling = SamplingParams(max_tokens=2)
+    bad = ScheduleRequest("r-bad", 3, [], 2, dispatch=Dispatch([1, 2], sampling))
+    reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
+    assert isinstance(reply, Rejection) and reply.reason == "bad_request" and "n_tokens says 3" in reply.message
+    bad = msgspec.structs.replace(bad, n_tokens=2, max_tokens=7)
+    reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
+    assert isinstance(reply, Rejection) and "max_tokens says 7" in reply.message
+
+
+async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
+    """The gateway may cancel (client gone) while the conductor's job is still on its way: the engine
+    remembers the cancel and refuses the job, so it computes nothing for nobody."""
+    prefill, _ = spawn("prefill", cluster[0], "--model", "tiny", "--instance-id", "p-late", "--num-kv-blocks", "64")
+    try:
+        await nc.publish(Subjects.cancel("r-late"), encode(Cancel("r-late", "client disconnected")))
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        job = PrefillJob("r-late", [1, 2, 3, 4], SamplingParams(max_tokens=1), "d", "127.0.0.1:1")
+        reply = await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)
+        ack = decode(reply.data, SubmitAck)
+        assert not ack.ok and "cancelled before its job arrived" in ack.error
+        job = msgspec.structs.replace(job, request_id="r-on-time")
+        ack = decode((await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)).data, SubmitAck)
+        assert ack.ok
+        await nc.publish(Subjects.cancel("r-on-time"), encode(Cancel("r-on-time")))
+    finally:
+        stop(prefill)
