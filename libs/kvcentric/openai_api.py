@@ -27,6 +27,7 @@ class ApiError(Exception):
 
 
 MAX_STOP_STRINGS = 4
+MAX_PRIORITY = 1000
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -45,6 +46,9 @@ class CompletionRequest:
     """Chat requests only: the conversation, each message {"role", "content"} with content as text."""
     max_tokens_defaulted: bool = False
     """No max_tokens was given (chat): the gateway lowers it to what is left of the context."""
+    priority: int = 0
+    """vLLM's extension, its convention: lower is more important. The conductor's classes run the other
+    way (higher is more important, `--top-priority`), so it is asked with `-priority`."""
 
 
 def _check(condition: bool, message: str, param: str) -> None:
@@ -130,13 +134,17 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
     options = body.get("stream_options") or {}
     _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    priority = body.get("priority", 0)  # vLLM's extension
+    _check(priority is None or (_is_int(priority) and abs(priority) <= MAX_PRIORITY),
+           f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
     top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
     _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
     sampling = SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0))
     return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
-            "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user}
+            "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user,
+            "priority": priority or 0}
 
 
 def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: int) -> CompletionRequest:

@@ -16,6 +16,11 @@ SAMPLING = {
     "n": {"type": "integer", "enum": [1], "description": "only 1 (else 400)"},
     "user": {"type": "string"},
     "ignore_eos": {"type": "boolean", "default": False, "description": "vLLM extension: generate max_tokens"},
+    "top_k": {"type": "integer", "minimum": -1, "default": 0, "description": "vLLM extension: sample among the "
+                                                                           "k likeliest tokens (0 or -1: all)"},
+    "priority": {"type": "integer", "minimum": -1000, "maximum": 1000, "default": 0,
+                 "description": "vLLM extension, lower is more important: under overload the conductor rejects "
+                                "priority p > 0 from a load of 1 - priority_step * p"},
 }
 
 ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {

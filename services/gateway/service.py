@@ -203,7 +203,7 @@ class GatewayService(Service):
         hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
         sampling, n_prompt = job.request.sampling, len(job.token_ids)
         by_conductor = self.config.dispatch == "conductor"
-        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens,
+        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens, -job.request.priority,
                               dispatch=Dispatch(job.token_ids, sampling) if by_conductor else None)
         job.dispatch_pending = by_conductor
         decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)

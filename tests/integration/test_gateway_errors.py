@@ -15,8 +15,8 @@ import pytest
 
 from conftest import start_server, stop
 from kvcentric.launcher import free_port, nats_server_argv
-from kvcentric.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, SubmitAck, Subjects,
-                                TokenChunk, decode, encode)
+from kvcentric.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, ScheduleRequest,
+                                SubmitAck, Subjects, TokenChunk, decode, encode)
 from kvcentric.launcher import spawn_service as spawn
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
@@ -44,6 +44,7 @@ class StandIns:
         self.nc, self.decision, self.decode_ack, self.tokens = nc, decision, decode_ack, tokens
         self.cancels: list[Cancel] = []
         self.outcomes: list[RequestOutcome] = []
+        self.asked: list[ScheduleRequest] = []
         self.subscriptions = []
 
     async def __aenter__(self) -> "StandIns":
@@ -59,6 +60,7 @@ class StandIns:
             await subscription.unsubscribe()
 
     async def schedule(self, msg) -> None:
+        self.asked.append(decode(msg.data, ScheduleRequest))
         await msg.respond(encode(self.decision))
 
     async def submit_decode(self, msg) -> None:
@@ -107,6 +109,14 @@ async def test_a_conductor_rejection_is_429_with_retry_after(bus, nc):
     error = json.loads(text)["error"]
     assert status == 429 and headers["Retry-After"] == "3"
     assert error["type"] == "rate_limit_exceeded" and error["code"] == "overloaded"
+
+
+async def test_the_conductor_is_asked_with_the_negated_vllm_priority(bus, nc):
+    async with StandIns(nc, Rejection("", "overloaded", "busy")) as standins:
+        await post(bus[1], {**BODY, "priority": 2})
+        await post(bus[1], BODY)
+    assert [asked.priority for asked in standins.asked] == [-2, 0]
+    assert standins.asked[0].dispatch is None  # --dispatch gateway
 
 
 async def test_a_conductor_failure_is_500_not_the_clients_fault(bus, nc):

@@ -117,3 +117,12 @@ def test_top_k_is_accepted_as_vllm_does():
     assert parse(prompt="x", top_k=-1).sampling.top_k == 0
     with pytest.raises(ApiError):
         parse(prompt="x", top_k="five")
+
+
+def test_priority_is_vllms_extension_validated():
+    assert chat(messages=[{"role": "user", "content": "x"}]).priority == 0
+    assert chat(messages=[{"role": "user", "content": "x"}], priority=3).priority == 3
+    for bad in ("high", 1.5, True, 5000):
+        with pytest.raises(ApiError) as raised:
+            chat(messages=[{"role": "user", "content": "x"}], priority=bad)
+        assert raised.value.status == 400 and raised.value.body()["error"]["param"] == "priority"
