@@ -3,20 +3,24 @@
 p50 <= 3 ms. Runs nats-server, redis-server, kvs-meta, the conductor, the gateway and the stub here.
 
 Usage:
-    .venv/bin/python bench/bench_gateway.py [--rate 100] [--duration-s 10] [--prompt-tokens 64]
+    .venv/bin/python bench/bench_gateway.py [--rate 100] [--duration-s 10] [--rounds 5] [--prompt-tokens 64]
         [--warmup 50] [--log-dir DIR]
 
 Each request is a streaming /v1/completions with max_tokens=1 sent on schedule whatever the answers do;
 TTFT is from the send to the first `data:` event, as a client sees it (the client shares the 2 cores).
-The gateway's own TTFT histogram (request in -> first token out), a bare NATS request/reply round trip
-on the same server, and the HTTP floor (the same client against `bench/sse_floor.py`, an SSE server with
-nothing behind it) are reported beside it. Writes bench/results/gateway.json.
+Two gateways run on the same stack: `--dispatch conductor` (ours: the conductor hands the jobs to the
+engines as it answers) and `--dispatch gateway` (the gateway sends them after the answer); with the HTTP
+floor (the same client against `bench/sse_floor.py`, an SSE server with nothing behind it) they are loaded
+in interleaved rounds, each for duration-s in all. Reported beside them: the gateways' own TTFT histograms
+(request in -> first token out), CPU time per request of every process, each bus hop timed alone and a
+bare NATS request/reply round trip on the same server. Writes bench/results/gateway.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -45,7 +49,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rate", type=float, default=100.0, help="requests per second (open loop)")
     parser.add_argument("--duration-s", type=float, default=10.0, help="how long to send")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (token ids)")
-    parser.add_argument("--warmup", type=int, default=50, help="sequential requests before measuring")
+    parser.add_argument("--warmup", type=int, default=50, help="sequential requests to each target before measuring")
+    parser.add_argument("--rounds", type=int, default=5, help="the load is sent in this many interleaved rounds "
+                                                              "per target (conductor, gateway dispatch, HTTP floor)")
     parser.add_argument("--log-dir", default="", help="service logs (default: a temp dir)")
     parser.add_argument("--out", default=str(RESULTS / "gateway.json"), help="where the JSON goes")
     return parser.parse_args()
@@ -201,28 +207,40 @@ def main() -> None:
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvc-bench-gateway-")
     os.makedirs(log_dir, exist_ok=True)
     children, nats_url, gateways = start_stack(log_dir)
+    floor_port = free_port()
+    children.append(Child("sse-floor", [sys.executable, str(Path(__file__).with_name("sse_floor.py")),
+                                        str(floor_port)], log_dir))
+    targets = {**gateways, "floor": f"http://127.0.0.1:{floor_port}"}
     try:
         for gateway in gateways.values():
             wait_ready(children, gateway)
+        wait_for_port("127.0.0.1", floor_port, 20)
+        runs = {name: {"results": [], "sent_s": 0.0, "count": 0} for name in targets}
+        cpu = {name: collections.Counter() for name in targets}
         with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the client on uvloop too, when installed
             rtt = runner.run(nats_round_trip(nats_url))
             breakdown = runner.run(hops(nats_url))
-            runs, cpu = {}, {}
-            for mode, gateway in gateways.items():
-                before = cpu_seconds(children)
-                runs[mode] = runner.run(load(gateway + "/v1/completions", args.rate, args.duration_s, args.warmup,
-                                             args.prompt_tokens))
-                count = runs[mode]["count"] + args.warmup
-                cpu[mode] = {name: round(1000 * (spent - before[name]) / count, 3)
-                             for name, spent in cpu_seconds(children).items()}
-            floor = runner.run(http_floor(args))
+            for name, url in targets.items():  # warm every target up before the first measured round
+                runner.run(load(url + "/v1/completions", args.rate, 0, args.warmup, args.prompt_tokens))
+            for round_ in range(args.rounds):  # interleaved, so drift of the machine hits each target alike
+                for name, url in targets.items():
+                    before = cpu_seconds(children)
+                    run = runner.run(load(url + "/v1/completions", args.rate, args.duration_s / args.rounds, 0,
+                                          args.prompt_tokens))
+                    cpu[name].update({k: v - before[k] for k, v in cpu_seconds(children).items()})
+                    for key in ("results", "sent_s", "count"):
+                        runs[name][key] += run[key]
+                print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
         server_ttft_ms = {mode: gateway_histogram_mean_ms(gateway, "ttft_seconds") for mode, gateway in gateways.items()}
     finally:
         for child in reversed(children):
             child.process.terminate()
         for child in reversed(children):
             child.process.wait(10)
-    report(args, runs, rtt, breakdown, server_ttft_ms, log_dir, floor, cpu)
+    cpu_ms = {name: {k: round(1000 * v / runs[name]["count"], 3) for k, v in spent.items()}
+              for name, spent in cpu.items()}
+    floor = runs.pop("floor")
+    report(args, runs, rtt, breakdown, server_ttft_ms, log_dir, floor, cpu_ms)
 
 
 def cpu_seconds(children: list[Child]) -> dict[str, float]:
@@ -236,20 +254,6 @@ def cpu_seconds(children: list[Child]) -> dict[str, float]:
             continue
         spent[child.name] = (int(fields[11]) + int(fields[12])) / tick
     return spent
-
-
-async def http_floor(args) -> dict:
-    """The same load against `bench/sse_floor.py` (HTTP + SSE + this client, nothing behind)."""
-    port = free_port()
-    server = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).with_name("sse_floor.py")),
-                                                  str(port))
-    try:
-        await asyncio.get_running_loop().run_in_executor(None, wait_for_port, "127.0.0.1", port, 20)
-        return await load(f"http://127.0.0.1:{port}/v1/completions", args.rate, args.duration_s, args.warmup,
-                          args.prompt_tokens)
-    finally:
-        server.terminate()
-        await server.wait()
 
 
 def report(args, runs: dict, rtt: list[float], breakdown: dict, server_ttft_ms: dict, log_dir: str,

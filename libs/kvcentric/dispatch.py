@@ -32,10 +32,20 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
 async def submit(service, submits: list[Submit], timeout_s: float) -> str:
     """Send every job at once (decode holds KV that overtakes its job until the job is in, so the two need no
     order) and wait for the acks. Returns "" when all were taken, else why the first one was not.
+    `service` is a `kvcentric.service.Service`."""
+    return await taken(service, submits, await send(service, submits), timeout_s)
 
-    `service` is a `kvcentric.service.Service` (its `request` carries the trace context)."""
-    acks = await asyncio.gather(*(service.request(Subjects.submit(role, instance), job, SubmitAck, timeout_s)
-                                  for role, instance, job in submits), return_exceptions=True)
+
+async def send(service, submits: list[Submit]) -> list[asyncio.Future]:
+    """Publish the jobs (they are in the write buffer before this yields, ahead of whatever the caller
+    publishes next); the futures of their acks."""
+    return [await service.send_request(Subjects.submit(role, instance), job) for role, instance, job in submits]
+
+
+async def taken(service, submits: list[Submit], sent: list[asyncio.Future], timeout_s: float) -> str:
+    """Wait for the acks of `send`: "" when every job was taken, else why the first one was not."""
+    acks = await asyncio.gather(*(service.reply(future, SubmitAck, timeout_s) for future in sent),
+                                return_exceptions=True)
     for (role, instance, _), ack in zip(submits, acks):
         subject = Subjects.submit(role, instance)
         if isinstance(ack, nats.errors.NoRespondersError):

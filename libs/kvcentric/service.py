@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import os
 import secrets
@@ -21,6 +22,9 @@ from kvcentric import tracing
 from kvcentric.config import BusConfig
 from kvcentric.metrics import LATENCY_BUCKETS_S, Histogram, render
 from kvcentric.protocol import BadMessage, decode, encode
+
+NO_RESPONDERS_STATUS = "503"
+"""The status header NATS puts on the answer to a request nobody is subscribed to."""
 
 log = logging.getLogger("kvcentric")
 
@@ -40,6 +44,9 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
         self._http: web.AppRunner | None = None
         self._histograms: dict[str, Histogram] = {}
+        self._inbox = ""
+        self._replies: dict[str, asyncio.Future] = {}
+        self._reply_tokens = itertools.count()
 
     # ---------------------------------------------------------------- for subclasses
 
@@ -180,6 +187,36 @@ class Service:
         reply = await self.nc.request(subject, encode(message), timeout=timeout_s,
                                       headers=tracing.inject_headers())
         return decode(reply.data, kind)
+
+    async def send_request(self, subject: str, message) -> asyncio.Future:
+        """Publish a request now, before this coroutine yields (so several go out in one write, ahead of
+        anything published after them), and return the future of its reply; `reply` awaits it."""
+        if not self._inbox:
+            self._inbox = self.nc.new_inbox()
+            await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+        token = str(next(self._reply_tokens))
+        future = self._replies[token] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: self._replies.pop(token, None))  # answered, or given up on
+        await self.nc.publish(subject, encode(message), reply=f"{self._inbox}.{token}",
+                              headers=tracing.inject_headers())
+        return future
+
+    async def _on_reply(self, msg) -> None:
+        future = self._replies.get(msg.subject.rpartition(".")[2])
+        if future is not None and not future.done():
+            future.set_result(msg)
+
+    async def reply(self, future: asyncio.Future, kind, timeout_s: float):
+        """The reply to a `send_request`, decoded as `kind`; raises as `request` does."""
+        try:
+            msg = await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise nats.errors.TimeoutError from None
+        finally:
+            future.cancel()  # no-op once answered
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS and not msg.data:
+            raise nats.errors.NoRespondersError
+        return decode(msg.data, kind)
 
     # ---------------------------------------------------------------- metrics
 

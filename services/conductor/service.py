@@ -117,16 +117,17 @@ class ConductorService(Service):
         if isinstance(decision, Placement):
             if self.replan is not None:
                 self.replan.placed(request, decision)
-            if request.dispatch is not None:  # the jobs go out with the answer, which does not wait for the acks
-                self.spawn(self.dispatch(request, decision), f"dispatch-{request.request_id}")
+            if request.dispatch is not None:  # the jobs go out ahead of the answer, which does not wait for acks
+                submits = dispatch.jobs(request.request_id, decision, request.dispatch.token_ids,
+                                        request.dispatch.sampling)
+                sent = await dispatch.send(self, submits)
+                self.spawn(self.check_taken(request, submits, sent), f"dispatch-{request.request_id}")
         return decision
 
-    async def dispatch(self, request: ScheduleRequest, placement: Placement) -> None:
-        """Hand the placed request to its engines. When one does not take it, the gateway hears it as an error
-        chunk on the request's output (HTTP 503) and the engine that did take it gets a Cancel."""
-        job = request.dispatch
-        submits = dispatch.jobs(request.request_id, placement, job.token_ids, job.sampling)
-        why = await dispatch.submit(self, submits, self.config.submit_timeout_s)
+    async def check_taken(self, request: ScheduleRequest, submits: list, sent: list) -> None:
+        """Wait for the engines' acks. When one did not take the job, the gateway hears it as an error chunk
+        on the request's output (HTTP 503) and an engine that did take it gets a Cancel."""
+        why = await dispatch.taken(self, submits, sent, self.config.submit_timeout_s)
         self.counters["dispatched_total"] += 1
         if not why:
             return

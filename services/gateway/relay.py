@@ -70,7 +70,7 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
         job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
             job.engine_finished = True
-            kind = "service_unavailable" if chunk.error_status == 503 else "server_error"
+            kind = {503: "service_unavailable", 429: "rate_limit_exceeded"}.get(chunk.error_status, "server_error")
             raise ApiError(chunk.error_status, chunk.error or "generation failed", kind=kind)
         piece = text.feed(chunk.token_ids)
         if chunk.finish_reason is not None and not text.stopped:
@@ -103,20 +103,31 @@ async def collect(job: Job, stream: AsyncIterator[tuple[str, str | None]], model
     return web.json_response(body, headers=headers)
 
 
+class EventStream(web.StreamResponse):
+    """A streamed response whose headers go out with its first body bytes (one write, one wake-up of the
+    client fewer before its first token) instead of on their own when it is prepared."""
+
+    _send_headers_immediately = False  # aiohttp's switch (web.Response sets it the same way)
+
+
 class EventWriter:
-    """Server-sent events in OpenAI's format: `data: {json}` blocks, then `data: [DONE]`."""
+    """Server-sent events in OpenAI's format: `data: {json}` blocks, then `data: [DONE]`.
+
+    Events are written as they come, except that the chat role event waits for the first piece and the
+    last piece goes out with the usage event, `[DONE]` and the end of the body: every write is a system
+    call and a wake-up of the client, and on loopback those are most of what a token costs here."""
 
     def __init__(self, job: Job, model: str) -> None:
         self.job, self.model, self.created = job, model, int(time.time())
+        self.held: list[bytes] = []
 
     async def open(self, request: web.Request, headers: dict) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **headers})
+        response = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
         self.job.response = response
         if self.job.chat:
-            await self.send(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
-                                       None, None, self.created))
+            self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
+                                 None, None, self.created))
         return response
 
     async def piece(self, text: str, finish_reason: str | None) -> None:
@@ -126,24 +137,28 @@ class EventWriter:
             body = chat_chunk(self.job.request_id, self.model, delta, finish_reason, final_usage, self.created)
         else:
             body = completion_body(self.job.request_id, self.model, text, finish_reason, final_usage, self.created)
-        await self.send(body)
+        self.hold(body)
+        if finish_reason is None:
+            await self.job.response.write(self.take())
 
     async def close(self, include_usage: bool) -> None:
         if include_usage:  # OpenAI's extra last chunk: no choices, the usage
             shape, empty = (chat_chunk, {}) if self.job.chat else (completion_body, "")
             body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
             body["choices"] = []
-            await self.send(body)
-        await self.job.response.write(b"data: [DONE]\n\n")
-        await self.job.response.write_eof()
+            self.hold(body)
+        await self.job.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     async def error(self, error: ApiError) -> None:
-        await self.send(error.body())
-        await self.job.response.write(b"data: [DONE]\n\n")
-        await self.job.response.write_eof()
+        self.hold(error.body())
+        await self.job.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
-    async def send(self, body: dict) -> None:
-        await self.job.response.write(b"data: " + json.dumps(body).encode() + b"\n\n")
+    def hold(self, body: dict) -> None:
+        self.held.append(b"data: " + json.dumps(body).encode() + b"\n\n")
+
+    def take(self) -> bytes:
+        held, self.held = b"".join(self.held), []
+        return held
 
 
 async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str, str | None]], model: str,

@@ -64,7 +64,7 @@ def test_sha256_cbor_matches_cbor2_reference_for_random_tokens(n_tokens, max_id,
     assert BlockHasher(block_size=block_size).hash_blocks(tokens) == cbor2_chain(tokens, block_size)
 
 
-@pytest.mark.parametrize("n_tokens", [16, 160])
+@pytest.mark.parametrize("n_tokens", [16, 160, 600])
 def test_sha256_cbor_matches_cbor2_reference_for_ids_beyond_64_bits(n_tokens):
     rng = random.Random(n_tokens)
     starts = [0, 2**63, 2**64]  # small ids, ids numpy cannot hold as int64, CBOR bignums
