@@ -176,6 +176,29 @@ class CostModel:
                    f"roofline:{model.name}@{hardware.name}")
 
 
+@dataclasses.dataclass(frozen=True)
+class TBTVerdict:
+    """A decode instance's double-check of its TBT SLO before a request joins the batch (Mooncake §3
+    step 4): the predicted step time with the request in the batch, against the SLO."""
+
+    accepted: bool
+    predicted_s: float
+    slo_s: float
+
+    @property
+    def reason(self) -> str:
+        return (f"rejected by decode for TBT: predicted step time {self.predicted_s:.3g} s with this request "
+                f"in the batch exceeds the TBT SLO of {self.slo_s:.3g} s")
+
+
+def decode_tbt_check(cost: CostModel, batch: int, kv_tokens: int, new_tokens: int, slo_s: float) -> TBTVerdict:
+    """Whether a decode step keeps within `slo_s` when one sequence of `new_tokens` context tokens joins the
+    `batch` sequences that hold `kv_tokens` context tokens; `slo_s` 0 turns the check off (always accepted).
+    It predicts with the cost model; it does not reject anything itself."""
+    predicted = cost.t_decode(batch + 1, kv_tokens + new_tokens)
+    return TBTVerdict(slo_s <= 0 or predicted <= slo_s, predicted, slo_s)
+
+
 def decode_capacity_tokens(model: ModelConfig, hardware: HardwareSpec, usable: float = 0.9) -> int:
     """KV tokens that fit in an instance's device memory after the weights (`usable` of it for KV)."""
     free = hardware.devices * hardware.mem_bytes * usable - model.num_params * hardware.dtype_bytes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import urllib.request
 from typing import Literal
 
 from kvcentric.config import require, setting
+from kvcentric.engine.config import DEVICE
 
 PR_SET_PDEATHSIG = 1
 
@@ -42,15 +44,27 @@ class UpConfig:
     nats_url: str = setting("", "use this NATS server instead of starting one")
     redis_url: str = setting("", "use this Redis instead of starting one")
     cluster: str = setting("local", "cluster name of every service")
-    profile: str = setting("", "cost model from `kvcentric profile` for the conductor (default: a roofline of "
-                               "the model on this machine)")
+    profile: str = setting("", "cost model from `kvcentric profile` for the conductor and, with --tbt-slo-s, the "
+                               "decode instances (default: a roofline of the model on this machine)")
     num_kv_blocks: int = setting(2048, "KV blocks per engine instance")
     block_size: int = setting(16, "tokens per KV block")
+    prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
+    max_batch: int = setting(64, "most sequences in one decode step of an engine")
+    device: str = setting("cpu", "torch device of every engine: cpu, cuda, cuda:N")
+    tbt_slo_s: float = setting(0.0, "TBT SLO the decode instances double-check when a request's KV has arrived "
+                                    "(rejected with 429 when the predicted step exceeds it; 0: off); also the "
+                                    "conductor's --tbt-slo-s when set")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level of the services")
 
     def __post_init__(self) -> None:
+        require(0 <= self.port < 65536, "port", "must be 0..65535")
+        require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
+        require(self.max_batch >= 1, "max_batch", "must be at least 1")
+        require(DEVICE.fullmatch(self.device) is not None, "device",
+                f"expected cpu, cuda or cuda:N, got {self.device!r}")
+        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
@@ -63,11 +77,24 @@ class UpConfig:
         return [(f"prefill-{i}", "prefill") for i in range(self.prefill)] + \
                [(f"decode-{i}", "decode") for i in range(self.decode)]
 
+    def engine_flags(self, command: str, threads: int) -> list[str]:
+        """The flags of one engine instance (`command`: prefill, decode or colocated)."""
+        flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(self.num_kv_blocks),
+                 "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
+                 str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", self.device]
+        if command == "decode" and self.tbt_slo_s > 0:  # its cost model is the conductor's
+            flags += ["--tbt-slo-s", str(self.tbt_slo_s), *(["--profile", self.profile] if self.profile else [])]
+        return flags
+
+    def conductor_flags(self) -> list[str]:
+        return ["--model", self.model, "--block-size", str(self.block_size),
+                *(["--profile", self.profile] if self.profile else []),
+                *(["--tbt-slo-s", str(self.tbt_slo_s)] if self.tbt_slo_s > 0 else [])]
+
     @property
     def expected_alive(self) -> tuple[int, int]:
         """Prefill and decode instances the conductor must see before the cluster counts as up."""
         return (self.colocated, self.colocated) if self.colocated else (self.prefill, self.decode)
-        require(0 <= self.port < 65536, "port", "must be 0..65535")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -199,14 +226,11 @@ class Cluster:
             wait_for_port("127.0.0.1", port, 10)
             self.redis_url = f"redis://127.0.0.1:{port}/0"
         c = self.config
-        threads = str(max(1, (os.cpu_count() or 1) // len(c.engines)))
-        engine = ["--model", c.model, "--seed", str(c.seed), "--num-kv-blocks", str(c.num_kv_blocks),
-                  "--block-size", str(c.block_size), "--torch-threads", threads]
+        threads = max(1, (os.cpu_count() or 1) // len(c.engines))
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
-        self.service("conductor", "conductor", "--model", c.model, "--block-size", str(c.block_size),
-                     *(["--profile", c.profile] if c.profile else []))
+        self.service("conductor", "conductor", *c.conductor_flags())
         for name, command in c.engines:
-            self.service(name, command, "--instance-id", name, *engine)
+            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads))
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port)
         self.write_manifest()

@@ -1,6 +1,7 @@
 """The decode service's asyncio shell: registers jobs from NATS, receives their KV through the
 in-process messenger's gRPC server, runs decode steps in the model thread, and streams tokens on
-`kvc.req.<id>.out`. It never computes a prompt: a request starts only once all its layers arrived.
+`kvc.req.<id>.out`. It never computes a prompt: a request starts only once all its layers arrived, and
+with --tbt-slo-s only if the batch is predicted to keep its TBT SLO with it (else it is rejected with 429).
 """
 
 from __future__ import annotations
@@ -11,7 +12,25 @@ import time
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import DecodeSink, EngineService
+from kvcentric.metrics import labelled
 from kvcentric.protocol import Cancel, DecodeJob, LoadReport, SubmitAck
+
+TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
+
+
+class CheckedDecodeSink(DecodeSink):
+    """The decode sink with Mooncake's double-check: once every layer of a request is here, it joins the
+    batch only if the predicted step time with it stays within --tbt-slo-s; otherwise it is rejected after
+    prefill (blocks freed at once, a 429 error as its final chunk)."""
+
+    def commit(self, request_id: str, commit) -> None:
+        verdict = self.engine.check_tbt(request_id)
+        if verdict.accepted:
+            super().commit(request_id, commit)
+            return
+        self.service.counters[TBT_REJECTIONS] += 1
+        self.service.log.debug("request %s: %s", request_id, verdict.reason)
+        self.service.emit([self.engine.reject_kv(request_id, verdict)])
 
 
 class DecodeService(EngineService):
@@ -19,15 +38,19 @@ class DecodeService(EngineService):
 
     def __init__(self, config: EngineConfig, runner=None) -> None:
         super().__init__(config, runner)
-        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch)
+        cost = config.cost_model() if config.tbt_slo_s > 0 else None
+        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
 
     def kv_sink(self):
-        self.sink = DecodeSink(self, self.engine)
+        self.sink = CheckedDecodeSink(self, self.engine)
         return self.sink
 
     async def start(self) -> None:
         await super().start()
         await self.subscribe_jobs(self.role, DecodeJob, self.on_submit)
+        if self.engine.cost is not None:
+            self.log.info("TBT double-check on: SLO %g s, steps predicted by %s", self.engine.tbt_slo_s,
+                          self.engine.cost.source)
 
     async def on_submit(self, job: DecodeJob) -> SubmitAck:
         try:

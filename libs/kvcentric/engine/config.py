@@ -1,13 +1,20 @@
-"""The config of an engine instance (prefill or decode): model, KV cache, messenger, load reports."""
+"""The config of an engine instance (prefill or decode): model, KV cache, messenger, load reports, and the
+decode's TBT double-check with the cost model it predicts steps with."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
+from kvcentric.costmodel import HARDWARE, CostModel, hardware
 from kvcentric.hashing import HASH_ALGOS
 from kvcentric.model.config import load_model_config
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+"""The torch devices an engine runs on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +39,13 @@ class EngineConfig(BusConfig):
     host_pool_mb: int = setting(256, "host-memory KV block pool of this node (prefill, colocated), MiB; 0: none")
     host_pool_policy: str = setting("lru", "host pool eviction: lru, lfu, length_aware")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
+    tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
+                                    "(429, its prefill wasted) when the predicted decode step with it in the "
+                                    "batch exceeds this (Mooncake's double-check; 0: off)")
+    profile: str = setting("", "decode with --tbt-slo-s: cost model JSON written by `kvcentric profile` that "
+                               "predicts the step time (default: a roofline of --model on --hardware)")
+    hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline cost model "
+                                         f"when no --profile is given: {', '.join(HARDWARE)}")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,3 +67,18 @@ class EngineConfig(BusConfig):
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")
+        require(DEVICE.fullmatch(self.device) is not None, "device",
+                f"expected cpu, cuda or cuda:N, got {self.device!r}")
+        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
+        require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
+        if self.profile:
+            try:
+                CostModel.load(self.profile)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"--profile: {exc}") from None
+
+    def cost_model(self) -> CostModel:
+        """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""
+        if self.profile:
+            return CostModel.load(self.profile)
+        return CostModel.roofline(load_model_config(self.model), hardware(self.hardware))

@@ -3,6 +3,8 @@
 A request's lifecycle: `add` (job known, no blocks) -> `begin_kv` (blocks for the prompt) -> `write_kv`
 per layer and token range -> `commit_kv` (every layer complete: first token out, joins the batch) ->
 `schedule`/`execute`/`update` each step until it stops. Requests join and leave the batch every step.
+Before `commit_kv` the shell may ask `check_tbt` whether the batch keeps its TBT SLO with the request
+(Mooncake §3 step 4) and, if not, `reject_kv` it: its blocks are freed and its prefill is wasted.
 When blocks run out the newest running request is preempted (blocks freed) and later recomputed from its
 tokens, as vLLM does, instead of failing. `abort` frees at any point. Time is passed in; no I/O. Only
 `execute` touches torch (through the runner) and may run in a worker thread.
@@ -14,6 +16,7 @@ import collections
 import dataclasses
 from typing import Literal
 
+from kvcentric.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
 from kvcentric.engine.stopping import finish_reason
@@ -46,22 +49,34 @@ class DecodeRequest:
         """Position of the last generated token, the one the next step feeds in."""
         return self.job.n_prompt_tokens + len(self.generated) - 1
 
-    def chunk(self, token_ids: list[int], reason: str | None = None, error: str = "") -> TokenChunk:
+    @property
+    def context_tokens(self) -> int:
+        """Tokens whose KV the next decode step reads: the prompt and every token generated."""
+        return self.job.n_prompt_tokens + max(1, len(self.generated))
+
+    def chunk(self, token_ids: list[int], reason: str | None = None, error: str = "",
+              error_status: int = 500) -> TokenChunk:
         self.seq += 1
         return TokenChunk(self.request_id, self.seq - 1, token_ids, reason, self.job.n_prompt_tokens,
-                          len(self.generated), error)
+                          len(self.generated), error, error_status)
 
 
 class DecodeEngine:
-    def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64) -> None:
+    def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64, cost: CostModel | None = None,
+                 tbt_slo_s: float = 0.0) -> None:
+        """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s` (0: no check)."""
+        if tbt_slo_s > 0 and cost is None:
+            raise ValueError("a TBT SLO needs a cost model to predict decode steps with")
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
+        self.cost, self.tbt_slo_s = cost, tbt_slo_s
         self.requests: dict[str, DecodeRequest] = {}
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
         self._deferred_free: list[int] = []
         self.stats = {"kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
                       "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
-                      "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0}
+                      "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0,
+                      "requests_rejected_tbt": 0}
 
     # ---------------------------------------------------------------- admission and KV arrival
 
@@ -95,12 +110,28 @@ class DecodeEngine:
         request.layer_tokens[layer] += end - start
         self.stats["kv_bytes_received"] += len(key) + len(value)
 
+    def check_tbt(self, request_id: str) -> TBTVerdict:
+        """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
+        The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
+        request = self._complete(request_id)
+        if self.tbt_slo_s <= 0:
+            return TBTVerdict(True, 0.0, 0.0)
+        batch = [r for r in self.requests.values() if r.state in ("running", "preempted")]
+        return decode_tbt_check(self.cost, len(batch), sum(r.context_tokens for r in batch),
+                                request.context_tokens, self.tbt_slo_s)
+
+    def reject_kv(self, request_id: str, verdict: TBTVerdict) -> TokenChunk:
+        """Refuse a request whose KV is all here (rejected after prefill): free its blocks now, and end it
+        with an error the gateway answers as 429."""
+        request = self._complete(request_id)
+        del self.requests[request_id]
+        self._release(request)
+        self.stats["requests_rejected_tbt"] += 1
+        return request.chunk([], "error", verdict.reason, error_status=429)
+
     def commit_kv(self, request_id: str, first_token: int) -> list[TokenChunk]:
         """All layers are in: emit the prefill's first token and join the batch (or finish)."""
-        request = self._expect(request_id, "receiving")
-        incomplete = [i for i, n in enumerate(request.layer_tokens) if n != request.job.n_prompt_tokens]
-        if incomplete:
-            raise KVRejected(f"request {request_id}: commit with layers {incomplete[:4]} incomplete")
+        request = self._complete(request_id)
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
         return [self._emit(request, first_token)]
@@ -240,6 +271,14 @@ class DecodeEngine:
             return
         self.pool.free(request.blocks)
         request.blocks = []
+
+    def _complete(self, request_id: str) -> DecodeRequest:
+        """A request receiving KV whose every layer has arrived."""
+        request = self._expect(request_id, "receiving")
+        incomplete = [i for i, n in enumerate(request.layer_tokens) if n != request.job.n_prompt_tokens]
+        if incomplete:
+            raise KVRejected(f"request {request_id}: commit with layers {incomplete[:4]} incomplete")
+        return request
 
     def _expect(self, request_id: str, state: str) -> DecodeRequest:
         request = self.requests.get(request_id)

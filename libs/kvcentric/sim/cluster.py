@@ -19,7 +19,7 @@ import random
 import time
 from typing import Callable
 
-from kvcentric.costmodel import CostModel
+from kvcentric.costmodel import CostModel, decode_tbt_check
 from kvcentric.protocol import LoadReport, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.scheduling.clusters import ClusterSetup
 from kvcentric.scheduling.conductor import Conductor
@@ -261,11 +261,12 @@ class Simulation:
         if instance.reserved + request.input_len + request.output_len > instance.capacity_tokens:
             record.reason = "decode_kv_full"
             return False
-        kv = instance.kv_now(now) + sum(r.request.input_len + 1 for r in instance.joining) + request.input_len + 1
-        if self.cost.t_decode(instance.batch_size() + 1, kv) > self.scheduler.tbt_slo_s:
+        kv = instance.kv_now(now) + sum(r.request.input_len + 1 for r in instance.joining)
+        verdict = decode_tbt_check(self.cost, instance.batch_size(), kv, request.input_len + 1,
+                                   self.scheduler.tbt_slo_s)
+        if not verdict.accepted:
             record.reason = "decode_tbt"
-            return False
-        return True
+        return verdict.accepted
 
     def rejected_after_prefill(self, record: Record, now: float) -> None:
         record.status = "rejected_after_prefill"

@@ -1,0 +1,75 @@
+"""`kvcentric up` passes --prefill-chunk, --max-batch, --device and --tbt-slo-s through to the engines it
+starts: the argv it builds for each instance parses, with the engines' own parser, to those values."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvcentric.cli import build_parser
+from kvcentric.config import ConfigError, add_arguments, from_namespace
+from kvcentric.engine.config import EngineConfig
+from kvcentric.launcher import UpConfig
+
+
+def up_config(*argv: str) -> UpConfig:
+    return from_namespace(UpConfig, build_parser().parse_args(["up", *argv]))
+
+
+def engine_config(flags: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    return from_namespace(EngineConfig, parser.parse_args(flags))
+
+
+def test_each_engine_gets_prefill_chunk_max_batch_and_device_and_decode_the_tbt_slo(tmp_path):
+    profile = tmp_path / "profile.json"
+    profile.write_text('{"cost_model": {"prefill": [0, 0, 0, 0], "decode": [0.01, 0, 0], "kv_bytes_per_token": 1}}')
+    config = up_config("--prefill-chunk", "128", "--max-batch", "8", "--device", "cpu", "--tbt-slo-s", "0.05",
+                       "--profile", str(profile))
+    for command in ("prefill", "decode"):
+        engine = engine_config(config.engine_flags(command, threads=2))
+        assert (engine.prefill_chunk, engine.max_batch, engine.device, engine.torch_threads) == (128, 8, "cpu", 2)
+    decode = engine_config(config.engine_flags("decode", threads=2))
+    assert decode.tbt_slo_s == 0.05 and decode.profile == str(profile)
+    assert decode.cost_model().decode == (0.01, 0.0, 0.0)
+    assert engine_config(config.engine_flags("prefill", threads=2)).tbt_slo_s == 0.0  # only decode checks
+    assert config.conductor_flags()[-2:] == ["--tbt-slo-s", "0.05"]  # one SLO for the cluster
+
+
+def test_a_cuda_device_reaches_the_engines():
+    config = up_config("--device", "cuda:1")
+    assert engine_config(config.engine_flags("colocated", threads=1)).device == "cuda:1"
+
+
+def test_by_default_the_engines_keep_their_defaults_and_nobody_checks_tbt_at_decode():
+    config = up_config()
+    defaults = EngineConfig()
+    for command in ("prefill", "decode", "colocated"):
+        flags = config.engine_flags(command, threads=1)
+        assert "--tbt-slo-s" not in flags
+        engine = engine_config(flags)
+        assert (engine.prefill_chunk, engine.max_batch, engine.device, engine.tbt_slo_s) == \
+               (defaults.prefill_chunk, defaults.max_batch, defaults.device, 0.0)
+    assert "--tbt-slo-s" not in config.conductor_flags()
+
+
+def test_environment_variables_reach_the_engines_through_up(monkeypatch):
+    monkeypatch.setenv("KVC_MAX_BATCH", "1")
+    monkeypatch.setenv("KVC_PREFILL_CHUNK", "32")
+    engine = engine_config(up_config().engine_flags("decode", threads=1))
+    assert (engine.max_batch, engine.prefill_chunk) == (1, 32)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--prefill-chunk", "0"], "--prefill-chunk"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--device", "tpu"], "--device"),
+    (["--tbt-slo-s", "-1"], "--tbt-slo-s"),
+    (["--tbt-slo-s", "inf"], "--tbt-slo-s"),
+    (["--port", "70000"], "--port"),
+])
+def test_bad_up_flags_are_refused_naming_the_flag(argv, flag):
+    with pytest.raises(ConfigError, match=flag):
+        up_config(*argv)
