@@ -268,6 +268,8 @@ class KVSQuery(msgspec.Struct, frozen=True):
 class KVSReply(msgspec.Struct, frozen=True):
     holders: list[list[str]]
     """For each queried hash, the holders as "node_id:tier" strings, in query order."""
+    error: str = ""
+    """Set when kvs-meta could not answer (its Redis is down, the query was bad): holders is empty then."""
 
 
 class KVSDumpQuery(msgspec.Struct, frozen=True):

@@ -31,7 +31,11 @@ from kvcentric.scheduling.kvs_gate import KVSGate
 from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
 from kvcentric.service import Service
 
-KVS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, BadMessage)
+class KVSMetaFailed(Exception):
+    """kvs-meta answered, but that it could not answer (e.g. its Redis is down)."""
+
+
+KVS_ERRORS = (nats.errors.Error, asyncio.TimeoutError, BadMessage, KVSMetaFailed)
 DUMP_PAGE_BLOCKS = 2000
 """Blocks asked for per page of kvs-meta's dump."""
 DUMP_PAGE_TIMEOUT_S = 2.0
@@ -156,7 +160,10 @@ class ConductorService(Service):
             try:
                 reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s,
                                               headers=tracing.inject_headers())  # the trace goes on to kvs-meta
-                holders = decode(reply.data, KVSReply).holders
+                answer = decode(reply.data, KVSReply)
+                if answer.error:
+                    raise KVSMetaFailed(answer.error)
+                holders = answer.holders
             except KVS_ERRORS as exc:
                 self.counters["kvs_query_failures_total"] += 1
                 if self.gate.on_failure(time.monotonic()):

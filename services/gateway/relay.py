@@ -71,7 +71,8 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
         if chunk.finish_reason == "error":
             job.engine_finished = True
             kind = {503: "service_unavailable", 429: "rate_limit_exceeded"}.get(chunk.error_status, "server_error")
-            raise ApiError(chunk.error_status, chunk.error or "generation failed", kind=kind)
+            headers = {"Retry-After": "1"} if chunk.error_status == 429 else None  # decode rejected it (TBT)
+            raise ApiError(chunk.error_status, chunk.error or "generation failed", kind=kind, headers=headers)
         piece = text.feed(chunk.token_ids)
         if chunk.finish_reason is not None and not text.stopped:
             job.engine_finished = True

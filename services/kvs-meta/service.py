@@ -29,7 +29,7 @@ class KVSMetaService(Service):
         await self.redis.ping()
         await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
         await self.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
-                             bad_reply=lambda error: KVSReply([]))
+                             bad_reply=lambda error: KVSReply([], error))
         await self.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
         await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
         self.spawn(self.every(self.config.lease_ttl_s / 4, self.leases), "leases")

@@ -146,6 +146,8 @@ async def test_when_the_redis_behind_kvs_meta_comes_back_prefix_placement_comes_
 
         stop(servers[-1])
         assert (await place(nc, conductor, hashes)).cached_tokens == 0  # kvs-meta is up, its Redis is not
+        # kvs-meta answers that it cannot answer: that counts as a failure, so the gate marks it down
+        assert conductor.gate.times_marked_down == 1 and conductor.counters["placements_load_only_total"] == 1
 
         restart()  # an empty Redis (no persistence): the blocks p0 stores from now on are known again
         await store_blocks(nc, "p0", hashes[:HELD_BLOCKS])

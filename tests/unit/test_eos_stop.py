@@ -177,8 +177,6 @@ def test_a_stop_token_id_stops_where_transformers_stops_on_that_id(free_run, tmp
     assert tokens == hf_greedy(hf_model(directory), eos_token_id=[EOS, stop])
 
 
-@pytest.mark.xfail(strict=True, reason="bug: model/config.py `_first` keeps only the first of a list of "
-                                       "eos_token_id (Llama 3 checkpoints list several); transformers stops on any")
 def test_a_checkpoint_listing_several_eos_ids_stops_on_any_of_them(free_run, tmp_path_factory):
     at = first_new_token_at(free_run, 2)
     directory = build_checkpoint(tmp_path_factory.mktemp("eos-list"), "llama", eos_token_id=[EOS, free_run[at]])

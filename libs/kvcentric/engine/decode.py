@@ -258,7 +258,7 @@ class DecodeEngine:
         request.generated.append(token)
         self.stats["tokens_generated"] += 1
         reason = finish_reason(token, len(request.generated), request.job.sampling,
-                               self.runner.config.eos_token_id)
+                               self.runner.config.eos_token_ids)
         if reason is not None:
             del self.requests[request.request_id]
             self._release(request)

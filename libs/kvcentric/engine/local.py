@@ -14,7 +14,7 @@ def generate(runner: ModelRunner, pool: BlockPool, token_ids: list[int],
     blocks = pool.allocate(pool.blocks_for(len(token_ids) + params.max_tokens))
     try:
         out = [sample(runner.prefill(token_ids, blocks, 0), params, 0)]
-        eos = runner.config.eos_token_id
+        eos = runner.config.eos_token_ids
         while (reason := finish_reason(out[-1], len(out), params, eos)) is None:
             position = len(token_ids) + len(out) - 1
             logits = runner.decode([out[-1]], [position], [blocks])[0]

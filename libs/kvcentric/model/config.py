@@ -37,6 +37,14 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
     """Mistral: a query attends to at most this many most recent positions (itself included)."""
+    extra_eos_token_ids: tuple[int, ...] = ()
+    """More ids that end a sequence besides eos_token_id (Llama 3 lists <|eot_id|> too), from config.json's
+    and generation_config.json's eos_token_id lists."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a sequence (empty when the model has none)."""
+        return frozenset(i for i in (self.eos_token_id, *self.extra_eos_token_ids) if i >= 0)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -95,6 +103,7 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     scaling = () if rope_type in ("default", None) else tuple(sorted(
         (k, v) for k, v in {**rope, "rope_type": rope_type}.items()
         if k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")))
+    eos = _eos_ids(hf, directory)
     return ModelConfig(
         name=directory.name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"], num_heads=heads,
@@ -103,15 +112,30 @@ def from_hf_config(path: str | Path) -> ModelConfig:
         max_position=hf.get("max_position_embeddings", 2048), rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=theta, tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=architecture == "Qwen2ForCausalLM" or bool(hf.get("attention_bias", False)),
-        bos_token_id=_first(hf.get("bos_token_id"), -1), eos_token_id=_first(hf.get("eos_token_id"), -1),
+        bos_token_id=_first(hf.get("bos_token_id"), -1), eos_token_id=eos[0] if eos else -1,
         rope_scaling=scaling, path=str(directory.resolve()), architecture=architecture,
-        sliding_window=_sliding_window(hf, architecture))
+        sliding_window=_sliding_window(hf, architecture), extra_eos_token_ids=tuple(eos[1:]))
 
 
 def _sliding_window(hf: dict, architecture: str) -> int | None:
     if architecture == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False):
         return None
     return hf.get("sliding_window") if architecture != "LlamaForCausalLM" else None
+
+
+def _eos_ids(hf: dict, directory: Path) -> list[int]:
+    """config.json's eos_token_id (one id or a list), then any more that generation_config.json lists, as
+    transformers' generate stops on all of them."""
+    ids = []
+    try:
+        generation = json.loads((directory / "generation_config.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        generation = {}
+    for value in (hf.get("eos_token_id"), generation.get("eos_token_id")):
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and not isinstance(token, bool) and token >= 0 and token not in ids:
+                ids.append(token)
+    return ids
 
 
 def _first(value, default: int) -> int:
