@@ -1,4 +1,5 @@
-"""`kvcentric up --model <checkpoint>` serves a Hugging Face checkpoint: greedy text equals transformers'."""
+"""`kvcentric up --model <checkpoint>` serves a Hugging Face checkpoint of each architecture (Llama, Mistral,
+Qwen2 with its q/k/v biases): greedy text equals transformers'."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from kvcentric.launcher import UpProcess
 from kvcentric.model.tokenizer import load_tokenizer
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama")
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2"])
+def checkpoint(request, tmp_path_factory):
+    return build_checkpoint(tmp_path_factory.mktemp(f"ckpt-{request.param}"), request.param)
 
 
 @pytest.fixture(scope="module")
