@@ -36,6 +36,17 @@ def nats_url():
         stop(process)
 
 
+@pytest.fixture
+def own_nats():
+    """A NATS server of the test's own, so no other test's conductor or kvs-meta answers in a queue group."""
+    port = free_port()
+    server = start_server(nats_server_argv(port), port)
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        stop(server)
+
+
 @pytest.fixture(scope="session")
 def redis_url():
     port = free_port()

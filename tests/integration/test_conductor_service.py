@@ -10,27 +10,13 @@ import time
 import urllib.request
 
 import nats
-import pytest
 
-from conftest import start_server, stop
 from kvc_conductor.config import ConductorConfig
 from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
-from kvcentric.launcher import free_port, nats_server_argv
 from kvcentric.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
                                 RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, decode, encode)
-
-
-@pytest.fixture
-def own_nats():
-    """A NATS server of this test's own, so no other conductor answers in the queue group."""
-    port = free_port()
-    server = start_server(nats_server_argv(port), port)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        stop(server)
 
 
 async def eventually(condition, what: str, patience_s: float = 10.0) -> None:

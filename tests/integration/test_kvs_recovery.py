@@ -17,7 +17,7 @@ from conftest import start_server, stop
 from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
-from kvcentric.launcher import free_port, nats_server_argv, redis_server_argv
+from kvcentric.launcher import free_port, redis_server_argv
 from kvcentric.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest, Subjects,
                                 decode, encode)
 from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
@@ -28,15 +28,6 @@ HELD_BLOCKS = 4
 BLOCK_TOKENS = 16
 
 
-@pytest.fixture
-def own_nats():
-    """A NATS server of this test's own, so no other conductor or kvs-meta answers."""
-    port = free_port()
-    server = start_server(nats_server_argv(port), port)
-    try:
-        yield f"nats://127.0.0.1:{port}"
-    finally:
-        stop(server)
 
 
 async def start_kvs_meta(nats_url: str, redis_url: str) -> KVSMetaService:

@@ -16,7 +16,7 @@ from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.kvs_store import DUMP_MAX_BYTES, KVMetaStore
 from kvcentric.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSDump, KVSDumpQuery, Placement,
                                 ScheduleRequest, Subjects, decode, encode)
-from test_conductor_service import announce, eventually, metrics, own_nats, schedule, start_conductor  # noqa: F401
+from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
 
 HASHES = [f"mirror-{i}" for i in range(6)]
 
