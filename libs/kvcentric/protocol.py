@@ -7,6 +7,7 @@ fit its schema; the bus adapters log and count such drops (`kvcentric.bus`).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -109,6 +110,9 @@ class Placement(msgspec.Struct, frozen=True, tag="placement"):
     """host:port of that instance's messenger."""
     pull_block_hashes: list[str] = []
     """The prefix blocks to pull from kv_source before prefill (they follow the ones held locally)."""
+    dispatched: bool = False
+    """The conductor sent the jobs itself (the request asked it to). False from a conductor that predates
+    dispatching: the asker sends them."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
@@ -292,6 +296,22 @@ class KVSDump(msgspec.Struct, frozen=True):
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}
+
+
+_SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+def job_problem(request_id: str, sampling: SamplingParams) -> str:
+    """Why a job from the bus cannot be run as it is (its id is not one NATS subject token, so its tokens
+    and cancels could not be addressed; sampling out of range), or ""."""
+    if not _SUBJECT_TOKEN.fullmatch(request_id):
+        return f"request_id {request_id[:40]!r} must be 1-128 of A-Z a-z 0-9 _ -"
+    if sampling.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {sampling.max_tokens}"
+    if not 0.0 <= sampling.temperature <= 2.0 or not 0.0 < sampling.top_p <= 1.0 or sampling.top_k < 0:
+        return (f"sampling out of range: temperature {sampling.temperature} (0..2), top_p {sampling.top_p} "
+                f"(0 exclusive..1), top_k {sampling.top_k} (>= 0)")
+    return ""
 
 
 def encode(message: msgspec.Struct) -> bytes:

@@ -194,11 +194,14 @@ class Service:
         if not self._inbox:
             self._inbox = self.nc.new_inbox()
             await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
-        token = str(next(self._reply_tokens))
+        payload, token = encode(message), str(next(self._reply_tokens))
         future = self._replies[token] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: self._replies.pop(token, None))  # answered, or given up on
-        await self.nc.publish(subject, encode(message), reply=f"{self._inbox}.{token}",
-                              headers=tracing.inject_headers())
+        try:
+            await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}", headers=tracing.inject_headers())
+        except BaseException:
+            future.cancel()
+            raise
         return future
 
     async def _on_reply(self, msg) -> None:

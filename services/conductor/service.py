@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgspec
 import nats.errors
 
 from kvc_conductor.config import ConductorConfig
@@ -25,7 +26,7 @@ from kvcentric.costmodel import CostModel, hardware
 from kvcentric.model.config import load_model_config
 from kvcentric.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
                                 KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome,
-                                ScheduleRequest, Subjects, TokenChunk, decode, encode)
+                                ScheduleRequest, Subjects, TokenChunk, decode, encode, job_problem)
 from kvcentric.scheduling.conductor import Conductor
 from kvcentric.scheduling.kvs_gate import KVSGate
 from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
@@ -43,10 +44,14 @@ DUMP_PAGE_TIMEOUT_S = 2.0
 
 
 def bad_dispatch(request: ScheduleRequest) -> str:
-    """Why a request's dispatch part does not fit the rest of it, or ""."""
+    """Why a request's dispatch part is bad or does not fit the rest of it, or "" (the engines check the
+    token ids against their vocabulary)."""
     job = request.dispatch
     if job is None:
         return ""
+    problem = job_problem(request.request_id, job.sampling)
+    if problem:
+        return problem
     if len(job.token_ids) != request.n_tokens:
         return f"dispatch.token_ids has {len(job.token_ids)} tokens, n_tokens says {request.n_tokens}"
     if job.sampling.max_tokens != request.max_tokens:
@@ -122,9 +127,16 @@ class ConductorService(Service):
             if self.replan is not None:
                 self.replan.placed(request, decision)
             if request.dispatch is not None:  # the jobs go out ahead of the answer, which does not wait for acks
+                decision = msgspec.structs.replace(decision, dispatched=True)
                 submits = dispatch.jobs(request.request_id, decision, request.dispatch.token_ids,
                                         request.dispatch.sampling)
-                sent = await dispatch.send(self, submits)
+                try:
+                    sent = await dispatch.send(self, submits)
+                except Exception:  # one job may be out: take it back (the caller answers bad_request)
+                    self.core.forget(request.request_id)
+                    await self.publish(Subjects.cancel(request.request_id),
+                                       Cancel(request.request_id, "conductor: dispatch failed"))
+                    raise
                 self.spawn(self.check_taken(request, submits, sent), f"dispatch-{request.request_id}")
         return decision
 
@@ -138,6 +150,7 @@ class ConductorService(Service):
         self.counters["dispatch_failures_total"] += 1
         self.log.warning("request %s: %s", request.request_id, why)
         rid = request.request_id
+        self.core.forget(rid)  # it will not run: out of the dispatch-time accounting (the gateway may be gone)
         await self.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
         await self.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
 

@@ -63,6 +63,7 @@ class DecodeService(EngineService):
         return SubmitAck(True)
 
     async def on_cancel(self, cancel: Cancel) -> None:
+        self.sink.cancelled(cancel.request_id)
         self.emit([self.engine.abort(cancel.request_id, "abort")])
 
     def load_report(self) -> LoadReport:

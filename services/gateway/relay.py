@@ -20,6 +20,10 @@ from kvcentric.openai_api import (ApiError, CompletionRequest, chat_body, chat_c
 from kvcentric.protocol import Placement, TokenChunk
 
 
+ERROR_KINDS = {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
+"""The HTTP statuses an error chunk may carry (anything else is a 500), and their OpenAI error types."""
+
+
 @dataclasses.dataclass
 class Job:
     request_id: str
@@ -36,7 +40,8 @@ class Job:
     engine_finished: bool = False
     """The engine sent the final chunk itself (nothing to cancel)."""
     response: web.StreamResponse | None = None
-    """The SSE response once its headers went out (errors after that go into the stream)."""
+    """The SSE response once it is prepared (its headers leave with the first event; errors after that go
+    into the stream)."""
     dispatch_pending: bool = False
     """The conductor was asked to hand the request to the engines and has not answered yet: an ending now
     must cancel it on engines that may already have it."""
@@ -70,9 +75,9 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
         job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
             job.engine_finished = True
-            kind = {503: "service_unavailable", 429: "rate_limit_exceeded"}.get(chunk.error_status, "server_error")
-            headers = {"Retry-After": "1"} if chunk.error_status == 429 else None  # decode rejected it (TBT)
-            raise ApiError(chunk.error_status, chunk.error or "generation failed", kind=kind, headers=headers)
+            status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
+            headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
+            raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)
         piece = text.feed(chunk.token_ids)
         if chunk.finish_reason is not None and not text.stopped:
             job.engine_finished = True

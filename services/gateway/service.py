@@ -31,7 +31,7 @@ from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.openai_api import ApiError, check_context, parse_chat, parse_completion
 from kvcentric.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
                                 Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, TokenChunk,
-                                decode)
+                                decode, encode)
 from kvcentric.service import Service
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
@@ -196,16 +196,24 @@ class GatewayService(Service):
                            kind="service_unavailable") from None
         except BadMessage as exc:
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
+        except nats.errors.MaxPayloadError:
+            raise ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} "
+                                f"bytes): shorten it or raise the server's max_payload",
+                           code="request_too_large") from None
 
     async def place(self, job: relay.Job) -> Placement:
         """Ask the conductor for a placement. With --dispatch conductor it hands the jobs to the engines as it
         answers; with --dispatch gateway they are sent from here, to prefill and decode at once."""
         hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
         sampling, n_prompt = job.request.sampling, len(job.token_ids)
-        by_conductor = self.config.dispatch == "conductor"
-        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens, -job.request.priority,
-                              dispatch=Dispatch(job.token_ids, sampling) if by_conductor else None)
-        job.dispatch_pending = by_conductor
+        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens, -job.request.priority)
+        if self.config.dispatch == "conductor":
+            with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(job.token_ids, sampling))
+            if len(encode(with_jobs)) <= self.nc.max_payload:  # else the tokens go straight to prefill
+                ask = with_jobs
+            else:
+                self.counters["dispatch_too_large_total"] += 1
+        job.dispatch_pending = ask.dispatch is not None
         decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
         job.dispatch_pending = False
         if isinstance(decision, Rejection):
@@ -217,9 +225,14 @@ class GatewayService(Service):
             raise ApiError(429, decision.message, kind="rate_limit_exceeded", code=decision.reason,
                            headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
         job.placement = decision
-        if not by_conductor:
-            why = await dispatch.submit(self, dispatch.jobs(job.request_id, decision, job.token_ids, sampling),
-                                        self.config.bus_timeout_s)
+        if not decision.dispatched:  # asked not to, or a conductor from before dispatching
+            try:
+                why = await dispatch.submit(self, dispatch.jobs(job.request_id, decision, job.token_ids, sampling),
+                                            self.config.bus_timeout_s)
+            except nats.errors.MaxPayloadError:
+                raise ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} "
+                                    f"bytes): shorten it or raise the server's max_payload",
+                               code="request_too_large") from None
             if why:
                 raise ApiError(503, why, kind="service_unavailable")
         return decision

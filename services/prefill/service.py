@@ -82,6 +82,9 @@ class PrefillService(EngineService):
                              job.kv_source_addr, exc)
         finally:
             self.pulling -= 1
+        if job.request_id in self.cancelled:  # cancelled while its blocks were pulled
+            self.log.info("cancelled %s", job.request_id)
+            return
         self.submit(job)
 
     async def on_cancel(self, cancel: Cancel) -> None:

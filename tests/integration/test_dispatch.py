@@ -19,6 +19,7 @@ from kvcentric.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, Prefill
                                 ScheduleReply, ScheduleRequest, SubmitAck, Subjects, TokenChunk, decode, encode)
 
 BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}
+SILENT = SubmitAck(False, "(never sent: the stand-in takes the job and does not answer)")
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +79,10 @@ class Engines:
     async def on_decode(self, msg) -> None:
         job = decode(msg.data, DecodeJob)
         self.decode_jobs.append(job)
+        if self.decode_ack == SILENT:
+            return
         await msg.respond(encode(self.decode_ack))
-        if self.decode_ack.ok:
+        if self.decode_ack.ok and self.prefill_ack is not None and self.prefill_ack.ok:  # KV came: it decodes
             final = TokenChunk(job.request_id, 1, [105], "length", job.n_prompt_tokens, 2)
             await asyncio.sleep(0.05)
             await self.nc.publish(Subjects.out(job.request_id), encode(final))
@@ -139,6 +142,13 @@ async def test_a_job_for_an_instance_that_is_gone_is_503(cluster, nc):
     assert status == 503 and "prefill instance p is gone" in json.loads(text)["error"]["message"]
 
 
+async def test_a_job_not_taken_in_the_submit_timeout_is_503_and_the_other_side_is_cancelled(cluster, nc):
+    async with Engines(nc, decode_ack=SILENT) as engines:
+        status, _, text = await post(cluster[1], BODY)  # the conductor runs with --submit-timeout-s 1
+        assert status == 503 and "decode instance d did not take the request in 1 s" in text
+        assert await engines.cancelled(engines.prefill_jobs[-1].request_id)
+
+
 async def test_a_dispatch_that_does_not_match_its_request_is_refused(cluster, nc):
     sampling = SamplingParams(max_tokens=2)
     bad = ScheduleRequest("r-bad", 3, [], 2, dispatch=Dispatch([1, 2], sampling))
@@ -147,6 +157,13 @@ async def test_a_dispatch_that_does_not_match_its_request_is_refused(cluster, nc
     bad = msgspec.structs.replace(bad, n_tokens=2, max_tokens=7)
     reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
     assert isinstance(reply, Rejection) and "max_tokens says 7" in reply.message
+    for request_id in ("a.b", "a b", "*", ""):  # its tokens and cancels could not be addressed on NATS
+        bad = ScheduleRequest(request_id, 2, [], 2, dispatch=Dispatch([1, 2], sampling))
+        reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
+        assert isinstance(reply, Rejection) and reply.reason == "bad_request" and "request_id" in reply.message
+    bad = ScheduleRequest("r-t", 2, [], 2, dispatch=Dispatch([1, 2], SamplingParams(max_tokens=2, top_p=0.0)))
+    reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
+    assert isinstance(reply, Rejection) and "top_p" in reply.message
 
 
 async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
@@ -161,6 +178,11 @@ async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
         reply = await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)
         ack = decode(reply.data, SubmitAck)
         assert not ack.ok and "cancelled before its job arrived" in ack.error
+        for bad, why in ((msgspec.structs.replace(job, request_id="r-vocab", token_ids=[1, 99999]), "token ids"),
+                         (msgspec.structs.replace(job, request_id="r.dot"), "request_id")):
+            ack = decode((await nc.request(Subjects.submit("prefill", "p-late"), encode(bad), timeout=5)).data,
+                         SubmitAck)
+            assert not ack.ok and why in ack.error
         job = msgspec.structs.replace(job, request_id="r-on-time")
         ack = decode((await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)).data, SubmitAck)
         assert ack.ok

@@ -1,6 +1,6 @@
-"""The decode messenger's sink when pushed KV overtakes the request's DecodeJob: the gateway submits to
-prefill and decode at once, so the header may come first; it waits for the job, and gives up after a
-while without leaking blocks."""
+"""The decode messenger's sink when pushed KV overtakes the request's DecodeJob: the jobs go to prefill and
+decode at once, so the header may come first; it waits for the job, and gives up after a while, or at once
+when the request is cancelled, without leaking blocks."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from kvcentric.engine.decode import DecodeEngine, KVRejected
 def make_sink():
     runner = make_runner()
     engine = DecodeEngine(runner, make_pool(runner))
-    service = types.SimpleNamespace(runner=runner, counters=collections.Counter())
+    service = types.SimpleNamespace(runner=runner, counters=collections.Counter(), cancelled={})
     return shell.DecodeSink(service, engine), engine, service
 
 
@@ -57,3 +57,23 @@ def test_kv_for_a_known_job_begins_at_once():
     engine.add(decode_job("r", 4), time.monotonic())
     asyncio.run(asyncio.wait_for(sink.begin(header("r", engine)), 0.5))
     assert engine.requests["r"].state == "receiving" and service.counters["kv_before_job_total"] == 0
+
+
+def test_kv_waiting_for_a_job_gives_up_at_once_when_the_request_is_cancelled():
+    """The decode refused the job (or never got it) and the request is cancelled: the prefill pushing the KV
+    must not wait JOB_WAIT_S (5 s) for the refusal, holding up every prompt queued behind it."""
+    sink, engine, service = make_sink()
+
+    async def scenario():
+        begun = asyncio.create_task(sink.begin(header("r", engine)))
+        await asyncio.sleep(0.05)
+        assert not begun.done()
+        service.cancelled["r"] = None  # what EngineService does with a Cancel, before on_cancel
+        sink.cancelled("r")
+        with pytest.raises(KVRejected, match="cancelled"):
+            await asyncio.wait_for(begun, 0.5)
+        with pytest.raises(KVRejected, match="cancelled"):  # KV that comes after the cancel is refused at once
+            await asyncio.wait_for(sink.begin(header("r", engine)), 0.5)
+
+    asyncio.run(scenario())
+    assert engine.pool.num_free == engine.pool.num_blocks and not sink.waiting and "r" not in engine.requests

@@ -90,6 +90,9 @@ class PrefillEngine:
         if not 0 < len(job.token_ids) < self.runner.config.max_position:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens; this model takes 1.."
                                   f"{self.runner.config.max_position - 1}")
+        vocab = self.runner.config.vocab_size
+        if min(job.token_ids) < 0 or max(job.token_ids) >= vocab:
+            raise PrefillRejected(f"token ids must be in [0, {vocab})")
         if self.pool.blocks_for(len(job.token_ids)) > self.pool.num_blocks:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens exceeds the KV pool")
 

@@ -22,7 +22,7 @@ from kvcentric.kvpool import HostBlockPool
 from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.protocol import (BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, RoleSwitch, Subjects,
-                                SubmitAck, TokenChunk)
+                                SubmitAck, TokenChunk, job_problem)
 from kvcentric.service import Service
 from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
 
@@ -32,8 +32,8 @@ DRAIN_GRACE_S = 0.5
 CANCELLED_REMEMBERED = 4096
 """How many cancelled request ids an engine remembers, to refuse a job that comes after its cancel."""
 JOB_WAIT_S = 5.0
-"""How long pushed KV waits for its request's DecodeJob: the gateway sends the decode and the prefill
-submits at once, so the first layer can overtake the job on a fast prefill."""
+"""How long pushed KV waits for its request's DecodeJob: the conductor (or the gateway) sends the decode
+and the prefill jobs at once, so the first layer can overtake the job on a fast prefill."""
 
 
 class DecodeSink:
@@ -49,6 +49,11 @@ class DecodeSink:
         if event is not None:
             event.set()
 
+    def cancelled(self, request_id: str) -> None:
+        """The request was cancelled: KV waiting for its job gives up now, not after JOB_WAIT_S (the prefill
+        pushing it would wait as long)."""
+        self.registered(request_id)
+
     async def begin(self, header) -> None:
         if header.dtype != self.service.runner.dtype_name:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {self.service.runner.dtype_name}")
@@ -61,12 +66,15 @@ class DecodeSink:
         event = self.waiting.setdefault(request_id, asyncio.Event())
         self.service.counters["kv_before_job_total"] += 1
         try:
-            async with asyncio.timeout(JOB_WAIT_S):
-                await event.wait()
+            if request_id not in self.service.cancelled:
+                async with asyncio.timeout(JOB_WAIT_S):
+                    await event.wait()
         except TimeoutError:
             raise KVRejected(f"request {request_id} is not expected here (no job in {JOB_WAIT_S:g} s)") from None
         finally:
             self.waiting.pop(request_id, None)
+        if request_id in self.service.cancelled and request_id not in self.engine.requests:
+            raise KVRejected(f"request {request_id} was cancelled")
 
     def write(self, request_id: str, chunk) -> None:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
@@ -157,6 +165,10 @@ class EngineService(Service):
         """Take `kind` jobs on kvc.<role>.<id>.submit with `handler`; a bad one, or one whose request was
         cancelled before it came, is refused in the ack."""
         async def take(job) -> SubmitAck:
+            problem = job_problem(job.request_id, job.sampling)
+            if problem:
+                self.counters["bus_drops_total"] += 1
+                return SubmitAck(False, problem)
             if job.request_id in self.cancelled:
                 self.counters["jobs_after_cancel_total"] += 1
                 return SubmitAck(False, f"request {job.request_id} was cancelled before its job arrived")

@@ -6,6 +6,7 @@ It describes shapes and sizes only; building weights is `kvcentric.model.llama`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -41,7 +42,7 @@ class ModelConfig:
     """More ids that end a sequence besides eos_token_id (Llama 3 lists <|eot_id|> too), from config.json's
     and generation_config.json's eos_token_id lists."""
 
-    @property
+    @functools.cached_property
     def eos_token_ids(self) -> frozenset[int]:
         """Every id that ends a sequence (empty when the model has none)."""
         return frozenset(i for i in (self.eos_token_id, *self.extra_eos_token_ids) if i >= 0)
@@ -129,7 +130,9 @@ def _eos_ids(hf: dict, directory: Path) -> list[int]:
     ids = []
     try:
         generation = json.loads((directory / "generation_config.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, ValueError):
+        generation = {}
+    if not isinstance(generation, dict):
         generation = {}
     for value in (hf.get("eos_token_id"), generation.get("eos_token_id")):
         for token in value if isinstance(value, list) else [value]:
