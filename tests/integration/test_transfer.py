@@ -142,6 +142,10 @@ async def test_a_sender_killed_mid_push_leaves_nothing_held_by_the_receiver(mess
     try:
         while "sent 3" not in sender.stdout.readline():
             pass
+        for _ in range(50):  # "sent" means handed to gRPC: on a loaded box the receiver stores it a moment later
+            if get_json(http + "/health")[1]["stats"]["used_bytes"] > 0:
+                break
+            await asyncio.sleep(0.1)
         assert get_json(http + "/health")[1]["stats"]["used_bytes"] > 0  # layers are arriving
         os.kill(sender.pid, signal.SIGKILL)
     finally:
