@@ -1,7 +1,7 @@
 """Handing a placed request to its engines: the jobs a placement implies, and sending them.
 
 By default the conductor does this itself right after placing a request (`ScheduleRequest.dispatch`, as
-Mooncake's Conductor forwards a request to the pair it chose, §4), so the first token is three bus hops
+Mooncake's Conductor dispatches a request to the pair it selects, §3), so the first token is three bus hops
 from the gateway instead of four; with `kvcentric gateway --dispatch gateway` the gateway sends the jobs
 once the conductor has answered. Both go through the functions here.
 """

@@ -32,6 +32,7 @@ from kvcentric.scheduling.kvs_gate import KVSGate
 from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
 from kvcentric.service import Service
 
+
 class KVSMetaFailed(Exception):
     """kvs-meta answered, but that it could not answer (e.g. its Redis is down)."""
 

@@ -1,10 +1,11 @@
 """The gateway's asyncio shell: OpenAI-compatible HTTP in, NATS out.
 
 For each completion or chat completion it validates and tokenizes, hashes the prompt's blocks, asks the
-conductor for a placement (the conductor hands the jobs to the prefill and the decode instance as it answers,
-or with --dispatch gateway the gateway does), and relays the tokens that come back on `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a
-RequestOutcome and, unless the engine finished it, a Cancel. Validation and response shapes live in
-`kvcentric.openai_api`; it holds no scheduling policy.
+conductor for a placement (the conductor hands the jobs to the prefill and the decode instance as it
+answers, or with --dispatch gateway the gateway does), and relays the tokens that come back on
+`kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a RequestOutcome and, unless
+the engine finished it, a Cancel. Validation and response shapes live in `kvcentric.openai_api`; it holds
+no scheduling policy.
 """
 
 from __future__ import annotations
@@ -197,9 +198,11 @@ class GatewayService(Service):
         except BadMessage as exc:
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
         except nats.errors.MaxPayloadError:
-            raise ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} "
-                                f"bytes): shorten it or raise the server's max_payload",
-                           code="request_too_large") from None
+            raise self.too_large() from None
+
+    def too_large(self) -> ApiError:
+        return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} bytes): "
+                             f"shorten it or raise the server's max_payload", code="request_too_large")
 
     async def place(self, job: relay.Job) -> Placement:
         """Ask the conductor for a placement. With --dispatch conductor it hands the jobs to the engines as it
@@ -230,9 +233,7 @@ class GatewayService(Service):
                 why = await dispatch.submit(self, dispatch.jobs(job.request_id, decision, job.token_ids, sampling),
                                             self.config.bus_timeout_s)
             except nats.errors.MaxPayloadError:
-                raise ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} "
-                                    f"bytes): shorten it or raise the server's max_payload",
-                               code="request_too_large") from None
+                raise self.too_large() from None
             if why:
                 raise ApiError(503, why, kind="service_unavailable")
         return decision

@@ -70,14 +70,19 @@ class RequestPush:
         """The layer hook for a chunk starting at `start`; runs in the model thread. Layers go to the event
         loop once `handoff_bytes` of them are pending, and the rest after the chunk's last layer."""
         pending: list[LayerData] = []
+        pending_bytes = 0
         last = self.runner.config.num_layers - 1
 
         def on_layer(layer: int, keys, values) -> None:
+            nonlocal pending_bytes
             key, value, crc = kv_payload(keys, values)
-            pending.append(LayerData(layer, start, start + keys.shape[0], key, value, crc))
-            if layer == last or sum(chunk.nbytes for chunk in pending) >= self.handoff_bytes:
+            data = LayerData(layer, start, start + keys.shape[0], key, value, crc)
+            pending.append(data)
+            pending_bytes += data.nbytes
+            if layer == last or pending_bytes >= self.handoff_bytes:
                 self.loop.call_soon_threadsafe(self._hand_over, pending.copy())
                 pending.clear()
+                pending_bytes = 0
         return on_layer
 
     def _hand_over(self, chunks: list[LayerData]) -> None:
