@@ -15,14 +15,14 @@ import platform
 import time
 from pathlib import Path
 
-from kvcentric.costmodel import CostModel, hardware
+from kvcentric.core.costmodel import CostModel, hardware
 from kvcentric.model.config import preset
-from kvcentric.protocol import LoadReport, Placement, ScheduleRequest
-from kvcentric.scheduling.conductor import Conductor
-from kvcentric.scheduling.config import SchedulerConfig
-from kvcentric.scheduling.prefix import PrefixIndex
-from kvcentric.sim.cli import DEFAULT_TRACE
-from kvcentric.sim.workload import load_trace
+from kvcentric.core.protocol import LoadReport, Placement, ScheduleRequest
+from kvcentric.core.scheduling.conductor import Conductor
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.scheduling.prefix import PrefixIndex
+from kvcentric.tools.sim import DEFAULT_TRACE
+from kvcentric.core.sim.workload import load_trace
 
 RESULTS = Path(__file__).resolve().parent / "results" / "conductor.json"
 TARGET_RPS = 20_000

@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.hashing import BlockHasher
+from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import load_model_config, preset
-from kvcentric.protocol import DecodeJob, PrefillJob, SamplingParams
+from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

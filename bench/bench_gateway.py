@@ -34,8 +34,7 @@ from pathlib import Path
 import aiohttp
 import nats
 
-from kvcentric.launcher import (Child, free_port, get_json, nats_server_argv, redis_server_argv,
-                                wait_for_port)
+from kvcentric.tools.processes import Child, free_port, get_json, nats_server_argv, redis_server_argv, wait_for_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 GOAL_P50_MS = 3.0
@@ -130,8 +129,8 @@ async def load(url: str, rate: float, duration_s: float, warmup: int, prompt_tok
 
 async def hops(nats_url: str, n: int = 300) -> dict:
     """Each bus hop of a request timed alone, sequentially: schedule, decode submit, prefill submit + token."""
-    from kvcentric.hashing import BlockHasher, to_hex
-    from kvcentric.protocol import (DecodeJob, Placement, PrefillJob, SamplingParams, ScheduleReply,
+    from kvcentric.core.hashing import BlockHasher, to_hex
+    from kvcentric.core.protocol import (DecodeJob, Placement, PrefillJob, SamplingParams, ScheduleReply,
                                     ScheduleRequest, SubmitAck, Subjects, decode, encode)
     nc = await nats.connect(nats_url)
     tokens = [65 + i % 26 for i in range(64)]

@@ -1,4 +1,4 @@
-"""Single-core throughput of kvcentric.hashing (tokens/s per algorithm) vs a cbor2 sha256_cbor reference.
+"""Single-core throughput of kvcentric.core.hashing (tokens/s per algorithm) vs a cbor2 sha256_cbor reference.
 
 Usage: PYTHONPATH=libs python bench/bench_hashing.py [--tokens 32768] [--block-size 16] [--repeat 7]
 Writes bench/results/hashing.json and prints a table.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import cbor2
 
-from kvcentric.hashing import HASH_ALGOS, NONE_HASH, BlockHasher
+from kvcentric.core.hashing import HASH_ALGOS, NONE_HASH, BlockHasher
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hashing.json"
 TARGET_TOKENS_PER_S = 2_000_000

@@ -10,6 +10,8 @@ Writes bench/results/kvs.json and prints the figures.
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import asyncio
 import json
@@ -22,8 +24,11 @@ from pathlib import Path
 
 import nats
 
-from kvcentric.launcher import free_port, nats_server_argv, redis_server_argv, spawn_service, wait_for_port
-from kvcentric.protocol import BlockStored, KVEventBatch, KVSQuery, KVSReply, Subjects, decode, encode
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
+from harness import spawn_service
+
+from kvcentric.tools.processes import free_port, nats_server_argv, redis_server_argv, wait_for_port
+from kvcentric.core.protocol import BlockStored, KVEventBatch, KVSQuery, KVSReply, Subjects, decode, encode
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -36,13 +36,15 @@ from pathlib import Path
 
 import torch
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.launcher import UpProcess, get_json
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
+from harness import UpProcess
+from kvcentric.tools.processes import get_json
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 LOG_PROBLEM = re.compile(r"Traceback|ERROR|CRITICAL|WARNING|Exception|failed", re.IGNORECASE)

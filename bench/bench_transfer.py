@@ -25,17 +25,17 @@ from pathlib import Path
 import grpc
 import torch
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.streaming import RequestPush
-from kvcentric.hashing import BlockHasher
-from kvcentric.kvwire import LayerData
-from kvcentric.launcher import free_port, nats_server_argv, wait_for_port
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.runtime.kvwire import LayerData
+from kvcentric.tools.processes import free_port, nats_server_argv, wait_for_port
 from kvcentric.model.config import preset
 from kvcentric.proto import kv_pb2
-from kvcentric.protocol import PrefillJob, SamplingParams
-from kvcentric.transfer import KVPusher, checksum
+from kvcentric.core.protocol import PrefillJob, SamplingParams
+from kvcentric.runtime.transfer import KVPusher, checksum
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CHUNK = 1 << 20

@@ -14,6 +14,8 @@ l = the prompt length: long ones (> t) should prefill in the prfaas cluster, sho
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import asyncio
 import json
@@ -25,7 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
-from kvcentric.twodc import TwoDatacenters, TwoDCConfig
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
+from twodc import TwoDatacenters, TwoDCConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -26,15 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcentric.costmodel import CostModel
-from kvcentric.prfaas.cli import PlanConfig, resolve
-from kvcentric.prfaas.planner import best_threshold, plan
-from kvcentric.prfaas.throughput import Counts, operating_point, route_workload
-from kvcentric.prfaas.topology import Topology
-from kvcentric.scheduling.clusters import ClusterSetup
-from kvcentric.scheduling.config import SchedulerConfig
-from kvcentric.sim.cluster import ClusterSpec, Simulation
-from kvcentric.sim.workload import SimRequest
+from kvcentric.core.costmodel import CostModel
+from kvcentric.tools.plan import PlanConfig, resolve
+from kvcentric.core.prfaas.planner import best_threshold, plan
+from kvcentric.core.prfaas.throughput import Counts, operating_point, route_workload
+from kvcentric.core.prfaas.topology import Topology
+from kvcentric.core.scheduling.clusters import ClusterSetup
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+from kvcentric.core.sim.workload import SimRequest
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

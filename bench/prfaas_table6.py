@@ -1,4 +1,4 @@
-"""Reproduces PrfaaS §4 (Table 6, Figure 5) with `kvcentric.prfaas.planner` from Table 5's profile, deriving
+"""Reproduces PrfaaS §4 (Table 6, Figure 5) with `kvcentric.core.prfaas.planner` from Table 5's profile, deriving
 the inputs the paper does not give from the ones it does; it runs no cluster (the paper's §4 does not either).
 
     python bench/prfaas_table6.py        # writes bench/prfaas_{profile,workload}_table5.json,
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcentric.prfaas import report
-from kvcentric.prfaas.planner import Plan, plan
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.workload import from_trace, lognormal
+from kvcentric.tools import plan_report
+from kvcentric.core.prfaas.planner import Plan, plan
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.workload import from_trace, lognormal
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from kvcentric.replay_plots import plot_cdfs, run_values
+from kvcentric.tools.replay_plots import plot_cdfs, run_values
 
 ROWS = (("requests", "requests", "{:d}"), ("completed", "completed", "{:d}"),
         ("completed_within_slo", "within both SLOs", "{:d}"), ("rejected_429", "rejected (429)", "{:d}"),

@@ -11,13 +11,16 @@ Writes DIR/pd and DIR/colocated (each a replay's output) and bench/results/pd_vs
 
 from __future__ import annotations
 
+import os
+
 import argparse
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from kvcentric.launcher import UpProcess
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
+from harness import UpProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEPLOYMENTS = {"1P+1D": ("pd", ["--prefill", "1", "--decode", "1"]), "2 colocated": ("colocated", ["--colocated", "2"])}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 
 from sim_common import RESULTS, pyplot, save_json
-from kvcentric.sim.cachesim import replay_pool
-from kvcentric.sim.cli import DEFAULT_TRACE
-from kvcentric.sim.workload import load_trace
+from kvcentric.core.sim.cachesim import replay_pool
+from kvcentric.tools.sim import DEFAULT_TRACE
+from kvcentric.core.sim.workload import load_trace
 
 CAPACITIES = [math.inf, 100_000, 50_000, 30_000, 10_000, 1_000]
 PAPER = {  # Mooncake Table 1 (arXiv trace, 23,608 requests)

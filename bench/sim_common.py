@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from kvcentric.sim.cli import SimConfig, build, workload
-from kvcentric.sim.metrics import summarize
+from kvcentric.tools.sim import SimConfig, build, workload
+from kvcentric.core.sim.metrics import summarize
 
 RESULTS = Path(__file__).resolve().parent / "results"
 _traces: dict = {}

@@ -12,8 +12,8 @@ import argparse
 import time
 
 from kvcentric.config import BusConfig, add_arguments, from_namespace
-from kvcentric.protocol import DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects, TokenChunk
-from kvcentric.service import Service, run_service
+from kvcentric.core.protocol import DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects, TokenChunk
+from kvcentric.runtime.service import Service, run_service
 
 STUB_TOKEN = 65  # "A" in the byte tokenizer
 NUM_BLOCKS = 1 << 20

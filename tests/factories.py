@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import itertools
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import preset
-from kvcentric.protocol import DecodeJob, LoadReport, PrefillJob, SamplingParams
+from kvcentric.core.protocol import DecodeJob, LoadReport, PrefillJob, SamplingParams
 
 _ids = itertools.count()
 
@@ -45,14 +45,14 @@ def load_report(instance_id: str, role: str, queued_tokens: int = 0, running: in
 
 def simple_cost():
     """1 s per 1000 new tokens (no fixed or attention cost); decode steps of 10 ms + 1 ms per sequence."""
-    from kvcentric.costmodel import CostModel
+    from kvcentric.core.costmodel import CostModel
     return CostModel((0.0, 1e-3, 0.0, 0.0), (0.01, 1e-3, 0.0), 1000, "test")
 
 
 def make_conductor(prefills=2, decodes=2, now=0.0, cost=None, **settings):
     """A Conductor on a hand-built cluster of idle instances p0.. and d0.. (blocks of 100 tokens)."""
-    from kvcentric.scheduling.conductor import Conductor
-    from kvcentric.scheduling.config import SchedulerConfig
+    from kvcentric.core.scheduling.conductor import Conductor
+    from kvcentric.core.scheduling.config import SchedulerConfig
     settings.setdefault("block_size", 100)
     conductor = Conductor(SchedulerConfig(**settings), cost or simple_cost(), stale_after_s=1.0)
     for i in range(prefills):
@@ -77,16 +77,16 @@ def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, tota
 def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int = 0, blocks: int | None = None,
                      max_tokens: int = 16):
     """A request of n_tokens whose block hashes are h0, h1, ... (one per 100 tokens unless `blocks`)."""
-    from kvcentric.protocol import ScheduleRequest
+    from kvcentric.core.protocol import ScheduleRequest
     count = blocks if blocks is not None else -(-n_tokens // 100)
     return ScheduleRequest(request_id, n_tokens, [f"h{i}" for i in range(count)], max_tokens, priority)
 
 
 def two_cluster_setup(threshold: float = 1000, gbps: float = 8.0, adjust_s: float = 0.0, costs=None, **short_term):
     """PrfaaS topology: PD cluster "pd" and PrfaaS cluster "prfaas" joined by a `gbps` link (8 Gbit/s = 1 GB/s)."""
-    from kvcentric.prfaas.routing import ShortTermPolicy
-    from kvcentric.prfaas.topology import Topology
-    from kvcentric.scheduling.clusters import ClusterSetup
+    from kvcentric.core.prfaas.routing import ShortTermPolicy
+    from kvcentric.core.prfaas.topology import Topology
+    from kvcentric.core.scheduling.clusters import ClusterSetup
     topology = Topology.from_dict({"clusters": [{"name": "pd", "role": "pd", "instances": 3},
                                                 {"name": "prfaas", "role": "prfaas", "instances": 1}],
                                    "links": [{"between": ["prfaas", "pd"], "gbps": gbps}]})
@@ -95,8 +95,8 @@ def two_cluster_setup(threshold: float = 1000, gbps: float = 8.0, adjust_s: floa
 
 def make_two_cluster_conductor(pd_prefills=1, prfaas_prefills=1, decodes=1, now=0.0, setup=None, **settings):
     """A Conductor routing across clusters: prefills a0.. in "pd", r0.. in "prfaas", decodes d0.. in "pd"."""
-    from kvcentric.scheduling.conductor import Conductor
-    from kvcentric.scheduling.config import SchedulerConfig
+    from kvcentric.core.scheduling.conductor import Conductor
+    from kvcentric.core.scheduling.config import SchedulerConfig
     settings.setdefault("block_size", 100)
     conductor = Conductor(SchedulerConfig(**settings), simple_cost(), stale_after_s=1.0,
                           clusters=setup or two_cluster_setup())

@@ -8,43 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import os
 import sys
 
 from kvcentric.config import ConfigError, add_arguments, from_namespace
+from kvcentric.registry import DESCRIPTIONS, config_class, service_class
 
-# subcommand -> (service package, service class, config class, one-line description)
-SERVICES = {
-    "gateway": ("kvc_gateway", "GatewayService", "GatewayConfig",
-                "OpenAI-compatible HTTP API: validates, tokenizes, asks the conductor, relays tokens"),
-    "conductor": ("kvc_conductor", "ConductorService", "ConductorConfig",
-                  "global scheduler: tracks instances from load reports, places each request"),
-    "prefill": ("kvc_prefill", "PrefillService", "EngineConfig",
-                "prefill engine: computes prompts and streams their KV layer by layer to decode"),
-    "decode": ("kvc_decode", "DecodeService", "EngineConfig",
-               "decode engine: takes KV in over gRPC and generates tokens in a continuous batch"),
-    "colocated": ("kvc_colocated", "ColocatedService", "EngineConfig",
-                  "colocated engine (the vLLM-style baseline): prefill and decode in one instance and KV pool"),
-    "kvs-meta": ("kvc_kvs_meta", "KVSMetaService", "KVSMetaConfig",
-                 "KV block location metadata in Redis; NATS queries and GET /batch_query_keys"),
-    "messenger": ("kvc_messenger", "MessengerService", "MessengerConfig",
-                  "a node's host-memory KV store and gRPC KV transfer endpoint"),
-}
-
-
-def engine_class(role: str) -> type:
-    """The service class of an engine role (for a role change in a running process)."""
-    package, service_name, _, _ = SERVICES[role]
-    return getattr(importlib.import_module(f"{package}.service"), service_name)
+SERVICES = DESCRIPTIONS
+"""Service subcommand -> one-line description."""
 
 
 def _config_class(command: str) -> type:
-    package, _, config_name, _ = SERVICES[command]
-    if config_name == "EngineConfig":
-        from kvcentric.engine.config import EngineConfig
-        return EngineConfig
-    return getattr(importlib.import_module(f"{package}.config"), config_name)
+    return config_class(command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KVCache-centric, prefill/decode-disaggregated LLM serving. "
                     "`kvcentric up` runs everything on this machine; each other subcommand runs one service.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from kvcentric.launcher import UpConfig
+    from kvcentric.tools.up import UpConfig
     up = commands.add_parser("up", help="run a whole cluster on this machine (servers included)",
                              description="Start nats-server, redis-server, kvs-meta, conductor, the gateway and "
                                          "prefill/decode instances; wait until healthy; stop all on Ctrl-C.")
@@ -63,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   description="Time prefill over (new x cached tokens) and decode steps over "
                                               "(batch x context), fit T_prefill and T_decode, write JSON.")
     add_arguments(profile, ProfileConfig)
-    from kvcentric.prfaas.cli import PlanConfig
+    from kvcentric.tools.plan import PlanConfig
     plan = commands.add_parser("plan", help="PrfaaS planner: threshold t and N_p/N_d from a profile and a workload",
                                description="Prefill-as-a-Service throughput model (§3.4, eqs 3-8): grid search "
                                            "over t and N_p/N_d; prints the optimum as Table 6, writes JSON + PNGs.")
@@ -82,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--nats-url", default=os.environ.get("KVC_NATS_URL", "nats://127.0.0.1:4222"),
                       help="NATS server (env KVC_NATS_URL)")
     role.add_argument("--reason", default="by hand", help="logged by the instance")
-    for command, (_, _, _, description) in SERVICES.items():
+    for command, description in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
     return parser
@@ -91,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sim"]:  # its own parser, with a `cache` subcommand
-        from kvcentric.sim.cli import main as sim_main
+        from kvcentric.tools.sim import main as sim_main
         sys.exit(sim_main(argv[1:]))
     if argv[:1] == ["bench"]:  # `kvcentric bench replay TRACE ...`, its own parser
-        from kvcentric.replay import bench_main
+        from kvcentric.tools.replay import bench_main
         sys.exit(bench_main(argv[1:]))
     parser = build_parser()
     try:
@@ -103,21 +78,19 @@ def main(argv: list[str] | None = None) -> None:
             from kvcentric.engine.profile import ProfileConfig, main as profile_main
             sys.exit(profile_main(from_namespace(ProfileConfig, args)))
         if args.command == "plan":
-            from kvcentric.prfaas.cli import PlanConfig, main as plan_main
+            from kvcentric.tools.plan import PlanConfig, main as plan_main
             sys.exit(plan_main(from_namespace(PlanConfig, args)))
         if args.command == "role":
             sys.exit(switch_role(args.nats_url, args.instance_id, args.to_role, args.reason))
         if args.command == "up":
-            from kvcentric.launcher import UpConfig, run_up
+            from kvcentric.tools.up import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))
-        package, service_name, _, _ = SERVICES[args.command]
         config = from_namespace(_config_class(args.command), args)
     except ConfigError as exc:
         parser.exit(2, f"kvcentric: error: {exc}\n")
-    from kvcentric.service import run_service
-    service_class = getattr(importlib.import_module(f"{package}.service"), service_name)
+    from kvcentric.runtime.service import run_service
     try:
-        run_service(service_class(config))
+        run_service(service_class(args.command)(config))
     except (MemoryError, ConnectionError, OSError) as exc:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 
@@ -127,7 +100,7 @@ def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout
     import nats
     import nats.errors
 
-    from kvcentric.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
+    from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
 
     async def ask() -> SubmitAck:
         nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0)

@@ -13,8 +13,8 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import KVRejected
 from kvcentric.engine.prefill import PrefillRejected
 from kvcentric.engine.shell import DecodeSink, EngineService
-from kvcentric.hashing import BlockHasher
-from kvcentric.protocol import Cancel, DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import Cancel, DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects
 
 
 class ColocatedService(EngineService):

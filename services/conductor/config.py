@@ -1,5 +1,5 @@
 """Settings of the conductor service (flags and KVC_* environment variables): the bus, the scheduling core
-(`kvcentric.scheduling.config.SchedulerConfig`), the cost model, where prefix hits come from (the local
+(`kvcentric.core.scheduling.config.SchedulerConfig`), the cost model, where prefix hits come from (the local
 block index or kvs-meta lookups) and the PrfaaS topology and threshold."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import dataclasses
 from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.costmodel import HARDWARE, CostModel
-from kvcentric.prfaas.inputs import InputError
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.topology import Topology
-from kvcentric.scheduling.clusters import ClusterSetup
+from kvcentric.core.costmodel import HARDWARE, CostModel
+from kvcentric.core.prfaas.inputs import InputError
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.topology import Topology
+from kvcentric.core.scheduling.clusters import ClusterSetup
 from kvcentric.model.config import load_model_config
-from kvcentric.scheduling.config import SchedulerConfig
+from kvcentric.core.scheduling.config import SchedulerConfig
 
 
 @dataclasses.dataclass(frozen=True)

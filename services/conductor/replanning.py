@@ -1,4 +1,4 @@
-"""The conductor's long-term re-planning loop (PrfaaS §3.4.3), the I/O around `kvcentric.prfaas.replan`.
+"""The conductor's long-term re-planning loop (PrfaaS §3.4.3), the I/O around `kvcentric.core.prfaas.replan`.
 
 Every `--replan-interval-s` it samples the PD cluster's prefill and decode pools from the registry; when
 `Replanner` finds one pool the bottleneck over `--replan-window-s`, it sends a `RoleSwitch` on
@@ -15,12 +15,12 @@ import time
 
 import nats.errors
 
-from kvcentric.prfaas.planner import best_threshold
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.replan import ReplanPolicy, Replanner, Switch
-from kvcentric.prfaas.throughput import Counts
-from kvcentric.prfaas.workload import LengthDistribution
-from kvcentric.protocol import BadMessage, Placement, RoleSwitch, ScheduleRequest, Subjects, SubmitAck
+from kvcentric.core.prfaas.planner import best_threshold
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.replan import ReplanPolicy, Replanner, Switch
+from kvcentric.core.prfaas.throughput import Counts
+from kvcentric.core.prfaas.workload import LengthDistribution
+from kvcentric.core.protocol import BadMessage, Placement, RoleSwitch, ScheduleRequest, Subjects, SubmitAck
 
 RECENT_REQUESTS = 2000
 """Placed requests whose uncached and output lengths make the empirical workload of a t re-plan."""

@@ -21,16 +21,17 @@ import nats.errors
 
 from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
-from kvcentric import dispatch, tracing
-from kvcentric.costmodel import CostModel, hardware
+from kvcentric.runtime import dispatch
+from kvcentric.runtime import tracing
+from kvcentric.core.costmodel import CostModel, hardware
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
+from kvcentric.core.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
                                 KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome,
                                 ScheduleRequest, Subjects, TokenChunk, decode, encode, job_problem)
-from kvcentric.scheduling.conductor import Conductor
-from kvcentric.scheduling.kvs_gate import KVSGate
-from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
-from kvcentric.service import Service
+from kvcentric.core.scheduling.conductor import Conductor
+from kvcentric.core.scheduling.kvs_gate import KVSGate
+from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
+from kvcentric.runtime.service import Service
 
 
 class KVSMetaFailed(Exception):

@@ -12,8 +12,8 @@ import time
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import DecodeSink, EngineService
-from kvcentric.metrics import labelled
-from kvcentric.protocol import Cancel, DecodeJob, LoadReport, SubmitAck
+from kvcentric.core.metrics import labelled
+from kvcentric.core.protocol import Cancel, DecodeJob, LoadReport, SubmitAck
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
 

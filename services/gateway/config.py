@@ -7,7 +7,7 @@ import functools
 from typing import Literal
 
 from kvcentric.config import BusConfig, require, setting
-from kvcentric.hashing import HASH_ALGOS
+from kvcentric.core.hashing import HASH_ALGOS
 from kvcentric.model.config import ModelConfig, load_model_config
 
 

@@ -15,9 +15,9 @@ from typing import AsyncIterator, Callable
 from aiohttp import web
 
 from kvc_gateway.textstream import TextStream
-from kvcentric.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
+from kvcentric.core.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
                                   usage)
-from kvcentric.protocol import Placement, TokenChunk
+from kvcentric.core.protocol import Placement, TokenChunk
 
 
 ERROR_KINDS = {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}

@@ -4,7 +4,7 @@ For each completion or chat completion it validates and tokenizes, hashes the pr
 conductor for a placement (the conductor hands the jobs to the prefill and the decode instance as it
 answers, or with --dispatch gateway the gateway does), and relays the tokens that come back on
 `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a RequestOutcome and, unless
-the engine finished it, a Cancel. Validation and response shapes live in `kvcentric.openai_api`; it holds
+the engine finished it, a Cancel. Validation and response shapes live in `kvcentric.core.openai_api`; it holds
 no scheduling policy.
 """
 
@@ -25,15 +25,16 @@ from kvc_gateway import relay
 from kvc_gateway.config import GatewayConfig
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
-from kvcentric import dispatch, tracing
-from kvcentric.hashing import BlockHasher, to_hex
-from kvcentric.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
+from kvcentric.runtime import dispatch
+from kvcentric.runtime import tracing
+from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.model.tokenizer import load_tokenizer
-from kvcentric.openai_api import ApiError, check_context, parse_chat, parse_completion
-from kvcentric.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
+from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
+from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
                                 Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, TokenChunk,
                                 decode, encode)
-from kvcentric.service import Service
+from kvcentric.runtime.service import Service
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
 

@@ -1,7 +1,7 @@
 """The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, keeps a lease per node
 renewed by its load reports (the heartbeat) and purges nodes whose lease ran out, answers kvc.kvs.query
 over NATS and GET /batch_query_keys over HTTP, and pages through the whole index on kvc.kvs.dump (how a
-conductor seeds its local mirror). The storage logic is `kvcentric.kvs_store`.
+conductor seeds its local mirror). The storage logic is `kvcentric.runtime.kvs_store`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from kvc_kvs_meta.config import KVSMetaConfig
-from kvcentric.kvs_store import KVMetaStore, mooncake_batch_reply
-from kvcentric.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
-from kvcentric.service import Service
+from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
+from kvcentric.core.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
+from kvcentric.runtime.service import Service
 
 
 class KVSMetaService(Service):

@@ -11,10 +11,10 @@ import asyncio
 import grpc
 
 from kvc_messenger.config import MessengerConfig
-from kvcentric.host_store import HostKVStore
+from kvcentric.runtime.host_store import HostKVStore
 from kvcentric.proto import kv_pb2
-from kvcentric.service import Service
-from kvcentric.transfer import KVTransferServicer, start_server
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVTransferServicer, start_server
 
 
 class StoreServicer(KVTransferServicer):

@@ -11,9 +11,9 @@ from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejecte
 from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.shell import EngineService
-from kvcentric.hashing import BlockHasher
-from kvcentric.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk
-from kvcentric.transfer import pull_blocks
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk
+from kvcentric.runtime.transfer import pull_blocks
 
 
 class RefusingSink:

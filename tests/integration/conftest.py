@@ -7,7 +7,9 @@ import subprocess
 
 import pytest
 
-from kvcentric.launcher import UpProcess, free_port, nats_server_argv, redis_server_argv, wait_for_port
+from harness import UpProcess
+
+from kvcentric.tools.processes import free_port, nats_server_argv, redis_server_argv, wait_for_port
 
 
 def start_server(argv: list[str], port: int) -> subprocess.Popen:

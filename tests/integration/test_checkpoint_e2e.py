@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint, hf_model
-from kvcentric.launcher import UpProcess
+from harness import UpProcess
 from kvcentric.model.tokenizer import load_tokenizer
 
 

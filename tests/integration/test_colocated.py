@@ -9,9 +9,9 @@ import pytest
 
 from factories import make_pool, make_runner
 from kvcentric.engine.local import generate
-from kvcentric.launcher import UpProcess
+from harness import UpProcess
 from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 
 
 @pytest.fixture(scope="module")

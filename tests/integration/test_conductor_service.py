@@ -15,7 +15,7 @@ from kvc_conductor.config import ConductorConfig
 from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
-from kvcentric.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
+from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
                                 RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, decode, encode)
 
 

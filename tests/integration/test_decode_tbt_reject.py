@@ -15,8 +15,8 @@ import urllib.request
 
 import pytest
 
-from kvcentric.costmodel import CostModel
-from kvcentric.launcher import UpProcess
+from kvcentric.core.costmodel import CostModel
+from harness import UpProcess
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 

@@ -13,9 +13,9 @@ import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.launcher import free_port, nats_server_argv
-from kvcentric.launcher import spawn_service as spawn
-from kvcentric.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, PrefillJob, Rejection, SamplingParams,
+from kvcentric.tools.processes import free_port, nats_server_argv
+from harness import spawn_service as spawn
+from kvcentric.core.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, PrefillJob, Rejection, SamplingParams,
                                 ScheduleReply, ScheduleRequest, SubmitAck, Subjects, TokenChunk, decode, encode)
 
 BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}

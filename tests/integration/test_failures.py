@@ -10,8 +10,9 @@ import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.launcher import free_port, nats_server_argv, spawn_service
-from kvcentric.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
+from harness import spawn_service
+from kvcentric.tools.processes import free_port, nats_server_argv
+from kvcentric.core.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
 
 

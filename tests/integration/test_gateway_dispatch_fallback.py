@@ -14,10 +14,10 @@ import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.hashing import BlockHasher, to_hex
-from kvcentric.launcher import free_port, nats_server_argv
-from kvcentric.launcher import spawn_service as spawn
-from kvcentric.protocol import (Cancel, Dispatch, Placement, PrefillJob, SamplingParams, ScheduleRequest,
+from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.tools.processes import free_port, nats_server_argv
+from harness import spawn_service as spawn
+from kvcentric.core.protocol import (Cancel, Dispatch, Placement, PrefillJob, SamplingParams, ScheduleRequest,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
 
 MAX_PAYLOAD = 6000

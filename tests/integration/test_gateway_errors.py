@@ -14,10 +14,10 @@ import nats
 import pytest
 
 from conftest import start_server, stop
-from kvcentric.launcher import free_port, nats_server_argv
-from kvcentric.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, ScheduleRequest,
+from kvcentric.tools.processes import free_port, nats_server_argv
+from kvcentric.core.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, ScheduleRequest,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
-from kvcentric.launcher import spawn_service as spawn
+from harness import spawn_service as spawn
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 

@@ -12,10 +12,10 @@ import pytest
 
 from factories import make_pool, make_runner
 from kvcentric.engine.local import generate
-from kvcentric.hashing import BlockHasher, to_hex
-from kvcentric.launcher import UpProcess
+from kvcentric.core.hashing import BlockHasher, to_hex
+from harness import UpProcess
 from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.protocol import (DecodeJob, PrefillJob, SamplingParams, SubmitAck, Subjects, TokenChunk, decode,
+from kvcentric.core.protocol import (DecodeJob, PrefillJob, SamplingParams, SubmitAck, Subjects, TokenChunk, decode,
                                 encode)
 
 PROMPT = "Hot-spot replication copies popular prefix blocks to the prefill node that needs them. " * 2

@@ -12,8 +12,8 @@ import nats
 import pytest
 
 from conftest import stop
-from kvcentric.launcher import spawn_service
-from kvcentric.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects,
+from harness import spawn_service
+from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects,
                                 decode, encode)
 
 

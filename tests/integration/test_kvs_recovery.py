@@ -17,8 +17,8 @@ from conftest import start_server, stop
 from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
-from kvcentric.launcher import free_port, redis_server_argv
-from kvcentric.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest, Subjects,
+from kvcentric.tools.processes import free_port, redis_server_argv
+from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest, Subjects,
                                 decode, encode)
 from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
 

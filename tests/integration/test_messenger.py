@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from conftest import stop
-from kvcentric.launcher import free_port, wait_for_port
+from kvcentric.tools.processes import free_port, wait_for_port
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
-from kvcentric.transfer import KVPusher, TransferError, checksum
+from kvcentric.runtime.transfer import KVPusher, TransferError, checksum
 
 
 @pytest.fixture

@@ -10,8 +10,10 @@ import urllib.request
 import nats
 import pytest
 
-from kvcentric.launcher import UpProcess, free_port
-from kvcentric.protocol import PrefillJob, SamplingParams, SubmitAck, Subjects, decode, encode
+from harness import UpProcess
+
+from kvcentric.tools.processes import free_port
+from kvcentric.core.protocol import PrefillJob, SamplingParams, SubmitAck, Subjects, decode, encode
 
 
 @pytest.fixture(scope="module")

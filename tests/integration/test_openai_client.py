@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from conftest import stop
-from kvcentric.launcher import get_json
+from kvcentric.tools.processes import get_json
 from kvcentric.model.tokenizer import DummyTokenizer
-from kvcentric.launcher import spawn_service as spawn
+from harness import spawn_service as spawn
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a cache."}]

@@ -13,8 +13,8 @@ from redis.asyncio import Redis
 from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
-from kvcentric.kvs_store import DUMP_MAX_BYTES, KVMetaStore
-from kvcentric.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSDump, KVSDumpQuery, Placement,
+from kvcentric.runtime.kvs_store import DUMP_MAX_BYTES, KVMetaStore
+from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSDump, KVSDumpQuery, Placement,
                                 ScheduleRequest, Subjects, decode, encode)
 from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
 

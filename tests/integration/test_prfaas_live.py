@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from kvcentric.twodc import TwoDatacenters, TwoDCConfig
+from twodc import TwoDatacenters, TwoDCConfig
 
 THRESHOLD = 64
 

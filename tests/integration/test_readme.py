@@ -220,7 +220,7 @@ def test_the_commands_of_a_block_not_run_here_are_valid(key):
     """Its flags parse with the real CLI, and each service's settings pass its config's validation."""
     from kvcentric.cli import SERVICES, _config_class, build_parser
     from kvcentric.config import from_namespace
-    from kvcentric.launcher import UpConfig
+    from kvcentric.tools.up import UpConfig
 
     for argv in commands(block(BASH, key)):
         args = build_parser().parse_args(argv)

@@ -12,7 +12,7 @@ from factories import make_pool, make_runner
 from kvcentric.engine.local import generate
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 
 
 def post(url: str, body, raw: bytes | None = None) -> tuple[int, dict, dict]:
@@ -92,7 +92,7 @@ def test_prefix_blocks_reach_kvs_meta_in_redis(cluster, nats_url):
     prompt = "a prompt long enough to fill two blocks of sixteen tokens each, and then some"
     status, _, _ = post(cluster.url, {"prompt": prompt, "max_tokens": 1})
     assert status == 200
-    from kvcentric.hashing import BlockHasher, to_hex
+    from kvcentric.core.hashing import BlockHasher, to_hex
     hashes = [to_hex(h) for h in BlockHasher(block_size=16).hash_blocks(ByteTokenizer().encode(prompt))]
     url = cluster.manifest["services"]["kvs-meta"]["health_url"].replace("/health", "/batch_query_keys")
     for _ in range(50):  # events are asynchronous: give them a moment

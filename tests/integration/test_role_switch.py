@@ -15,8 +15,8 @@ import urllib.request
 import nats
 import pytest
 
-from kvcentric.launcher import UpProcess
-from kvcentric.protocol import InstancesQuery, InstancesReply, RoleSwitch, Subjects, SubmitAck, decode, encode
+from harness import UpProcess
+from kvcentric.core.protocol import InstancesQuery, InstancesReply, RoleSwitch, Subjects, SubmitAck, decode, encode
 
 PROMPT = "A prefill instance becomes a decode instance when decode is the bottleneck. "
 

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from kvcentric.launcher import UpProcess
+from harness import UpProcess
 from test_tracing_exporters import HttpCollector
 
 # The spans of issue 6 and the service that emits each (span names start with their service's short name).

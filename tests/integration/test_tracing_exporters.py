@@ -14,8 +14,8 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from kvcentric import tracing
-from kvcentric.launcher import free_port
+from kvcentric.runtime import tracing
+from kvcentric.tools.processes import free_port
 
 
 def spans_of(request: trace_service_pb2.ExportTraceServiceRequest) -> list[dict]:

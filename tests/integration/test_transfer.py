@@ -15,9 +15,9 @@ import grpc
 import pytest
 
 from conftest import stop
-from kvcentric.launcher import free_port, get_json, wait_for_port
+from kvcentric.tools.processes import free_port, get_json, wait_for_port
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
-from kvcentric.transfer import KVPusher, TransferError, checksum
+from kvcentric.runtime.transfer import KVPusher, TransferError, checksum
 
 
 def start_messenger(nats_url: str, capacity_mb: int = 64) -> tuple[subprocess.Popen, str, str]:
@@ -124,7 +124,7 @@ async def test_a_receiver_killed_mid_push_fails_the_push_with_a_clear_error(nats
 SENDER = textwrap.dedent("""
     import asyncio, sys
     from kvcentric.proto import kv_pb2
-    from kvcentric.transfer import KVPusher, checksum
+    from kvcentric.runtime.transfer import KVPusher, checksum
     async def chunks():
         yield kv_pb2.KVChunk(header=kv_pb2.KVHeader(request_id="dies", num_layers=64, num_tokens=8, dtype="float32"))
         for layer in range(64):

@@ -1,6 +1,6 @@
 import pytest
 
-from kvcentric.engine.block_pool import BlockPool, OutOfBlocks
+from kvcentric.core.block_pool import BlockPool, OutOfBlocks
 
 
 def test_allocate_and_free_return_blocks_to_the_pool():

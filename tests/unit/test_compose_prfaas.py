@@ -13,8 +13,8 @@ import yaml
 
 from kvcentric.cli import _config_class, build_parser
 from kvcentric.config import from_namespace
-from kvcentric.launcher import nats_server_binary
-from kvcentric.prfaas.topology import Topology
+from kvcentric.tools.processes import nats_server_binary
+from kvcentric.core.prfaas.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.prfaas.yml").read_text())

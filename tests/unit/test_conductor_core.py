@@ -3,7 +3,7 @@
 import pytest
 
 from factories import decode_report, load_report, make_conductor, prefill_report, schedule_request
-from kvcentric.protocol import Placement, Rejection, RequestOutcome
+from kvcentric.core.protocol import Placement, Rejection, RequestOutcome
 
 
 def test_no_engines_gives_a_no_instance_rejection_naming_the_missing_role():

@@ -5,9 +5,9 @@ import pytest
 
 from factories import (decode_report, make_conductor, make_two_cluster_conductor, prefill_report,
                        schedule_request, simple_cost, two_cluster_setup)
-from kvcentric.costmodel import CostModel
-from kvcentric.protocol import Placement, Rejection
-from kvcentric.scheduling.clusters import ClusterSetup
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.protocol import Placement, Rejection
+from kvcentric.core.scheduling.clusters import ClusterSetup
 
 
 def place(conductor, n_tokens, hits=None, now=0.1, request_id="r"):
@@ -177,7 +177,7 @@ def test_the_conductor_flags_build_the_routing_and_name_the_flag_at_fault(tmp_pa
 
 
 def test_egress_use_is_measured_over_a_window_and_fades_when_reports_stop_counting_bytes():
-    from kvcentric.scheduling.clusters import EgressMeter
+    from kvcentric.core.scheduling.clusters import EgressMeter
     meter = EgressMeter(window_s=5.0)
     for t in range(11):
         meter.observe("r0", 1000 * t, float(t))

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from factories import make_two_cluster_conductor
 from kvc_conductor.replanning import ReplanLoop
-from kvcentric.prfaas.planner import best_threshold
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.throughput import Counts
-from kvcentric.prfaas.workload import LengthDistribution
-from kvcentric.protocol import Placement, ScheduleRequest
+from kvcentric.core.prfaas.planner import best_threshold
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.throughput import Counts
+from kvcentric.core.prfaas.workload import LengthDistribution
+from kvcentric.core.protocol import Placement, ScheduleRequest
 
 PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
 

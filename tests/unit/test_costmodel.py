@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from kvcentric.costmodel import (HARDWARE, CostModel, decode_capacity_tokens, hardware, host_cache_blocks,
+from kvcentric.core.costmodel import (HARDWARE, CostModel, decode_capacity_tokens, hardware, host_cache_blocks,
                                  nnls)
 from kvcentric.model.config import preset
 

@@ -16,16 +16,16 @@ from factories import decode_job, make_pool, make_runner
 from kvc_decode.service import TBT_REJECTIONS, CheckedDecodeSink
 from kvc_gateway.relay import Job, pieces
 from kvcentric.config import ConfigError
-from kvcentric.costmodel import CostModel, TBTVerdict, decode_tbt_check
+from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.spans import RequestSpans
-from kvcentric.openai_api import ApiError
-from kvcentric.protocol import TokenChunk
-from kvcentric.scheduling.config import SchedulerConfig
-from kvcentric.sim.cluster import ClusterSpec, Simulation
-from kvcentric.sim.metrics import Record
-from kvcentric.sim.workload import SimRequest
+from kvcentric.core.openai_api import ApiError
+from kvcentric.core.protocol import TokenChunk
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+from kvcentric.core.sim.metrics import Record
+from kvcentric.core.sim.workload import SimRequest
 
 STEP = CostModel((0.0, 0.0, 0.0, 0.0), (0.01, 0.001, 1e-5), 1024)
 """A decode step lasts 10 ms + 1 ms per sequence + 10 µs per context token."""

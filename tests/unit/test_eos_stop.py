@@ -12,16 +12,16 @@ import torch
 
 from checkpoints import build_checkpoint, hf_model
 from factories import decode_job, prefill_job
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.decode import DecodeEngine
 from kvcentric.engine.local import generate
 from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.stopping import finish_reason
-from kvcentric.hashing import BlockHasher
+from kvcentric.core.stopping import finish_reason
+from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 from test_model_and_engines import handoff
 
 EOS = 2

@@ -1,4 +1,4 @@
-"""Tests for kvcentric.hashing: vLLM sha256_cbor compatibility, chain semantics, validation."""
+"""Tests for kvcentric.core.hashing: vLLM sha256_cbor compatibility, chain semantics, validation."""
 
 import hashlib
 import random
@@ -7,7 +7,7 @@ import cbor2
 import numpy as np
 import pytest
 
-from kvcentric.hashing import HASH_ALGOS, NONE_HASH, BlockHasher, cbor_encode, to_hex
+from kvcentric.core.hashing import HASH_ALGOS, NONE_HASH, BlockHasher, cbor_encode, to_hex
 
 VLLM_BLOCK0 = "dc918a88b139e5afe60b88eda27508d4aee16c10fdc354791efea06206ac0749"
 VLLM_BLOCK1 = "c300ec275d7bf08af8fc63e76cdc0086911bbc7091e03c5cf892553bef84ef0c"

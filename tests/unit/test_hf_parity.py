@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint, hf_model
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 
 ARCHITECTURES = {
     "llama-gqa-bias": ("llama", {}),

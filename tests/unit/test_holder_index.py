@@ -7,9 +7,9 @@ import random
 
 import pytest
 
-from kvcentric.kvs_store import dump_events
-from kvcentric.protocol import BlockEvicted, BlockStored, KVSDump, decode, encode
-from kvcentric.scheduling.prefix import HolderIndex, prefix_from_holders
+from kvcentric.runtime.kvs_store import dump_events
+from kvcentric.core.protocol import BlockEvicted, BlockStored, KVSDump, decode, encode
+from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
 
 
 def test_a_block_counts_while_any_tier_of_the_node_holds_it():

@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from factories import greedy, make_pool, make_runner, prefill_job, prompt
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.hashing import BlockHasher
-from kvcentric.kvpool import HostBlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.engine.kvpool import HostBlockPool
 
 
 def block(value: int, size: int = 8) -> bytes:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcentric.scheduling.kvs_gate import KVSGate
+from kvcentric.core.scheduling.kvs_gate import KVSGate
 
 
 def fail(gate: KVSGate, times: int, now: float = 0.0) -> list[bool]:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcentric import kvwire
+from kvcentric.runtime import kvwire
 from kvcentric.proto import kv_pb2
 
 

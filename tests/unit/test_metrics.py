@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from kvcentric.metrics import Histogram, labelled, render, split_name
+from kvcentric.core.metrics import Histogram, labelled, render, split_name
 
 
 def test_a_histogram_counts_values_into_cumulative_buckets_inclusive_of_the_bound():

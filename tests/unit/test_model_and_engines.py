@@ -10,9 +10,9 @@ from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import kv_payload
 from kvcentric.engine.prefill import PrefillEngine, PrefillRejected
-from kvcentric.hashing import BlockHasher
+from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import check_fits, preset
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.protocol import SamplingParams
 
 
 def full_logits(runner, token_ids):

@@ -1,6 +1,6 @@
 import pytest
 
-from kvcentric.openai_api import ApiError, check_context, completion_body, parse_completion
+from kvcentric.core.openai_api import ApiError, check_context, completion_body, parse_completion
 
 
 def parse(**body):
@@ -62,7 +62,7 @@ def test_completion_body_has_the_openai_shape():
 # ---------------------------------------------------------------- chat, stop, user
 
 
-from kvcentric.openai_api import chat_body, chat_chunk, parse_chat, usage  # noqa: E402
+from kvcentric.core.openai_api import chat_body, chat_chunk, parse_chat, usage  # noqa: E402
 
 
 def chat(**body):

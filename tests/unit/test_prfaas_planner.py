@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvcentric.prfaas.planner import naive, homogeneous, plan, search, threshold_grid, ttft
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.throughput import Counts, route_workload, throughputs
-from kvcentric.prfaas.workload import LengthDistribution, lognormal
+from kvcentric.core.prfaas.planner import naive, homogeneous, plan, search, threshold_grid, ttft
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.throughput import Counts, route_workload, throughputs
+from kvcentric.core.prfaas.workload import LengthDistribution, lognormal
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvcentric.prfaas.inputs import InputError
-from kvcentric.prfaas.profile import MIB, Curve, PrfaasProfile
+from kvcentric.core.prfaas.inputs import InputError
+from kvcentric.core.prfaas.profile import MIB, Curve, PrfaasProfile
 
 K = 1024
 

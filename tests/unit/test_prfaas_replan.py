@@ -2,11 +2,11 @@
 
 import pytest
 
-from kvcentric.prfaas.planner import best_threshold, search
-from kvcentric.prfaas.replan import PoolLoad, ReplanPolicy, best_split, recommend_role_change
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.throughput import Counts
-from kvcentric.prfaas.workload import LengthDistribution
+from kvcentric.core.prfaas.planner import best_threshold, search
+from kvcentric.core.prfaas.replan import PoolLoad, ReplanPolicy, best_split, recommend_role_change
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.throughput import Counts
+from kvcentric.core.prfaas.workload import LengthDistribution
 
 SPREAD = LengthDistribution.from_samples([1000, 2000, 4000, 8000, 16000, 32000], output_length=100)
 
@@ -109,7 +109,7 @@ def _registry_states(conductor, now):
 
 def test_the_replanner_moves_an_idle_prefill_instance_to_a_backlogged_decode_pool():
     from factories import decode_report, make_conductor, prefill_report
-    from kvcentric.prfaas.replan import Replanner
+    from kvcentric.core.prfaas.replan import Replanner
     import msgspec
     conductor = make_conductor(prefills=3, decodes=1)
     planner = Replanner(ReplanPolicy(window_s=10.0), bs_max=4, decode_time_s=2.0)
@@ -128,7 +128,7 @@ def test_the_replanner_moves_an_idle_prefill_instance_to_a_backlogged_decode_poo
 
 def test_the_replanner_leaves_a_balanced_cluster_alone():
     from factories import decode_report, make_conductor, prefill_report
-    from kvcentric.prfaas.replan import Replanner
+    from kvcentric.core.prfaas.replan import Replanner
     conductor = make_conductor(prefills=2, decodes=2)
     planner = Replanner(ReplanPolicy(window_s=5.0), bs_max=4, decode_time_s=1.0)
     for step in range(10):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvcentric.prfaas.routing import ShortTermPolicy, adjust_threshold, bandwidth_is_scarce, route
+from kvcentric.core.prfaas.routing import ShortTermPolicy, adjust_threshold, bandwidth_is_scarce, route
 
 T = 10_000  # threshold t
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvcentric.prfaas.profile import PrfaasProfile
-from kvcentric.prfaas.throughput import Counts, operating_point, route_workload, throughputs
-from kvcentric.prfaas.workload import LengthDistribution
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.throughput import Counts, operating_point, route_workload, throughputs
+from kvcentric.core.prfaas.workload import LengthDistribution
 
 MIB = 2 ** 20
 

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from kvcentric.prfaas.inputs import InputError
-from kvcentric.prfaas.topology import Topology
+from kvcentric.core.prfaas.inputs import InputError
+from kvcentric.core.prfaas.topology import Topology
 
 TWO_DC = {"clusters": [{"name": "dc-a", "role": "pd", "instances": 8, "hardware": "8xH20"},
                        {"name": "dc-b", "role": "prfaas", "instances": 4, "hardware": "8xH200"}],

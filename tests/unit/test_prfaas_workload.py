@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from kvcentric.prfaas.inputs import InputError
-from kvcentric.prfaas.workload import LengthDistribution, from_trace, load_workload, lognormal, workload_from_dict
+from kvcentric.core.prfaas.inputs import InputError
+from kvcentric.core.prfaas.workload import LengthDistribution, from_trace, load_workload, lognormal, workload_from_dict
 
 
 def paper_workload():

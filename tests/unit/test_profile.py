@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from kvcentric.costmodel import CostModel
+from kvcentric.core.costmodel import CostModel
 
 
 def test_profile_writes_a_loadable_cost_model_with_its_samples_and_fit_error(tmp_path):

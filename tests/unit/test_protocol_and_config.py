@@ -5,7 +5,7 @@ import pytest
 from kvcentric.config import BusConfig, ConfigError, add_arguments, from_namespace
 from kvcentric.engine.config import EngineConfig
 from kvcentric.model.tokenizer import ByteTokenizer
-from kvcentric.protocol import (BadMessage, Placement, Rejection, ScheduleReply, ScheduleRequest, TokenChunk,
+from kvcentric.core.protocol import (BadMessage, Placement, Rejection, ScheduleReply, ScheduleRequest, TokenChunk,
                                 decode, encode)
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kvcentric.config import ConfigError
-from kvcentric.replay import (ReplayConfig, block_tokens, plan, prompt_tokens, status_of, to_record, TOKEN_RANGE)
-from kvcentric.replay_http import Outcome, apply_event, completion_body
-from kvcentric.sim.metrics import summarize
-from kvcentric.sim.workload import SimRequest
+from kvcentric.tools.replay import (ReplayConfig, block_tokens, plan, prompt_tokens, status_of, to_record, TOKEN_RANGE)
+from kvcentric.tools.replay_http import Outcome, apply_event, completion_body
+from kvcentric.core.sim.metrics import summarize
+from kvcentric.core.sim.workload import SimRequest
 
 
 def test_a_hash_id_always_becomes_the_same_block_and_different_ids_differ():

@@ -3,7 +3,7 @@
 import pytest
 
 from factories import decode_report, make_conductor, prefill_report, schedule_request
-from kvcentric.protocol import Placement, Rejection
+from kvcentric.core.protocol import Placement, Rejection
 
 
 def schedule(conductor, n_tokens=1000, request_id="r", priority=0, now=0.1, hits=None):

@@ -5,8 +5,8 @@ import math
 import pytest
 
 from factories import simple_cost
-from kvcentric.scheduling.estimators import DecodeForecast, Estimator, LinkTable
-from kvcentric.scheduling.prefix import PrefixIndex, prefix_from_holders
+from kvcentric.core.scheduling.estimators import DecodeForecast, Estimator, LinkTable
+from kvcentric.core.scheduling.prefix import PrefixIndex, prefix_from_holders
 
 
 def test_transfer_time_adds_the_bytes_already_queued_at_the_sender():

@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from kvcentric.scheduling.eviction import BlockCache, LengthAwarePolicy, make_policy, parse_capacity
-from kvcentric.sim.cachesim import replay_pool
-from kvcentric.sim.workload import SimRequest
+from kvcentric.core.scheduling.eviction import BlockCache, LengthAwarePolicy, make_policy, parse_capacity
+from kvcentric.core.sim.cachesim import replay_pool
+from kvcentric.core.sim.workload import SimRequest
 
 
 def test_lru_evicts_the_least_recently_used():

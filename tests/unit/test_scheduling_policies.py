@@ -5,7 +5,7 @@ import math
 import pytest
 
 from factories import make_conductor, prefill_report, schedule_request
-from kvcentric.protocol import Placement
+from kvcentric.core.protocol import Placement
 
 
 def place(conductor, hits, n_tokens=1000, request_id="r", now=0.1):
@@ -112,5 +112,5 @@ def test_every_policy_reuses_no_more_than_the_prompt_minus_one_token(policy):
 
 def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="kvcentric"):
-        from kvcentric.scheduling.policies import make_policy
+        from kvcentric.core.scheduling.policies import make_policy
         make_policy("fastest", None, None)

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from kvcentric.costmodel import CostModel
-from kvcentric.sim.batch import DecodeBatch
-from kvcentric.sim.instances import _slow_steps
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.sim.batch import DecodeBatch
+from kvcentric.core.sim.instances import _slow_steps
 
 COST = CostModel((0.0, 1e-3, 0.0, 0.0), (0.01, 1e-3, 1e-6), 1000)
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from kvcentric.sim.workload import load_trace, poisson_workload
+from kvcentric.core.sim.workload import load_trace, poisson_workload
 
 TRACE_LINES = [
     {"timestamp": 0, "input_length": 1000, "output_length": 20, "hash_ids": [0, 1]},
@@ -116,7 +116,7 @@ def test_the_readme_sim_examples_run_and_print_what_they_say(tmp_path):
 
 
 def test_a_low_priority_share_marks_that_share_of_requests(tmp_path):
-    from kvcentric.sim.cli import SimConfig, workload
+    from kvcentric.tools.sim import SimConfig, workload
     config = SimConfig(workload="poisson", num_requests=400, low_priority_share=0.25, out=str(tmp_path))
     priorities = [r.priority for r in workload(config)]
     assert set(priorities) == {0, -1} and 0.18 < priorities.count(-1) / 400 < 0.32
@@ -125,10 +125,10 @@ def test_a_low_priority_share_marks_that_share_of_requests(tmp_path):
 
 def test_lower_priority_is_rejected_first_at_cluster_scale():
     from factories import simple_cost
-    from kvcentric.scheduling.config import SchedulerConfig
-    from kvcentric.sim.cluster import ClusterSpec, Simulation
-    from kvcentric.sim.metrics import summarize
-    from kvcentric.sim.workload import poisson_workload
+    from kvcentric.core.scheduling.config import SchedulerConfig
+    from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+    from kvcentric.core.sim.metrics import summarize
+    from kvcentric.core.sim.workload import poisson_workload
     requests = poisson_workload(rps=1.5, num_requests=300, input_len=1000, output_len=4, cache_ratio=0.0,
                                 block_tokens=100, seed=2)
     for i, request in enumerate(requests):

@@ -6,10 +6,10 @@ import math
 import pytest
 
 from factories import simple_cost
-from kvcentric.scheduling.config import SchedulerConfig
-from kvcentric.sim.cluster import ClusterSpec, Simulation
-from kvcentric.sim.metrics import summarize
-from kvcentric.sim.workload import SimRequest
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+from kvcentric.core.sim.metrics import summarize
+from kvcentric.core.sim.workload import SimRequest
 
 
 def req(name, at, n=1000, out=11, prefix="a", blocks=None):

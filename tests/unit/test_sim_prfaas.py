@@ -4,10 +4,10 @@ routing, the PrfaaS hardware's own cost model, the KV crossing the link, and dec
 import pytest
 
 from factories import simple_cost, two_cluster_setup
-from kvcentric.costmodel import CostModel
-from kvcentric.scheduling.config import SchedulerConfig
-from kvcentric.sim.cluster import ClusterSpec, Simulation
-from kvcentric.sim.workload import SimRequest
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+from kvcentric.core.sim.workload import SimRequest
 
 FAST = CostModel((0.0, 1e-4, 0.0, 0.0), (0.01, 1e-3, 0.0), 1000, "fast", kv_bytes_fixed=500_000)
 """PrfaaS hardware: 10x faster prefill; KV = 0.5 MB fixed + 1 KB per token."""

@@ -12,8 +12,8 @@ import torch
 from factories import make_pool, make_runner, prefill_job, prompt
 from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.engine.streaming import RequestPush
-from kvcentric.hashing import BlockHasher
-from kvcentric.kvwire import LayerData
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.runtime.kvwire import LayerData
 from kvcentric.model.config import preset
 from kvcentric.proto import kv_pb2
 

@@ -1,4 +1,4 @@
-from kvcentric.transfer import TokenBucket
+from kvcentric.runtime.transfer import TokenBucket
 
 
 class FakeClock:

@@ -8,8 +8,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from kvcentric import tracing
-from kvcentric.service import default_span_name
+from kvcentric.runtime import tracing
+from kvcentric.runtime.service import default_span_name
 
 
 @pytest.mark.parametrize("env, kind", [

@@ -10,7 +10,7 @@ import pytest
 from kvcentric.cli import build_parser
 from kvcentric.config import ConfigError, add_arguments, from_namespace
 from kvcentric.engine.config import EngineConfig
-from kvcentric.launcher import UpConfig
+from kvcentric.tools.up import UpConfig
 
 
 def up_config(*argv: str) -> UpConfig:

@@ -5,13 +5,13 @@ batch; a finished prompt hands its blocks straight to decode, so no KV moves. No
 
 from __future__ import annotations
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.decode import DecodeEngine, DecodeRequest
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.hashing import BlockHasher
-from kvcentric.kvpool import HostBlockPool
-from kvcentric.protocol import DecodeJob, PrefillJob, TokenChunk
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.core.protocol import DecodeJob, PrefillJob, TokenChunk
 
 
 class ColocatedEngine:

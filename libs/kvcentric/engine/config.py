@@ -9,8 +9,8 @@ import re
 from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.costmodel import HARDWARE, CostModel, hardware
-from kvcentric.hashing import HASH_ALGOS
+from kvcentric.core.costmodel import HARDWARE, CostModel, hardware
+from kvcentric.core.hashing import HASH_ALGOS
 from kvcentric.model.config import load_model_config
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")

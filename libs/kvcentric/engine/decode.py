@@ -16,11 +16,11 @@ import collections
 import dataclasses
 from typing import Literal
 
-from kvcentric.costmodel import CostModel, TBTVerdict, decode_tbt_check
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
-from kvcentric.engine.stopping import finish_reason
-from kvcentric.protocol import DecodeJob, TokenChunk
+from kvcentric.core.stopping import finish_reason
+from kvcentric.core.protocol import DecodeJob, TokenChunk
 
 
 class KVRejected(RuntimeError):

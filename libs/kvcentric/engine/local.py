@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
-from kvcentric.engine.stopping import finish_reason
-from kvcentric.protocol import SamplingParams
+from kvcentric.core.stopping import finish_reason
+from kvcentric.core.protocol import SamplingParams
 
 
 def generate(runner: ModelRunner, pool: BlockPool, token_ids: list[int],

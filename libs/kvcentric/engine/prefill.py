@@ -11,12 +11,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
-from kvcentric.hashing import BlockHasher, to_hex
-from kvcentric.kvpool import HostBlockPool
-from kvcentric.model.llama import LayerHook
-from kvcentric.protocol import PrefillJob
+from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.llama import LayerHook
+from kvcentric.core.protocol import PrefillJob
 
 
 class PrefillRejected(ValueError):

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 
 from kvcentric.config import require, setting
-from kvcentric.costmodel import CostModel
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 

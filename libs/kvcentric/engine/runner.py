@@ -12,9 +12,9 @@ import warnings
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.model.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
-from kvcentric.protocol import SamplingParams
-from kvcentric.transfer import checksum
+from kvcentric.engine.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
+from kvcentric.core.protocol import SamplingParams
+from kvcentric.runtime.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

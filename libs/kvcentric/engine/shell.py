@@ -14,17 +14,18 @@ import time
 
 import torch
 
-from kvcentric.engine.block_pool import BlockPool
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.runner import ModelRunner
+from kvcentric.registry import service_class
 from kvcentric.engine.spans import RequestSpans
-from kvcentric.kvpool import HostBlockPool
+from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.model.config import load_model_config
 from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.protocol import (BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, RoleSwitch, Subjects,
+from kvcentric.core.protocol import (BlockEvicted, BlockStored, Cancel, KVEventBatch, LoadReport, RoleSwitch, Subjects,
                                 SubmitAck, TokenChunk, job_problem)
-from kvcentric.service import Service
-from kvcentric.transfer import KVPusher, KVTransferServicer, start_server
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, start_server
 
 
 DRAIN_GRACE_S = 0.5
@@ -246,9 +247,8 @@ class EngineService(Service):
         """The service this process runs next: the other role on the same model, same id and ports."""
         if self.next_role is None:
             return None
-        from kvcentric.cli import engine_class  # the services are packages above this library
         config = dataclasses.replace(self.config, instance_id=self.instance_id)
-        return engine_class(self.next_role)(config, self.runner)
+        return service_class(self.next_role)(config, self.runner)
 
     def emit(self, chunks: list[TokenChunk | None]) -> None:
         """Queue token chunks for `kvc.req.<id>.out`; one sender keeps each request's chunks in order."""

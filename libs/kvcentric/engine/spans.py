@@ -10,7 +10,7 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.trace import Span, Status, StatusCode
 
-from kvcentric import tracing
+from kvcentric.runtime import tracing
 
 
 class RequestSpans:

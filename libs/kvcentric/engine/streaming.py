@@ -14,12 +14,12 @@ import time
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from kvcentric import tracing
+from kvcentric.runtime import tracing
 from kvcentric.engine.prefill import PrefillWork
 from kvcentric.engine.runner import ModelRunner, kv_payload
-from kvcentric.kvwire import LayerData
+from kvcentric.runtime.kvwire import LayerData
 from kvcentric.proto import kv_pb2
-from kvcentric.transfer import KVPusher
+from kvcentric.runtime.transfer import KVPusher
 
 
 HANDOFF_BYTES = 1 << 20

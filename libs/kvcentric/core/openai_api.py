@@ -1,0 +1,241 @@
+"""The OpenAI-compatible surface, without I/O: validate request bodies, shape responses and errors.
+
+`parse_completion` and `parse_chat` turn a decoded JSON body into a `CompletionRequest` or raise
+`ApiError` (status, OpenAI error type, message, param); `*_body` and `*_chunk` shape the answers. The
+gateway service does the network part.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from kvcentric.core.protocol import SamplingParams
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+MAX_STOP_STRINGS = 4
+MAX_PRIORITY = 1000
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    model: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...] = ()
+    """Strings that end the output when they appear in it (not included in the answer)."""
+    user: str | None = None
+    messages: list[dict] | None = None
+    """Chat requests only: the conversation, each message {"role", "content"} with content as text."""
+    max_tokens_defaulted: bool = False
+    """No max_tokens was given (chat): the gateway lowers it to what is left of the context."""
+    priority: int = 0
+    """vLLM's extension, its convention: lower is more important. The conductor's classes run the other
+    way (higher is more important, `--top-priority`), so it is asked with `-priority`."""
+
+
+def _check(condition: bool, message: str, param: str) -> None:
+    if not condition:
+        raise ApiError(400, message, param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    _check(isinstance(value, (int, float)) and not isinstance(value, bool),
+           f"'{name}' must be a number, got {type(value).__name__}", name)
+    _check(low <= value <= high, f"'{name}' must be between {low} and {high}, got {value}", name)
+    return float(value)
+
+
+def _prompt(body: dict, vocab_size: int) -> tuple[str | None, list[int] | None]:
+    _check("prompt" in body, "'prompt' is a required property", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
+        return prompt, None
+    _check(isinstance(prompt, list) and len(prompt) > 0 and all(type(t) is int for t in prompt),
+           "'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        raise ApiError(400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
+    return None, list(prompt)
+
+
+def _model(body: dict, served: str | Sequence[str]) -> str:
+    names = [served] if isinstance(served, str) else list(served)
+    model = body.get("model")
+    if model is None:
+        return names[0]
+    _check(isinstance(model, str), "'model' must be a string", "model")
+    if model not in names:
+        raise ApiError(400, f"the model '{model}' does not exist; this server serves '{names[0]}'",
+                       "model", code="model_not_found")
+    return names[0]
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    _check(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops),
+           "'stop' must be a non-empty string or a list of non-empty strings", "stop")
+    _check(len(stops) <= MAX_STOP_STRINGS, f"'stop' takes at most {MAX_STOP_STRINGS} strings", "stop")
+    return tuple(stops)
+
+
+def _flag(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    _check(isinstance(value, bool), f"'{name}' must be a boolean", name)
+    return value
+
+
+def _max_tokens(body: dict, default: int | None) -> int | None:
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    value = body.get(name)
+    if value is None:
+        return default
+    _check(_is_int(value) and value >= 1, f"'{name}' must be an integer >= 1", name)
+    return value
+
+
+def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
+    """The fields /v1/completions and /v1/chat/completions share, validated."""
+    n = body.get("n", 1)
+    _check(n == 1 and _is_int(n), "only n=1 is supported", "n")
+    seed = body.get("seed")
+    _check(seed is None or _is_int(seed), "'seed' must be an integer", "seed")
+    user = body.get("user")
+    _check(user is None or isinstance(user, str), "'user' must be a string", "user")
+    options = body.get("stream_options") or {}
+    _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    priority = body.get("priority", 0)  # vLLM's extension
+    _check(priority is None or (_is_int(priority) and abs(priority) <= MAX_PRIORITY),
+           f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
+    top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
+    _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                              top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
+                              ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0))
+    return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
+            "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user,
+            "priority": priority or 0}
+
+
+def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: int) -> CompletionRequest:
+    """Validate a /v1/completions body (OpenAI schema plus vLLM's `ignore_eos`); `served_model` is the
+    served name, or the names it answers to with the canonical one first."""
+    _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    prompt, token_ids = _prompt(body, vocab_size)
+    common = _common(body, served_model, _max_tokens(body, 16))
+    return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, **common)
+
+
+def _content(message: dict, index: int) -> str:
+    """A message's content as text: a string, or the text parts of a list of content parts."""
+    content = message.get("content")
+    if content is None and message.get("role") == "assistant":
+        return ""
+    if isinstance(content, list):
+        _check(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content), f"messages[{index}].content: only text parts are supported", "messages")
+        return "".join(p["text"] for p in content)
+    _check(isinstance(content, str), f"messages[{index}].content must be a string or a list of text parts",
+           "messages")
+    return content
+
+
+def _messages(body: dict) -> list[dict]:
+    _check("messages" in body, "'messages' is a required property", "messages")
+    messages = body["messages"]
+    _check(isinstance(messages, list) and len(messages) > 0, "'messages' must be a non-empty list", "messages")
+    parsed = []
+    for index, message in enumerate(messages):
+        _check(isinstance(message, dict), f"messages[{index}] must be an object", "messages")
+        role = message.get("role")
+        _check(role in CHAT_ROLES, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
+        parsed.append({"role": role, "content": _content(message, index)})
+    return parsed
+
+
+def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int) -> CompletionRequest:
+    """Validate a /v1/chat/completions body; max_tokens defaults to what is left of the context (the
+    gateway caps it once the prompt is tokenized), as vLLM does."""
+    _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    messages = _messages(body)
+    max_tokens = _max_tokens(body, None)
+    common = _common(body, served_model, max_tokens or context_len)
+    return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages,
+                             max_tokens_defaulted=max_tokens is None, **common)
+
+
+def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
+    """400 when prompt plus completion exceed the model's context, worded as OpenAI and vLLM do."""
+    if n_prompt + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the prompt, "
+                            f"{max_tokens} for the completion). Please reduce the length of the prompt "
+                            f"or of the completion.", "prompt", code="context_length_exceeded")
+
+
+def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
+                    usage: dict | None, created: int | None = None) -> dict:
+    """A text_completion object (whole answer) or one SSE chunk of it."""
+    body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: dict | None,
+              created: int | None = None) -> dict:
+    """A chat.completion object (the whole answer)."""
+    message = {"role": "assistant", "content": text}
+    return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None, usage: dict | None,
+               created: int) -> dict:
+    """One chat.completion.chunk SSE event; the first carries delta {"role": "assistant"}."""
+    body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:  # OpenAI's field; absent means none were cached
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body

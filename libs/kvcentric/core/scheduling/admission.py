@@ -1,0 +1,141 @@
+"""Decode instance selection and overload admission (Mooncake Algorithm 1 lines 24-27 and §7), chosen by
+rejection mode; it judges a placement and returns a verdict, it changes no state.
+
+Load is SLO satisfaction (§7.1): prefill load = predicted TTFT / TTFT_SLO of the chosen prefill
+instance; decode load = predicted TBT / TBT_SLO. Modes:
+
+- `never`: admit everything (no load rejection at all; the paper's vLLM baseline and §6.2's runs).
+- `none`: each stage rejects on arrival, the paper's §8.2 baseline: here only the prefill stage's
+  check (TTFT); the decode instance double-checks TBT itself when the KV arrives (§3 step 4).
+- `early` (§7.2): before prefill, on the larger of prefill load and the chosen decode instance's load
+  now (its batch as last reported, plus this request).
+- `predictive` (§7.4): as early, but the decode load is predicted for the moment the request reaches
+  decode (now + predicted TTFT), every request decoding for a uniform t_d, averaged over the decode
+  pool ("the average TBT ratio of all decoding instances to l_tbt").
+
+Priorities: a request of priority p is admitted while load <= 1 - priority_step * (top_priority - p)
+(never below 0.05), so under overload lower classes are rejected first; priorities at or above
+`top_priority` are held to the SLO itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvcentric.core.protocol import ScheduleRequest
+from kvcentric.core.scheduling.estimators import Estimator
+from kvcentric.core.scheduling.registry import DecodeState
+
+REJECTION_MODES = ("never", "none", "early", "predictive")
+MAX_RATIO = 10.0
+"""A decode instance that cannot fit the request counts as this many times its TBT SLO in pool averages."""
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeChoice:
+    instance: DecodeState
+    tbt_s: float
+    """Predicted TBT on it: now (never/none/early) or when the request arrives (predictive)."""
+    load: float
+    """Decode load that admission judges (0 where the mode does not look at decode)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verdict:
+    stage: str
+    """"prefill" or "decode": whose load was too high."""
+    load: float
+    threshold: float
+    message: str
+    retry_after_s: float
+
+
+class Admission:
+    def __init__(self, mode: str, estimator: Estimator, ttft_slo_s: float, tbt_slo_s: float,
+                 priority_step: float = 0.2, top_priority: int = 0) -> None:
+        if mode not in REJECTION_MODES:
+            raise ValueError(f"unknown rejection mode {mode!r}; choose {', '.join(REJECTION_MODES)}")
+        if ttft_slo_s <= 0 or tbt_slo_s <= 0:
+            raise ValueError("SLOs must be positive")
+        self.mode, self.estimator = mode, estimator
+        self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
+        self.priority_step, self.top_priority = priority_step, top_priority
+
+    def threshold(self, priority: int) -> float:
+        return max(0.05, 1.0 - self.priority_step * max(0, self.top_priority - priority))
+
+    # ---------------------------------------------------------------- decode choice
+
+    def choose_decode(self, request: ScheduleRequest, decodes: list[DecodeState], arrival: float, now: float,
+                      t_d: float) -> DecodeChoice:
+        """SelectDecodingInstance: least predicted TBT. Outside `predictive`, requests placed there but
+        still in prefill count for the choice (so a burst spreads out) but not for the load judged."""
+        if self.mode == "predictive":
+            return self._choose_predicted(request, decodes, arrival, t_d)
+        d0, d1, d2 = self.estimator.cost.decode
+        n = request.n_tokens
+        best, best_tbt = decodes[0], math.inf
+        for instance in decodes:  # hot loop, kept flat: t_decode of its batch plus what is in flight
+            forecast = instance.forecast
+            batch, tokens = instance.running + 1, instance.kv_tokens + n
+            if forecast.starts and forecast.starts[-1] > now:
+                flying, flying_tokens = forecast.in_flight(now)
+                batch, tokens = batch + flying, tokens + flying_tokens
+            if tokens > instance.capacity_tokens:
+                continue
+            tbt = d0 + d1 * batch + d2 * tokens
+            if tbt < best_tbt:
+                best, best_tbt = instance, tbt
+        return self.judge_current(request, best)
+
+    def judge_current(self, request: ScheduleRequest, instance: DecodeState) -> DecodeChoice:
+        """The decode load of `instance` now, with this request added."""
+        tbt = self.estimator.tbt(instance.running + 1, instance.kv_tokens + request.n_tokens,
+                                 instance.capacity_tokens)
+        return DecodeChoice(instance, tbt, tbt / self.tbt_slo_s if self.mode == "early" else 0.0)
+
+    def _choose_predicted(self, request, decodes, arrival, t_d) -> DecodeChoice:
+        d0, d1, d2 = self.estimator.cost.decode
+        n, slo, limit = request.n_tokens, self.tbt_slo_s, MAX_RATIO * self.tbt_slo_s
+        best, best_tbt, total = decodes[0], math.inf, 0.0
+        for instance in decodes:  # hot loop, kept flat
+            batch, tokens = instance.forecast.at(arrival, t_d)
+            tokens += n
+            tbt = d0 + d1 * (batch + 1) + d2 * tokens if tokens <= instance.capacity_tokens else math.inf
+            total += tbt if tbt < limit else limit
+            if tbt < best_tbt:
+                best, best_tbt = instance, tbt
+        ratios = total / slo
+        return DecodeChoice(best, best_tbt, ratios / len(decodes))
+
+    def judge_predicted(self, request, instance: DecodeState, arrival: float, t_d: float) -> DecodeChoice:
+        """Predictive load of one given decode instance (colocated placement has no choice)."""
+        batch, tokens = instance.forecast.at(arrival, t_d)
+        tbt = self.estimator.tbt(batch + 1, tokens + request.n_tokens, instance.capacity_tokens)
+        return DecodeChoice(instance, tbt, min(MAX_RATIO, tbt / self.tbt_slo_s))
+
+    # ---------------------------------------------------------------- admission
+
+    def verdict(self, request: ScheduleRequest, ttft_s: float, decode: DecodeChoice, t_d: float) -> Verdict | None:
+        """None to admit; else why not. Algorithm 1 line 25: TTFT > TTFT_SLO or TBT > TBT_SLO."""
+        if self.mode == "never":
+            return None
+        threshold = self.threshold(request.priority)
+        prefill_load = ttft_s / self.ttft_slo_s
+        decode_load = decode.load if self.mode in ("early", "predictive") else 0.0
+        if max(prefill_load, decode_load) <= threshold:
+            return None
+        if prefill_load >= decode_load:
+            excess = ttft_s - threshold * self.ttft_slo_s
+            message = (f"predicted TTFT {ttft_s:.2f} s exceeds {threshold:.2f} x the {self.ttft_slo_s:g} s "
+                       f"TTFT SLO (prefill load {prefill_load:.2f})")
+            return Verdict("prefill", prefill_load, threshold, message, _clamp(excess))
+        when = "when it would arrive" if self.mode == "predictive" else "now"
+        message = (f"decode load {decode_load:.2f} {when} exceeds {threshold:.2f} (predicted TBT "
+                   f"{decode.tbt_s * 1000:.1f} ms vs {self.tbt_slo_s * 1000:g} ms SLO)")
+        return Verdict("decode", decode_load, threshold, message, _clamp(t_d * (1 - threshold / decode_load)))
+
+
+def _clamp(seconds: float) -> float:
+    return round(min(60.0, max(1.0, seconds)), 1)

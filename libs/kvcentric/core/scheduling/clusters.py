@@ -1,0 +1,259 @@
+"""The Conductor's Prefill-as-a-Service step (PrfaaS §3.3, §3.4.3): picks the cluster whose prefill pool
+computes a request, from the uncached length, the threshold t and each cluster's cached prefix, and moves
+t from the measured egress use and queues; it narrows the candidates, the placement policy picks the node.
+
+Pure: time is passed in. The rules themselves are `kvcentric.core.prfaas.routing` (route, adjust_threshold);
+this module feeds them what the conductor knows: the topology, the alive prefill instances by their
+reported `cluster`, the prefix blocks each holds (kvs-meta), the bytes each PrfaaS instance's messenger has
+pushed (`LoadReport.kv_bytes_sent`, for egress utilization) and the queues of both pools. It also predicts
+the KV's crossing of the inter-cluster link into TTFT (layer-wise, so it overlaps the prefill) and keeps
+a FIFO backlog of that link. Decode always happens in the local PD cluster (the conductor's own).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Callable, Mapping
+
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.prfaas.routing import (RouteDecision, ShortTermPolicy, ThresholdChange, adjust_threshold,
+                                      bandwidth_is_scarce, route)
+from kvcentric.core.prfaas.topology import Topology
+from kvcentric.core.protocol import LoadReport, ScheduleRequest
+from kvcentric.core.scheduling.estimators import Estimator
+from kvcentric.core.scheduling.policies import PlacementPolicy, PrefillChoice
+from kvcentric.core.scheduling.registry import PrefillState
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSetup:
+    """What the conductor needs to route across clusters (from `--topology` and the `--prfaas-*` flags)."""
+
+    topology: Topology
+    local: str
+    """The PD cluster this conductor serves: decode runs here, short prefills run here."""
+    threshold: float
+    """Planned t: uncached tokens above which a request prefills in a PrfaaS cluster (`kvcentric plan`)."""
+    adjust_s: float = 1.0
+    """Seconds between two short-term steps of t (0: t stays at the plan)."""
+    short_term: ShortTermPolicy = ShortTermPolicy()
+    costs: Mapping[str, CostModel] = dataclasses.field(default_factory=dict)
+    """Cost model per cluster where its hardware differs from the conductor's default one."""
+    egress_window_s: float = 5.0
+    """Egress use is the bytes pushed over this many seconds of load reports."""
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.topology.of_role("pd")]
+        if self.local not in names:
+            raise ValueError(f"cluster {self.local!r} is not a pd cluster of the topology (pd clusters: "
+                             f"{', '.join(names)})")
+        if self.threshold < 0 or self.adjust_s < 0 or self.egress_window_s <= 0:
+            raise ValueError("threshold and adjust_s must be >= 0, egress_window_s > 0")
+
+    @property
+    def prfaas(self) -> tuple[str, ...]:
+        """PrfaaS clusters with a link to the local PD cluster (others cannot ship KV here)."""
+        return tuple(c.name for c in self.topology.of_role("prfaas")
+                     if self.topology.link_gbps(c.name, self.local) > 0)
+
+    def link_bytes_per_s(self, a: str, b: str) -> float:
+        """The link between two clusters, each way, in bytes/s."""
+        return self.topology.link_gbps(a, b) * 1e9 / 8
+
+
+class EgressMeter:
+    """Bytes/s each instance's messenger pushed, from the cumulative counter in its load reports."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.samples: dict[str, collections.deque[tuple[float, int]]] = {}
+
+    def observe(self, instance_id: str, sent_bytes: int, now: float) -> None:
+        samples = self.samples.setdefault(instance_id, collections.deque())
+        if samples and sent_bytes < samples[-1][1]:
+            samples.clear()  # the instance restarted: its counter began again
+        samples.append((now, sent_bytes))
+        self._trim(samples, now)
+
+    def _trim(self, samples: collections.deque, now: float) -> None:
+        """Keep the samples of the window plus the last one before it (the baseline)."""
+        while len(samples) > 1 and samples[1][0] <= now - self.window_s:
+            samples.popleft()
+
+    def rate(self, instance_ids: list[str], now: float) -> float:
+        """Bytes/s over the window up to `now`: an instance that stopped reporting sent nothing since."""
+        total = 0.0
+        for instance_id in instance_ids:
+            samples = self.samples.get(instance_id)
+            if not samples:
+                continue
+            self._trim(samples, now)
+            if len(samples) > 1 and now > samples[0][0]:
+                total += (samples[-1][1] - samples[0][1]) / (now - samples[0][0])
+        return total
+
+
+@dataclasses.dataclass(slots=True)
+class ClusterRoute:
+    decision: RouteDecision
+    candidates: list[PrefillState]
+    source: PrefillState | None
+    """Instance of another cluster holding the longer prefix, for a cross-cluster cache transfer."""
+    source_blocks: int
+    fallback: bool = False
+    """The routed cluster had no alive prefill instance, so the other one computes."""
+
+
+class ClusterRouter:
+    def __init__(self, setup: ClusterSetup, estimator: Estimator,
+                 make_policy: Callable[[Estimator], PlacementPolicy]) -> None:
+        self.setup = setup
+        self.pd, self.prfaas = setup.local, setup.prfaas
+        self.threshold = setup.threshold
+        self.estimators = {name: Estimator(setup.costs[name], estimator.block_tokens) if name in setup.costs
+                           else estimator for name in (self.pd, *self.prfaas)}
+        self.policies = {name: make_policy(est) for name, est in self.estimators.items()}
+        self.egress = EgressMeter(setup.egress_window_s)
+        self.busy_until: dict[tuple[str, str], float] = {}
+        """When each direction of an inter-cluster link has sent what was placed on it (a FIFO backlog)."""
+        self.last_adjust: float | None = None
+        self.last_change = ThresholdChange(self.threshold, False, "planned t")
+        self.stats: collections.Counter[str] = collections.Counter()
+
+    # ---------------------------------------------------------------- inputs
+
+    def observe(self, report: LoadReport, now: float) -> None:
+        if report.role == "prefill" and report.cluster in self.prfaas:
+            self.egress.observe(report.instance_id, report.kv_bytes_sent, now)
+
+    def in_scope(self, states: list, cluster: str) -> list:
+        return [s for s in states if s.cluster == cluster]
+
+    def utilization(self, cluster: str, prefills: list[PrefillState], now: float) -> float:
+        """Measured egress of a PrfaaS cluster over its link's capacity (0..1, more when over-driven)."""
+        ids = [s.instance_id for s in prefills if s.cluster == cluster]
+        return self.egress.rate(ids, now) / self.setup.link_bytes_per_s(cluster, self.pd)
+
+    # ---------------------------------------------------------------- short-term t (§3.4.3)
+
+    def tick(self, prefills: list[PrefillState], now: float) -> ThresholdChange | None:
+        """One step of t when `adjust_s` has passed since the last one."""
+        if not self.setup.adjust_s or not self.prfaas:
+            return None
+        if self.last_adjust is not None and now - self.last_adjust < self.setup.adjust_s:
+            return None
+        self.last_adjust = now
+        egress = max(self.utilization(name, prefills, now) for name in self.prfaas)
+        remote_q = max(_mean_queue(self.in_scope(prefills, name), now) for name in self.prfaas)
+        change = adjust_threshold(self.threshold, self.setup.threshold, egress, remote_q,
+                                  _mean_queue(self.in_scope(prefills, self.pd), now), self.setup.short_term)
+        if change.changed:
+            self.stats["threshold_changes"] += 1
+        self.threshold, self.last_change = change.threshold, change
+        return change
+
+    def replan(self, threshold: float, reason: str) -> None:
+        """Long-term: a new planned t (`planner.best_threshold` after a role change); the short-term steps
+        now return toward it."""
+        self.setup = dataclasses.replace(self.setup, threshold=float(threshold))
+        self.threshold = float(threshold)
+        self.last_change = ThresholdChange(self.threshold, True, reason)
+        self.stats["threshold_replans"] += 1
+
+    # ---------------------------------------------------------------- routing (§3.3, §3.4.3)
+
+    def route(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
+              now: float) -> ClusterRoute | None:
+        """The cluster and its candidate instances; None when no cluster of the topology has one alive."""
+        pools = {name: self.in_scope(prefills, name) for name in (self.pd, *self.prfaas)}
+        remote = [name for name in self.prfaas if pools[name]]
+        if not pools[self.pd] and not remote:
+            return None
+        n = request.n_tokens
+        holders = {name: _best_holder(pool, hits) for name, pool in pools.items()}
+        prefixes = {name: self.estimators[name].cached_tokens(n, blocks) for name, (_, blocks) in holders.items()
+                    if name == self.pd or name in remote}
+        threshold = self.threshold if pools[self.pd] else -1.0  # no PD-P alive: everything goes remote
+        scarce = bandwidth_is_scarce(max((self.utilization(r, prefills, now) for r in remote), default=0.0),
+                                     self.setup.short_term)
+        decision = route(n, prefixes, self.pd, remote, threshold, scarce)
+        fallback = not pools[decision.cluster]
+        source, blocks = holders.get(decision.cache_source, (None, 0)) if decision.cache_source else (None, 0)
+        return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback)
+
+    def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
+               now: float) -> PrefillChoice | None:
+        """Route, let the cluster's policy pick the node, then add any cross-cluster cache transfer and,
+        for a PrfaaS prefill, the KV's crossing of the link to the PD cluster."""
+        routed = self.route(request, prefills, hits, now)
+        if routed is None:
+            return None
+        cluster = routed.decision.cluster
+        choice = self.policies[cluster].choose(request, routed.candidates, hits, now)
+        if routed.source is not None and routed.source_blocks > choice.prefix_blocks:
+            choice = self._pull_across(request, choice, routed.source, routed.source_blocks, cluster, now)
+        if routed.decision.target == "prfaas":
+            choice.ttft_s = self._crossing_ttft(request, choice, cluster, now)
+        self.stats[f"routed_{routed.decision.target}"] += 1
+        self.stats["route_fallbacks"] += routed.fallback
+        return choice
+
+    def _pull_across(self, request: ScheduleRequest, choice: PrefillChoice, source: PrefillState, blocks: int,
+                     cluster: str, now: float) -> PrefillChoice:
+        """Cross-cluster cache transfer (§3.4.3, ample bandwidth): the node pulls the longer prefix first."""
+        estimator = self.estimators[cluster]
+        prefill_s = estimator.t_prefill(request.n_tokens, blocks)
+        nbytes = estimator.block_bytes(blocks - choice.local_blocks)
+        transfer_s = self._sent(source.cluster, cluster, nbytes, now) - now
+        queue_s = choice.instance.queue_s(now)
+        self.stats["cross_cluster_transfers"] += 1
+        return PrefillChoice(choice.instance, transfer_s + queue_s + prefill_s, prefill_s, blocks, source,
+                             choice.local_blocks)
+
+    def _crossing_ttft(self, request: ScheduleRequest, choice: PrefillChoice, cluster: str, now: float) -> float:
+        """KV streams layer by layer while the prefill runs: decode has it all at the later of prefill end
+        and the link having sent it (behind what is already queued on the link)."""
+        start = now + choice.ttft_s - choice.prefill_s
+        nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+        return max(choice.ttft_s, self._sent(cluster, self.pd, nbytes, start) - now)
+
+    def _sent(self, source: str, target: str, nbytes: float, start: float) -> float:
+        """When `nbytes` put on the source -> target link at `start` have crossed, behind its backlog."""
+        free = self.busy_until.get((source, target), 0.0)
+        return max(start, free) + nbytes / self.setup.link_bytes_per_s(source, target)
+
+    def account(self, request: ScheduleRequest, choice: PrefillChoice, now: float) -> None:
+        """A placement was made (call before the instance's queue grows by it): a prefix pulled from
+        another cluster, and a PrfaaS prefill's KV from when its prefill starts, queue on their link."""
+        cluster = choice.instance.cluster
+        source = choice.source
+        if source is not None and source.cluster != cluster:
+            nbytes = self.estimators[cluster].block_bytes(choice.pull_blocks)
+            self.busy_until[(source.cluster, cluster)] = self._sent(source.cluster, cluster, nbytes, now)
+        if cluster in self.prfaas:
+            nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+            start = now + choice.instance.queue_s(now)
+            self.busy_until[(cluster, self.pd)] = self._sent(cluster, self.pd, nbytes, start)
+            self.stats["kv_bytes_routed_remote"] += nbytes
+
+    def status(self, prefills: list[PrefillState], now: float) -> dict:
+        """For /health and /metrics: t, the plan, egress use and queues per PrfaaS cluster, route counts."""
+        return {"threshold": self.threshold, "planned_threshold": self.setup.threshold,
+                "last_change": self.last_change.reason, "local": self.pd,
+                "egress_utilization": {n: round(self.utilization(n, prefills, now), 4) for n in self.prfaas},
+                "prfaas_queue_s": {n: round(_mean_queue(self.in_scope(prefills, n), now), 3) for n in self.prfaas},
+                "routed": {k: v for k, v in self.stats.items()}}
+
+
+def _best_holder(pool: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
+    best, blocks = None, 0
+    for state in pool:
+        held = hits.get(state.instance_id, 0)
+        if held > blocks:
+            best, blocks = state, held
+    return best, blocks
+
+
+def _mean_queue(pool: list[PrefillState], now: float) -> float:
+    return sum(s.queue_s(now) for s in pool) / len(pool) if pool else 0.0

@@ -1,0 +1,179 @@
+"""The Conductor's core: turns a ScheduleRequest and the prefix blocks each instance holds into a Placement
+or a Rejection, and keeps the dispatch-time accounting the next decision needs. Pure, time passed in.
+
+Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance and predicts TTFT
+(`policies`), admission picks the decode instance by predicted TBT and applies the rejection mode
+(`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
+are updated ("updates the cache and queue times for that instance accordingly", §6.1). It decides where
+a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
+the simulator drive this same class.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from typing import Mapping
+
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest
+from kvcentric.core.scheduling.admission import Admission, DecodeChoice
+from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
+from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
+from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry
+
+MAX_PENDING = 100_000
+"""Placements remembered for their outcome; the oldest are dropped beyond this."""
+
+
+@dataclasses.dataclass(slots=True)
+class Pending:
+    predicted_ttft_s: float
+    decode_id: str
+    placed_at: float
+
+
+class Conductor:
+    def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
+                 clusters: ClusterSetup | None = None) -> None:
+        self.config = config
+        self.estimator = Estimator(cost, config.block_size)
+        self.links = LinkTable(config.link_bytes_per_s)
+        self.registry = InstanceRegistry(self.estimator, stale_after_s)
+        self.policy = self._make_policy(self.estimator)
+        self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
+        """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
+        self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
+                                   config.priority_step, config.top_priority)
+        self.t_d = config.decode_time_s
+        self.pending: dict[str, Pending] = {}
+        self.stats: collections.Counter[str] = collections.Counter()
+
+    def _make_policy(self, estimator: Estimator):
+        config = self.config
+        return make_policy(config.policy, estimator, self.links, config.kvcache_balancing_threshold, config.seed)
+
+    # ---------------------------------------------------------------- inputs
+
+    def observe(self, report: LoadReport, now: float) -> None:
+        """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator)."""
+        state = self.registry.observe(report, now)
+        if self.router is not None:
+            self.router.observe(report, now)
+        if report.link_bandwidth:
+            self._learn_links(report)
+        if isinstance(state, DecodeState):
+            state.forecast.expire(now, self.t_d)
+            state.forecast.reconcile(state.running, state.kv_tokens, now, self.t_d)
+
+    def _learn_links(self, report: LoadReport) -> None:
+        """Measured bandwidth from this instance to peers (keyed by messenger address) for T_transfer."""
+        by_addr = {s.kv_addr: s.instance_id for s in (*self.registry.prefill.values(), *self.registry.decode.values())}
+        for addr, bytes_per_s in report.link_bandwidth.items():
+            if bytes_per_s > 0:
+                self.links.set_bandwidth(report.instance_id, by_addr.get(addr, addr), bytes_per_s)
+
+    def on_outcome(self, outcome: RequestOutcome, now: float) -> None:
+        """A request ended: compare predicted with actual TTFT and learn the decode duration t_d."""
+        pending = self.pending.pop(outcome.request_id, None)
+        if pending is None:
+            return
+        self._forget_decode(outcome.request_id, pending.decode_id)
+        if outcome.finish_reason in ("stop", "length") and outcome.ttft_s > 0:
+            error = pending.predicted_ttft_s - outcome.ttft_s
+            self.stats["outcomes"] += 1
+            self.stats["ttft_error_sum_s"] += error
+            self.stats["ttft_abs_error_sum_s"] += abs(error)
+            self.stats["ttft_rel_error_sum"] += abs(error) / outcome.ttft_s
+            decode_s = outcome.e2e_s - outcome.ttft_s
+            if self.config.adapt_decode_time and outcome.completion_tokens > 1 and decode_s > 0:
+                self.t_d += 0.05 * (decode_s - self.t_d)
+
+    def forget(self, request_id: str) -> None:
+        """A placed request ended without an outcome worth learning from (rejected after prefill, failed)."""
+        pending = self.pending.pop(request_id, None)
+        if pending is not None:
+            self._forget_decode(request_id, pending.decode_id)
+
+    def _forget_decode(self, request_id: str, decode_id: str) -> None:
+        state = self.registry.decode.get(decode_id)
+        if state is not None:
+            state.forecast.remove(request_id)
+
+    # ---------------------------------------------------------------- the decision
+
+    def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
+        """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
+        prefills = self.registry.alive_prefill(now)
+        decodes = self.registry.alive_decode(now)
+        if self.router is not None:
+            decodes = self.router.in_scope(decodes, self.router.pd)
+        if not prefills or not decodes:
+            return self._no_instance(request, prefills, decodes)
+        choice = self._choose_prefill(request, prefills, hits, now)
+        if choice is None:
+            return self._no_instance(request, [], decodes)
+        decode = self._decode_for(request, choice, decodes, now)
+        verdict = self.admission.verdict(request, choice.ttft_s, decode, self.t_d)
+        if verdict is not None:
+            self.stats[f"rejected_{verdict.stage}"] += 1
+            return Rejection(request.request_id, "overloaded", verdict.message, verdict.retry_after_s,
+                             verdict.stage, round(verdict.load, 4))
+        self._account(request, choice, decode, now)
+        return self._placement(request, choice, decode)
+
+    def _no_instance(self, request: ScheduleRequest, prefills: list, decodes: list) -> Rejection:
+        missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
+        self.stats["rejected_no_instance"] += 1
+        return Rejection(request.request_id, "no_instance", f"no {missing} instance is alive", 1.0)
+
+    def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
+                        now: float) -> PrefillChoice | None:
+        """The placement policy over every alive instance, or, with clusters, over the routed cluster's."""
+        if self.router is None:
+            return self.policy.choose(request, prefills, hits, now)
+        self.router.tick(prefills, now)
+        return self.router.choose(request, prefills, hits, now)
+
+    def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
+                    now: float) -> DecodeChoice:
+        """Colocated: an instance that reports in both roles decodes what it prefilled (no KV transfer)."""
+        arrival = now + choice.ttft_s
+        state = self.registry.serving_decode(choice.instance.instance_id, now)
+        if state is None:
+            return self.admission.choose_decode(request, decodes, arrival, now, self.t_d)
+        if self.admission.mode == "predictive":
+            return self.admission.judge_predicted(request, state, arrival, self.t_d)
+        return self.admission.judge_current(request, state)
+
+    def _account(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice, now: float) -> None:
+        instance = choice.instance
+        if self.router is not None:
+            self.router.account(request, choice, now)
+        instance.dispatched_s += choice.prefill_s
+        cached = self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks)
+        instance.dispatched_tokens += request.n_tokens - cached
+        if choice.source is not None:
+            nbytes = self.estimator.block_bytes(choice.pull_blocks)
+            self.links.reserve(choice.source.instance_id, instance.instance_id, nbytes, now)
+            self.stats["pulls"] += 1
+            self.stats["pulled_blocks"] += choice.pull_blocks
+        decode.instance.forecast.add(request.request_id, now + choice.ttft_s, request.n_tokens)
+        if len(self.pending) >= MAX_PENDING:
+            self.pending.pop(next(iter(self.pending)))
+        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, now)
+        self.stats["placed"] += 1
+
+    def _placement(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice) -> Placement:
+        source = choice.source
+        pull = request.block_hashes[choice.local_blocks:choice.prefix_blocks] if source is not None else []
+        tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
+        return Placement(request.request_id, choice.instance.instance_id, decode.instance.instance_id,
+                         decode.instance.kv_addr,
+                         self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
+                         round(choice.ttft_s, 6), round(tbt, 6),
+                         source.instance_id if source is not None else "",
+                         source.kv_addr if source is not None else "", pull)

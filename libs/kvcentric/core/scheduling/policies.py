@@ -1,0 +1,182 @@
+"""Prefill placement policies, chosen by name: random, load_balance, cache_aware (Mooncake §6.1),
+kvcentric (Algorithm 1 with cache load balancing, §6.2) and llumnix (prefixMissTokens +
+allPrefillsTokensNum). Each returns the prefill instance it picks and its predicted TTFT; none of them
+chooses the decode instance, rejects, or changes any state.
+
+Every policy predicts TTFT = [T_transfer +] T_queue + T_prefill, so all can be held to the same SLO.
+An instance reuses the prefix blocks it holds locally; only `kvcentric` also pulls blocks from the
+instance holding the longest prefix (hot-spot replication).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+from typing import Mapping, Protocol
+
+from kvcentric.core.protocol import ScheduleRequest
+from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+from kvcentric.core.scheduling.registry import PrefillState
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillChoice:
+    instance: PrefillState
+    ttft_s: float
+    """Predicted time to first token: transfer + queue + prefill."""
+    prefill_s: float
+    """Predicted prefill execution time (what the instance's queue grows by)."""
+    prefix_blocks: int
+    """Leading blocks the instance will not compute (held locally, or pulled)."""
+    source: PrefillState | None = None
+    """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling."""
+    local_blocks: int = 0
+    """Leading blocks the instance holds itself."""
+
+    @property
+    def pull_blocks(self) -> int:
+        return self.prefix_blocks - self.local_blocks if self.source is not None else 0
+
+
+class PlacementPolicy(Protocol):
+    name: str
+
+    def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
+               now: float) -> PrefillChoice:
+        """Pick one of `prefills` (non-empty) for `request`; `hits` maps instance id -> prefix blocks held."""
+
+
+class _Policy:
+    name = ""
+
+    def __init__(self, estimator: Estimator) -> None:
+        self.estimator = estimator
+
+    def local(self, request: ScheduleRequest, instance: PrefillState, hits: Mapping[str, int],
+              now: float) -> PrefillChoice:
+        """The choice of `instance` reusing only its own prefix."""
+        prefix = hits.get(instance.instance_id, 0)
+        prefill_s = self.estimator.t_prefill(request.n_tokens, prefix)
+        return PrefillChoice(instance, instance.queue_s(now) + prefill_s, prefill_s, prefix, None, prefix)
+
+
+class RandomPolicy(_Policy):
+    """Any instance, uniformly (§6.2's random baseline); seeded, so runs repeat."""
+
+    name = "random"
+
+    def __init__(self, estimator: Estimator, seed: int = 0) -> None:
+        super().__init__(estimator)
+        self.rng = random.Random(seed)
+
+    def choose(self, request, prefills, hits, now):
+        return self.local(request, prefills[self.rng.randrange(len(prefills))], hits, now)
+
+
+class LoadBalancePolicy(_Policy):
+    """The instance with the least queued prefill time (§6.2's load-balancing baseline)."""
+
+    name = "load_balance"
+
+    def choose(self, request, prefills, hits, now):
+        return self.local(request, min(prefills, key=lambda s: s.queue_s(now)), hits, now)
+
+
+class CacheAwarePolicy(_Policy):
+    """Least T_queue + T_prefill(len, local prefix): Algorithm 1 without the transfer branch (§6.1)."""
+
+    name = "cache_aware"
+
+    def choose(self, request, prefills, hits, now):
+        estimator, n = self.estimator, request.n_tokens
+        memo: dict[int, float] = {}
+        best, best_ttft = prefills[0], math.inf
+        for instance in prefills:
+            prefix = hits.get(instance.instance_id, 0)
+            prefill_s = memo.get(prefix)
+            if prefill_s is None:
+                prefill_s = memo[prefix] = estimator.t_prefill(n, prefix)
+            ttft = instance.queue_s(now) + prefill_s
+            if ttft < best_ttft:
+                best, best_ttft = instance, ttft
+        return self.local(request, best, hits, now)
+
+
+class KVCentricPolicy(_Policy):
+    """Mooncake Algorithm 1: where the best prefix anywhere exceeds an instance's own prefix by more
+    than `kvcache_balancing_threshold` times, that instance's TTFT is T_transfer(best holder ->
+    instance) + T_queue + T_prefill(len, best) and it would pull the blocks; otherwise T_queue +
+    T_prefill(len, prefix). The least TTFT wins (§6.2: hot spots get replicated as a side effect)."""
+
+    name = "kvcentric"
+
+    def __init__(self, estimator: Estimator, links: LinkTable, threshold: float = 2.0) -> None:
+        super().__init__(estimator)
+        if threshold < 1:
+            raise ValueError(f"kvcache_balancing_threshold must be >= 1, got {threshold}")
+        self.links, self.threshold = links, threshold
+
+    def choose(self, request, prefills, hits, now):
+        estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
+        source, best_prefix = self.best_holder(prefills, hits) if hits else (None, 0)
+        memo: dict[int, float] = {}
+        best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
+        for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
+            prefix = get(instance.instance_id, 0)
+            pull = best_prefix > prefix * threshold
+            reused = best_prefix if pull else prefix
+            prefill_s = memo.get(reused)
+            if prefill_s is None:
+                prefill_s = memo[reused] = estimator.t_prefill(n, reused)
+            queue = instance.queue_end - now
+            ttft = (queue if queue > 0.0 else 0.0) + instance.dispatched_s + prefill_s
+            if pull:
+                nbytes = estimator.block_bytes(best_prefix - prefix)
+                ttft += self.links.t_transfer(source.instance_id, instance.instance_id, nbytes, now)
+            if ttft < best_ttft:
+                best, best_ttft, best_pull = instance, ttft, pull
+        prefix = get(best.instance_id, 0)
+        reused = best_prefix if best_pull else prefix
+        return PrefillChoice(best, best_ttft, memo[reused], reused, source if best_pull else None, prefix)
+
+    @staticmethod
+    def best_holder(prefills: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
+        """FindBestPrefixMatch over the alive pool: the instance with the longest prefix, and its length."""
+        source, best = None, 0
+        for instance in prefills:
+            prefix = hits.get(instance.instance_id, 0)
+            if prefix > best:
+                source, best = instance, prefix
+        return source, best
+
+
+class LlumnixPolicy(_Policy):
+    """Least prefixMissTokens + allPrefillsTokensNum (uncached tokens of this request plus tokens
+    waiting for prefill there), queued prefill time as the tiebreak (Llumnix cache-aware scheduling)."""
+
+    name = "llumnix"
+
+    def choose(self, request, prefills, hits, now):
+        n, cached = request.n_tokens, self.estimator.cached_tokens
+
+        def metric(instance: PrefillState) -> tuple[float, float]:
+            miss = n - cached(n, hits.get(instance.instance_id, 0))
+            return miss + instance.load_tokens, instance.queue_s(now)
+
+        return self.local(request, min(prefills, key=metric), hits, now)
+
+
+POLICY_NAMES = ("random", "load_balance", "cache_aware", "kvcentric", "llumnix")
+
+
+def make_policy(name: str, estimator: Estimator, links: LinkTable, threshold: float = 2.0,
+                seed: int = 0) -> PlacementPolicy:
+    if name == "random":
+        return RandomPolicy(estimator, seed)
+    if name == "kvcentric":
+        return KVCentricPolicy(estimator, links, threshold)
+    classes = {"load_balance": LoadBalancePolicy, "cache_aware": CacheAwarePolicy, "llumnix": LlumnixPolicy}
+    if name not in classes:
+        raise ValueError(f"unknown placement policy {name!r}; choose {', '.join(POLICY_NAMES)}")
+    return classes[name](estimator)

@@ -1,0 +1,121 @@
+"""What the Conductor knows of the instances: their last load report, plus what it placed there since
+(dispatch-time accounting, reconciled by the next report, as Llumnix's "instant and accurate load").
+
+Pure: time is passed in. An instance is alive while its last report is younger than `stale_after_s` and
+does not say it is draining (a role change under way: it finishes its work but takes no new). A colocated
+instance (prefill and decode in one) appears in both roles under the same id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvcentric.core.protocol import InstanceInfo, LoadReport
+from kvcentric.core.scheduling.estimators import DecodeForecast, Estimator
+
+
+@dataclasses.dataclass(slots=True)
+class PrefillState:
+    instance_id: str
+    kv_addr: str
+    seen_at: float
+    cluster: str = ""
+    queue_end: float = 0.0
+    """When the work in its last report drains (report time + reported queue seconds)."""
+    pending_tokens: int = 0
+    """Tokens waiting for prefill there, per its last report."""
+    dispatched_s: float = 0.0
+    """Predicted prefill seconds placed there since its last report."""
+    dispatched_tokens: int = 0
+    """Uncached tokens placed there since its last report."""
+    draining: bool = False
+
+    def queue_s(self, now: float) -> float:
+        """T_queue: seconds before a request placed now would start its prefill."""
+        return max(0.0, self.queue_end - now) + self.dispatched_s
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens still to prefill there (Llumnix's allPrefillsTokensNum)."""
+        return self.pending_tokens + self.dispatched_tokens
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeState:
+    instance_id: str
+    kv_addr: str
+    seen_at: float
+    cluster: str = ""
+    running: int = 0
+    """Requests in its decode batch, per its last report."""
+    waiting: int = 0
+    """Requests there waiting for their KV or for room in the batch."""
+    kv_tokens: int = 0
+    """Context tokens those requests hold."""
+    capacity_tokens: float = math.inf
+    """Context tokens its KV cache can hold."""
+    forecast: DecodeForecast = dataclasses.field(default_factory=DecodeForecast)
+    draining: bool = False
+
+
+class InstanceRegistry:
+    def __init__(self, estimator: Estimator, stale_after_s: float = 1.5) -> None:
+        self.estimator = estimator
+        self.stale_after_s = stale_after_s
+        self.prefill: dict[str, PrefillState] = {}
+        self.decode: dict[str, DecodeState] = {}
+
+    def observe(self, report: LoadReport, now: float) -> PrefillState | DecodeState:
+        """Take a load report: it replaces what was estimated since the previous one."""
+        if report.role == "prefill":
+            state = self.prefill.get(report.instance_id)
+            if state is None:
+                state = self.prefill[report.instance_id] = PrefillState(report.instance_id, report.kv_addr, now)
+            state.kv_addr, state.seen_at, state.cluster = report.kv_addr, now, report.cluster
+            state.draining = report.draining
+            state.queue_end = now + self.estimator.report_queue_s(report)
+            state.pending_tokens = report.queued_tokens
+            state.dispatched_s, state.dispatched_tokens = 0.0, 0
+            return state
+        state = self.decode.get(report.instance_id)
+        if state is None:
+            state = self.decode[report.instance_id] = DecodeState(report.instance_id, report.kv_addr, now)
+        block = self.estimator.block_tokens
+        state.kv_addr, state.seen_at, state.cluster = report.kv_addr, now, report.cluster
+        state.draining = report.draining
+        state.running, state.waiting = report.running, report.queued_requests
+        state.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
+        state.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
+        return state
+
+    def alive_prefill(self, now: float) -> list[PrefillState]:
+        limit = now - self.stale_after_s
+        return [s for s in self.prefill.values() if s.seen_at >= limit and not s.draining]
+
+    def alive_decode(self, now: float) -> list[DecodeState]:
+        limit = now - self.stale_after_s
+        return [s for s in self.decode.values() if s.seen_at >= limit and not s.draining]
+
+    def alive(self, role: str, now: float) -> list[PrefillState] | list[DecodeState]:
+        return self.alive_prefill(now) if role == "prefill" else self.alive_decode(now)
+
+    def serving_decode(self, instance_id: str, now: float) -> DecodeState | None:
+        """The instance's decode side if it is alive and not draining (a colocated instance has one)."""
+        state = self.decode.get(instance_id)
+        if state is None or state.draining or state.seen_at < now - self.stale_after_s:
+            return None
+        return state
+
+    def forget_stale(self, now: float, after_s: float = 60.0) -> None:
+        for states in (self.prefill, self.decode):
+            for instance_id in [k for k, s in states.items() if now - s.seen_at > after_s]:
+                del states[instance_id]
+
+    def snapshot(self, now: float) -> list[InstanceInfo]:
+        """Alive instances; load is queued prefill seconds, or the decode batch size."""
+        prefill = [InstanceInfo(s.instance_id, "prefill", s.cluster, s.kv_addr, round(s.queue_s(now), 4),
+                                round(now - s.seen_at, 3)) for s in self.alive_prefill(now)]
+        decode = [InstanceInfo(s.instance_id, "decode", s.cluster, s.kv_addr, float(s.running),
+                               round(now - s.seen_at, 3)) for s in self.alive_decode(now)]
+        return prefill + decode

@@ -1,0 +1,178 @@
+"""Two datacenters on this machine, for the Prefill-as-a-Service live run: two nats-server processes joined
+by a NATS gateway (each datacenter its own bus), a PrfaaS cluster (prefill only, its KV push held to the
+link's rate with --kv-rate-limit-gbps) on one, and a PD cluster (kvs-meta, the conductor with the
+topology, prefill, decode, gateway) on the other. It writes the configs and starts and stops processes;
+it sends no requests (bench/prfaas_live.py and the integration test do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+
+from kvcentric.tools.processes import Child, check_alive, free_port, get_json, nats_server_binary, redis_server_argv, stop_children, wait_for_port
+
+PD, PRFAAS = "pd", "prfaas"
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoDCConfig:
+    model: str = "small"
+    threshold: int = 256
+    """The conductor's planned t in uncached tokens (scaled to CPU-sized prompts)."""
+    link_gbps: float = 0.1
+    """The cross-datacenter link: the topology's link and the PrfaaS prefill's KV push rate limit."""
+    adjust_s: float = 0.0
+    """The conductor's short-term step interval of t (0: t stays at `threshold`)."""
+    pd_prefill: int = 1
+    decode: int = 1
+    prfaas_prefill: int = 1
+    num_kv_blocks: int = 1024
+    block_size: int = 16
+    log_dir: str = ""
+    startup_timeout_s: float = 120.0
+
+
+def nats_gateway_conf(name: str, client_port: int, monitor_port: int, gateways: dict[str, int]) -> str:
+    """nats-server config of one datacenter's server: clients, monitoring, and a gateway to every other."""
+    routes = "\n".join(f'    {{name: "{peer}", url: "nats://127.0.0.1:{port}"}}' for peer, port in gateways.items())
+    return (f'server_name: "{name}-nats"\nlisten: "127.0.0.1:{client_port}"\nhttp: "127.0.0.1:{monitor_port}"\n'
+            f'gateway {{\n  name: "{name}"\n  listen: "127.0.0.1:{gateways[name]}"\n  gateways: [\n{routes}\n  ]\n}}\n')
+
+
+def topology_document(config: TwoDCConfig) -> dict:
+    return {"clusters": [{"name": PD, "role": "pd", "instances": config.pd_prefill + config.decode, "hardware": "cpu"},
+                         {"name": PRFAAS, "role": "prfaas", "instances": config.prfaas_prefill, "hardware": "cpu"}],
+            "links": [{"between": [PRFAAS, PD], "gbps": config.link_gbps}],
+            "notes": "written by kvcentric.twodc: two datacenters on one machine"}
+
+
+class TwoDatacenters:
+    """The processes of both datacenters; `start` brings them up, `stop` ends them in reverse order."""
+
+    def __init__(self, config: TwoDCConfig) -> None:
+        self.config = config
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="kvcentric-2dc-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.children: list[Child] = []
+        self.nats_urls: dict[str, str] = {}
+        self.monitor_urls: dict[str, str] = {}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    # ---------------------------------------------------------------- servers
+
+    def start_nats(self) -> None:
+        gateways = {PD: free_port(), PRFAAS: free_port()}
+        for name in (PD, PRFAAS):
+            client, monitor = free_port(), free_port()
+            path = os.path.join(self.log_dir, f"nats-{name}.conf")
+            with open(path, "w") as out:
+                out.write(nats_gateway_conf(name, client, monitor, gateways))
+            self.children.append(Child(f"nats-{name}", [nats_server_binary(), "-c", path], self.log_dir))
+            wait_for_port("127.0.0.1", client, 10)
+            self.nats_urls[name] = f"nats://127.0.0.1:{client}"
+            self.monitor_urls[name] = f"http://127.0.0.1:{monitor}"
+
+    def gateways_connected(self) -> bool:
+        """Each server has an outbound gateway connection to the other datacenter (NATS /gatewayz)."""
+        for name, other in ((PD, PRFAAS), (PRFAAS, PD)):
+            try:
+                body = get_json(f"{self.monitor_urls[name]}/gatewayz")[1]
+            except (OSError, ValueError):
+                return False
+            if other not in body.get("outbound_gateways", {}):
+                return False
+        return True
+
+    def wait_gateways(self, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.gateways_connected():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the two nats-server processes did not connect their gateways")
+            time.sleep(0.1)
+
+    def start_redis(self) -> str:
+        port = free_port()
+        self.children.append(Child("redis-server", redis_server_argv(port), self.log_dir))
+        wait_for_port("127.0.0.1", port, 10)
+        return f"redis://127.0.0.1:{port}/0"
+
+    # ---------------------------------------------------------------- services
+
+    def service(self, name: str, command: str, cluster: str, *flags: str, port: int | None = None) -> Child:
+        port = free_port() if port is None else port
+        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", self.nats_urls[cluster], "--cluster",
+                cluster, "--port", str(port), *flags]
+        child = Child(name, argv, self.log_dir, f"http://127.0.0.1:{port}/health")
+        self.children.append(child)
+        return child
+
+    def engine_flags(self, name: str) -> list[str]:
+        c = self.config
+        return ["--instance-id", name, "--model", c.model, "--num-kv-blocks", str(c.num_kv_blocks),
+                "--block-size", str(c.block_size), "--torch-threads", "1"]
+
+    def start(self) -> None:
+        c = self.config
+        self.start_nats()
+        redis_url = self.start_redis()
+        self.topology_path = os.path.join(self.log_dir, "topology.json")
+        with open(self.topology_path, "w") as out:
+            json.dump(topology_document(c), out, indent=2)
+        self.wait_gateways()
+        self.service("kvs-meta", "kvs-meta", PD, "--redis-url", redis_url)
+        self.service("conductor", "conductor", PD, "--model", c.model, "--block-size", str(c.block_size),
+                     "--topology", self.topology_path, "--prfaas-threshold", str(c.threshold),
+                     "--prfaas-adjust-s", str(c.adjust_s), "--rejection", "never")
+        for i in range(c.prfaas_prefill):
+            self.service(f"prefill-prfaas-{i}", "prefill", PRFAAS, *self.engine_flags(f"prefill-prfaas-{i}"),
+                         "--kv-rate-limit-gbps", str(c.link_gbps))
+        for i in range(c.pd_prefill):
+            self.service(f"prefill-pd-{i}", "prefill", PD, *self.engine_flags(f"prefill-pd-{i}"))
+        for i in range(c.decode):
+            self.service(f"decode-pd-{i}", "decode", PD, *self.engine_flags(f"decode-pd-{i}"))
+        self.service("gateway", "gateway", PD, "--model", c.model, "--block-size", str(c.block_size),
+                     port=self.port)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def health(self, name: str) -> dict:
+        return get_json(self.child(name).health_url, timeout_s=5.0)[1]
+
+    def ready(self) -> bool:
+        if not all(c.healthy() for c in self.children):
+            return False
+        body = self.health("conductor")
+        c = self.config
+        return (body.get("prefill_alive", 0) >= c.pd_prefill + c.prfaas_prefill
+                and body.get("decode_alive", 0) >= c.decode)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not self.ready():
+            check_alive(self.children)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the two datacenters were not ready after {self.config.startup_timeout_s} s; "
+                                   f"logs in {self.log_dir}")
+            time.sleep(0.2)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        stop_children(self.children, grace_s)
+
+    def __enter__(self) -> TwoDatacenters:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
