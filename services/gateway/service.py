@@ -90,7 +90,7 @@ class GatewayService(Service):
     async def instances(self) -> InstancesReply:
         return await self.request(Subjects.INSTANCES, InstancesQuery(), InstancesReply, timeout_s=0.5)
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def health_view(self) -> tuple[int, dict]:
         try:
             instances = (await self.instances()).instances
         except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
@@ -99,7 +99,7 @@ class GatewayService(Service):
                 "conductor": instances is not None,
                 "prefill_alive": sum(i.role == "prefill" for i in instances or []),
                 "decode_alive": sum(i.role == "decode" for i in instances or [])}
-        return web.json_response(body, status=200 if self.ready else 503)
+        return (200 if self.ready else 503), body
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvcentric",

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from kvcentric.runtime import tracing
-from kvcentric.runtime.service import default_span_name
+from kvcentric.runtime.bus import default_span_name
 
 
 @pytest.mark.parametrize("env, kind", [
