@@ -8,31 +8,65 @@ from __future__ import annotations
 
 import time
 
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import KVRejected
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.kvsink import DecodeSink
+from kvcentric.engine.messenger import Messenger
+from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
+from kvcentric.engine.outbox import TokenOutbox
 from kvcentric.engine.prefill import PrefillRejected
-from kvcentric.engine.shell import DecodeSink, EngineService
-from kvcentric.core.hashing import BlockHasher
-from kvcentric.core.protocol import Cancel, DecodeJob, LoadReport, PrefillJob, SubmitAck, Subjects
+from kvcentric.engine.reporter import Load, Reporter
+from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.spans import RequestSpans
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVPusher
 
 
-class ColocatedService(EngineService):
+class ColocatedService(Service):
     role = "colocated"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        hasher = BlockHasher(config.hash_algo, config.block_size)
-        self.engine = ColocatedEngine(self.runner, self.pool, hasher, config.prefill_chunk, config.max_batch,
-                                      self.host)
-
-    def kv_sink(self):
-        return DecodeSink(self, self.engine.decode)
+        self.config: EngineConfig = config
+        self.runner = load_runner(config)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        self.host = host_pool(config, self.runner.block_bytes)
+        self.engine = ColocatedEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
+                                      config.prefill_chunk, config.max_batch, self.host)
+        self.model = ModelThread(self.role)
+        self.wake = Wakeup()
+        self.spans = RequestSpans()
+        self.outbox = TokenOutbox(self.spans)
+        self.intake = JobIntake(self.counters)
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        sink = DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit, self.wake)
+        self.messenger = Messenger(sink, self.host, self.runner)
+        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, self.host, self.pusher)
+        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
+                                      self.reporter.publish_cache_forgotten)
+        """Refuses every RoleSwitch: a colocated instance serves both roles already."""
 
     async def start(self) -> None:
-        await super().start()
-        await self.subscribe_jobs("prefill", PrefillJob, self.on_prefill)
-        await self.subscribe_jobs("decode", DecodeJob, self.on_decode)
+        await self.messenger.start(self.config)
+        await self.intake.take_cancels(self.bus, self.on_cancel)
+        await self.role_change.listen(self.bus, self.instance_id)
+        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
+        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
+        self.tasks.spawn(self.work_loop(), "work-loop")
+        await self.intake.take_jobs(self.bus, "prefill", self.instance_id, PrefillJob, self.on_prefill)
+        await self.intake.take_jobs(self.bus, "decode", self.instance_id, DecodeJob, self.on_decode)
+
+    async def stop(self) -> None:
+        await self.messenger.stop()
+        self.model.close()
+        await self.pusher.close()
+
+    # ---------------------------------------------------------------- jobs and cancels
 
     async def on_decode(self, job: DecodeJob) -> SubmitAck:
         try:
@@ -56,37 +90,44 @@ class ColocatedService(EngineService):
         return SubmitAck(True)
 
     async def on_cancel(self, cancel: Cancel) -> None:
-        self.emit([self.engine.cancel(cancel.request_id)])
+        self.outbox.emit([self.engine.cancel(cancel.request_id)])
+
+    # ---------------------------------------------------------------- what it tells the cluster
 
     async def report_load(self) -> None:
         """The same load, once as a prefill and once as a decode instance."""
-        for role in ("prefill", "decode"):
-            await self.publish(Subjects.load(role, self.instance_id), self.role_load(role))
-
-    def role_load(self, role: str) -> LoadReport:
         running = sum(r.state == "running" for r in self.engine.decode.requests.values())
-        return self.base_load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running, role)
-
-    def engine_stats(self) -> dict:
-        return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.transfer.stats,
-                "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
+        load = Load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running)
+        for role in ("prefill", "decode"):
+            await self.reporter.publish_load(role, load, self.messenger.addr, self.role_change.draining)
 
     def idle(self) -> bool:
-        return not self.engine.has_work
+        return not self.engine.has_work and self.outbox.empty()
+
+    def health(self) -> dict:
+        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
+                "draining_to": self.role_change.draining_to,
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+
+    def gauges(self) -> dict[str, float]:
+        return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats,
+                "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
+
+    # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            self.emit(self.engine.decode.expire(time.monotonic()))
+            self.outbox.emit(self.engine.decode.expire(time.monotonic()))
             chunk, batch, failed = self.engine.schedule()
-            self.emit(failed)
+            self.outbox.emit(failed)
             if chunk is None and not batch:
-                await self.wait_for_work(0.05)
+                await self.wake.sleep(0.05)
                 continue
             try:
-                first, tokens = await self.run_model(self.engine.execute, chunk, batch)
+                first, tokens = await self.model.run(self.engine.execute, chunk, batch)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("colocated step failed")
-                self.emit(self.engine.fail_step(chunk, batch, f"step failed: {exc}"))
+                self.outbox.emit(self.engine.fail_step(chunk, batch, f"step failed: {exc}"))
                 continue
-            self.emit(self.engine.update(chunk, first, batch, tokens))
-            await self.publish_kv_events()
+            self.outbox.emit(self.engine.update(chunk, first, batch, tokens))
+            await self.reporter.publish_cache_changes()

@@ -7,15 +7,28 @@ with --tbt-slo-s only if the batch is predicted to keep its TBT SLO with it (els
 from __future__ import annotations
 
 import collections
+import logging
 import time
 
-from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.shell import DecodeSink, EngineService
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.metrics import labelled
-from kvcentric.core.protocol import Cancel, DecodeJob, LoadReport, SubmitAck
+from kvcentric.core.protocol import Cancel, DecodeJob, SubmitAck
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.kvsink import DecodeSink
+from kvcentric.engine.messenger import Messenger
+from kvcentric.engine.node import ModelThread, Wakeup, load_runner
+from kvcentric.engine.outbox import TokenOutbox
+from kvcentric.engine.reporter import Load, Reporter
+from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.spans import RequestSpans
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVPusher
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
+log = logging.getLogger("kvcentric.decode")
 
 
 class CheckedDecodeSink(DecodeSink):
@@ -28,29 +41,60 @@ class CheckedDecodeSink(DecodeSink):
         if verdict.accepted:
             super().commit(request_id, commit)
             return
-        self.service.counters[TBT_REJECTIONS] += 1
-        self.service.log.debug("request %s: %s", request_id, verdict.reason)
-        self.service.emit([self.engine.reject_kv(request_id, verdict)])
+        self.counters[TBT_REJECTIONS] += 1
+        log.debug("request %s: %s", request_id, verdict.reason)
+        self.emit([self.engine.reject_kv(request_id, verdict)])
 
 
-class DecodeService(EngineService):
+class DecodeService(Service):
     role = "decode"
 
-    def __init__(self, config: EngineConfig, runner=None) -> None:
-        super().__init__(config, runner)
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
+        super().__init__(config)
+        self.config: EngineConfig = config
+        self.runner = load_runner(config, runner)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         cost = config.cost_model() if config.tbt_slo_s > 0 else None
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
-
-    def kv_sink(self):
-        self.sink = CheckedDecodeSink(self, self.engine)
-        return self.sink
+        self.model = ModelThread(self.role)
+        self.wake = Wakeup()
+        self.spans = RequestSpans()
+        self.outbox = TokenOutbox(self.spans)
+        self.intake = JobIntake(self.counters)
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
+                                      self.wake)
+        self.messenger = Messenger(self.sink, None, self.runner)
+        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, None, self.pusher)
+        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
+                                      self.reporter.publish_cache_forgotten)
 
     async def start(self) -> None:
-        await super().start()
-        await self.subscribe_jobs(self.role, DecodeJob, self.on_submit)
+        await self.messenger.start(self.config)
+        await self.intake.take_cancels(self.bus, self.on_cancel)
+        await self.role_change.listen(self.bus, self.instance_id)
+        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
+        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
+        self.tasks.spawn(self.work_loop(), "work-loop")
+        await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
         if self.engine.cost is not None:
             self.log.info("TBT double-check on: SLO %g s, steps predicted by %s", self.engine.tbt_slo_s,
                           self.engine.cost.source)
+
+    async def stop(self) -> None:
+        await self.messenger.stop()
+        self.model.close()
+        await self.pusher.close()
+
+    @property
+    def hands_over(self) -> bool:
+        return self.role_change.next_role is not None
+
+    def successor(self) -> Service | None:
+        return self.role_change.successor(self.config, self.instance_id, self.runner)
+
+    # ---------------------------------------------------------------- jobs and cancels
 
     async def on_submit(self, job: DecodeJob) -> SubmitAck:
         try:
@@ -64,33 +108,49 @@ class DecodeService(EngineService):
 
     async def on_cancel(self, cancel: Cancel) -> None:
         self.sink.cancelled(cancel.request_id)
-        self.emit([self.engine.abort(cancel.request_id, "abort")])
+        self.outbox.emit([self.engine.abort(cancel.request_id, "abort")])
 
-    def load_report(self) -> LoadReport:
+    # ---------------------------------------------------------------- what it tells the cluster
+
+    async def report_load(self) -> None:
+        await self.reporter.publish_load(self.role, self.load(), self.messenger.addr, self.role_change.draining)
+
+    def load(self) -> Load:
         """queued: requests whose KV is here but that wait for a batch slot (preempted, or beyond
         --max-batch); running: the requests generating (those still waiting for KV are neither)."""
         states = collections.Counter(r.state for r in self.engine.requests.values())
         running = states["running"]
-        return self.base_load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
+        return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
 
     def idle(self) -> bool:
-        return not self.engine.requests and not self.sink.waiting
+        """Nothing waiting for KV, generating or still to send (a drain waits for this)."""
+        return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
+
+    def health(self) -> dict:
+        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
+                "draining_to": self.role_change.draining_to,
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+
+    def gauges(self) -> dict[str, float]:
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}
+
+    # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            self.emit(self.engine.expire(time.monotonic()))
+            self.outbox.emit(self.engine.expire(time.monotonic()))
             if not self.engine.has_work:
-                await self.wait_for_work(0.1)
+                await self.wake.sleep(0.1)
                 continue
             batch, failed = self.engine.schedule()
-            self.emit(failed)
+            self.outbox.emit(failed)
             if not batch:  # everything left is preempted and waiting for blocks
-                await self.wait_for_work(0.05)
+                await self.wake.sleep(0.05)
                 continue
             try:
-                tokens = await self.run_model(self.engine.execute, batch)
+                tokens = await self.model.run(self.engine.execute, batch)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("decode step failed")
-                self.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
+                self.outbox.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
                 continue
-            self.emit(self.engine.update(batch, tokens))
+            self.outbox.emit(self.engine.update(batch, tokens))

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import asyncio
 
-from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.streaming import RequestPush
-from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.shell import EngineService
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.core.protocol import Cancel, LoadReport, PrefillJob, SubmitAck, TokenChunk
-from kvcentric.runtime.transfer import pull_blocks
+from kvcentric.core.protocol import Cancel, PrefillJob, SubmitAck, TokenChunk
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.messenger import Messenger
+from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
+from kvcentric.engine.outbox import TokenOutbox
+from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
+from kvcentric.engine.reporter import Load, Reporter
+from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.streaming import RequestPush
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVPusher, pull_blocks
 
 
 class RefusingSink:
@@ -27,22 +36,54 @@ class RefusingSink:
     def abort(self, request_id, reason, retryable=False): ...
 
 
-class PrefillService(EngineService):
+class PrefillService(Service):
     role = "prefill"
 
-    def __init__(self, config: EngineConfig, runner=None) -> None:
-        super().__init__(config, runner)
-        hasher = BlockHasher(config.hash_algo, config.block_size)
-        self.engine = PrefillEngine(self.runner, self.pool, hasher, config.prefill_chunk, self.host)
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
+        """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
+        super().__init__(config)
+        self.config: EngineConfig = config
+        self.runner = load_runner(config, runner)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        self.host = host_pool(config, self.runner.block_bytes)
+        self.engine = PrefillEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
+                                    config.prefill_chunk, self.host)
+        self.model = ModelThread(self.role)
+        self.wake = Wakeup()
+        self.spans = RequestSpans()
+        self.outbox = TokenOutbox(self.spans)
+        self.intake = JobIntake(self.counters)
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        """The messenger's client side: pushes to decode peers, pulls from block holders."""
+        self.messenger = Messenger(RefusingSink(), self.host, self.runner)
+        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, self.host, self.pusher)
+        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
+                                      self.reporter.publish_cache_forgotten)
         self.pushes: dict[str, RequestPush] = {}
         self.pulling = 0
 
-    def kv_sink(self):
-        return RefusingSink()
-
     async def start(self) -> None:
-        await super().start()
-        await self.subscribe_jobs(self.role, PrefillJob, self.on_submit)
+        await self.messenger.start(self.config)
+        await self.intake.take_cancels(self.bus, self.on_cancel)
+        await self.role_change.listen(self.bus, self.instance_id)
+        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
+        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
+        self.tasks.spawn(self.work_loop(), "work-loop")
+        await self.intake.take_jobs(self.bus, self.role, self.instance_id, PrefillJob, self.on_submit)
+
+    async def stop(self) -> None:
+        await self.messenger.stop()
+        self.model.close()
+        await self.pusher.close()
+
+    @property
+    def hands_over(self) -> bool:
+        return self.role_change.next_role is not None
+
+    def successor(self) -> Service | None:
+        return self.role_change.successor(self.config, self.instance_id, self.runner)
+
+    # ---------------------------------------------------------------- jobs and cancels
 
     async def on_submit(self, job: PrefillJob) -> SubmitAck:
         try:
@@ -51,7 +92,7 @@ class PrefillService(EngineService):
             return SubmitAck(False, str(exc))
         self.spans.received(job.request_id)
         if job.pull_block_hashes and job.kv_source_addr and self.host is not None:
-            self.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
+            self.tasks.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
         else:
             self.submit(job)
         return SubmitAck(True)
@@ -60,7 +101,7 @@ class PrefillService(EngineService):
         try:
             self.engine.submit(job)
         except PrefillRejected as exc:  # a duplicate that slipped in while its blocks were pulled
-            self.emit([TokenChunk(job.request_id, 0, [], "error", len(job.token_ids), 0, str(exc))])
+            self.outbox.emit([TokenChunk(job.request_id, 0, [], "error", len(job.token_ids), 0, str(exc))])
             return
         self.wake.set()
 
@@ -82,7 +123,7 @@ class PrefillService(EngineService):
                              job.kv_source_addr, exc)
         finally:
             self.pulling -= 1
-        if job.request_id in self.cancelled:  # cancelled while its blocks were pulled
+        if job.request_id in self.intake:  # cancelled while its blocks were pulled
             self.log.info("cancelled %s", job.request_id)
             return
         self.submit(job)
@@ -91,20 +132,35 @@ class PrefillService(EngineService):
         if self.engine.cancel(cancel.request_id):
             self.log.info("cancelled %s", cancel.request_id)
 
-    def load_report(self) -> LoadReport:
-        return self.base_load(len(self.engine.queue), self.engine.queued_tokens, len(self.engine.running))
+    # ---------------------------------------------------------------- what it tells the cluster
+
+    async def report_load(self) -> None:
+        load = Load(len(self.engine.queue), self.engine.queued_tokens, len(self.engine.running))
+        await self.reporter.publish_load(self.role, load, self.messenger.addr, self.role_change.draining)
 
     def idle(self) -> bool:
-        return not (self.engine.queue or self.engine.running or self.pushes or self.pulling)
+        """Nothing queued, running, in transfer or still to send (a drain waits for this)."""
+        busy = self.engine.queue or self.engine.running or self.pushes or self.pulling
+        return not busy and self.outbox.empty()
+
+    def health(self) -> dict:
+        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
+                "draining_to": self.role_change.draining_to,
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+
+    def gauges(self) -> dict[str, float]:
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}
+
+    # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
             chunk = self.engine.schedule()
             if chunk is None:
-                await self.wait_for_work(0.05)
+                await self.wake.sleep(0.05)
                 continue
             await self.prefill_chunk(chunk)
-            await self.publish_kv_events()
+            await self.reporter.publish_cache_changes()
 
     async def prefill_chunk(self, chunk: PrefillChunk) -> None:
         """Compute one chunk while its layers stream to decode; the first chunk opens the push, the
@@ -112,16 +168,13 @@ class PrefillService(EngineService):
         work = chunk.work
         try:
             if chunk.first:
-                self.spans.start(work.request_id, "prefill.run", prompt_tokens=work.num_tokens,
-                                 cached_tokens=work.num_cached)
-                self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries,
-                                                           self.spans.context(work.request_id, "prefill.run"))
+                self.open_push(work)
             push = self.pushes[work.request_id]
             if work.cancelled:
                 raise asyncio.CancelledError
             if push.failed_early:  # the receiver gave up already: surface its error now, not after the prompt
                 await push.task
-            token = await self.run_model(self.engine.execute, chunk, push.hook(chunk.start))
+            token = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})
@@ -135,7 +188,14 @@ class PrefillService(EngineService):
             self.end_push(work)
         except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
             self.end_push(work, str(exc))
-            await self.fail(work, exc)
+            self.fail(work, exc)
+
+    def open_push(self, work: PrefillWork) -> None:
+        """Start the request's span and its KV push to the decode instance."""
+        self.spans.start(work.request_id, "prefill.run", prompt_tokens=work.num_tokens,
+                         cached_tokens=work.num_cached)
+        self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries,
+                                                   self.spans.context(work.request_id, "prefill.run"))
 
     def end_push(self, work: PrefillWork, error: str = "") -> None:
         """Stop the push (if still running), release the prompt's blocks, close its spans."""
@@ -146,7 +206,8 @@ class PrefillService(EngineService):
         if work.request_id in self.engine.running:
             self.engine.finish(work)
 
-    async def fail(self, work: PrefillWork, exc: BaseException) -> None:
+    def fail(self, work: PrefillWork, exc: BaseException) -> None:
         self.counters["requests_failed_total"] += 1
         self.log.warning("prefill of %s failed: %s", work.request_id, exc)
-        self.emit([TokenChunk(work.request_id, 0, [], "error", len(work.job.token_ids), 0, f"prefill failed: {exc}")])
+        self.outbox.emit([TokenChunk(work.request_id, 0, [], "error", len(work.job.token_ids), 0,
+                                     f"prefill failed: {exc}")])

@@ -12,15 +12,21 @@ import types
 import pytest
 
 from factories import decode_job, make_pool, make_runner
-from kvcentric.engine import shell
+from kvcentric.engine import kvsink
 from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.node import Wakeup
+from kvcentric.engine.outbox import TokenOutbox
+from kvcentric.engine.spans import RequestSpans
 
 
 def make_sink():
+    """The sink, its engine, and the intake that remembers cancels (its counters are the sink's)."""
     runner = make_runner()
     engine = DecodeEngine(runner, make_pool(runner))
-    service = types.SimpleNamespace(runner=runner, counters=collections.Counter(), cancelled={})
-    return shell.DecodeSink(service, engine), engine, service
+    intake, spans = JobIntake(collections.Counter()), RequestSpans()
+    sink = kvsink.DecodeSink(engine, intake.counters, intake, spans, TokenOutbox(spans).emit, Wakeup())
+    return sink, engine, intake
 
 
 def header(request_id: str, engine: DecodeEngine, num_tokens: int = 4):
@@ -29,7 +35,7 @@ def header(request_id: str, engine: DecodeEngine, num_tokens: int = 4):
 
 
 def test_kv_that_overtakes_its_job_waits_for_it():
-    sink, engine, service = make_sink()
+    sink, engine, intake = make_sink()
 
     async def scenario():
         begun = asyncio.create_task(sink.begin(header("r", engine)))
@@ -41,11 +47,11 @@ def test_kv_that_overtakes_its_job_waits_for_it():
 
     asyncio.run(scenario())
     assert engine.requests["r"].state == "receiving"
-    assert service.counters["kv_before_job_total"] == 1 and not sink.waiting
+    assert intake.counters["kv_before_job_total"] == 1 and not sink.waiting
 
 
 def test_kv_whose_job_never_comes_is_refused_without_taking_blocks(monkeypatch):
-    monkeypatch.setattr(shell, "JOB_WAIT_S", 0.05)
+    monkeypatch.setattr(kvsink, "JOB_WAIT_S", 0.05)
     sink, engine, _ = make_sink()
     with pytest.raises(KVRejected, match="not expected"):
         asyncio.run(sink.begin(header("ghost", engine)))
@@ -53,22 +59,22 @@ def test_kv_whose_job_never_comes_is_refused_without_taking_blocks(monkeypatch):
 
 
 def test_kv_for_a_known_job_begins_at_once():
-    sink, engine, service = make_sink()
+    sink, engine, intake = make_sink()
     engine.add(decode_job("r", 4), time.monotonic())
     asyncio.run(asyncio.wait_for(sink.begin(header("r", engine)), 0.5))
-    assert engine.requests["r"].state == "receiving" and service.counters["kv_before_job_total"] == 0
+    assert engine.requests["r"].state == "receiving" and intake.counters["kv_before_job_total"] == 0
 
 
 def test_kv_waiting_for_a_job_gives_up_at_once_when_the_request_is_cancelled():
     """The decode refused the job (or never got it) and the request is cancelled: the prefill pushing the KV
     must not wait JOB_WAIT_S (5 s) for the refusal, holding up every prompt queued behind it."""
-    sink, engine, service = make_sink()
+    sink, engine, intake = make_sink()
 
     async def scenario():
         begun = asyncio.create_task(sink.begin(header("r", engine)))
         await asyncio.sleep(0.05)
         assert not begun.done()
-        service.cancelled["r"] = None  # what EngineService does with a Cancel, before on_cancel
+        intake.cancel("r")  # what the intake does with a Cancel, before the role's handler
         sink.cancelled("r")
         with pytest.raises(KVRejected, match="cancelled"):
             await asyncio.wait_for(begun, 0.5)

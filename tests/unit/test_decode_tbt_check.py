@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-import logging
 import types
 
 import pytest
@@ -19,6 +18,8 @@ from kvcentric.config import ConfigError
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.node import Wakeup
 from kvcentric.engine.spans import RequestSpans
 from kvcentric.core.openai_api import ApiError
 from kvcentric.core.protocol import TokenChunk
@@ -147,29 +148,30 @@ def test_an_slo_without_a_cost_model_is_refused():
 
 
 def make_sink(tbt_slo_s: float):
+    """The sink, its engine, the intake whose counters it counts in, and the chunks it emitted."""
     engine = make_engine(tbt_slo_s=tbt_slo_s)
     emitted: list[TokenChunk] = []
-    service = types.SimpleNamespace(runner=engine.runner, counters=collections.Counter(), spans=RequestSpans(),
-                                    emit=emitted.extend, wake=asyncio.Event(), log=logging.getLogger("test"))
-    return CheckedDecodeSink(service, engine), engine, service, emitted
+    intake = JobIntake(collections.Counter())
+    sink = CheckedDecodeSink(engine, intake.counters, intake, RequestSpans(), emitted.extend, Wakeup())
+    return sink, engine, intake, emitted
 
 
 def test_the_sink_rejects_after_prefill_with_429_counts_it_and_frees_the_blocks():
-    sink, engine, service, emitted = make_sink(tbt_slo_s=0.5)  # even a batch of one is over
+    sink, engine, intake, emitted = make_sink(tbt_slo_s=0.5)  # even a batch of one is over
     arrived(engine, "r")
     sink.commit("r", types.SimpleNamespace(first_token=5))
     [chunk] = emitted
     assert chunk.finish_reason == "error" and chunk.error_status == 429 and chunk.token_ids == []
-    assert service.counters[TBT_REJECTIONS] == 1 and TBT_REJECTIONS == 'rejections_total{reason="tbt"}'
+    assert intake.counters[TBT_REJECTIONS] == 1 and TBT_REJECTIONS == 'rejections_total{reason="tbt"}'
     assert not engine.requests and engine.pool.num_free == engine.pool.num_blocks
 
 
 def test_the_sink_lets_a_request_within_the_slo_join_the_batch():
-    sink, engine, service, emitted = make_sink(tbt_slo_s=1.5)
+    sink, engine, intake, emitted = make_sink(tbt_slo_s=1.5)
     arrived(engine, "r")
     sink.commit("r", types.SimpleNamespace(first_token=5))
     assert [c.token_ids for c in emitted] == [[5]] and emitted[0].finish_reason is None
-    assert engine.requests["r"].state == "running" and not service.counters[TBT_REJECTIONS]
+    assert engine.requests["r"].state == "running" and not intake.counters[TBT_REJECTIONS]
 
 
 # ---------------------------------------------------------------- settings

@@ -1,0 +1,82 @@
+"""The messenger's sink on a node that decodes: pushed KV goes straight into the decode engine's paged
+cache, and the commit that closes a push lets the request join the batch.
+
+Pushed KV may overtake its request's DecodeJob (the jobs go to prefill and decode at once): the sink holds
+it until the job is in, and gives up after JOB_WAIT_S, or at once when the request is cancelled. It
+receives; it does not schedule decode steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Callable, Container
+
+from kvcentric.core.protocol import TokenChunk
+from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.node import Wakeup
+from kvcentric.engine.spans import RequestSpans
+
+JOB_WAIT_S = 5.0
+"""How long pushed KV waits for its request's DecodeJob: the conductor (or the gateway) sends the decode
+and the prefill jobs at once, so the first layer can overtake the job on a fast prefill."""
+
+
+class DecodeSink:
+    """KV into `engine`; `recent_cancels` holds the requests cancelled lately, `emit` takes the token chunks a
+    commit or an abort produces, `wake` wakes the work loop."""
+
+    def __init__(self, engine: DecodeEngine, counters: collections.Counter[str], recent_cancels: Container[str],
+                 spans: RequestSpans, emit: Callable[[list[TokenChunk | None]], None], wake: Wakeup) -> None:
+        self.engine, self.counters, self.recent_cancels = engine, counters, recent_cancels
+        self.spans, self.emit, self.wake = spans, emit, wake
+        self.waiting: dict[str, asyncio.Event] = {}
+
+    def registered(self, request_id: str) -> None:
+        """The request's DecodeJob is in: KV that came first may go on."""
+        event = self.waiting.get(request_id)
+        if event is not None:
+            event.set()
+
+    def cancelled(self, request_id: str) -> None:
+        """The request was cancelled: KV waiting for its job gives up now, not after JOB_WAIT_S (the prefill
+        pushing it would wait as long)."""
+        self.registered(request_id)
+
+    async def begin(self, header) -> None:
+        dtype = self.engine.runner.dtype_name
+        if header.dtype != dtype:
+            raise KVRejected(f"KV dtype {header.dtype}, this instance runs {dtype}")
+        if header.request_id not in self.engine.requests:
+            await self._job_of(header.request_id)
+        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
+                             join=header.stripes > 1)
+
+    async def _job_of(self, request_id: str) -> None:
+        event = self.waiting.setdefault(request_id, asyncio.Event())
+        self.counters["kv_before_job_total"] += 1
+        try:
+            if request_id not in self.recent_cancels:
+                async with asyncio.timeout(JOB_WAIT_S):
+                    await event.wait()
+        except TimeoutError:
+            raise KVRejected(f"request {request_id} is not expected here (no job in {JOB_WAIT_S:g} s)") from None
+        finally:
+            self.waiting.pop(request_id, None)
+        if request_id in self.recent_cancels and request_id not in self.engine.requests:
+            raise KVRejected(f"request {request_id} was cancelled")
+
+    def write(self, request_id: str, chunk) -> None:
+        self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
+
+    def commit(self, request_id: str, commit) -> None:
+        self.spans.end(request_id, "decode.queue")
+        self.spans.start(request_id, "decode.generate").add_event("first_token", {"kvc.token": commit.first_token})
+        self.emit(self.engine.commit_kv(request_id, commit.first_token))
+        self.wake.set()
+
+    def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:
+        if retryable:
+            self.engine.reset_kv(request_id)
+        else:
+            self.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])

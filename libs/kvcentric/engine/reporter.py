@@ -1,0 +1,70 @@
+"""What an engine tells the rest of the cluster: its load on kvc.load.<role>.<id> (the conductor places by
+it) and the blocks that entered or left its prefix cache on kvc.kv.events.<id> (kvs-meta indexes them).
+
+It reports; the numbers of a load come from the role, which knows its queues.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Subjects
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.runtime.bus import Bus
+from kvcentric.runtime.transfer import KVPusher
+
+
+class Load(NamedTuple):
+    """How busy a role is: requests waiting (and their prompt tokens), and requests running."""
+    queued_requests: int
+    queued_tokens: int
+    running: int
+
+
+class Reporter:
+    """Load reports and KV cache events of one instance, built from its pools and its KV pusher."""
+
+    def __init__(self, bus: Bus, instance_id: str, cluster: str, pool: BlockPool, host: HostBlockPool | None,
+                 pusher: KVPusher) -> None:
+        self.bus, self.instance_id, self.cluster = bus, instance_id, cluster
+        self.pool, self.host, self.pusher = pool, host, pusher
+
+    def load_report(self, role: str, load: Load, kv_addr: str, draining: bool) -> LoadReport:
+        return LoadReport(self.instance_id, role, self.cluster, kv_addr, load.queued_requests, load.queued_tokens,
+                          load.running, self.pool.num_blocks, self.pool.num_free, time.time(),
+                          link_bandwidth=dict(self.pusher.bandwidth),
+                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
+
+    async def publish_load(self, role: str, load: Load, kv_addr: str, draining: bool = False) -> None:
+        await self.bus.publish(Subjects.load(role, self.instance_id), self.load_report(role, load, kv_addr, draining))
+
+    async def publish_cache_changes(self) -> None:
+        """Announce the blocks that entered or left the device and host pools since the last call."""
+        events = []
+        for tier, pool in (("device", self.pool), ("dram", self.host)):
+            stored, evicted = pool.drain_events() if pool is not None else ([], [])
+            events += ([BlockEvicted(self.instance_id, evicted, tier)] if evicted else []) + \
+                      ([BlockStored(self.instance_id, stored, tier)] if stored else [])
+        await self._publish_events(events)
+
+    async def publish_cache_forgotten(self) -> None:
+        """Announce every cached block gone (the instance starts over as another role, with an empty cache)."""
+        events = []
+        for tier, hashes in (("device", list(self.pool.hash_to_block)),
+                             ("dram", list(self.host.slot_of) if self.host is not None else [])):
+            if hashes:
+                events.append(BlockEvicted(self.instance_id, hashes, tier))
+        await self._publish_events(events)
+
+    async def _publish_events(self, events: list) -> None:
+        if events:
+            await self.bus.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+
+    def stats(self) -> dict:
+        """The pools' and the pusher's counters, for /health and /metrics."""
+        host = {**self.host.stats, "host_blocks": len(self.host), "host_blocks_capacity": self.host.capacity} \
+            if self.host is not None else {}
+        pushed = {f"push_{key}": value for key, value in self.pusher.stats.items()}
+        return {**host, **pushed, "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
