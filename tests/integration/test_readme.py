@@ -83,7 +83,8 @@ NOT_RUN = {
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
 }
-RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER)}
+RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER),
+              "class FIFOPolicy": Run()}
 NOT_RUN_PYTHON = {
     "tracing.capture()": "a fragment of engine code (it needs a bus span, a request id `rid`, and elides with "
                          "`...`); tests/integration/test_tracing_e2e.py checks the spans the engines make with it",
