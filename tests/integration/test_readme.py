@@ -1,11 +1,12 @@
-"""The README's examples run as tests: every `sh` block against a live cluster, the Python OpenAI-client
-example against the same cluster, and the runnable `bash` blocks (`kvcentric sim`, `kvcentric plan`, the
-replays) in an empty directory, checked against the output the README prints. A block that cannot run
-here is listed in NOT_RUN with the reason, and its `kvcentric` commands are still parsed and validated by
-the real CLI; a new block that is in neither list fails `test_every_..._block_is_run_or_has_a_reason`.
+"""The examples of README.md, docs/*.md and CONTRIBUTING.md run as tests: every `sh` block against a live
+cluster, the Python blocks (the OpenAI client against the same cluster), and the runnable `bash` blocks
+(`kvcentric sim`, `kvcentric plan`, the replays, one unit test) in an empty directory or the checkout, checked
+against the output the documents print. A block that cannot run here is listed in NOT_RUN with the reason,
+and its `kvcentric` commands are still parsed and validated by the real CLI; a new block that is in neither
+list fails `test_every_block_is_run_or_has_a_reason`.
 
 The only edits to a block before it runs are the ones listed next to it (each must still apply, or the
-test fails): the cluster's port for 127.0.0.1:8000, and smaller inputs where the README's own would take
+test fails): the cluster's port for 127.0.0.1:8000, and smaller inputs where the documents' own would take
 minutes here.
 """
 
@@ -24,9 +25,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-EXAMPLES = re.findall(r"```sh\n(.*?)```", README, flags=re.S)
-FENCED = re.findall(r"^ *```(\w*)\n(.*?)^ *```", README, flags=re.S | re.M)
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "CONTRIBUTING.md"]
+"""Every document whose examples run here."""
+TEXTS = [path.read_text() for path in DOCUMENTS]
+README = TEXTS[0]
+EXAMPLES = [body for text in TEXTS for body in re.findall(r"```sh\n(.*?)```", text, flags=re.S)]
+FENCED = [found for text in TEXTS for found in re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, flags=re.S | re.M)]
 BASH = [body for language, body in FENCED if language == "bash"]
 PYTHON = [body for language, body in FENCED if language == "python"]
 PORT = "{port}"
@@ -40,11 +44,15 @@ class Run:
     edits: tuple[tuple[str, str], ...] = ()
     cluster: bool = False
     timeout_s: float = 60.0
+    in_checkout: bool = False
+    """Run in the checkout itself (a block that reads the tests), not in an empty directory."""
 
 
 TO_THE_CLUSTER = (("127.0.0.1:8000", f"127.0.0.1:{PORT}"),)
 
 RUN_BASH = {
+    ".venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_scheduling_eviction.py": Run(
+        in_checkout=True, timeout_s=120.0),
     "kvcentric sim --speed 2": Run(),
     "python bench/prfaas_table6.py": Run(),
     "kvcentric bench replay ../shared/traces/": Run(cluster=True, edits=(
@@ -75,7 +83,8 @@ NOT_RUN = {
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
 }
-RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER)}
+RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER),
+              "class FIFOPolicy": Run()}
 NOT_RUN_PYTHON = {
     "tracing.capture()": "a fragment of engine code (it needs a bus span, a request id `rid`, and elides with "
                          "`...`); tests/integration/test_tracing_e2e.py checks the spans the engines make with it",
@@ -84,7 +93,7 @@ NOT_RUN_PYTHON = {
 
 def block(blocks: list[str], key: str) -> str:
     found = [body for body in blocks if key in body]
-    assert len(found) == 1, f"{len(found)} README blocks contain {key!r}"
+    assert len(found) == 1, f"{len(found)} blocks of {', '.join(p.name for p in DOCUMENTS)} contain {key!r}"
     return found[0]
 
 
@@ -168,7 +177,7 @@ def test_readme_bash_block_runs(request, tmp_path, key):
     run = RUN_BASH[key]
     port = request.getfixturevalue("cluster").port if run.cluster else None
     script = edited(block(BASH, key), run, port)
-    cwd = workdir(tmp_path, script)
+    cwd = ROOT if run.in_checkout else workdir(tmp_path, script)
     output = run_script(["bash", "-eo", "pipefail", "-c", script], cwd, run.timeout_s)
     for comment in re.findall(r"#\s*(\{.*\})\s*$", script, flags=re.M):  # `# {"hit_ratio": ...}`: what it prints
         assert json.loads(comment) in [json.loads(line) for line in output.splitlines() if line.startswith("{")]
@@ -181,7 +190,8 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
         for out in ("sim-out", "sim-colocated"):
             assert json.loads((cwd / out / "summary.json").read_text())["completed"] > 0
     elif key.startswith("python bench/prfaas_table6.py"):
-        shown = re.search(r"The output of that second command:\n\n```\n(.*?)```", README, flags=re.S).group(1)
+        shown = re.search(r"The output of that second command:\n\n```\n(.*?)```", "\n".join(TEXTS),
+                          flags=re.S).group(1)
         lines = [line.rstrip() for line in output.splitlines()]
         start = lines.index(shown.splitlines()[0].rstrip())
         assert lines[start:start + len(shown.splitlines())] == [line.rstrip() for line in shown.splitlines()]
@@ -195,6 +205,8 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
             assert summary["completed"] == 4, summary
         compared = json.loads((cwd / "bench" / "results" / "pd_vs_colocated.json").read_text())
         assert set(compared) == {"1P+1D", "2-colocated"}
+    elif key.startswith(".venv/bin/python -m pytest"):
+        assert re.search(r"\b\d+ passed\b", output) and "failed" not in output, output[-2000:]
 
 
 # ---------------------------------------------------------------- blocks that do not run here
