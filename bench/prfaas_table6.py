@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcentric.tools import plan_report
+from kvcentric.tools import plan_report as report
 from kvcentric.core.prfaas.planner import Plan, plan
 from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.workload import from_trace, lognormal
