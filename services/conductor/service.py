@@ -1,6 +1,6 @@
 """The conductor's asyncio shell: feeds load reports and request outcomes into the Conductor core, finds
 where each request's prefix blocks are, and answers kvc.conductor.schedule with the core's decision. All
-policy is in `kvcentric.scheduling`.
+policy is in `kvcentric.core.scheduling`.
 
 Prefix hits come from a local mirror of kvs-meta's block index (`--prefix-index local`, the default): it
 follows the same kvc.kv.events.> events kvs-meta ingests, and at start it is seeded from kvs-meta's
@@ -9,6 +9,7 @@ order). Until the seed is done, and always with `--prefix-index kvs-meta`, it as
 request (one batch, with retries and health gating). When kvs-meta is down or unreachable on that path,
 placement is load-only (no prefix hits), counted in `placements_load_only_total` and shown by the
 `kvs_metadata_down` gauge. kvs-meta stays the durable source of truth; the mirror is never written back.
+The seeding's states are `kvcentric.core.scheduling.seeding`; this module only feeds it and asks for pages.
 """
 
 from __future__ import annotations
@@ -21,16 +22,17 @@ import nats.errors
 
 from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
-from kvcentric.runtime import dispatch
-from kvcentric.runtime import tracing
 from kvcentric.core.costmodel import CostModel, hardware
-from kvcentric.model.config import load_model_config
+from kvcentric.core.dispatch import Submit, bad_dispatch, jobs
 from kvcentric.core.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
-                                KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection, RequestOutcome,
-                                ScheduleRequest, Subjects, TokenChunk, decode, encode, job_problem)
+                                     KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
+                                     RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
 from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.kvs_gate import KVSGate
 from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
+from kvcentric.core.scheduling.seeding import IndexSeeding
+from kvcentric.model.config import load_model_config
+from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.service import Service
 
 
@@ -43,22 +45,6 @@ DUMP_PAGE_BLOCKS = 2000
 """Blocks asked for per page of kvs-meta's dump."""
 DUMP_PAGE_TIMEOUT_S = 2.0
 """How long one page of the dump may take."""
-
-
-def bad_dispatch(request: ScheduleRequest) -> str:
-    """Why a request's dispatch part is bad or does not fit the rest of it, or "" (the engines check the
-    token ids against their vocabulary)."""
-    job = request.dispatch
-    if job is None:
-        return ""
-    problem = job_problem(request.request_id, job.sampling)
-    if problem:
-        return problem
-    if len(job.token_ids) != request.n_tokens:
-        return f"dispatch.token_ids has {len(job.token_ids)} tokens, n_tokens says {request.n_tokens}"
-    if job.sampling.max_tokens != request.max_tokens:
-        return f"dispatch.sampling.max_tokens is {job.sampling.max_tokens}, max_tokens says {request.max_tokens}"
-    return ""
 
 
 def load_cost_model(config: ConductorConfig) -> CostModel:
@@ -79,26 +65,40 @@ class ConductorService(Service):
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
         self.local_index = config.prefix_index == "local"
-        self.index = HolderIndex(config.prefix_lease_ttl_s)
-        self.pending: list[tuple[float, KVEventBatch]] | None = [] if self.local_index else None
+        self.seeding = IndexSeeding(HolderIndex(config.prefix_lease_ttl_s), config.prefix_seed_patience_s)
+        self.index = self.seeding.index
+        if not self.local_index:  # nothing to seed: the index stays empty and unused
+            self.seeding.go_live(seeded=False)
+        self.replan = (ReplanLoop.from_config(self.core, self.bus, self.counters, self.log, config)
+                       if config.replan_interval_s > 0 else None)
+
+    @property
+    def pending(self) -> list[tuple[float, KVEventBatch]] | None:
         """KV events that arrived while the local index is being seeded; None once it is live."""
-        self.seeded = False
-        self.replan = ReplanLoop(self, config) if config.replan_interval_s > 0 else None
+        return self.seeding.pending
+
+    @property
+    def seeded(self) -> bool:
+        return self.seeding.seeded
 
     async def start(self) -> None:
         if self.local_index:  # subscribed before the dump is asked for: no event falls between the two
-            await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
-            self.spawn(self.seed(), "seed-prefix-index")
-            self.spawn(self.every(self.config.prefix_lease_ttl_s / 4, self.expire_leases), "prefix-index-leases")
-        await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
-        await self.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
-        await self.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
-                             bad_reply=lambda error: Rejection("", "bad_request", error, 0.0))
-        await self.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
-                             bad_reply=lambda error: self.instances())
-        self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
+            await self.bus.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
+            self.tasks.spawn(self.seed(), "seed-prefix-index")
+            self.tasks.spawn(self.tasks.every(self.config.prefix_lease_ttl_s / 4, self.expire_leases),
+                             "prefix-index-leases")
+        await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
+        await self.bus.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
+        await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
+                                 bad_reply=lambda error: Rejection("", "bad_request", error, 0.0))
+        await self.bus.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
+                                 bad_reply=lambda error: self.instances())
+        self.tasks.spawn(self.tasks.every(10.0, self.forget_departed), "forget-departed")
         if self.replan is not None:
-            self.spawn(self.every(self.config.replan_interval_s, self.replan.tick), "replan")
+            self.tasks.spawn(self.tasks.every(self.config.replan_interval_s, self.replan.tick), "replan")
+        self.log_setup()
+
+    def log_setup(self) -> None:
         self.log.info("policy %s, rejection %s, cost model %s, prefix index %s", self.config.policy,
                       self.config.rejection, self.core.estimator.cost.source, self.config.prefix_index)
         if self.core.router is not None:
@@ -128,24 +128,28 @@ class ConductorService(Service):
         if isinstance(decision, Placement):
             if self.replan is not None:
                 self.replan.placed(request, decision)
-            if request.dispatch is not None:  # the jobs go out ahead of the answer, which does not wait for acks
-                decision = msgspec.structs.replace(decision, dispatched=True)
-                submits = dispatch.jobs(request.request_id, decision, request.dispatch.token_ids,
-                                        request.dispatch.sampling)
-                try:
-                    sent = await dispatch.send(self, submits)
-                except Exception:  # one job may be out: take it back (the caller answers bad_request)
-                    self.core.forget(request.request_id)
-                    await self.publish(Subjects.cancel(request.request_id),
-                                       Cancel(request.request_id, "conductor: dispatch failed"))
-                    raise
-                self.spawn(self.check_taken(request, submits, sent), f"dispatch-{request.request_id}")
+            if request.dispatch is not None:
+                decision = await self.hand_to_engines(request, decision)
         return decision
 
-    async def check_taken(self, request: ScheduleRequest, submits: list, sent: list) -> None:
+    async def hand_to_engines(self, request: ScheduleRequest, placement: Placement) -> Placement:
+        """Send the jobs ahead of the answer, which does not wait for their acks (`check_taken` does)."""
+        placement = msgspec.structs.replace(placement, dispatched=True)
+        rid = request.request_id
+        submits = jobs(rid, placement, request.dispatch.token_ids, request.dispatch.sampling)
+        try:
+            sent = await dispatch.send(self.bus, submits)
+        except Exception:  # one job may be out: take it back (the caller answers bad_request)
+            self.core.forget(rid)
+            await self.bus.publish(Subjects.cancel(rid), Cancel(rid, "conductor: dispatch failed"))
+            raise
+        self.tasks.spawn(self.check_taken(request, submits, sent), f"dispatch-{rid}")
+        return placement
+
+    async def check_taken(self, request: ScheduleRequest, submits: list[Submit], sent: list[asyncio.Future]) -> None:
         """Wait for the engines' acks. When one did not take the job, the gateway hears it as an error chunk
         on the request's output (HTTP 503) and an engine that did take it gets a Cancel."""
-        why = await dispatch.taken(self, submits, sent, self.config.submit_timeout_s)
+        why = await dispatch.taken(self.bus, submits, sent, self.config.submit_timeout_s)
         self.counters["dispatched_total"] += 1
         if not why:
             return
@@ -153,14 +157,14 @@ class ConductorService(Service):
         self.log.warning("request %s: %s", request.request_id, why)
         rid = request.request_id
         self.core.forget(rid)  # it will not run: out of the dispatch-time accounting (the gateway may be gone)
-        await self.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
-        await self.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
+        await self.bus.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
+        await self.bus.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
         """Leading blocks each instance holds; None when they cannot be known (kvs-meta down)."""
         if not block_hashes:
             return {}
-        if self.local_index and self.pending is None:
+        if self.local_index and self.seeding.live:
             attributes = {"kvc.block_hashes": len(block_hashes), "kvc.index": "local"}
             with tracing.span("kvs.query", attributes=attributes):
                 return self.index.match(block_hashes)
@@ -170,15 +174,9 @@ class ConductorService(Service):
         """Prefix hits from one kvs-meta batch query; None when it is down."""
         if not self.gate.available(time.monotonic()):
             return None
-        query = encode(KVSQuery(block_hashes))
         for attempt in range(self.config.kvs_retry_times):
             try:
-                reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s,
-                                              headers=tracing.inject_headers())  # the trace goes on to kvs-meta
-                answer = decode(reply.data, KVSReply)
-                if answer.error:
-                    raise KVSMetaFailed(answer.error)
-                holders = answer.holders
+                holders = await self.kvs_holders(block_hashes)
             except KVS_ERRORS as exc:
                 self.counters["kvs_query_failures_total"] += 1
                 if self.gate.on_failure(time.monotonic()):
@@ -194,56 +192,55 @@ class ConductorService(Service):
             return prefix_from_holders(holders)
         return None
 
+    async def kvs_holders(self, block_hashes: list[str]) -> list[list[str]]:
+        """kvs-meta's holders of each block (the trace goes on to kvs-meta); raises one of KVS_ERRORS."""
+        answer = await self.bus.request(Subjects.KVS_QUERY, KVSQuery(block_hashes), KVSReply,
+                                        self.config.kvs_timeout_s)
+        if answer.error:
+            raise KVSMetaFailed(answer.error)
+        return answer.holders
+
     # ---------------------------------------------------------------- local block index
 
     async def on_kv_events(self, batch: KVEventBatch) -> None:
-        if self.pending is not None:
-            self.pending.append((time.monotonic(), batch))
-        else:
-            self.index.apply(batch.events, time.monotonic())
+        self.seeding.on_events(batch, time.monotonic())
 
     async def seed(self) -> None:
         """Apply kvs-meta's dump, then the events buffered meanwhile, then go live. When kvs-meta does not
         answer for --prefix-seed-patience-s, go live from the events alone."""
-        deadline = time.monotonic() + self.config.prefix_seed_patience_s
+        self.seeding.begin(time.monotonic())
         while not await self.load_dump():
-            if time.monotonic() >= deadline:
+            if self.seeding.out_of_patience(time.monotonic()):
                 self.counters["prefix_seed_failures_total"] += 1
                 self.log.warning("kvs-meta did not answer kvc.kvs.dump for %g s: the local block index starts "
                                  "from the KV events alone", self.config.prefix_seed_patience_s)
-                self.go_live()
+                self.go_live(seeded=False)
                 return
             await asyncio.sleep(self.gate.retry_interval_s)
-        self.seeded = True
-        self.go_live()
+        self.go_live(seeded=True)
 
     async def load_dump(self) -> bool:
         """Apply kvs-meta's dump page by page; False when a page did not come (the next try starts over:
         applying a page twice changes nothing, and the buffered events correct what changed meanwhile)."""
-        cursor, blocks = 0, 0
+        self.seeding.restart_dump()
         while True:
             try:
-                page = await self.request(Subjects.KVS_DUMP, KVSDumpQuery(cursor, DUMP_PAGE_BLOCKS), KVSDump,
-                                          DUMP_PAGE_TIMEOUT_S)
+                page = await self.bus.request(Subjects.KVS_DUMP, KVSDumpQuery(self.seeding.cursor, DUMP_PAGE_BLOCKS),
+                                              KVSDump, DUMP_PAGE_TIMEOUT_S)
             except KVS_ERRORS as exc:
                 self.counters["prefix_dump_failures_total"] += 1
                 say = self.log.warning if isinstance(exc, BadMessage) else self.log.debug
-                say("no dump page from kvs-meta at cursor %d: %s: %s", cursor, type(exc).__name__, exc)
+                say("no dump page from kvs-meta at cursor %d: %s: %s", self.seeding.cursor, type(exc).__name__, exc)
                 return False
-            self.index.apply(page.events, time.monotonic())
-            blocks += sum(len(event.block_hashes) for event in page.events)
-            cursor = page.cursor
-            if not cursor:
-                self.counters["prefix_seed_blocks_total"] += blocks
+            if self.seeding.apply_page(page.events, page.cursor, time.monotonic()):
+                self.counters["prefix_seed_blocks_total"] += self.seeding.dump_blocks
                 return True
 
-    def go_live(self) -> None:
-        pending, self.pending = self.pending or [], None
-        for arrived, batch in pending:
-            self.index.apply(batch.events, arrived)
+    def go_live(self, seeded: bool) -> None:
+        replayed = self.seeding.go_live(seeded)
         self.log.info("local block index live (%s): %d blocks on %d nodes, %d buffered event batches applied",
-                      "seeded from kvs-meta" if self.seeded else "not seeded", len(self.index), self.index.nodes,
-                      len(pending))
+                      "seeded from kvs-meta" if seeded else "not seeded", len(self.index), self.index.nodes,
+                      replayed)
 
     async def expire_leases(self) -> None:
         for node_id in self.index.expire(time.monotonic()):
@@ -270,7 +267,7 @@ class ConductorService(Service):
                 "policy": self.config.policy, "rejection": self.config.rejection,
                 "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
                 "prefix_index": self.config.prefix_index,
-                **({"prefix_index_live": self.pending is None, "prefix_index_seeded": self.seeded}
+                **({"prefix_index_live": self.seeding.live, "prefix_index_seeded": self.seeded}
                    if self.local_index else {}),
                 **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
                    if self.core.router is not None else {}),

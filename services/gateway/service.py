@@ -4,8 +4,8 @@ For each completion or chat completion it validates and tokenizes, hashes the pr
 conductor for a placement (the conductor hands the jobs to the prefill and the decode instance as it
 answers, or with --dispatch gateway the gateway does), and relays the tokens that come back on
 `kvc.req.<id>.out` (`kvc_gateway.relay`). When a request ends it publishes a RequestOutcome and, unless
-the engine finished it, a Cancel. Validation and response shapes live in `kvcentric.core.openai_api`; it holds
-no scheduling policy.
+the engine finished it, a Cancel. Validation and response shapes live in `kvcentric.core.openai_api`, what a
+rejection becomes in `kvcentric.core.errors`; it holds no scheduling policy.
 """
 
 from __future__ import annotations
@@ -25,15 +25,16 @@ from kvc_gateway import relay
 from kvc_gateway.config import GatewayConfig
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
-from kvcentric.runtime import dispatch
-from kvcentric.runtime import tracing
+from kvcentric.core.dispatch import jobs
+from kvcentric.core.errors import rejection_error
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
-from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
 from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
-                                Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, TokenChunk,
-                                decode, encode)
+                                     Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects,
+                                     TokenChunk, decode, encode)
+from kvcentric.model.tokenizer import load_tokenizer
+from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.service import Service
 
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
@@ -54,12 +55,12 @@ class GatewayService(Service):
         self.tokenizer = load_tokenizer(config.model)
         self.hasher = BlockHasher(config.hash_algo, config.block_size)
         self.in_flight = 0
-        self.ttft = self.histogram("ttft_seconds", help="time to first token, request in to first token out")
-        self.tbt = self.histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
-        self.e2e = self.histogram("e2e_seconds", help="request in to last token out")
-        self.ttft_error = self.histogram("ttft_prediction_error_seconds",
-                                         help="|actual - conductor-predicted| TTFT")
-        self.prompt_tokens = self.histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
+        histogram = self.metrics.histogram
+        self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
+        self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
+        self.e2e = histogram("e2e_seconds", help="request in to last token out")
+        self.ttft_error = histogram("ttft_prediction_error_seconds", help="|actual - conductor-predicted| TTFT")
+        self.prompt_tokens = histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
 
     def add_routes(self, app: web.Application) -> None:
         app.middlewares.append(self.check_api_key)
@@ -88,7 +89,7 @@ class GatewayService(Service):
     # ---------------------------------------------------------------- small endpoints
 
     async def instances(self) -> InstancesReply:
-        return await self.request(Subjects.INSTANCES, InstancesQuery(), InstancesReply, timeout_s=0.5)
+        return await self.bus.request(Subjects.INSTANCES, InstancesQuery(), InstancesReply, timeout_s=0.5)
 
     async def health_view(self) -> tuple[int, dict]:
         try:
@@ -162,7 +163,7 @@ class GatewayService(Service):
 
     async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
         """Place, relay and answer; returns the response and the outcome label of the request."""
-        subscription = await self.nc.subscribe(Subjects.out(job.request_id))
+        subscription = await self.bus.subscribe_raw(Subjects.out(job.request_id))
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 job.placement = await self.place(job)
@@ -190,7 +191,7 @@ class GatewayService(Service):
 
     async def ask(self, subject: str, message, kind):
         try:
-            return await self.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
+            return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
         except nats.errors.NoRespondersError:
             raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable") from None
         except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -202,42 +203,47 @@ class GatewayService(Service):
             raise self.too_large() from None
 
     def too_large(self) -> ApiError:
-        return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.nc.max_payload} bytes): "
+        return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.bus.max_payload} bytes): "
                              f"shorten it or raise the server's max_payload", code="request_too_large")
 
     async def place(self, job: relay.Job) -> Placement:
         """Ask the conductor for a placement. With --dispatch conductor it hands the jobs to the engines as it
         answers; with --dispatch gateway they are sent from here, to prefill and decode at once."""
-        hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
-        sampling, n_prompt = job.request.sampling, len(job.token_ids)
-        ask = ScheduleRequest(job.request_id, n_prompt, hashes, sampling.max_tokens, -job.request.priority)
-        if self.config.dispatch == "conductor":
-            with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(job.token_ids, sampling))
-            if len(encode(with_jobs)) <= self.nc.max_payload:  # else the tokens go straight to prefill
-                ask = with_jobs
-            else:
-                self.counters["dispatch_too_large_total"] += 1
+        ask = self.schedule_request(job)
         job.dispatch_pending = ask.dispatch is not None
         decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
         job.dispatch_pending = False
         if isinstance(decision, Rejection):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1
-            if decision.reason == "no_instance":
-                raise ApiError(503, decision.message, kind="service_unavailable")
-            if decision.reason == "bad_request":  # the conductor could not handle it: not the client's fault
-                raise ApiError(500, f"the conductor failed: {decision.message}", kind="server_error")
-            raise ApiError(429, decision.message, kind="rate_limit_exceeded", code=decision.reason,
-                           headers={"Retry-After": str(max(1, round(decision.retry_after_s)))})
+            raise rejection_error(decision)
         job.placement = decision
         if not decision.dispatched:  # asked not to, or a conductor from before dispatching
-            try:
-                why = await dispatch.submit(self, dispatch.jobs(job.request_id, decision, job.token_ids, sampling),
-                                            self.config.bus_timeout_s)
-            except nats.errors.MaxPayloadError:
-                raise self.too_large() from None
-            if why:
-                raise ApiError(503, why, kind="service_unavailable")
+            await self.send_jobs(job, decision)
         return decision
+
+    def schedule_request(self, job: relay.Job) -> ScheduleRequest:
+        """What the conductor is asked; with --dispatch conductor it carries the jobs' tokens too, unless
+        that would not fit in one NATS message (then they go straight to prefill from here)."""
+        hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
+        sampling = job.request.sampling
+        ask = ScheduleRequest(job.request_id, len(job.token_ids), hashes, sampling.max_tokens, -job.request.priority)
+        if self.config.dispatch != "conductor":
+            return ask
+        with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(job.token_ids, sampling))
+        if len(encode(with_jobs)) <= self.bus.max_payload:
+            return with_jobs
+        self.counters["dispatch_too_large_total"] += 1
+        return ask
+
+    async def send_jobs(self, job: relay.Job, placement: Placement) -> None:
+        """Hand the jobs to the placed engines; 503 when one did not take its job."""
+        try:
+            why = await dispatch.submit(self.bus, jobs(job.request_id, placement, job.token_ids,
+                                                       job.request.sampling), self.config.bus_timeout_s)
+        except nats.errors.MaxPayloadError:
+            raise self.too_large() from None
+        if why:
+            raise ApiError(503, why, kind="service_unavailable")
 
     async def token_chunks(self, subscription):
         """The request's TokenChunks in order, ending with the one that carries finish_reason."""
@@ -259,7 +265,7 @@ class GatewayService(Service):
         self.counters[labelled("requests_total", outcome=outcome)] += 1
         self.prompt_tokens.observe(len(job.token_ids))
         if not job.engine_finished and (job.placement is not None or job.dispatch_pending):
-            await self.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
+            await self.bus.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
         if job.placement is None:
             return
         e2e = time.perf_counter() - job.started
@@ -270,7 +276,7 @@ class GatewayService(Service):
                 self.ttft_error.observe(abs(ttft - job.placement.predicted_ttft_s))
         if outcome in ("stop", "length"):
             self.e2e.observe(e2e)
-        await self.publish(Subjects.OUTCOME, RequestOutcome(
+        await self.bus.publish(Subjects.OUTCOME, RequestOutcome(
             job.request_id, job.placement.prefill_id, job.placement.decode_id, job.finish_reason or outcome,
             -1.0 if ttft is None else ttft, e2e, len(job.token_ids), job.completion_tokens,
             job.placement.predicted_ttft_s))

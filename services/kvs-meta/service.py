@@ -10,8 +10,8 @@ from aiohttp import web
 from redis.asyncio import Redis
 
 from kvc_kvs_meta.config import KVSMetaConfig
-from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
 from kvcentric.core.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
+from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
 from kvcentric.runtime.service import Service
 
 
@@ -27,12 +27,12 @@ class KVSMetaService(Service):
 
     async def start(self) -> None:
         await self.redis.ping()
-        await self.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
-        await self.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
-                             bad_reply=lambda error: KVSReply([], error))
-        await self.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
-        await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
-        self.spawn(self.every(self.config.lease_ttl_s / 4, self.leases), "leases")
+        await self.bus.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
+        await self.bus.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
+                                 bad_reply=lambda error: KVSReply([], error))
+        await self.bus.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
+        await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
+        self.tasks.spawn(self.tasks.every(self.config.lease_ttl_s / 4, self.leases), "leases")
 
     async def stop(self) -> None:
         await self.redis.aclose()

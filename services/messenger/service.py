@@ -6,13 +6,11 @@ run the same gRPC servicer in-process by default; this service is the node-level
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from kvc_messenger.config import MessengerConfig
-from kvcentric.runtime.host_store import HostKVStore
 from kvcentric.proto import kv_pb2
+from kvcentric.runtime.host_store import HostKVStore
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVTransferServicer, start_server
 
@@ -20,16 +18,17 @@ from kvcentric.runtime.transfer import KVTransferServicer, start_server
 class StoreServicer(KVTransferServicer):
     """KVTransfer whose pulls are served from the host store."""
 
+    sink: HostKVStore
+
     async def Stats(self, request, context) -> kv_pb2.StatsReply:
         self.stats["stored_requests"] = len(self.sink.complete)
         return await super().Stats(request, context)
 
     async def PullKV(self, request, context):
-        deadline = asyncio.get_running_loop().time() + request.wait_s
-        while (entry := self.sink.get(request.request_id)) is None:
-            if asyncio.get_running_loop().time() >= deadline:
-                await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV for request {request.request_id}")
-            await asyncio.sleep(0.005)
+        """The request's KV as it was pushed, waiting up to `wait_s` for the push to commit."""
+        entry = await self.sink.wait_for(request.request_id, request.wait_s)
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV for request {request.request_id}")
         yield kv_pb2.KVChunk(header=entry.header)
         for number in sorted(entry.layers):
             layer = entry.layers[number]
@@ -63,4 +62,5 @@ class MessengerService(Service):
         return {"kv_addr": f"{self.config.kv_host}:{self.kv_port}", "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
-        return {**self.servicer.stats, "stored_requests": len(self.store.complete), "used_bytes": self.store.used_bytes, "evicted_requests": self.store.evicted}
+        return {**self.servicer.stats, "stored_requests": len(self.store.complete),
+                "used_bytes": self.store.used_bytes, "evicted_requests": self.store.evicted}

@@ -1,11 +1,13 @@
 """A host-memory store of pushed request KV, bounded in bytes, oldest request dropped first.
 
 It is the sink of a standalone messenger: pushes land here whole (header, layers, commit) and can be
-pulled again by request id. No I/O; the gRPC side is `kvcentric.runtime.transfer`.
+pulled again by request id, waiting for the push to commit when the pull comes first. No I/O; the gRPC
+side is `kvcentric.runtime.transfer`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 
@@ -28,6 +30,8 @@ class HostKVStore:
         self.pending: dict[str, StoredKV] = {}
         self.complete: collections.OrderedDict[str, StoredKV] = collections.OrderedDict()
         self.evicted = 0
+        self._committed = asyncio.Event()
+        """Set when a push commits, then replaced by a fresh one: what a waiting pull wakes on."""
 
     async def begin(self, header: kv_pb2.KVHeader) -> None:
         if header.stripes > 1 and header.request_id in self.pending:
@@ -50,6 +54,8 @@ class HostKVStore:
         entry = self.pending.pop(request_id)
         entry.commit = commit
         self.complete[request_id] = entry
+        self._committed.set()
+        self._committed = asyncio.Event()
 
     def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:
         entry = self.pending.pop(request_id, None)
@@ -60,6 +66,16 @@ class HostKVStore:
         entry = self.complete.get(request_id)
         if entry is not None:
             self.complete.move_to_end(request_id)
+        return entry
+
+    async def wait_for(self, request_id: str, timeout_s: float) -> StoredKV | None:
+        """The request's stored KV, once its push has committed; None when it has not within `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while (entry := self.get(request_id)) is None:
+                    await self._committed.wait()
+        except TimeoutError:
+            return None
         return entry
 
     def _make_room(self, size: int) -> None:

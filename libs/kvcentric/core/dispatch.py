@@ -1,0 +1,38 @@
+"""What handing a placed request to its engines means: the jobs a placement implies, and whether the
+dispatch part of a schedule request is sound. It sends nothing; `kvcentric.runtime.dispatch` does.
+"""
+
+from __future__ import annotations
+
+from kvcentric.core.protocol import (DecodeJob, Placement, PrefillJob, SamplingParams, ScheduleRequest,
+                                     job_problem)
+
+Submit = tuple[str, str, PrefillJob | DecodeJob]
+"""(role, instance id, job)."""
+
+
+def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: SamplingParams) -> list[Submit]:
+    """The prefill job, and the decode job unless one colocated instance does both (it takes its decode
+    job from the prefill job)."""
+    prefill = PrefillJob(request_id, token_ids, sampling, placement.decode_id, placement.decode_kv_addr,
+                         placement.kv_source_addr, placement.pull_block_hashes)
+    submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
+    if placement.decode_id != placement.prefill_id:
+        submits.append(("decode", placement.decode_id, DecodeJob(request_id, len(token_ids), sampling)))
+    return submits
+
+
+def bad_dispatch(request: ScheduleRequest) -> str:
+    """Why a request's dispatch part is bad or does not fit the rest of it, or "" (the engines check the
+    token ids against their vocabulary)."""
+    job = request.dispatch
+    if job is None:
+        return ""
+    problem = job_problem(request.request_id, job.sampling)
+    if problem:
+        return problem
+    if len(job.token_ids) != request.n_tokens:
+        return f"dispatch.token_ids has {len(job.token_ids)} tokens, n_tokens says {request.n_tokens}"
+    if job.sampling.max_tokens != request.max_tokens:
+        return f"dispatch.sampling.max_tokens is {job.sampling.max_tokens}, max_tokens says {request.max_tokens}"
+    return ""

@@ -1,0 +1,69 @@
+"""The re-planning arithmetic around `Replanner`: which instances make the PD cluster's pools, and the t
+re-planned once the split a role switch asked for shows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from factories import make_conductor, make_two_cluster_conductor
+from kvcentric.core.prfaas.planner import best_threshold
+from kvcentric.core.prfaas.profile import PrfaasProfile
+from kvcentric.core.prfaas.replanning import ThresholdRetuner, pd_pools, prfaas_instances
+from kvcentric.core.prfaas.throughput import Counts
+from kvcentric.core.prfaas.workload import LengthDistribution
+from kvcentric.core.scheduling.registry import DecodeState
+
+PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+
+
+def ids(states) -> list[str]:
+    return sorted(s.instance_id for s in states)
+
+
+def test_without_a_topology_every_serving_instance_is_in_a_pool():
+    registry = make_conductor(prefills=2, decodes=1).registry
+    prefill, decode = pd_pools(registry.alive_prefill(0.0), registry.alive_decode(0.0), None)
+    assert ids(prefill) == ["p0", "p1"] and ids(decode) == ["d0"]
+
+
+def test_a_colocated_instance_is_in_neither_pool():
+    registry = make_conductor(prefills=2, decodes=1).registry
+    prefill, decode = registry.alive_prefill(0.0), registry.alive_decode(0.0)
+    colocated = DecodeState(prefill[0].instance_id, prefill[0].kv_addr, seen_at=0.0)
+    prefill_pool, decode_pool = pd_pools(prefill, [*decode, colocated], None)
+    assert ids(prefill_pool) == ["p1"] and ids(decode_pool) == ["d0"]
+
+
+def test_with_a_topology_only_the_pd_cluster_counts_and_prfaas_instances_are_counted_apart():
+    conductor = make_two_cluster_conductor(pd_prefills=2, prfaas_prefills=3, decodes=1)
+    prefill, decode = conductor.registry.alive_prefill(0.0), conductor.registry.alive_decode(0.0)
+    pools = pd_pools(prefill, decode, conductor.router)
+    assert ids(pools[0]) == ["a0", "a1"] and ids(pools[1]) == ["d0"]
+    assert prfaas_instances(prefill, conductor.router) == 3 and prfaas_instances(prefill, None) is None
+
+
+def test_t_is_replanned_only_once_the_expected_split_shows():
+    retuner = ThresholdRetuner(PrfaasProfile.load(PROFILE))
+    lengths = [2_000 + 1_500 * i for i in range(40)]
+    for n in lengths:
+        retuner.placed(n, 256)
+    retuner.expect(1, 2)
+    assert retuner.retune(2, 1, 1) is None and retuner.expected == (1, 2)
+    point = retuner.retune(1, 2, 1)
+    want = best_threshold(PrfaasProfile.load(PROFILE), LengthDistribution.from_samples(lengths, 256), Counts(1, 1, 2))
+    assert point is not None and point.threshold == want.threshold and retuner.expected is None
+
+
+def test_without_a_profile_or_prfaas_cluster_nothing_is_replanned_but_the_expectation_is_met():
+    for retuner, n_prfaas in ((ThresholdRetuner(None), 1), (ThresholdRetuner(PrfaasProfile.load(PROFILE)), None)):
+        retuner.placed(1_000, 64)
+        retuner.expect(1, 1)
+        assert retuner.retune(1, 1, n_prfaas) is None and retuner.expected is None
+
+
+def test_the_workload_counts_an_uncached_length_of_zero_as_one():
+    retuner = ThresholdRetuner(None, recent=2)
+    for uncached, output in ((500, 10), (0, 30), (0, 50)):
+        retuner.placed(uncached, output)
+    workload = retuner.workload()
+    assert list(workload.lengths) == [1.0] and workload.output_length == 40.0
