@@ -26,7 +26,8 @@ from kvcentric.tools.processes import nats_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-KUBERNETES_VERSION = "1.37.0"
+KUBERNETES_VERSIONS = ["1.30.0", "1.37.0"]
+"""The oldest and the newest Kubernetes the layouts are checked against."""
 LAYOUTS = {
     "base": "base",
     "gpu": "overlays/gpu",
@@ -108,12 +109,13 @@ def schemas_read_once():
     kubernetes_validate.utils.schema_contents = original
 
 
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_every_document_passes_the_kubernetes_schemas(layout):
+def test_every_document_passes_the_kubernetes_schemas(layout, version):
     documents = rendered(layout)
     assert documents
     for document in documents:
-        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+        kubernetes_validate.validate(document, version, strict=True)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
