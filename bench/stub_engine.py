@@ -29,10 +29,10 @@ class StubEngine(Service):
 
     async def start(self) -> None:
         refuse = lambda error: SubmitAck(False, error)  # noqa: E731
-        await self.subscribe(Subjects.submit("prefill", self.prefill_id), PrefillJob, self.on_prefill,
+        await self.bus.subscribe(Subjects.submit("prefill", self.prefill_id), PrefillJob, self.on_prefill,
                              bad_reply=refuse)
-        await self.subscribe(Subjects.submit("decode", self.decode_id), DecodeJob, self.on_decode, bad_reply=refuse)
-        self.spawn(self.every(0.1, self.report_load), "load-reports")
+        await self.bus.subscribe(Subjects.submit("decode", self.decode_id), DecodeJob, self.on_decode, bad_reply=refuse)
+        self.tasks.spawn(self.tasks.every(0.1, self.report_load), "load-reports")
 
     async def on_decode(self, job: DecodeJob) -> SubmitAck:
         self.counters["decode_submits_total"] += 1
@@ -41,7 +41,7 @@ class StubEngine(Service):
     async def on_prefill(self, job: PrefillJob) -> SubmitAck:
         """The whole generation: one token, finished."""
         self.counters["prefill_submits_total"] += 1
-        await self.publish(Subjects.out(job.request_id),
+        await self.bus.publish(Subjects.out(job.request_id),
                            TokenChunk(job.request_id, 0, [STUB_TOKEN], "length", len(job.token_ids), 1))
         return SubmitAck(True)
 
@@ -49,7 +49,7 @@ class StubEngine(Service):
         for role, instance in (("prefill", self.prefill_id), ("decode", self.decode_id)):
             report = LoadReport(instance, role, self.config.cluster, "127.0.0.1:1", 0, 0, 0, NUM_BLOCKS, NUM_BLOCKS,
                                 time.time())
-            await self.publish(Subjects.load(role, instance), report)
+            await self.bus.publish(Subjects.load(role, instance), report)
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ def test_plan_requires_its_inputs(capsys):
 
 
 def test_the_readme_example_runs_and_prints_what_the_readme_shows(tmp_path, capsys, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "papers.md").read_text()
     section = readme.split("## Prefill-as-a-Service planner", 1)[1].split("\n## ", 1)[0]
     commands = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
     line = next(c for c in commands.splitlines() if c.startswith("kvcentric plan"))

@@ -92,7 +92,7 @@ def readme_sim_examples() -> list[tuple[str, str]]:
     """(command, the output its comment promises if it is JSON, else "") for each `kvcentric sim` line of the
     README's "Conductor and simulator" section."""
     from pathlib import Path
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "papers.md").read_text()
     section = readme.split("## Conductor and simulator", 1)[1].split("\n## ", 1)[0]
     examples = []
     for line in section.splitlines():

@@ -105,37 +105,6 @@ class Service:
     def http_port(self) -> int:
         return self.http.port
 
-    # ---------------------------------------------------------------- to be removed: old base methods
-    # The services still call these; each delegates to its part.
-
-    @property
-    def nc(self):
-        return self.bus.nc
-
-    def spawn(self, coro, name: str) -> asyncio.Task:
-        return self.tasks.spawn(coro, name)
-
-    async def every(self, period_s: float, action) -> None:
-        await self.tasks.every(period_s, action)
-
-    async def subscribe(self, subject: str, kind, handler, **kwargs) -> None:
-        await self.bus.subscribe(subject, kind, handler, **kwargs)
-
-    async def publish(self, subject: str, message, headers: dict | None = None) -> None:
-        await self.bus.publish(subject, message, headers)
-
-    async def request(self, subject: str, message, kind, timeout_s: float = 2.0):
-        return await self.bus.request(subject, message, kind, timeout_s)
-
-    async def send_request(self, subject: str, message) -> asyncio.Future:
-        return await self.bus.send_request(subject, message)
-
-    async def reply(self, future: asyncio.Future, kind, timeout_s: float):
-        return await self.bus.reply(future, kind, timeout_s)
-
-    def histogram(self, name: str, *args, **kwargs):
-        return self.metrics.histogram(name, *args, **kwargs)
-
 
 def run_service(service: Service) -> None:
     """Run until SIGINT/SIGTERM, on uvloop when it is installed (KVC_EVENT_LOOP=asyncio to opt out).
