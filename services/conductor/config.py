@@ -8,7 +8,7 @@ import dataclasses
 from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.core.costmodel import HARDWARE, CostModel
+from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.prfaas.inputs import InputError
 from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.topology import Topology
@@ -108,6 +108,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
                               f"{self.topology} (pd clusters: {', '.join(c.name for c in topology.of_role('pd'))})")
         costs = {name: prfaas_cost for name in (c.name for c in topology.of_role("prfaas"))} if prfaas_cost else {}
         return ClusterSetup(topology, self.cluster, float(self.prfaas_threshold), self.prfaas_adjust_s, costs=costs)
+
+    def cost_model(self) -> CostModel:
+        """What predicts prefill and decode times: the --profile file, else the roofline of --model on
+        --hardware."""
+        return load_cost_model(self.profile, self.model, self.hardware)
 
     @property
     def scheduler(self) -> SchedulerConfig:
