@@ -27,7 +27,7 @@ class EngineConfig(BusConfig):
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
-    hash_algo: str = setting("sha256_cbor", "prefix block hash: sha256_cbor, sha256_hex, xxhash")
+    hash_algo: str = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
