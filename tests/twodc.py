@@ -10,11 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
-import tempfile
 import time
 
-from kvcentric.tools.processes import Child, check_alive, free_port, get_json, nats_server_binary, redis_server_argv, stop_children, wait_for_port
+from kvcentric.tools.processes import Child, Supervisor, free_port, get_json, nats_server_binary
 
 PD, PRFAAS = "pd", "prfaas"
 
@@ -56,13 +54,15 @@ class TwoDatacenters:
 
     def __init__(self, config: TwoDCConfig) -> None:
         self.config = config
-        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="kvcentric-2dc-")
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.children: list[Child] = []
+        self.processes = Supervisor(config.log_dir, prefix="kvcentric-2dc-")
         self.nats_urls: dict[str, str] = {}
         self.monitor_urls: dict[str, str] = {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_dir(self) -> str:
+        return self.processes.log_dir
 
     # ---------------------------------------------------------------- servers
 
@@ -73,8 +73,7 @@ class TwoDatacenters:
             path = os.path.join(self.log_dir, f"nats-{name}.conf")
             with open(path, "w") as out:
                 out.write(nats_gateway_conf(name, client, monitor, gateways))
-            self.children.append(Child(f"nats-{name}", [nats_server_binary(), "-c", path], self.log_dir))
-            wait_for_port("127.0.0.1", client, 10)
+            self.processes.start_server(f"nats-{name}", [nats_server_binary(), "-c", path], client)
             self.nats_urls[name] = f"nats://127.0.0.1:{client}"
             self.monitor_urls[name] = f"http://127.0.0.1:{monitor}"
 
@@ -96,21 +95,10 @@ class TwoDatacenters:
                 raise TimeoutError("the two nats-server processes did not connect their gateways")
             time.sleep(0.1)
 
-    def start_redis(self) -> str:
-        port = free_port()
-        self.children.append(Child("redis-server", redis_server_argv(port), self.log_dir))
-        wait_for_port("127.0.0.1", port, 10)
-        return f"redis://127.0.0.1:{port}/0"
-
     # ---------------------------------------------------------------- services
 
     def service(self, name: str, command: str, cluster: str, *flags: str, port: int | None = None) -> Child:
-        port = free_port() if port is None else port
-        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", self.nats_urls[cluster], "--cluster",
-                cluster, "--port", str(port), *flags]
-        child = Child(name, argv, self.log_dir, f"http://127.0.0.1:{port}/health")
-        self.children.append(child)
-        return child
+        return self.processes.start_service(name, command, self.nats_urls[cluster], cluster, *flags, port=port)
 
     def engine_flags(self, name: str) -> list[str]:
         c = self.config
@@ -120,7 +108,7 @@ class TwoDatacenters:
     def start(self) -> None:
         c = self.config
         self.start_nats()
-        redis_url = self.start_redis()
+        redis_url = self.processes.start_redis()
         self.topology_path = os.path.join(self.log_dir, "topology.json")
         with open(self.topology_path, "w") as out:
             json.dump(topology_document(c), out, indent=2)
@@ -139,31 +127,22 @@ class TwoDatacenters:
         self.service("gateway", "gateway", PD, "--model", c.model, "--block-size", str(c.block_size),
                      port=self.port)
 
-    def child(self, name: str) -> Child:
-        return next(c for c in self.children if c.name == name)
-
     def health(self, name: str) -> dict:
-        return get_json(self.child(name).health_url, timeout_s=5.0)[1]
+        return get_json(self.processes.child(name).health_url, timeout_s=5.0)[1]
 
-    def ready(self) -> bool:
-        if not all(c.healthy() for c in self.children):
-            return False
+    def engines_seen(self) -> bool:
+        """The conductor sees every prefill instance of both datacenters and every decode instance."""
         body = self.health("conductor")
         c = self.config
         return (body.get("prefill_alive", 0) >= c.pd_prefill + c.prfaas_prefill
                 and body.get("decode_alive", 0) >= c.decode)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while not self.ready():
-            check_alive(self.children)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the two datacenters were not ready after {self.config.startup_timeout_s} s; "
-                                   f"logs in {self.log_dir}")
-            time.sleep(0.2)
+        self.processes.wait_healthy(self.config.startup_timeout_s, self.engines_seen,
+                                    "the conductor's view of both datacenters")
 
     def stop(self, grace_s: float = 5.0) -> None:
-        stop_children(self.children, grace_s)
+        self.processes.stop(grace_s)
 
     def __enter__(self) -> TwoDatacenters:
         try:

@@ -5,16 +5,20 @@ block index or kvs-meta lookups) and the PrfaaS topology and threshold."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.core.costmodel import HARDWARE, CostModel
+from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.prfaas.inputs import InputError
 from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.topology import Topology
 from kvcentric.core.scheduling.clusters import ClusterSetup
 from kvcentric.model.config import load_model_config
 from kvcentric.core.scheduling.config import SchedulerConfig
+
+
+PrefixIndex = Literal["local", "kvs-meta"]
+"""Where prefix hits come from (`--prefix-index`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +34,7 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     kvs_timeout_s: float = setting(0.2, "how long one kvs-meta lookup may take")
     kvs_down_duration_s: float = setting(30.0, "after being marked down, kvs-meta is not asked for this long "
                                                "(placement is load-only meanwhile)")
-    prefix_index: Literal["local", "kvs-meta"] = setting(
+    prefix_index: PrefixIndex = setting(
         "local", "where prefix hits come from: local (a mirror of kvs-meta's block index kept from the KV "
                  "events, seeded from kvs-meta at start; no lookup per request) or kvs-meta (one "
                  "kvc.kvs.query per request)")
@@ -77,8 +81,8 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
         require(self.submit_timeout_s > 0, "submit_timeout_s", "must be positive")
         require(self.kvs_down_duration_s >= 0, "kvs_down_duration_s", "must be >= 0")
-        require(self.prefix_index in ("local", "kvs-meta"), "prefix_index",
-                f"choose local or kvs-meta, got {self.prefix_index!r}")
+        require(self.prefix_index in get_args(PrefixIndex), "prefix_index",
+                f"choose {' or '.join(get_args(PrefixIndex))}, got {self.prefix_index!r}")
         require(self.prefix_lease_ttl_s > 0, "prefix_lease_ttl_s", "must be positive")
         require(self.prefix_seed_patience_s >= 0, "prefix_seed_patience_s", "must be >= 0")
         require(self.replan_interval_s >= 0, "replan_interval_s", "must be >= 0 (0: off)")
@@ -108,6 +112,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
                               f"{self.topology} (pd clusters: {', '.join(c.name for c in topology.of_role('pd'))})")
         costs = {name: prfaas_cost for name in (c.name for c in topology.of_role("prfaas"))} if prfaas_cost else {}
         return ClusterSetup(topology, self.cluster, float(self.prfaas_threshold), self.prfaas_adjust_s, costs=costs)
+
+    def cost_model(self) -> CostModel:
+        """What predicts prefill and decode times: the --profile file, else the roofline of --model on
+        --hardware."""
+        return load_cost_model(self.profile, self.model, self.hardware)
 
     @property
     def scheduler(self) -> SchedulerConfig:

@@ -24,7 +24,7 @@ def test_compose_has_every_service_and_the_servers():
 @pytest.mark.parametrize("name", sorted(SERVICES))
 def test_each_service_is_built_from_its_dockerfile_and_runs_a_valid_kvcentric_command(name, monkeypatch):
     service = COMPOSE["services"][name]
-    dockerfile = ROOT / service["build"]["dockerfile"]
+    dockerfile = ROOT / service["build"].get("dockerfile", "Dockerfile")
     assert dockerfile.exists() and f'CMD ["{name}"]' in dockerfile.read_text()
     command = service["command"]
     assert command[:2] == ["kvcentric", name]

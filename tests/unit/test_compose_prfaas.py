@@ -39,7 +39,7 @@ def test_each_service_runs_a_valid_kvcentric_command_on_its_own_sides_bus(name, 
     service = SERVICES[name]
     command = list(service["command"])
     subcommand = command[1]
-    assert ROOT.joinpath(service["build"]["dockerfile"]).exists()
+    assert ROOT.joinpath(service["build"].get("dockerfile", "Dockerfile")).exists()
     for target, source in mounts(service).items():  # the file the container would see
         assert source.exists(), source
         command = [str(source) if part == target else part for part in command]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcentric.model.config import ModelConfig
+from kvcentric.model.config import ModelConfig, load_model_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +40,6 @@ class HardwareSpec:
     """Memory bandwidth of one device, bytes/s."""
     mem_bytes: float
     """Memory of one device, bytes (weights plus KV cache must fit)."""
-    net_bw: float
-    """Network bandwidth of one instance (its NIC), bytes/s: the KV transfer link."""
     host_bytes: float
     """Host DRAM an instance lends to the prefix-cache pool, bytes."""
     dtype_bytes: int = 2
@@ -54,16 +52,16 @@ class HardwareSpec:
 
 
 HARDWARE: dict[str, HardwareSpec] = {
-    # Mooncake §8: 8 A800-SXM4-80GB per node (312 TFLOP/s bf16, ~2 TB/s HBM each), 800 Gbps RDMA.
-    # mfu/mbu are typical of tensor-parallel serving, not measured; overhead: 2 all-reduces per layer
-    # of LLaMA2-70B (160) at ~20 µs. Host DRAM lent to the cache pool: 1 TB per node (an assumption).
+    # Mooncake §8: 8 A800-SXM4-80GB per node (312 TFLOP/s bf16, ~2 TB/s HBM each), 800 Gbps RDMA (the
+    # link is the scheduler's --link-gbps). mfu/mbu are typical of tensor-parallel serving, not measured;
+    # overhead: 2 all-reduces per layer of LLaMA2-70B (160) at ~20 µs. Host DRAM lent to the cache pool:
+    # 1 TB per node (an assumption).
     "8xA800-800gbps": HardwareSpec("8xA800-800gbps", devices=8, flops=312e12, mem_bw=2.0e12, mem_bytes=80e9,
-                                   net_bw=800e9 / 8, host_bytes=1e12, dtype_bytes=2, mfu=0.5, mbu=0.7,
-                                   overhead_s=0.003),
+                                   host_bytes=1e12, dtype_bytes=2, mfu=0.5, mbu=0.7, overhead_s=0.003),
     # This 2-core box: ~300 GFLOP/s nominal fp32 matmul on 2 threads (torch measures 60, numpy 90 at
-    # 2048x2048, hence mfu 0.3), ~10 GB/s memory, loopback gRPC ~1 GB/s.
-    "cpu-2core": HardwareSpec("cpu-2core", devices=1, flops=300e9, mem_bw=10e9, mem_bytes=16e9, net_bw=1e9,
-                              host_bytes=4e9, dtype_bytes=4, mfu=0.3, mbu=0.8, overhead_s=0.0),
+    # 2048x2048, hence mfu 0.3), ~10 GB/s memory.
+    "cpu-2core": HardwareSpec("cpu-2core", devices=1, flops=300e9, mem_bw=10e9, mem_bytes=16e9, host_bytes=4e9,
+                              dtype_bytes=4, mfu=0.3, mbu=0.8, overhead_s=0.0),
 }
 
 
@@ -174,6 +172,15 @@ class CostModel:
         return cls((fixed, per_token, pair / flops, pair / (2 * flops)),
                    (fixed, per_token, kv_per_token / bandwidth), kv_per_token,
                    f"roofline:{model.name}@{hardware.name}")
+
+
+def load_cost_model(profile: str, model: str, hardware_name: str) -> CostModel:
+    """The cost model a service or the simulator predicts with: the `kvcentric profile` JSON at `profile`
+    when one is given, else the roofline of `model` (a preset or checkpoint directory) on the
+    `hardware_name` preset. Every --profile / --model / --hardware flag set resolves here."""
+    if profile:
+        return CostModel.load(profile)
+    return CostModel.roofline(load_model_config(model), hardware(hardware_name))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,8 +9,9 @@ import re
 from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
-from kvcentric.core.costmodel import HARDWARE, CostModel, hardware
+from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.hashing import HASH_ALGOS
+from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import load_model_config
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -26,7 +27,7 @@ class EngineConfig(BusConfig):
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
-    hash_algo: str = setting("sha256_cbor", "prefix block hash: sha256_cbor, sha256_hex, xxhash")
+    hash_algo: str = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
@@ -37,7 +38,7 @@ class EngineConfig(BusConfig):
     kv_rate_limit_gbps: float = setting(0.0, "cap each peer's KV push bandwidth, Gbit/s (0: none); emulates "
                                              "a cross-datacenter link")
     host_pool_mb: int = setting(256, "host-memory KV block pool of this node (prefill, colocated), MiB; 0: none")
-    host_pool_policy: str = setting("lru", "host pool eviction: lru, lfu, length_aware")
+    host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
     tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
@@ -57,8 +58,8 @@ class EngineConfig(BusConfig):
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
         require(self.host_pool_mb >= 0, "host_pool_mb", "must be 0 (none) or positive")
-        require(self.host_pool_policy in ("lru", "lfu", "length_aware"), "host_pool_policy",
-                "choose lru, lfu or length_aware")
+        require(self.host_pool_policy in EVICTION_POLICIES, "host_pool_policy",
+                f"choose one of {', '.join(EVICTION_POLICIES)}")
         require(self.kv_stripes >= 1, "kv_stripes", "must be at least 1")
         require(self.kv_rate_limit_gbps >= 0, "kv_rate_limit_gbps", "must be 0 (none) or positive")
         require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")
@@ -79,6 +80,4 @@ class EngineConfig(BusConfig):
 
     def cost_model(self) -> CostModel:
         """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""
-        if self.profile:
-            return CostModel.load(self.profile)
-        return CostModel.roofline(load_model_config(self.model), hardware(self.hardware))
+        return load_cost_model(self.profile, self.model, self.hardware)

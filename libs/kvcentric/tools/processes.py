@@ -1,7 +1,8 @@
 """Child processes for `kvcentric up` and the test harness: free ports, the bundled nats-server and
-redis-server, health polling, and stopping a group of children in order.
+redis-server, and a `Supervisor` that starts children, waits for their health, notices one exiting, and
+stops them all in order.
 
-It decides nothing about a cluster's shape (that is `kvcentric.tools.up`).
+It decides nothing about a cluster's shape (that is `kvcentric.tools.up`, or `tests/twodc.py`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+from typing import Callable
 
 PR_SET_PDEATHSIG = 1
 
@@ -97,28 +100,83 @@ class Child:
             return b"".join(log.readlines()[-lines:]).decode(errors="replace")
 
 
-def check_alive(children: list[Child]) -> None:
-    """Raise, with the end of its log, if any child has exited."""
-    for child in children:
-        code = child.process.poll()
-        if code is not None:
-            raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
-                               f"{child.log_tail()}")
+class Supervisor:
+    """The children of one run, in start order: the servers (no health URL) and the `kvcentric` services
+    that use them. `stop` ends the services, newest first, then the servers."""
 
+    def __init__(self, log_dir: str = "", prefix: str = "kvcentric-") -> None:
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix=prefix)
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.children: list[Child] = []
 
-def stop_children(children: list[Child], grace_s: float = 3.0) -> None:
-    """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
-    services = [c for c in reversed(children) if c.health_url is not None]
-    servers = [c for c in reversed(children) if c.health_url is None]
-    for group in (services, servers):
-        for child in group:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in group:
-            try:
-                child.process.wait(max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
-            child.log_file.close()
+    def start(self, name: str, argv: list[str], health_url: str | None = None) -> Child:
+        child = Child(name, argv, self.log_dir, health_url)
+        self.children.append(child)
+        return child
+
+    def start_server(self, name: str, argv: list[str], port: int) -> None:
+        """A server that is up once something listens on its loopback `port`."""
+        self.start(name, argv)
+        wait_for_port("127.0.0.1", port, 10)
+
+    def start_nats(self) -> str:
+        """A nats-server on a free loopback port; returns its URL."""
+        port = free_port()
+        self.start_server("nats-server", nats_server_argv(port), port)
+        return f"nats://127.0.0.1:{port}"
+
+    def start_redis(self) -> str:
+        """A redis-server on a free loopback port; returns its URL."""
+        port = free_port()
+        self.start_server("redis-server", redis_server_argv(port), port)
+        return f"redis://127.0.0.1:{port}/0"
+
+    def start_service(self, name: str, command: str, nats_url: str, cluster: str, *flags: str,
+                      port: int | None = None, health_host: str = "127.0.0.1") -> Child:
+        """`kvcentric <command>` of `cluster` on `port` (default: a free one), healthy once its /health
+        at `health_host` answers 200."""
+        port = free_port() if port is None else port
+        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url, "--cluster", cluster,
+                "--port", str(port), *flags]
+        return self.start(name, argv, f"http://{health_host}:{port}/health")
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def wait_healthy(self, timeout_s: float, also: Callable[[], bool] = lambda: True, also_what: str = "") -> None:
+        """Until every child has answered /health once and `also()` holds (`also_what` names it in the
+        timeout's message); raises RuntimeError as soon as a child exits, TimeoutError after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        waiting = list(self.children)
+        while waiting or not also():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                names = ", ".join(c.name for c in waiting) or also_what
+                raise TimeoutError(f"not healthy after {timeout_s} s: {names}; logs in {self.log_dir}")
+            waiting = [c for c in waiting if not c.healthy()]
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        """Raise, with the end of its log, if any child has exited."""
+        for child in self.children:
+            code = child.process.poll()
+            if code is not None:
+                raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
+                                   f"{child.log_tail()}")
+
+    def stop(self, grace_s: float = 3.0) -> None:
+        """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
+        services = [c for c in reversed(self.children) if c.health_url is not None]
+        servers = [c for c in reversed(self.children) if c.health_url is None]
+        for group in (services, servers):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for child in group:
+                try:
+                    child.process.wait(max(0.05, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.process.kill()
+                    child.process.wait()
+                child.log_file.close()

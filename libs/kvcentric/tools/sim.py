@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Literal
 
 from kvcentric.config import ConfigError, add_arguments, from_namespace, require, setting
-from kvcentric.core.costmodel import HARDWARE, CostModel, decode_capacity_tokens, hardware, host_cache_blocks
+from kvcentric.core.costmodel import HARDWARE, decode_capacity_tokens, hardware, host_cache_blocks, load_cost_model
 from kvcentric.model.config import PRESETS, preset
 from kvcentric.core.scheduling.config import SchedulerConfig
-from kvcentric.core.scheduling.eviction import parse_capacity
+from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName, parse_capacity
 from kvcentric.core.sim.cachesim import replay_pool
 from kvcentric.core.sim.cluster import ClusterSpec, Progress, Simulation
 from kvcentric.core.sim.metrics import summarize, write_results
@@ -50,7 +50,7 @@ class SimConfig(SchedulerConfig):
     prefill_chunk: int = setting(2048, "colocated chunked prefill: tokens per step (decode sequences included)")
     cache_blocks: str = setting("auto", "prefix-cache blocks per instance: a number, inf, or auto (host DRAM "
                                         "of --hardware / KV bytes of a block)")
-    eviction: Literal["lru", "lfu", "length_aware"] = setting("lru", "prefix-cache eviction policy")
+    eviction: EvictionName = setting("lru", "prefix-cache eviction policy")
     model: str = setting("llama2-70b", "model preset (shapes for the roofline and memory sizes)")
     hardware: str = setting("8xA800-800gbps", f"hardware preset: {', '.join(HARDWARE)}")
     profile: str = setting("", "cost model JSON from `kvcentric profile` (default: roofline of --model on --hardware)")
@@ -84,7 +84,7 @@ class SimConfig(SchedulerConfig):
 def build(config: SimConfig) -> tuple[Simulation, dict]:
     """The simulation and a description of what it models (kept in summary.json)."""
     model, spec = preset(config.model), hardware(config.hardware)
-    cost = CostModel.load(config.profile) if config.profile else CostModel.roofline(model, spec)
+    cost = load_cost_model(config.profile, config.model, config.hardware)
     capacity = config.decode_kv_tokens or decode_capacity_tokens(model, spec)
     blocks = host_cache_blocks(model, spec, config.block_size) if config.cache_blocks == "auto" else \
         parse_capacity(config.cache_blocks)
@@ -133,7 +133,7 @@ def cache_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvcentric sim cache", description=(
         "Hit ratio of one global block pool replaying a trace in arrival order (Mooncake Table 1)."))
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="Mooncake JSONL trace")
-    parser.add_argument("--policy", default="lru", choices=["lru", "lfu", "length_aware"])
+    parser.add_argument("--policy", default="lru", choices=EVICTION_POLICIES)
     parser.add_argument("--capacity", default="inf", help="pool capacity in blocks, or inf")
     parser.add_argument("--limit", type=int, default=0, help="only the first N requests (0: all)")
     args = parser.parse_args(argv)

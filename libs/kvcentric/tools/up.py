@@ -15,14 +15,12 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import time
 from typing import Literal
 
 from kvcentric.config import require, setting
 from kvcentric.engine.config import DEVICE
-from kvcentric.tools.processes import (Child, check_alive, free_port, get_json, nats_server_argv, redis_server_argv,
-                                       stop_children, wait_for_port)
+from kvcentric.tools.processes import Child, Supervisor, get_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,36 +90,28 @@ class UpConfig:
 
 
 class Cluster:
-    """The processes of one `kvcentric up`, in start order; `stop` ends them in reverse."""
+    """The processes of one `kvcentric up`: which services, with which flags, in which order; its
+    `Supervisor` starts them, watches them and stops them in reverse."""
 
     def __init__(self, config: UpConfig) -> None:
         self.config = config
-        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix="kvcentric-")
-        os.makedirs(self.log_dir, exist_ok=True)
-        self.children: list[Child] = []
+        self.processes = Supervisor(config.log_dir)
         self.nats_url = config.nats_url
         self.redis_url = config.redis_url
 
+    @property
+    def log_dir(self) -> str:
+        return self.processes.log_dir
+
     def service(self, name: str, command: str, *flags: str, port: int | None = None) -> Child:
-        port = free_port() if port is None else port
-        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", self.nats_url, "--cluster",
-                self.config.cluster, "--port", str(port), "--log-level", self.config.log_level, *flags]
         host = self.config.host if command == "gateway" else "127.0.0.1"
-        child = Child(name, argv, self.log_dir, f"http://{_client_host(host)}:{port}/health")
-        self.children.append(child)
-        return child
+        return self.processes.start_service(name, command, self.nats_url, self.config.cluster, "--log-level",
+                                            self.config.log_level, *flags, port=port,
+                                            health_host=_client_host(host))
 
     def start(self) -> None:
-        if not self.nats_url:
-            port = free_port()
-            self.children.append(Child("nats-server", nats_server_argv(port), self.log_dir))
-            wait_for_port("127.0.0.1", port, 10)
-            self.nats_url = f"nats://127.0.0.1:{port}"
-        if not self.redis_url:
-            port = free_port()
-            self.children.append(Child("redis-server", redis_server_argv(port), self.log_dir))
-            wait_for_port("127.0.0.1", port, 10)
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.nats_url = self.nats_url or self.processes.start_nats()
+        self.redis_url = self.redis_url or self.processes.start_redis()
         c = self.config
         threads = max(1, (os.cpu_count() or 1) // len(c.engines))
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
@@ -136,28 +126,17 @@ class Cluster:
         """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests."""
         manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url,
                     "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
-                                 for c in self.children}}
+                                 for c in self.processes.children}}
         with open(os.path.join(self.log_dir, "cluster.json"), "w") as out:
             json.dump(manifest, out, indent=2)
 
-    @property
-    def gateway(self) -> Child:
-        return self.children[-1]
-
     def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        waiting = list(self.children)
-        while waiting or not self.engines_seen():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                names = ", ".join(c.name for c in waiting) or "the conductor's view of the engines"
-                raise TimeoutError(f"not healthy after {self.config.startup_timeout_s} s: {names}")
-            waiting = [c for c in waiting if not c.healthy()]
-            time.sleep(0.2)
+        self.processes.wait_healthy(self.config.startup_timeout_s, self.engines_seen,
+                                    "the conductor's view of the engines")
 
     def engines_seen(self) -> bool:
         try:
-            status, body = get_json(self.gateway.health_url)
+            status, body = get_json(self.processes.child("gateway").health_url)
         except (OSError, ValueError):
             return False
         prefill, decode = self.config.expected_alive
@@ -165,10 +144,10 @@ class Cluster:
                 and body.get("decode_alive", 0) >= decode)
 
     def check_alive(self) -> None:
-        check_alive(self.children)
+        self.processes.check_alive()
 
     def stop(self, grace_s: float = 3.0) -> None:
-        stop_children(self.children, grace_s)
+        self.processes.stop(grace_s)
 
 
 def _client_host(host: str) -> str:

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal, get_args
 
 from kvcentric.core.protocol import ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator
 from kvcentric.core.scheduling.registry import DecodeState
 
-REJECTION_MODES = ("never", "none", "early", "predictive")
+RejectionMode = Literal["never", "none", "early", "predictive"]
+"""The overload rejection modes (the module docstring says what each does), by the name `--rejection` takes."""
+REJECTION_MODES: tuple[str, ...] = get_args(RejectionMode)
 MAX_RATIO = 10.0
 """A decode instance that cannot fit the request counts as this many times its TBT SLO in pool averages."""
 

@@ -22,7 +22,7 @@ from kvcentric.core.prfaas.routing import (RouteDecision, ShortTermPolicy, Thres
 from kvcentric.core.prfaas.topology import Topology
 from kvcentric.core.protocol import LoadReport, ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator
-from kvcentric.core.scheduling.policies import PlacementPolicy, PrefillChoice
+from kvcentric.core.scheduling.policies import PlacementPolicy, PrefillChoice, best_holder
 from kvcentric.core.scheduling.registry import PrefillState
 
 
@@ -171,7 +171,7 @@ class ClusterRouter:
         if not pools[self.pd] and not remote:
             return None
         n = request.n_tokens
-        holders = {name: _best_holder(pool, hits) for name, pool in pools.items()}
+        holders = {name: best_holder(pool, hits) for name, pool in pools.items()}
         prefixes = {name: self.estimators[name].cached_tokens(n, blocks) for name, (_, blocks) in holders.items()
                     if name == self.pd or name in remote}
         threshold = self.threshold if pools[self.pd] else -1.0  # no PD-P alive: everything goes remote
@@ -244,15 +244,6 @@ class ClusterRouter:
                 "egress_utilization": {n: round(self.utilization(n, prefills, now), 4) for n in self.prfaas},
                 "prfaas_queue_s": {n: round(_mean_queue(self.in_scope(prefills, n), now), 3) for n in self.prfaas},
                 "routed": {k: v for k, v in self.stats.items()}}
-
-
-def _best_holder(pool: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
-    best, blocks = None, 0
-    for state in pool:
-        held = hits.get(state.instance_id, 0)
-        if held > blocks:
-            best, blocks = state, held
-    return best, blocks
 
 
 def _mean_queue(pool: list[PrefillState], now: float) -> float:

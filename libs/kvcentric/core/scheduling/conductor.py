@@ -33,7 +33,6 @@ MAX_PENDING = 100_000
 class Pending:
     predicted_ttft_s: float
     decode_id: str
-    placed_at: float
 
 
 class Conductor:
@@ -164,7 +163,7 @@ class Conductor:
         decode.instance.forecast.add(request.request_id, now + choice.ttft_s, request.n_tokens)
         if len(self.pending) >= MAX_PENDING:
             self.pending.pop(next(iter(self.pending)))
-        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, now)
+        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id)
         self.stats["placed"] += 1
 
     def _placement(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice) -> Placement:

@@ -4,17 +4,17 @@ a flag of both: `--policy`, `--rejection`, `--ttft-slo-s`, ...). It holds values
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 from kvcentric.config import require, setting
+from kvcentric.core.scheduling.admission import RejectionMode
+from kvcentric.core.scheduling.policies import PlacementName
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
-    policy: Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix"] = setting(
-        "kvcentric", "prefill placement policy (kvcentric = Mooncake Algorithm 1)")
-    rejection: Literal["never", "none", "early", "predictive"] = setting(
-        "early", "overload rejection: never, none (each stage on arrival), early, predictive (Mooncake §7)")
+    policy: PlacementName = setting("kvcentric", "prefill placement policy (kvcentric = Mooncake Algorithm 1)")
+    rejection: RejectionMode = setting(
+        "early", "overload rejection (Mooncake §7; none: each stage on its own, on arrival; never: admit all)")
     ttft_slo_s: float = setting(30.0, "TTFT SLO in seconds (a request predicted above it is rejected)")
     tbt_slo_s: float = setting(0.1, "TBT SLO in seconds (time between tokens)")
     kvcache_balancing_threshold: float = setting(

@@ -16,9 +16,13 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from typing import Hashable, Iterable, Protocol, Sequence
+from typing import Hashable, Iterable, Literal, Protocol, Sequence, get_args
 
 Key = Hashable
+
+EvictionName = Literal["lru", "lfu", "length_aware"]
+"""The eviction policies, by the name the flags take (`--eviction`, `--host-pool-policy`)."""
+EVICTION_POLICIES: tuple[str, ...] = get_args(EvictionName)
 
 
 class EvictionPolicy(Protocol):
@@ -139,14 +143,14 @@ class LengthAwarePolicy:
         return None
 
 
-POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "length_aware": LengthAwarePolicy}
+POLICIES = {policy.name: policy for policy in (LRUPolicy, LFUPolicy, LengthAwarePolicy)}
 
 
 def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; choose {', '.join(POLICIES)}") from None
+        raise ValueError(f"unknown eviction policy {name!r}; choose {', '.join(EVICTION_POLICIES)}") from None
 
 
 def parse_capacity(text: str | int | float) -> float:

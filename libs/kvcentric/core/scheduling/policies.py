@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Mapping, Protocol
+from typing import Literal, Mapping, Protocol, get_args
 
 from kvcentric.core.protocol import ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
@@ -37,6 +37,17 @@ class PrefillChoice:
     @property
     def pull_blocks(self) -> int:
         return self.prefix_blocks - self.local_blocks if self.source is not None else 0
+
+
+def best_holder(prefills: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
+    """FindBestPrefixMatch over a pool: the instance holding the longest prefix and its length in blocks
+    (None, 0 when no instance holds any)."""
+    source, best = None, 0
+    for instance in prefills:
+        prefix = hits.get(instance.instance_id, 0)
+        if prefix > best:
+            source, best = instance, prefix
+    return source, best
 
 
 class PlacementPolicy(Protocol):
@@ -119,7 +130,7 @@ class KVCentricPolicy(_Policy):
 
     def choose(self, request, prefills, hits, now):
         estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
-        source, best_prefix = self.best_holder(prefills, hits) if hits else (None, 0)
+        source, best_prefix = best_holder(prefills, hits) if hits else (None, 0)
         memo: dict[int, float] = {}
         best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
         for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
@@ -140,16 +151,6 @@ class KVCentricPolicy(_Policy):
         reused = best_prefix if best_pull else prefix
         return PrefillChoice(best, best_ttft, memo[reused], reused, source if best_pull else None, prefix)
 
-    @staticmethod
-    def best_holder(prefills: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
-        """FindBestPrefixMatch over the alive pool: the instance with the longest prefix, and its length."""
-        source, best = None, 0
-        for instance in prefills:
-            prefix = hits.get(instance.instance_id, 0)
-            if prefix > best:
-                source, best = instance, prefix
-        return source, best
-
 
 class LlumnixPolicy(_Policy):
     """Least prefixMissTokens + allPrefillsTokensNum (uncached tokens of this request plus tokens
@@ -167,16 +168,20 @@ class LlumnixPolicy(_Policy):
         return self.local(request, min(prefills, key=metric), hits, now)
 
 
-POLICY_NAMES = ("random", "load_balance", "cache_aware", "kvcentric", "llumnix")
+PlacementName = Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix"]
+"""The placement policies, by the name `--policy` takes."""
+PLACEMENT_POLICIES: tuple[str, ...] = get_args(PlacementName)
+ESTIMATOR_ONLY = {policy.name: policy for policy in (LoadBalancePolicy, CacheAwarePolicy, LlumnixPolicy)}
+"""The policies built from the estimator alone."""
 
 
 def make_policy(name: str, estimator: Estimator, links: LinkTable, threshold: float = 2.0,
                 seed: int = 0) -> PlacementPolicy:
-    if name == "random":
+    """The placement policy called `name` (one of PLACEMENT_POLICIES)."""
+    if name == RandomPolicy.name:
         return RandomPolicy(estimator, seed)
-    if name == "kvcentric":
+    if name == KVCentricPolicy.name:
         return KVCentricPolicy(estimator, links, threshold)
-    classes = {"load_balance": LoadBalancePolicy, "cache_aware": CacheAwarePolicy, "llumnix": LlumnixPolicy}
-    if name not in classes:
-        raise ValueError(f"unknown placement policy {name!r}; choose {', '.join(POLICY_NAMES)}")
-    return classes[name](estimator)
+    if name not in ESTIMATOR_ONLY:
+        raise ValueError(f"unknown placement policy {name!r}; choose {', '.join(PLACEMENT_POLICIES)}")
+    return ESTIMATOR_ONLY[name](estimator)
