@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 
+from kvcentric.core.scheduling.policies import PLACEMENT_POLICIES
 from sim_common import RESULTS, brief, pyplot, save_json, simulate
 
-POLICIES = ["random", "load_balance", "cache_aware", "kvcentric", "llumnix"]
+POLICIES = list(PLACEMENT_POLICIES)
 SPEEDS = [1.0, 1.5]
 THRESHOLDS = [1.0, 1.5, 2.0, 4.0, 8.0, math.inf]
 KEYS = ("ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "ttft_slo_attainment", "prefix_hit_ratio", "pulls",

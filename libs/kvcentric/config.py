@@ -12,6 +12,9 @@ import os
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+"""Log levels every service and `kvcentric up` take."""
+
 
 class ConfigError(ValueError):
     """A bad setting; the message names the flag."""
@@ -97,7 +100,7 @@ class BusConfig:
     cluster: str = setting("local", "cluster (datacenter) this service belongs to")
     host: str = setting("127.0.0.1", "address the HTTP side (health, metrics, API) binds to")
     port: int = setting(0, "HTTP port for /health and /metrics (0: pick a free port)")
-    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level")
+    log_level: LogLevel = setting("info", "log level")
 
     def __post_init__(self) -> None:
         require(self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")), "nats_url",

@@ -47,12 +47,6 @@ DUMP_PAGE_TIMEOUT_S = 2.0
 """How long one page of the dump may take."""
 
 
-def load_cost_model(config: ConductorConfig) -> CostModel:
-    if config.profile:
-        return CostModel.load(config.profile)
-    return CostModel.roofline(load_model_config(config.model), hardware(config.hardware))
-
-
 class ConductorService(Service):
     role = "conductor"
 
@@ -60,7 +54,7 @@ class ConductorService(Service):
         super().__init__(config)
         self.config: ConductorConfig = config
         prfaas_cost = CostModel.load(config.prfaas_profile) if config.prfaas_profile else None
-        self.core = Conductor(config.scheduler, load_cost_model(config), stale_after_s=config.stale_after_s,
+        self.core = Conductor(config.scheduler, config.cost_model(), stale_after_s=config.stale_after_s,
                               clusters=config.clusters(prfaas_cost))
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)

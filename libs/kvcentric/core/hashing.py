@@ -9,13 +9,13 @@ from array import array
 from collections.abc import Sequence
 from itertools import accumulate
 from operator import index
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 import xxhash
 
 HashAlgo = Literal["sha256_cbor", "sha256_hex", "xxhash"]
-HASH_ALGOS: tuple[str, ...] = ("sha256_cbor", "sha256_hex", "xxhash")
+HASH_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 
 _sha256 = hashlib.sha256
 _xxh3_128 = xxhash.xxh3_128_digest

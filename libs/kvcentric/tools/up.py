@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Literal
 
-from kvcentric.config import require, setting
+from kvcentric.config import LogLevel, require, setting
 from kvcentric.engine.config import DEVICE
 from kvcentric.tools.processes import Child, Supervisor, get_json
 
@@ -48,7 +48,7 @@ class UpConfig:
                                     "conductor's --tbt-slo-s when set")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
-    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "log level of the services")
+    log_level: LogLevel = setting("info", "log level of the services")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", "must be 0..65535")
