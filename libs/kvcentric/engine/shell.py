@@ -169,14 +169,14 @@ class EngineService(Service):
             problem = job_problem(job.request_id, job.sampling)
             if problem:
                 self.counters["bus_drops_total"] += 1
-                return SubmitAck(False, problem)
+                return SubmitAck.refused(problem)
             if job.request_id in self.cancelled:
                 self.counters["jobs_after_cancel_total"] += 1
-                return SubmitAck(False, f"request {job.request_id} was cancelled before its job arrived")
+                return SubmitAck.refused(f"request {job.request_id} was cancelled before its job arrived")
             return await handler(job)
 
         await self.subscribe(Subjects.submit(role, self.instance_id), kind, take,
-                             bad_reply=lambda error: SubmitAck(False, error))
+                             bad_reply=SubmitAck.refused)
 
     async def work_loop(self) -> None:
         raise NotImplementedError
@@ -188,7 +188,7 @@ class EngineService(Service):
         self.kv_addr = self.config.kv_advertise or f"{self.config.kv_host}:{port}"
         await self.subscribe(Subjects.CANCEL_ALL, Cancel, self._cancel)
         await self.subscribe(Subjects.control(self.instance_id), RoleSwitch, self.on_role_switch,
-                             bad_reply=lambda error: SubmitAck(False, error))
+                             bad_reply=SubmitAck.refused)
         self.spawn(self.every(self.config.load_interval_s, self.report_load), "load-reports")
         self.spawn(self.send_outbox(), "outbox")
         self.spawn(self.work_loop(), "work-loop")
@@ -207,18 +207,18 @@ class EngineService(Service):
     async def on_role_switch(self, command: RoleSwitch) -> SubmitAck:
         """Drain, then serve as `command.role`; answered at once (the drain goes on in the background)."""
         if self.role not in ("prefill", "decode"):
-            return SubmitAck(False, f"a {self.role} instance serves both roles; it does not switch")
+            return SubmitAck.refused(f"a {self.role} instance serves both roles; it does not switch")
         if command.role == self.role and self.draining_to is None:
-            return SubmitAck(True, f"already a {self.role} instance")
+            return SubmitAck(ok=True, error=f"already a {self.role} instance")
         if self.draining_to is not None:
-            return SubmitAck(self.draining_to == command.role, f"already draining to {self.draining_to}")
+            return SubmitAck(ok=self.draining_to == command.role, error=f"already draining to {self.draining_to}")
         self.draining_to = command.role
         self.counters["role_switches_total"] += 1
         self.log.info("draining to become a %s instance%s", command.role,
                       f" ({command.reason})" if command.reason else "")
         await self.report_load()  # the conductor stops placing here now, not at the next tick
         self.spawn(self.drain_then_switch(), "role-switch")
-        return SubmitAck(True)
+        return SubmitAck.accepted()
 
     async def drain_then_switch(self) -> None:
         started = time.monotonic()
@@ -235,9 +235,9 @@ class EngineService(Service):
         for tier, hashes in (("device", list(self.pool.hash_to_block)),
                              ("dram", list(self.host.slot_of) if self.host is not None else [])):
             if hashes:
-                events.append(BlockEvicted(self.instance_id, hashes, tier))
+                events.append(BlockEvicted(node_id=self.instance_id, block_hashes=hashes, tier=tier))
         if events:
-            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events=events))
 
     @property
     def hands_over(self) -> bool:
@@ -268,10 +268,10 @@ class EngineService(Service):
         events = []
         for tier, pool in (("device", self.pool), ("dram", self.host)):
             stored, evicted = pool.drain_events() if pool is not None else ([], [])
-            events += ([BlockEvicted(self.instance_id, evicted, tier)] if evicted else []) + \
-                      ([BlockStored(self.instance_id, stored, tier)] if stored else [])
+            events += ([BlockEvicted(node_id=self.instance_id, block_hashes=evicted, tier=tier)] if evicted else []) + \
+                      ([BlockStored(node_id=self.instance_id, block_hashes=stored, tier=tier)] if stored else [])
         if events:
-            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+            await self.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events=events))
 
     async def run_model(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -284,9 +284,10 @@ class EngineService(Service):
         self.wake.clear()
 
     def base_load(self, queued_requests: int, queued_tokens: int, running: int, role: str = "") -> LoadReport:
-        return LoadReport(self.instance_id, role or self.role, self.config.cluster, self.kv_addr, queued_requests,
-                          queued_tokens, running, self.pool.num_blocks, self.pool.num_free, time.time(),
-                          link_bandwidth=dict(self.pusher.bandwidth),
+        return LoadReport(instance_id=self.instance_id, role=role or self.role, cluster=self.config.cluster,
+                          kv_addr=self.kv_addr, queued_requests=queued_requests, queued_tokens=queued_tokens,
+                          running=running, kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free,
+                          ts=time.time(), link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"],
                           draining=self.draining_to is not None)
 
