@@ -65,10 +65,10 @@ class ReplanLoop:
                               switch.to_role)
         for instance_id in switch.instance_ids:
             try:
-                command = RoleSwitch(switch.to_role, change.reason)
+                command = RoleSwitch(role=switch.to_role, reason=change.reason)
                 ack = await self.service.request(Subjects.control(instance_id), command, SubmitAck, timeout_s=2.0)
             except (nats.errors.Error, TimeoutError, BadMessage) as exc:
-                ack = SubmitAck(False, f"{type(exc).__name__}: {exc}")
+                ack = SubmitAck.refused(f"{type(exc).__name__}: {exc}")
             self.service.counters[f"role_switches_{'sent' if ack.ok else 'failed'}_total"] += 1
             if not ack.ok:
                 self.service.log.warning("%s did not take the role switch: %s", instance_id, ack.error)

@@ -93,7 +93,7 @@ class ConductorService(Service):
         await self.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
         await self.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
         await self.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
-                             bad_reply=lambda error: Rejection("", "bad_request", error, 0.0))
+                             bad_reply=lambda error: Rejection.bad_request("", error))
         await self.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                              bad_reply=lambda error: self.instances())
         self.spawn(self.every(10.0, self.forget_departed), "forget-departed")
@@ -119,7 +119,7 @@ class ConductorService(Service):
         problem = bad_dispatch(request)
         if problem:
             self.counters["bus_drops_total"] += 1
-            return Rejection(request.request_id, "bad_request", problem, 0.0)
+            return Rejection.bad_request(request.request_id, problem)
         hits = await self.prefix_hits(request.block_hashes)
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
@@ -137,7 +137,7 @@ class ConductorService(Service):
                 except Exception:  # one job may be out: take it back (the caller answers bad_request)
                     self.core.forget(request.request_id)
                     await self.publish(Subjects.cancel(request.request_id),
-                                       Cancel(request.request_id, "conductor: dispatch failed"))
+                                       Cancel(request_id=request.request_id, reason="conductor: dispatch failed"))
                     raise
                 self.spawn(self.check_taken(request, submits, sent), f"dispatch-{request.request_id}")
         return decision
@@ -153,8 +153,8 @@ class ConductorService(Service):
         self.log.warning("request %s: %s", request.request_id, why)
         rid = request.request_id
         self.core.forget(rid)  # it will not run: out of the dispatch-time accounting (the gateway may be gone)
-        await self.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
-        await self.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
+        await self.publish(Subjects.out(rid), TokenChunk.failed(rid, why, prompt_tokens=request.n_tokens, status=503))
+        await self.publish(Subjects.cancel(rid), Cancel(request_id=rid, reason=f"conductor: {why}"))
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
         """Leading blocks each instance holds; None when they cannot be known (kvs-meta down)."""
@@ -170,7 +170,7 @@ class ConductorService(Service):
         """Prefix hits from one kvs-meta batch query; None when it is down."""
         if not self.gate.available(time.monotonic()):
             return None
-        query = encode(KVSQuery(block_hashes))
+        query = encode(KVSQuery(block_hashes=block_hashes))
         for attempt in range(self.config.kvs_retry_times):
             try:
                 reply = await self.nc.request(Subjects.KVS_QUERY, query, timeout=self.config.kvs_timeout_s,
@@ -223,8 +223,8 @@ class ConductorService(Service):
         cursor, blocks = 0, 0
         while True:
             try:
-                page = await self.request(Subjects.KVS_DUMP, KVSDumpQuery(cursor, DUMP_PAGE_BLOCKS), KVSDump,
-                                          DUMP_PAGE_TIMEOUT_S)
+                page = await self.request(Subjects.KVS_DUMP, KVSDumpQuery(cursor=cursor, count=DUMP_PAGE_BLOCKS),
+                                          KVSDump, DUMP_PAGE_TIMEOUT_S)
             except KVS_ERRORS as exc:
                 self.counters["prefix_dump_failures_total"] += 1
                 say = self.log.warning if isinstance(exc, BadMessage) else self.log.debug
@@ -261,7 +261,7 @@ class ConductorService(Service):
 
     def instances(self, role: str = "") -> InstancesReply:
         snapshot = self.registry.snapshot(time.monotonic())
-        return InstancesReply([i for i in snapshot if not role or i.role == role])
+        return InstancesReply(instances=[i for i in snapshot if not role or i.role == role])
 
     def health(self) -> dict:
         now = time.monotonic()
