@@ -38,7 +38,8 @@ def run_once(requests, policy: str, rejection: str, prefills: int, decodes: int)
     cost = CostModel.roofline(preset("llama2-70b"), hardware("8xA800-800gbps"))
     config = SchedulerConfig(policy=policy, rejection=rejection, block_size=512, link_gbps=800)
     conductor, index = Conductor(config, cost, stale_after_s=float("inf")), PrefixIndex()
-    schedule_requests = [ScheduleRequest(r.request_id, r.input_len, r.hashes, r.output_len) for r in requests]
+    schedule_requests = [ScheduleRequest(request_id=r.request_id, n_tokens=r.input_len, block_hashes=r.hashes,
+                                         max_tokens=r.output_len) for r in requests]
     next_report, timed, placed = 0.0, 0.0, 0
     for request, arrival in zip(schedule_requests, (r.arrival_s for r in requests)):
         if arrival >= next_report:

@@ -140,7 +140,8 @@ async def hops(nats_url: str, n: int = 300) -> dict:
         for i in range(n):
             rid = f"hop-{i}"
             sent = time.perf_counter()
-            reply = await nc.request(Subjects.SCHEDULE, encode(ScheduleRequest(rid, 64, hashes, 1)), timeout=2)
+            ask = ScheduleRequest(request_id=rid, n_tokens=64, block_hashes=hashes, max_tokens=1)
+            reply = await nc.request(Subjects.SCHEDULE, encode(ask), timeout=2)
             times["schedule"].append(time.perf_counter() - sent)
             placement = decode(reply.data, ScheduleReply)
             assert isinstance(placement, Placement), placement

@@ -52,7 +52,7 @@ def start_servers() -> tuple[list[subprocess.Popen], str]:
 async def populate(nc, blocks: int, nodes: int = 16) -> list[str]:
     hashes = [f"{random.getrandbits(128):032x}" for _ in range(blocks)]
     for start in range(0, blocks, 5000):
-        batch = [BlockStored(f"node-{(start // 5000) % nodes}", hashes[start:start + 5000])]
+        batch = [BlockStored(node_id=f"node-{(start // 5000) % nodes}", block_hashes=hashes[start:start + 5000])]
         await nc.publish(Subjects.kv_events("bench"), encode(KVEventBatch(batch)))
     await nc.flush()
     probe = KVSQuery(hashes[-1:])

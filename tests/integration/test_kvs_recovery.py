@@ -40,7 +40,7 @@ async def start_kvs_meta(nats_url: str, redis_url: str) -> KVSMetaService:
 
 async def store_blocks(nc, node: str, hashes: list[str]) -> None:
     """Announce `node`'s blocks as an engine does, and wait until kvs-meta answers with them."""
-    await nc.publish(Subjects.kv_events(node), encode(KVEventBatch([BlockStored(node, hashes)])))
+    await nc.publish(Subjects.kv_events(node), encode(KVEventBatch([BlockStored(node_id=node, block_hashes=hashes)])))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
@@ -59,7 +59,8 @@ async def place(nc, conductor: ConductorService, hashes: list[str]) -> Placement
     await announce(nc, conductor)
     await eventually(lambda: all(p.dispatched_s == 0 for p in conductor.registry.prefill.values()),
                      "the fresh load reports were taken")
-    decision = await schedule(nc, ScheduleRequest(f"r-{uuid.uuid4().hex[:8]}", 100, hashes, 8))
+    decision = await schedule(nc, ScheduleRequest(request_id=f"r-{uuid.uuid4().hex[:8]}", n_tokens=100,
+                                                  block_hashes=hashes, max_tokens=8))
     assert isinstance(decision, Placement), decision
     return decision
 
