@@ -40,11 +40,12 @@ async def start_kvs_meta(nats_url: str, redis_url: str) -> KVSMetaService:
 
 async def store_blocks(nc, node: str, hashes: list[str]) -> None:
     """Announce `node`'s blocks as an engine does, and wait until kvs-meta answers with them."""
-    await nc.publish(Subjects.kv_events(node), encode(KVEventBatch([BlockStored(node_id=node, block_hashes=hashes)])))
+    batch = KVEventBatch(events=[BlockStored(node_id=node, block_hashes=hashes)])
+    await nc.publish(Subjects.kv_events(node), encode(batch))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes[:1])), timeout=2)
+            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
         except nats.errors.NoRespondersError:  # a kvs-meta just started: its subscription is on its way
             reply = None
         if reply is not None and decode(reply.data, KVSReply).holders == [[f"{node}:dram"]]:

@@ -115,7 +115,7 @@ def test_replaying_a_dump_rebuilds_the_same_index():
                   stored("p0", ["b"], "dram")], now=0.0)
     hashes = ["a", "b", "c"]
     holders = [sorted(f"{n}:dram" for n in source.match([h])) for h in hashes]
-    page = decode(encode(KVSDump(dump_events(hashes, holders), 0)), KVSDump)
+    page = decode(encode(KVSDump(events=dump_events(hashes, holders), cursor=0)), KVSDump)
     copy = HolderIndex()
     copy.apply(page.events, now=0.0)
     assert copy.match(["a", "b"]) == source.match(["a", "b"]) == {"p0": 2, "p1": 1}
