@@ -29,8 +29,11 @@ TARGET_RPS = 20_000
 
 
 def reports(prefills: int, decodes: int, now: float) -> list[LoadReport]:
-    idle = [LoadReport(f"p{i}", "prefill", "bench", f"p{i}:1", 0, 0, 0, 0, 0, now, 0.0) for i in range(prefills)]
-    return idle + [LoadReport(f"d{i}", "decode", "bench", f"d{i}:1", 0, 0, 4, 3000, 2000, now)
+    idle = [LoadReport(instance_id=f"p{i}", role="prefill", cluster="bench", kv_addr=f"p{i}:1", queued_requests=0,
+                       queued_tokens=0, running=0, kv_blocks_total=0, kv_blocks_free=0, ts=now, est_queue_s=0.0)
+            for i in range(prefills)]
+    return idle + [LoadReport(instance_id=f"d{i}", role="decode", cluster="bench", kv_addr=f"d{i}:1", queued_requests=0,
+                              queued_tokens=0, running=4, kv_blocks_total=3000, kv_blocks_free=2000, ts=now)
                    for i in range(decodes)]
 
 
