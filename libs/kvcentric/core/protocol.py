@@ -1,6 +1,8 @@
 """Every message that crosses NATS, defined once; it encodes and validates them and does no I/O.
 
-Messages are msgspec Structs encoded as msgpack. New fields go at the end with a default, so an
+Messages are msgspec Structs encoded as msgpack maps keyed by field name. They are built by field
+name only (keyword-only), or by a named constructor for a recurring shape (`TokenChunk.failed`,
+`SubmitAck.refused`, `Rejection.overloaded`). New fields go at the end with a default, so an
 older peer still decodes a newer message. `decode` raises `BadMessage` for anything that does not
 fit its schema; the bus adapter logs and counts such drops (`kvcentric.runtime.bus`).
 """
