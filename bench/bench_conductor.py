@@ -29,8 +29,11 @@ TARGET_RPS = 20_000
 
 
 def reports(prefills: int, decodes: int, now: float) -> list[LoadReport]:
-    idle = [LoadReport(f"p{i}", "prefill", "bench", f"p{i}:1", 0, 0, 0, 0, 0, now, 0.0) for i in range(prefills)]
-    return idle + [LoadReport(f"d{i}", "decode", "bench", f"d{i}:1", 0, 0, 4, 3000, 2000, now)
+    idle = [LoadReport(instance_id=f"p{i}", role="prefill", cluster="bench", kv_addr=f"p{i}:1", queued_requests=0,
+                       queued_tokens=0, running=0, kv_blocks_total=0, kv_blocks_free=0, ts=now, est_queue_s=0.0)
+            for i in range(prefills)]
+    return idle + [LoadReport(instance_id=f"d{i}", role="decode", cluster="bench", kv_addr=f"d{i}:1", queued_requests=0,
+                              queued_tokens=0, running=4, kv_blocks_total=3000, kv_blocks_free=2000, ts=now)
                    for i in range(decodes)]
 
 
@@ -38,7 +41,8 @@ def run_once(requests, policy: str, rejection: str, prefills: int, decodes: int)
     cost = CostModel.roofline(preset("llama2-70b"), hardware("8xA800-800gbps"))
     config = SchedulerConfig(policy=policy, rejection=rejection, block_size=512, link_gbps=800)
     conductor, index = Conductor(config, cost, stale_after_s=float("inf")), PrefixIndex()
-    schedule_requests = [ScheduleRequest(r.request_id, r.input_len, r.hashes, r.output_len) for r in requests]
+    schedule_requests = [ScheduleRequest(request_id=r.request_id, n_tokens=r.input_len, block_hashes=r.hashes,
+                                         max_tokens=r.output_len) for r in requests]
     next_report, timed, placed = 0.0, 0.0, 0
     for request, arrival in zip(schedule_requests, (r.arrival_s for r in requests)):
         if arrival >= next_report:

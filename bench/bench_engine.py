@@ -109,7 +109,9 @@ def run_ours(checkpoint: Path, requests, batch: int, device: str) -> float:
     start = time.perf_counter()
     for i, (prompt, out) in enumerate(requests):
         params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
-        engine.submit(PrefillJob(f"r{i}", prompt, params, "", ""), DecodeJob(f"r{i}", len(prompt), params))
+        engine.submit(PrefillJob(request_id=f"r{i}", token_ids=prompt, sampling=params, decode_id="",
+                                 decode_kv_addr=""),
+                      DecodeJob(request_id=f"r{i}", n_prompt_tokens=len(prompt), sampling=params))
     generated = 0
     while engine.has_work:
         generated += sum(len(c.token_ids) for c in engine.step())

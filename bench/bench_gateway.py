@@ -140,17 +140,20 @@ async def hops(nats_url: str, n: int = 300) -> dict:
         for i in range(n):
             rid = f"hop-{i}"
             sent = time.perf_counter()
-            reply = await nc.request(Subjects.SCHEDULE, encode(ScheduleRequest(rid, 64, hashes, 1)), timeout=2)
+            ask = ScheduleRequest(request_id=rid, n_tokens=64, block_hashes=hashes, max_tokens=1)
+            reply = await nc.request(Subjects.SCHEDULE, encode(ask), timeout=2)
             times["schedule"].append(time.perf_counter() - sent)
             placement = decode(reply.data, ScheduleReply)
             assert isinstance(placement, Placement), placement
             sampling = SamplingParams(max_tokens=1)
             sent = time.perf_counter()
-            await nc.request(Subjects.submit("decode", placement.decode_id), encode(DecodeJob(rid, 64, sampling)), 2)
+            decode_job = DecodeJob(request_id=rid, n_prompt_tokens=64, sampling=sampling)
+            await nc.request(Subjects.submit("decode", placement.decode_id), encode(decode_job), 2)
             times["decode_submit"].append(time.perf_counter() - sent)
             out = await nc.subscribe(Subjects.out(rid))
             sent = time.perf_counter()
-            job = PrefillJob(rid, tokens, sampling, placement.decode_id, placement.decode_kv_addr)
+            job = PrefillJob(request_id=rid, token_ids=tokens, sampling=sampling, decode_id=placement.decode_id,
+                             decode_kv_addr=placement.decode_kv_addr)
             decode((await nc.request(Subjects.submit("prefill", placement.prefill_id), encode(job), 2)).data,
                    SubmitAck)
             await out.next_msg(timeout=2)

@@ -52,10 +52,10 @@ def start_servers() -> tuple[list[subprocess.Popen], str]:
 async def populate(nc, blocks: int, nodes: int = 16) -> list[str]:
     hashes = [f"{random.getrandbits(128):032x}" for _ in range(blocks)]
     for start in range(0, blocks, 5000):
-        batch = [BlockStored(f"node-{(start // 5000) % nodes}", hashes[start:start + 5000])]
-        await nc.publish(Subjects.kv_events("bench"), encode(KVEventBatch(batch)))
+        batch = [BlockStored(node_id=f"node-{(start // 5000) % nodes}", block_hashes=hashes[start:start + 5000])]
+        await nc.publish(Subjects.kv_events("bench"), encode(KVEventBatch(events=batch)))
     await nc.flush()
-    probe = KVSQuery(hashes[-1:])
+    probe = KVSQuery(block_hashes=hashes[-1:])
     for _ in range(200):  # wait until the last batch is in Redis
         if decode((await nc.request(Subjects.KVS_QUERY, encode(probe), timeout=5)).data, KVSReply).holders[0]:
             return hashes
@@ -88,12 +88,12 @@ async def run(args) -> dict:
         await nc.subscribe("bench.echo", cb=echo)
         log(f"populating {args.blocks} block hashes")
         hashes = await populate(nc, args.blocks)
-        batch64 = lambda i: encode(KVSQuery(random.sample(hashes, 64)))  # noqa: E731
+        batch64 = lambda i: encode(KVSQuery(block_hashes=random.sample(hashes, 64)))  # noqa: E731
         await latencies(nc, Subjects.KVS_QUERY, batch64, 100)  # warm-up
         floor = summary(await latencies(nc, "bench.echo", lambda i: b"x", args.queries))
         query = summary(await latencies(nc, Subjects.KVS_QUERY, batch64, args.queries))
         log(f"64-key query p50 {query['p50_ms']:.2f} ms (bare NATS request/reply p50 {floor['p50_ms']:.2f} ms)")
-        batch1000 = [encode(KVSQuery(random.sample(hashes, 1000))) for _ in range(50)]
+        batch1000 = [encode(KVSQuery(block_hashes=random.sample(hashes, 1000))) for _ in range(50)]
         started = time.perf_counter()
         for payload in batch1000:
             await nc.request(Subjects.KVS_QUERY, payload, timeout=10)

@@ -194,7 +194,8 @@ def make_engine(tokens: int) -> PrefillEngine:
 
 
 async def prefill_once(engine: PrefillEngine, tokens: int, addr: str | None, pusher: KVPusher, tag: str) -> float:
-    job = PrefillJob(tag, torch.randint(0, 250, (tokens,)).tolist(), SamplingParams(max_tokens=1), "d", addr or "")
+    job = PrefillJob(request_id=tag, token_ids=torch.randint(0, 250, (tokens,)).tolist(),
+                     sampling=SamplingParams(max_tokens=1), decode_id="d", decode_kv_addr=addr or "")
     engine.submit(job)
     chunk = engine.schedule()
     loop = asyncio.get_running_loop()

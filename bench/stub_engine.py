@@ -28,7 +28,7 @@ class StubEngine(Service):
         self.decode_id = f"{self.instance_id}-d"
 
     async def start(self) -> None:
-        refuse = lambda error: SubmitAck(False, error)  # noqa: E731
+        refuse = SubmitAck.refused
         await self.bus.subscribe(Subjects.submit("prefill", self.prefill_id), PrefillJob, self.on_prefill,
                              bad_reply=refuse)
         await self.bus.subscribe(Subjects.submit("decode", self.decode_id), DecodeJob, self.on_decode, bad_reply=refuse)
@@ -36,19 +36,21 @@ class StubEngine(Service):
 
     async def on_decode(self, job: DecodeJob) -> SubmitAck:
         self.counters["decode_submits_total"] += 1
-        return SubmitAck(True)
+        return SubmitAck.accepted()
 
     async def on_prefill(self, job: PrefillJob) -> SubmitAck:
         """The whole generation: one token, finished."""
         self.counters["prefill_submits_total"] += 1
         await self.bus.publish(Subjects.out(job.request_id),
-                           TokenChunk(job.request_id, 0, [STUB_TOKEN], "length", len(job.token_ids), 1))
-        return SubmitAck(True)
+                               TokenChunk.final(job.request_id, "length", seq=0, token_ids=[STUB_TOKEN],
+                                                prompt_tokens=len(job.token_ids), completion_tokens=1))
+        return SubmitAck.accepted()
 
     async def report_load(self) -> None:
         for role, instance in (("prefill", self.prefill_id), ("decode", self.decode_id)):
-            report = LoadReport(instance, role, self.config.cluster, "127.0.0.1:1", 0, 0, 0, NUM_BLOCKS, NUM_BLOCKS,
-                                time.time())
+            report = LoadReport(instance_id=instance, role=role, cluster=self.config.cluster, kv_addr="127.0.0.1:1",
+                                queued_requests=0, queued_tokens=0, running=0, kv_blocks_total=NUM_BLOCKS,
+                                kv_blocks_free=NUM_BLOCKS, ts=time.time())
             await self.bus.publish(Subjects.load(role, instance), report)
 
 

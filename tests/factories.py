@@ -29,16 +29,18 @@ def prompt(n: int, offset: int = 0) -> list[int]:
 
 
 def prefill_job(token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> PrefillJob:
-    return PrefillJob(request_id or f"req-{next(_ids)}", token_ids, params or greedy(), "decode-0", "127.0.0.1:1")
+    return PrefillJob(request_id=request_id or f"req-{next(_ids)}", token_ids=token_ids, sampling=params or greedy(),
+                      decode_id="decode-0", decode_kv_addr="127.0.0.1:1")
 
 
 def decode_job(request_id: str, n_prompt: int, params: SamplingParams | None = None, wait_s: float = 30.0) -> DecodeJob:
-    return DecodeJob(request_id, n_prompt, params or greedy(), wait_s)
+    return DecodeJob(request_id=request_id, n_prompt_tokens=n_prompt, sampling=params or greedy(), kv_wait_s=wait_s)
 
 
 def load_report(instance_id: str, role: str, queued_tokens: int = 0, running: int = 0, ts: float = 0.0) -> LoadReport:
-    return LoadReport(instance_id, role, "local", f"127.0.0.1:{5000 + hash(instance_id) % 1000}", 0, queued_tokens,
-                      running, 100, 100, ts)
+    return LoadReport(instance_id=instance_id, role=role, cluster="local",
+                      kv_addr=f"127.0.0.1:{5000 + hash(instance_id) % 1000}", queued_requests=0,
+                      queued_tokens=queued_tokens, running=running, kv_blocks_total=100, kv_blocks_free=100, ts=ts)
 
 
 # ---------------------------------------------------------------- conductor clusters (scheduling tests)
@@ -64,14 +66,16 @@ def make_conductor(prefills=2, decodes=2, now=0.0, cost=None, **settings):
 
 def prefill_report(instance_id: str, queue_s: float = 0.0, queued_tokens: int = 0, cluster: str = "local",
                    kv_bytes_sent: int = 0) -> LoadReport:
-    return LoadReport(instance_id, "prefill", cluster, f"{instance_id}:7000", 0, queued_tokens, 0, 0, 0, 0.0,
-                      queue_s, kv_bytes_sent=kv_bytes_sent)
+    return LoadReport(instance_id=instance_id, role="prefill", cluster=cluster, kv_addr=f"{instance_id}:7000",
+                      queued_requests=0, queued_tokens=queued_tokens, running=0, kv_blocks_total=0, kv_blocks_free=0,
+                      ts=0.0, est_queue_s=queue_s, kv_bytes_sent=kv_bytes_sent)
 
 
 def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, total_blocks: int = 1000,
                   cluster: str = "local") -> LoadReport:
-    return LoadReport(instance_id, "decode", cluster, f"{instance_id}:7000", 0, 0, running, total_blocks,
-                      total_blocks - used_blocks, 0.0)
+    return LoadReport(instance_id=instance_id, role="decode", cluster=cluster, kv_addr=f"{instance_id}:7000",
+                      queued_requests=0, queued_tokens=0, running=running, kv_blocks_total=total_blocks,
+                      kv_blocks_free=total_blocks - used_blocks, ts=0.0)
 
 
 def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int = 0, blocks: int | None = None,
@@ -79,7 +83,8 @@ def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int 
     """A request of n_tokens whose block hashes are h0, h1, ... (one per 100 tokens unless `blocks`)."""
     from kvcentric.core.protocol import ScheduleRequest
     count = blocks if blocks is not None else -(-n_tokens // 100)
-    return ScheduleRequest(request_id, n_tokens, [f"h{i}" for i in range(count)], max_tokens, priority)
+    return ScheduleRequest(request_id=request_id, n_tokens=n_tokens, block_hashes=[f"h{i}" for i in range(count)],
+                           max_tokens=max_tokens, priority=priority)
 
 
 def two_cluster_setup(threshold: float = 1000, gbps: float = 8.0, adjust_s: float = 0.0, costs=None, **short_term):

@@ -105,7 +105,8 @@ def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout
     async def ask() -> SubmitAck:
         nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0)
         try:
-            reply = await nc.request(Subjects.control(instance_id), encode(RoleSwitch(role, reason)), timeout_s)
+            switch = encode(RoleSwitch(role=role, reason=reason))
+            reply = await nc.request(Subjects.control(instance_id), switch, timeout_s)
             return decode(reply.data, SubmitAck)
         finally:
             await nc.close()

@@ -72,22 +72,22 @@ class ColocatedService(Service):
         try:
             self.engine.decode.add(job, time.monotonic())
         except KVRejected as exc:
-            return SubmitAck(False, str(exc))
-        return SubmitAck(True)
+            return SubmitAck.refused(str(exc))
+        return SubmitAck.accepted()
 
     async def on_prefill(self, job: PrefillJob) -> SubmitAck:
         if job.decode_id != self.instance_id:
-            return SubmitAck(False, f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
-                                    f"not {job.decode_id}")
+            return SubmitAck.refused(f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
+                                     f"not {job.decode_id}")
         # The decode side of the request comes with it: the gateway sends a colocated instance one submit.
         decode_job = None if job.request_id in self.engine.decode.requests else \
-            DecodeJob(job.request_id, len(job.token_ids), job.sampling)
+            DecodeJob(request_id=job.request_id, n_prompt_tokens=len(job.token_ids), sampling=job.sampling)
         try:
             self.engine.submit(job, decode_job)
         except PrefillRejected as exc:
-            return SubmitAck(False, str(exc))
+            return SubmitAck.refused(str(exc))
         self.wake.set()
-        return SubmitAck(True)
+        return SubmitAck.accepted()
 
     async def on_cancel(self, cancel: Cancel) -> None:
         self.outbox.emit([self.engine.cancel(cancel.request_id)])

@@ -69,7 +69,7 @@ class ReplanLoop:
         self.log.info("re-planning: %s; switching %s to %s", change.reason, ", ".join(switch.instance_ids),
                       switch.to_role)
         for instance_id in switch.instance_ids:
-            ack = await self.send_switch(instance_id, RoleSwitch(switch.to_role, change.reason))
+            ack = await self.send_switch(instance_id, RoleSwitch(role=switch.to_role, reason=change.reason))
             self.counters[f"role_switches_{'sent' if ack.ok else 'failed'}_total"] += 1
             if not ack.ok:
                 self.log.warning("%s did not take the role switch: %s", instance_id, ack.error)
@@ -82,7 +82,7 @@ class ReplanLoop:
         try:
             return await self.bus.request(Subjects.control(instance_id), command, SubmitAck, SWITCH_TIMEOUT_S)
         except (nats.errors.Error, TimeoutError, BadMessage) as exc:
-            return SubmitAck(False, f"{type(exc).__name__}: {exc}")
+            return SubmitAck(ok=False, error=f"{type(exc).__name__}: {exc}")
 
     def retune_threshold(self, n_prefill: int, n_decode: int, now: float) -> None:
         """Once the split a switch asked for is in place: t = best_threshold for it (PrfaaS only)."""

@@ -84,7 +84,7 @@ class ConductorService(Service):
         await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
         await self.bus.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
         await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
-                                 bad_reply=lambda error: Rejection("", "bad_request", error, 0.0))
+                                 bad_reply=lambda error: Rejection.bad_request("", error))
         await self.bus.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                                  bad_reply=lambda error: self.instances())
         self.tasks.spawn(self.tasks.every(10.0, self.forget_departed), "forget-departed")
@@ -113,7 +113,7 @@ class ConductorService(Service):
         problem = bad_dispatch(request)
         if problem:
             self.counters["bus_drops_total"] += 1
-            return Rejection(request.request_id, "bad_request", problem, 0.0)
+            return Rejection.bad_request(request.request_id, problem)
         hits = await self.prefix_hits(request.block_hashes)
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
@@ -135,7 +135,7 @@ class ConductorService(Service):
             sent = await dispatch.send(self.bus, submits)
         except Exception:  # one job may be out: take it back (the caller answers bad_request)
             self.core.forget(rid)
-            await self.bus.publish(Subjects.cancel(rid), Cancel(rid, "conductor: dispatch failed"))
+            await self.bus.publish(Subjects.cancel(rid), Cancel(request_id=rid, reason="conductor: dispatch failed"))
             raise
         self.tasks.spawn(self.check_taken(request, submits, sent), f"dispatch-{rid}")
         return placement
@@ -151,8 +151,9 @@ class ConductorService(Service):
         self.log.warning("request %s: %s", request.request_id, why)
         rid = request.request_id
         self.core.forget(rid)  # it will not run: out of the dispatch-time accounting (the gateway may be gone)
-        await self.bus.publish(Subjects.out(rid), TokenChunk(rid, 0, [], "error", request.n_tokens, 0, why, 503))
-        await self.bus.publish(Subjects.cancel(rid), Cancel(rid, f"conductor: {why}"))
+        await self.bus.publish(Subjects.out(rid), TokenChunk.failed(rid, why, prompt_tokens=request.n_tokens,
+                                                                    status=503))
+        await self.bus.publish(Subjects.cancel(rid), Cancel(request_id=rid, reason=f"conductor: {why}"))
 
     async def prefix_hits(self, block_hashes: list[str]) -> dict[str, int] | None:
         """Leading blocks each instance holds; None when they cannot be known (kvs-meta down)."""
@@ -188,7 +189,7 @@ class ConductorService(Service):
 
     async def kvs_holders(self, block_hashes: list[str]) -> list[list[str]]:
         """kvs-meta's holders of each block (the trace goes on to kvs-meta); raises one of KVS_ERRORS."""
-        answer = await self.bus.request(Subjects.KVS_QUERY, KVSQuery(block_hashes), KVSReply,
+        answer = await self.bus.request(Subjects.KVS_QUERY, KVSQuery(block_hashes=block_hashes), KVSReply,
                                         self.config.kvs_timeout_s)
         if answer.error:
             raise KVSMetaFailed(answer.error)
@@ -219,7 +220,8 @@ class ConductorService(Service):
         self.seeding.restart_dump()
         while True:
             try:
-                page = await self.bus.request(Subjects.KVS_DUMP, KVSDumpQuery(self.seeding.cursor, DUMP_PAGE_BLOCKS),
+                page = await self.bus.request(Subjects.KVS_DUMP,
+                                              KVSDumpQuery(cursor=self.seeding.cursor, count=DUMP_PAGE_BLOCKS),
                                               KVSDump, DUMP_PAGE_TIMEOUT_S)
             except KVS_ERRORS as exc:
                 self.counters["prefix_dump_failures_total"] += 1
@@ -252,7 +254,7 @@ class ConductorService(Service):
 
     def instances(self, role: str = "") -> InstancesReply:
         snapshot = self.registry.snapshot(time.monotonic())
-        return InstancesReply([i for i in snapshot if not role or i.role == role])
+        return InstancesReply(instances=[i for i in snapshot if not role or i.role == role])
 
     def health(self) -> dict:
         now = time.monotonic()

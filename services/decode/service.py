@@ -100,11 +100,11 @@ class DecodeService(Service):
         try:
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:
-            return SubmitAck(False, str(exc))
+            return SubmitAck.refused(str(exc))
         self.sink.registered(job.request_id)
         self.spans.received(job.request_id)
         self.spans.start(job.request_id, "decode.queue", prompt_tokens=job.n_prompt_tokens)
-        return SubmitAck(True)
+        return SubmitAck.accepted()
 
     async def on_cancel(self, cancel: Cancel) -> None:
         self.sink.cancelled(cancel.request_id)

@@ -226,10 +226,11 @@ class GatewayService(Service):
         that would not fit in one NATS message (then they go straight to prefill from here)."""
         hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
         sampling = job.request.sampling
-        ask = ScheduleRequest(job.request_id, len(job.token_ids), hashes, sampling.max_tokens, -job.request.priority)
+        ask = ScheduleRequest(request_id=job.request_id, n_tokens=len(job.token_ids), block_hashes=hashes,
+                              max_tokens=sampling.max_tokens, priority=-job.request.priority)
         if self.config.dispatch != "conductor":
             return ask
-        with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(job.token_ids, sampling))
+        with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(token_ids=job.token_ids, sampling=sampling))
         if len(encode(with_jobs)) <= self.bus.max_payload:
             return with_jobs
         self.counters["dispatch_too_large_total"] += 1
@@ -265,7 +266,8 @@ class GatewayService(Service):
         self.counters[labelled("requests_total", outcome=outcome)] += 1
         self.prompt_tokens.observe(len(job.token_ids))
         if not job.engine_finished and (job.placement is not None or job.dispatch_pending):
-            await self.bus.publish(Subjects.cancel(job.request_id), Cancel(job.request_id, f"gateway: {outcome}"))
+            await self.bus.publish(Subjects.cancel(job.request_id),
+                                   Cancel(request_id=job.request_id, reason=f"gateway: {outcome}"))
         if job.placement is None:
             return
         e2e = time.perf_counter() - job.started
@@ -277,9 +279,10 @@ class GatewayService(Service):
         if outcome in ("stop", "length"):
             self.e2e.observe(e2e)
         await self.bus.publish(Subjects.OUTCOME, RequestOutcome(
-            job.request_id, job.placement.prefill_id, job.placement.decode_id, job.finish_reason or outcome,
-            -1.0 if ttft is None else ttft, e2e, len(job.token_ids), job.completion_tokens,
-            job.placement.predicted_ttft_s))
+            request_id=job.request_id, prefill_id=job.placement.prefill_id, decode_id=job.placement.decode_id,
+            finish_reason=job.finish_reason or outcome, ttft_s=-1.0 if ttft is None else ttft, e2e_s=e2e,
+            prompt_tokens=len(job.token_ids), completion_tokens=job.completion_tokens,
+            predicted_ttft_s=job.placement.predicted_ttft_s))
 
     @staticmethod
     def response_headers(job: relay.Job) -> dict:

@@ -29,7 +29,7 @@ class KVSMetaService(Service):
         await self.redis.ping()
         await self.bus.subscribe(Subjects.KV_EVENTS_ALL, KVEventBatch, self.on_events)
         await self.bus.subscribe(Subjects.KVS_QUERY, KVSQuery, self.on_query, queue="kvs-meta",
-                                 bad_reply=lambda error: KVSReply([], error))
+                                 bad_reply=lambda error: KVSReply(holders=[], error=error))
         await self.bus.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
         await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
         self.tasks.spawn(self.tasks.every(self.config.lease_ttl_s / 4, self.leases), "leases")
@@ -59,7 +59,7 @@ class KVSMetaService(Service):
 
     async def on_query(self, query: KVSQuery) -> KVSReply:
         self.counters["queries_total"] += 1
-        return KVSReply(await self.store.holders(query.block_hashes[: self.config.max_query_keys]))
+        return KVSReply(holders=await self.store.holders(query.block_hashes[: self.config.max_query_keys]))
 
     async def on_dump(self, query: KVSDumpQuery) -> KVSDump:
         """One page of the index; a query that fails gets no answer (the asker retries), never an
@@ -67,7 +67,7 @@ class KVSMetaService(Service):
         self.counters["dump_pages_total"] += 1
         count = max(1, min(query.count, self.config.max_query_keys))
         events, cursor = await self.store.dump(max(0, query.cursor), count)
-        return KVSDump(events, cursor)
+        return KVSDump(events=events, cursor=cursor)
 
     async def batch_query_keys(self, request: web.Request) -> web.Response:
         keys = [k for k in request.query.get("keys", "").split(",") if k]

@@ -89,19 +89,19 @@ class PrefillService(Service):
         try:
             self.engine.check(job)
         except PrefillRejected as exc:
-            return SubmitAck(False, str(exc))
+            return SubmitAck.refused(str(exc))
         self.spans.received(job.request_id)
         if job.pull_block_hashes and job.kv_source_addr and self.host is not None:
             self.tasks.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
         else:
             self.submit(job)
-        return SubmitAck(True)
+        return SubmitAck.accepted()
 
     def submit(self, job: PrefillJob) -> None:
         try:
             self.engine.submit(job)
         except PrefillRejected as exc:  # a duplicate that slipped in while its blocks were pulled
-            self.outbox.emit([TokenChunk(job.request_id, 0, [], "error", len(job.token_ids), 0, str(exc))])
+            self.outbox.emit([TokenChunk.failed(job.request_id, str(exc), prompt_tokens=len(job.token_ids))])
             return
         self.wake.set()
 
@@ -209,5 +209,5 @@ class PrefillService(Service):
     def fail(self, work: PrefillWork, exc: BaseException) -> None:
         self.counters["requests_failed_total"] += 1
         self.log.warning("prefill of %s failed: %s", work.request_id, exc)
-        self.outbox.emit([TokenChunk(work.request_id, 0, [], "error", len(work.job.token_ids), 0,
-                                     f"prefill failed: {exc}")])
+        self.outbox.emit([TokenChunk.failed(work.request_id, f"prefill failed: {exc}",
+                                            prompt_tokens=len(work.job.token_ids))])

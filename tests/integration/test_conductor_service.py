@@ -38,7 +38,9 @@ async def start_conductor(nats_url: str, **settings) -> ConductorService:
 async def announce(nc, service: ConductorService, prefills=("p0", "p1"), decodes=("d0",)) -> None:
     for role, names in (("prefill", prefills), ("decode", decodes)):
         for name in names:
-            report = LoadReport(name, role, "local", f"{name}.example:50061", 0, 0, 0, 1000, 1000, 0.0)
+            report = LoadReport(instance_id=name, role=role, cluster="local", kv_addr=f"{name}.example:50061",
+                                queued_requests=0, queued_tokens=0, running=0, kv_blocks_total=1000,
+                                kv_blocks_free=1000, ts=0.0)
             await nc.publish(Subjects.load(role, name), encode(report))
     await eventually(lambda: len(service.registry.prefill) == len(prefills)
                      and len(service.registry.decode) == len(decodes), "the conductor saw every instance")
@@ -67,16 +69,18 @@ async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
     try:
         await announce(nc, conductor)
         hashes = [f"conductor-test-{i}" for i in range(6)]
-        await nc.publish(Subjects.kv_events("p1"), encode(KVEventBatch([BlockStored("p1", hashes[:4])])))
+        batch = KVEventBatch(events=[BlockStored(node_id="p1", block_hashes=hashes[:4])])
+        await nc.publish(Subjects.kv_events("p1"), encode(batch))
 
         async def stored() -> bool:
-            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes[:1])), timeout=2)
+            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
             return decode(reply.data, KVSReply).holders == [["p1:dram"]]
         for _ in range(200):
             if await stored():
                 break
             await asyncio.sleep(0.02)
-        decision = await schedule(nc, ScheduleRequest("a", 100, hashes, 8))
+        decision = await schedule(nc, ScheduleRequest(request_id="a", n_tokens=100, block_hashes=hashes,
+                                                      max_tokens=8))
         assert isinstance(decision, Placement)
         assert decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
         assert decision.decode_id == "d0" and decision.decode_kv_addr == "d0.example:50061"
@@ -92,7 +96,9 @@ async def test_with_kvs_meta_down_the_conductor_places_by_load_only(own_nats):
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor)
-        decisions = [await schedule(nc, ScheduleRequest(f"r{i}", 100, ["x0", "x1"], 8)) for i in range(3)]
+        asks = [ScheduleRequest(request_id=f"r{i}", n_tokens=100, block_hashes=["x0", "x1"], max_tokens=8)
+                for i in range(3)]
+        decisions = [await schedule(nc, ask) for ask in asks]
         assert all(isinstance(d, Placement) for d in decisions)
         assert {d.prefill_id for d in decisions[:2]} == {"p0", "p1"}  # still balanced by queued time
         text = await metrics(conductor)
@@ -109,7 +115,7 @@ async def test_an_overloaded_cluster_gets_a_rejection_that_names_the_stage(own_n
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor, prefills=("p0",))
-        decision = await schedule(nc, ScheduleRequest("big", 1000, [], 8))
+        decision = await schedule(nc, ScheduleRequest(request_id="big", n_tokens=1000, block_hashes=[], max_tokens=8))
         assert isinstance(decision, Rejection) and decision.reason == "overloaded"
         assert decision.stage == "prefill" and decision.load > 1 and decision.retry_after_s >= 1
     finally:
@@ -122,9 +128,10 @@ async def test_outcomes_are_compared_with_the_predicted_ttft(own_nats):
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor)
-        placed = await schedule(nc, ScheduleRequest("o1", 100, [], 8))
-        outcome = RequestOutcome("o1", placed.prefill_id, placed.decode_id, "length", placed.predicted_ttft_s + 0.5,
-                                 2.0, 100, 8, placed.predicted_ttft_s)
+        placed = await schedule(nc, ScheduleRequest(request_id="o1", n_tokens=100, block_hashes=[], max_tokens=8))
+        outcome = RequestOutcome(request_id="o1", prefill_id=placed.prefill_id, decode_id=placed.decode_id,
+                                 finish_reason="length", ttft_s=placed.predicted_ttft_s + 0.5, e2e_s=2.0,
+                                 prompt_tokens=100, completion_tokens=8, predicted_ttft_s=placed.predicted_ttft_s)
         await nc.publish(Subjects.OUTCOME, encode(outcome))
         await eventually(lambda: conductor.core.stats["outcomes"] == 1, "the outcome was recorded")
         text = await metrics(conductor)

@@ -19,7 +19,7 @@ from kvcentric.core.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, Pr
                                 ScheduleReply, ScheduleRequest, SubmitAck, Subjects, TokenChunk, decode, encode)
 
 BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}
-SILENT = SubmitAck(False, "(never sent: the stand-in takes the job and does not answer)")
+SILENT = SubmitAck.refused("(never sent: the stand-in takes the job and does not answer)")
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ class Engines:
     """A prefill "p" and a decode "d" played by NATS subscribers: they report load (so the conductor
     places on them), answer submits with the given acks, and record jobs and cancels."""
 
-    def __init__(self, nc, prefill_ack: SubmitAck | None = SubmitAck(True),
-                 decode_ack: SubmitAck | None = SubmitAck(True)) -> None:
+    def __init__(self, nc, prefill_ack: SubmitAck | None = SubmitAck.accepted(),
+                 decode_ack: SubmitAck | None = SubmitAck.accepted()) -> None:
         self.nc, self.prefill_ack, self.decode_ack = nc, prefill_ack, decode_ack
         self.prefill_jobs: list[PrefillJob] = []
         self.decode_jobs: list[DecodeJob] = []
@@ -59,7 +59,8 @@ class Engines:
         for subject, callback in subjects:
             self.subscriptions.append(await self.nc.subscribe(subject, cb=callback))
         for role, name in (("prefill", "p"), ("decode", "d")):
-            report = LoadReport(name, role, "local", "127.0.0.1:1", 0, 0, 0, 1000, 1000, 0.0)
+            report = LoadReport(instance_id=name, role=role, cluster="local", kv_addr="127.0.0.1:1", queued_requests=0,
+                                queued_tokens=0, running=0, kv_blocks_total=1000, kv_blocks_free=1000, ts=0.0)
             await self.nc.publish(Subjects.load(role, name), encode(report))
         await self.nc.flush()
         await asyncio.sleep(0.2)  # the conductor has seen both reports
@@ -74,7 +75,8 @@ class Engines:
         self.prefill_jobs.append(job)
         await msg.respond(encode(self.prefill_ack))
         if self.prefill_ack.ok and self.decode_ack is not None and self.decode_ack.ok:  # as a prefill instance does
-            await self.nc.publish(Subjects.out(job.request_id), encode(TokenChunk(job.request_id, 0, [104])))
+            first = TokenChunk(request_id=job.request_id, seq=0, token_ids=[104])
+            await self.nc.publish(Subjects.out(job.request_id), encode(first))
 
     async def on_decode(self, msg) -> None:
         job = decode(msg.data, DecodeJob)
@@ -83,7 +85,8 @@ class Engines:
             return
         await msg.respond(encode(self.decode_ack))
         if self.decode_ack.ok and self.prefill_ack is not None and self.prefill_ack.ok:  # KV came: it decodes
-            final = TokenChunk(job.request_id, 1, [105], "length", job.n_prompt_tokens, 2)
+            final = TokenChunk.final(job.request_id, "length", seq=1, token_ids=[105],
+                                     prompt_tokens=job.n_prompt_tokens, completion_tokens=2)
             await asyncio.sleep(0.05)
             await self.nc.publish(Subjects.out(job.request_id), encode(final))
 
@@ -128,7 +131,7 @@ async def test_the_conductor_hands_both_jobs_over_with_the_prompt(cluster, nc):
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_refused_job_is_503_and_the_side_that_took_it_is_cancelled(cluster, nc, stream):
-    async with Engines(nc, decode_ack=SubmitAck(False, "no KV room")) as engines:
+    async with Engines(nc, decode_ack=SubmitAck.refused("no KV room")) as engines:
         status, headers, text = await post(cluster[1], {**BODY, "stream": stream})
         error = json.loads(text)["error"]  # no byte of the stream went out before the refusal
         assert status == 503 and "decode instance d refused the request: no KV room" in error["message"]
@@ -151,17 +154,20 @@ async def test_a_job_not_taken_in_the_submit_timeout_is_503_and_the_other_side_i
 
 async def test_a_dispatch_that_does_not_match_its_request_is_refused(cluster, nc):
     sampling = SamplingParams(max_tokens=2)
-    bad = ScheduleRequest("r-bad", 3, [], 2, dispatch=Dispatch([1, 2], sampling))
+    bad = ScheduleRequest(request_id="r-bad", n_tokens=3, block_hashes=[], max_tokens=2,
+                          dispatch=Dispatch(token_ids=[1, 2], sampling=sampling))
     reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
     assert isinstance(reply, Rejection) and reply.reason == "bad_request" and "n_tokens says 3" in reply.message
     bad = msgspec.structs.replace(bad, n_tokens=2, max_tokens=7)
     reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
     assert isinstance(reply, Rejection) and "max_tokens says 7" in reply.message
     for request_id in ("a.b", "a b", "*", ""):  # its tokens and cancels could not be addressed on NATS
-        bad = ScheduleRequest(request_id, 2, [], 2, dispatch=Dispatch([1, 2], sampling))
+        bad = ScheduleRequest(request_id=request_id, n_tokens=2, block_hashes=[], max_tokens=2,
+                              dispatch=Dispatch(token_ids=[1, 2], sampling=sampling))
         reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
         assert isinstance(reply, Rejection) and reply.reason == "bad_request" and "request_id" in reply.message
-    bad = ScheduleRequest("r-t", 2, [], 2, dispatch=Dispatch([1, 2], SamplingParams(max_tokens=2, top_p=0.0)))
+    bad = ScheduleRequest(request_id="r-t", n_tokens=2, block_hashes=[], max_tokens=2,
+                          dispatch=Dispatch(token_ids=[1, 2], sampling=SamplingParams(max_tokens=2, top_p=0.0)))
     reply = decode((await nc.request(Subjects.SCHEDULE, encode(bad), timeout=5)).data, ScheduleReply)
     assert isinstance(reply, Rejection) and "top_p" in reply.message
 
@@ -171,10 +177,11 @@ async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
     remembers the cancel and refuses the job, so it computes nothing for nobody."""
     prefill, _ = spawn("prefill", cluster[0], "--model", "tiny", "--instance-id", "p-late", "--num-kv-blocks", "64")
     try:
-        await nc.publish(Subjects.cancel("r-late"), encode(Cancel("r-late", "client disconnected")))
+        await nc.publish(Subjects.cancel("r-late"), encode(Cancel(request_id="r-late", reason="client disconnected")))
         await nc.flush()
         await asyncio.sleep(0.2)
-        job = PrefillJob("r-late", [1, 2, 3, 4], SamplingParams(max_tokens=1), "d", "127.0.0.1:1")
+        job = PrefillJob(request_id="r-late", token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=1),
+                         decode_id="d", decode_kv_addr="127.0.0.1:1")
         reply = await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)
         ack = decode(reply.data, SubmitAck)
         assert not ack.ok and "cancelled before its job arrived" in ack.error
@@ -186,6 +193,6 @@ async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
         job = msgspec.structs.replace(job, request_id="r-on-time")
         ack = decode((await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)).data, SubmitAck)
         assert ack.ok
-        await nc.publish(Subjects.cancel("r-on-time"), encode(Cancel("r-on-time")))
+        await nc.publish(Subjects.cancel("r-on-time"), encode(Cancel(request_id="r-on-time")))
     finally:
         stop(prefill)

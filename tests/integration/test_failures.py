@@ -92,7 +92,8 @@ async def test_prefill_to_an_unreachable_decode_fails_the_request_cleanly(cluste
         request_id = "unreachable-decode"
         outputs = await nc.subscribe(Subjects.out(request_id))
         dead_addr = f"127.0.0.1:{free_port()}"
-        job = PrefillJob(request_id, [256, 1, 2, 3], SamplingParams(max_tokens=2), "decode-x", dead_addr)
+        job = PrefillJob(request_id=request_id, token_ids=[256, 1, 2, 3], sampling=SamplingParams(max_tokens=2),
+                         decode_id="decode-x", decode_kv_addr=dead_addr)
         ack = decode((await nc.request(Subjects.submit("prefill", "prefill-0"), encode(job), timeout=5)).data,
                      SubmitAck)
         assert ack.ok

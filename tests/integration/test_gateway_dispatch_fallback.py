@@ -23,7 +23,8 @@ from kvcentric.core.protocol import (Cancel, Dispatch, Placement, PrefillJob, Sa
 MAX_PAYLOAD = 6000
 SLOW_PROMPT_TOKENS, SLOW_CONDUCTOR_S = 7, 1.0
 """The stand-in conductor answers a 7-token prompt after 1 s."""
-PLACED = Placement("", "p", "d", "127.0.0.1:1")  # what a conductor that predates dispatching answers
+# What a conductor that predates dispatching answers:
+PLACED = Placement(request_id="", prefill_id="p", decode_id="d", decode_kv_addr="127.0.0.1:1")
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +57,12 @@ async def recorded(bus):
     async def prefill(msg):
         job = decode(msg.data, PrefillJob)
         jobs.append(job)
-        await msg.respond(encode(SubmitAck(True)))
-        await nc.publish(Subjects.out(job.request_id), encode(TokenChunk(job.request_id, 0, [104], "length", 0, 1)))
+        await msg.respond(encode(SubmitAck.accepted()))
+        last = TokenChunk.final(job.request_id, "length", seq=0, token_ids=[104], prompt_tokens=0, completion_tokens=1)
+        await nc.publish(Subjects.out(job.request_id), encode(last))
 
     async def decode_submit(msg):
-        await msg.respond(encode(SubmitAck(True)))
+        await msg.respond(encode(SubmitAck.accepted()))
 
     for subject, callback in ((Subjects.SCHEDULE, schedule), (Subjects.submit("prefill", "p"), prefill),
                               (Subjects.submit("decode", "d"), decode_submit)):
@@ -80,8 +82,9 @@ async def post(url: str, prompt: list[int]) -> tuple[int, dict]:
 
 def schedule_bytes(prompt: list[int], with_tokens: bool) -> int:
     hashes = [to_hex(h) for h in BlockHasher().hash_blocks(prompt)]
-    ask = ScheduleRequest("cmpl-" + "0" * 32, len(prompt), hashes, 1,
-                          dispatch=Dispatch(prompt, SamplingParams(max_tokens=1)) if with_tokens else None)
+    ask = ScheduleRequest(request_id="cmpl-" + "0" * 32, n_tokens=len(prompt), block_hashes=hashes, max_tokens=1,
+                          dispatch=Dispatch(token_ids=prompt, sampling=SamplingParams(max_tokens=1))
+                          if with_tokens else None)
     return len(encode(ask))
 
 

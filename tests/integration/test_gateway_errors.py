@@ -40,7 +40,7 @@ def bus():
 class StandIns:
     """A conductor and two engines played by NATS subscribers; they record what reaches them."""
 
-    def __init__(self, nc, decision, decode_ack=SubmitAck(True), tokens: list[TokenChunk] = ()) -> None:
+    def __init__(self, nc, decision, decode_ack=SubmitAck.accepted(), tokens: list[TokenChunk] = ()) -> None:
         self.nc, self.decision, self.decode_ack, self.tokens = nc, decision, decode_ack, tokens
         self.cancels: list[Cancel] = []
         self.outcomes: list[RequestOutcome] = []
@@ -67,7 +67,7 @@ class StandIns:
         await msg.respond(encode(self.decode_ack))
 
     async def submit_prefill(self, msg) -> None:
-        await msg.respond(encode(SubmitAck(True)))
+        await msg.respond(encode(SubmitAck.accepted()))
         request_id = decode(msg.data, PrefillJob).request_id
         for chunk in self.tokens:
             await self.nc.publish(Subjects.out(request_id), encode(msgspec.structs.replace(chunk, request_id=request_id)))
@@ -85,7 +85,7 @@ class StandIns:
             await asyncio.sleep(0.05)
 
 
-PLACED = Placement("", "p", "d", "127.0.0.1:1", predicted_ttft_s=0.25)
+PLACED = Placement(request_id="", prefill_id="p", decode_id="d", decode_kv_addr="127.0.0.1:1", predicted_ttft_s=0.25)
 
 
 async def post(url: str, body: dict) -> tuple[int, dict, str]:
@@ -104,7 +104,7 @@ async def nc(bus):
 
 
 async def test_a_conductor_rejection_is_429_with_retry_after(bus, nc):
-    async with StandIns(nc, Rejection("", "overloaded", "prefill queue too long", retry_after_s=2.6)):
+    async with StandIns(nc, Rejection.overloaded("", "prefill queue too long", retry_after_s=2.6)):
         status, headers, text = await post(bus[1], BODY)
     error = json.loads(text)["error"]
     assert status == 429 and headers["Retry-After"] == "3"
@@ -112,7 +112,7 @@ async def test_a_conductor_rejection_is_429_with_retry_after(bus, nc):
 
 
 async def test_the_conductor_is_asked_with_the_negated_vllm_priority(bus, nc):
-    async with StandIns(nc, Rejection("", "overloaded", "busy")) as standins:
+    async with StandIns(nc, Rejection.overloaded("", "busy")) as standins:
         await post(bus[1], {**BODY, "priority": 2})
         await post(bus[1], BODY)
     assert [asked.priority for asked in standins.asked] == [-2, 0]
@@ -120,7 +120,7 @@ async def test_the_conductor_is_asked_with_the_negated_vllm_priority(bus, nc):
 
 
 async def test_a_conductor_failure_is_500_not_the_clients_fault(bus, nc):
-    async with StandIns(nc, Rejection("", "bad_request", "KeyError: 'x'")):
+    async with StandIns(nc, Rejection(request_id="", reason="bad_request", message="KeyError: 'x'")):
         status, _, text = await post(bus[1], BODY)
     assert status == 500 and "conductor failed" in json.loads(text)["error"]["message"]
 
@@ -137,7 +137,7 @@ async def test_a_request_past_the_timeout_is_504_and_cancelled_everywhere(bus, n
 
 
 async def test_a_refused_submit_is_503_and_the_accepted_side_is_cancelled(bus, nc):
-    async with StandIns(nc, PLACED, decode_ack=SubmitAck(False, "no KV room")) as standins:
+    async with StandIns(nc, PLACED, decode_ack=SubmitAck.refused("no KV room")) as standins:
         status, _, text = await post(bus[1], BODY)
         await standins.settle()
     assert status == 503 and "no KV room" in json.loads(text)["error"]["message"]
@@ -145,7 +145,8 @@ async def test_a_refused_submit_is_503_and_the_accepted_side_is_cancelled(bus, n
 
 
 async def test_an_engine_error_is_500_whole_and_an_error_event_when_streaming(bus, nc):
-    chunks = [TokenChunk("", 0, [104]), TokenChunk("", 1, [], "error", 5, 1, "decode failed: boom")]
+    chunks = [TokenChunk(request_id="", seq=0, token_ids=[104]),
+              TokenChunk.failed("", "decode failed: boom", prompt_tokens=5, completion_tokens=1, seq=1)]
     async with StandIns(nc, PLACED, tokens=chunks) as standins:
         status, _, text = await post(bus[1], BODY)
         assert status == 500 and "boom" in json.loads(text)["error"]["message"]
@@ -158,7 +159,7 @@ async def test_an_engine_error_is_500_whole_and_an_error_event_when_streaming(bu
 
 
 async def test_a_stream_that_stalls_ends_with_a_504_event(bus, nc):
-    async with StandIns(nc, PLACED, tokens=[TokenChunk("", 0, [104])]) as standins:
+    async with StandIns(nc, PLACED, tokens=[TokenChunk(request_id="", seq=0, token_ids=[104])]) as standins:
         status, _, text = await post(bus[1], {**BODY, "stream": True})
         await standins.settle()
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
@@ -167,7 +168,7 @@ async def test_a_stream_that_stalls_ends_with_a_504_event(bus, nc):
 
 
 async def test_metrics_count_outcomes_and_openapi_lists_the_endpoints(bus, nc):
-    async with StandIns(nc, Rejection("", "overloaded", "busy")):
+    async with StandIns(nc, Rejection.overloaded("", "busy")):
         await post(bus[1], BODY)
     async with aiohttp.ClientSession() as session:
         async with session.get(bus[1] + "/metrics") as response:

@@ -45,9 +45,11 @@ async def prefill_on(nats_url: str, prefill_id: str, token_ids: list[int], sourc
     nc = await nats.connect(nats_url)
     try:
         outputs = await nc.subscribe(Subjects.out("pulled"))
-        for subject, job in ((Subjects.submit("decode", "decode-0"), DecodeJob("pulled", len(token_ids), PARAMS)),
-                             (Subjects.submit("prefill", prefill_id),
-                              PrefillJob("pulled", token_ids, PARAMS, "decode-0", decode_addr, source_addr, hashes))):
+        decode_job = DecodeJob(request_id="pulled", n_prompt_tokens=len(token_ids), sampling=PARAMS)
+        prefill_job = PrefillJob(request_id="pulled", token_ids=token_ids, sampling=PARAMS, decode_id="decode-0",
+                                 decode_kv_addr=decode_addr, kv_source_addr=source_addr, pull_block_hashes=hashes)
+        for subject, job in ((Subjects.submit("decode", "decode-0"), decode_job),
+                             (Subjects.submit("prefill", prefill_id), prefill_job)):
             assert decode((await nc.request(subject, encode(job), timeout=10)).data, SubmitAck).ok
         tokens = []
         while True:

@@ -28,18 +28,20 @@ def kvs_meta(nats_url, redis_url):
 
 
 def report(node: str) -> LoadReport:
-    return LoadReport(node, "prefill", "local", "127.0.0.1:1", 0, 0, 0, 10, 10, time.time())
+    return LoadReport(instance_id=node, role="prefill", cluster="local", kv_addr="127.0.0.1:1", queued_requests=0,
+                      queued_tokens=0, running=0, kv_blocks_total=10, kv_blocks_free=10, ts=time.time())
 
 
 async def holders(nc, hashes: list[str]) -> list[list[str]]:
-    reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes)), timeout=2)
+    reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes)), timeout=2)
     return decode(reply.data, KVSReply).holders
 
 
 async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nats_url):
     nc = await nats.connect(nats_url)
     try:
-        events = KVEventBatch([BlockStored("alive-node", ["h1", "h2"]), BlockStored("dying-node", ["h1"], "device")])
+        events = KVEventBatch(events=[BlockStored(node_id="alive-node", block_hashes=["h1", "h2"]),
+                                      BlockStored(node_id="dying-node", block_hashes=["h1"], tier="device")])
         await nc.publish(Subjects.kv_events("x"), encode(events))
         purged = None
         for _ in range(40):  # alive-node keeps reporting; dying-node never does, and its 2 s lease runs out
@@ -49,7 +51,8 @@ async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nat
             if purged == [["alive-node:dram"], ["alive-node:dram"], []]:
                 break
         assert purged == [["alive-node:dram"], ["alive-node:dram"], []]
-        await nc.publish(Subjects.kv_events("x"), encode(KVEventBatch([BlockEvicted("alive-node", ["h2"])])))
+        evicted = KVEventBatch(events=[BlockEvicted(node_id="alive-node", block_hashes=["h2"])])
+        await nc.publish(Subjects.kv_events("x"), encode(evicted))
         await nc.flush()
         for _ in range(20):
             if await holders(nc, ["h2"]) == [[]]:
@@ -65,7 +68,8 @@ async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nat
 async def test_the_http_batch_query_has_mooncakes_shape(kvs_meta, nats_url):
     nc = await nats.connect(nats_url)
     try:
-        await nc.publish(Subjects.kv_events("y"), encode(KVEventBatch([BlockStored("node-y", ["k1"])])))
+        batch = KVEventBatch(events=[BlockStored(node_id="node-y", block_hashes=["k1"])])
+        await nc.publish(Subjects.kv_events("y"), encode(batch))
         await nc.publish(Subjects.load("prefill", "node-y"), encode(report("node-y")))
         await nc.flush()
         await asyncio.sleep(0.3)

@@ -40,11 +40,12 @@ async def start_kvs_meta(nats_url: str, redis_url: str) -> KVSMetaService:
 
 async def store_blocks(nc, node: str, hashes: list[str]) -> None:
     """Announce `node`'s blocks as an engine does, and wait until kvs-meta answers with them."""
-    await nc.publish(Subjects.kv_events(node), encode(KVEventBatch([BlockStored(node, hashes)])))
+    batch = KVEventBatch(events=[BlockStored(node_id=node, block_hashes=hashes)])
+    await nc.publish(Subjects.kv_events(node), encode(batch))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         try:
-            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes[:1])), timeout=2)
+            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
         except nats.errors.NoRespondersError:  # a kvs-meta just started: its subscription is on its way
             reply = None
         if reply is not None and decode(reply.data, KVSReply).holders == [[f"{node}:dram"]]:
@@ -59,7 +60,8 @@ async def place(nc, conductor: ConductorService, hashes: list[str]) -> Placement
     await announce(nc, conductor)
     await eventually(lambda: all(p.dispatched_s == 0 for p in conductor.registry.prefill.values()),
                      "the fresh load reports were taken")
-    decision = await schedule(nc, ScheduleRequest(f"r-{uuid.uuid4().hex[:8]}", 100, hashes, 8))
+    decision = await schedule(nc, ScheduleRequest(request_id=f"r-{uuid.uuid4().hex[:8]}", n_tokens=100,
+                                                  block_hashes=hashes, max_tokens=8))
     assert isinstance(decision, Placement), decision
     return decision
 

@@ -51,8 +51,8 @@ async def disconnect_mid_stream(port: int, prompt: str) -> None:
 async def prefill_to_nowhere(nats_url: str, request_id: str) -> None:
     nc = await nats.connect(nats_url)
     try:
-        job = PrefillJob(request_id, [256] + [7] * 40, SamplingParams(max_tokens=2), "decode-x",
-                         f"127.0.0.1:{free_port()}")
+        job = PrefillJob(request_id=request_id, token_ids=[256] + [7] * 40, sampling=SamplingParams(max_tokens=2),
+                         decode_id="decode-x", decode_kv_addr=f"127.0.0.1:{free_port()}")
         reply = await nc.request(Subjects.submit("prefill", "prefill-0"), encode(job), timeout=5)
         assert decode(reply.data, SubmitAck).ok
     finally:

@@ -50,7 +50,7 @@ async def dump_all(store: KVMetaStore, count: int) -> tuple[dict[str, set[str]],
     while True:
         events, cursor = await store.dump(cursor, count)
         pages += 1
-        assert len(encode(KVSDump(events, cursor))) < DUMP_MAX_BYTES * 2
+        assert len(encode(KVSDump(events=events, cursor=cursor))) < DUMP_MAX_BYTES * 2
         for event in events:
             for block_hash in event.block_hashes:
                 held.setdefault(block_hash, set()).add(f"{event.node_id}:{event.tier}")
@@ -61,7 +61,8 @@ async def dump_all(store: KVMetaStore, count: int) -> tuple[dict[str, set[str]],
 async def test_the_dump_pages_through_every_block_and_holder(redis_db):
     store = KVMetaStore(redis_db[1])
     hashes = [f"{i:064x}" for i in range(5000)]
-    await store.apply([BlockStored("p0", hashes, "device"), BlockStored("p1", hashes[::2], "dram")])
+    await store.apply([BlockStored(node_id="p0", block_hashes=hashes, tier="device"),
+                       BlockStored(node_id="p1", block_hashes=hashes[::2], tier="dram")])
     held, pages = await dump_all(store, count=1000)
     assert pages >= 5 and len(held) == 5000
     assert all(held[h] == ({"p0:device", "p1:dram"} if i % 2 == 0 else {"p0:device"}) for i, h in enumerate(hashes))
@@ -70,22 +71,25 @@ async def test_the_dump_pages_through_every_block_and_holder(redis_db):
 async def test_a_dump_page_stays_under_its_byte_budget(redis_db):
     store = KVMetaStore(redis_db[1])
     hashes = [f"{i:064x}" for i in range(1500)]  # 1.6 MB of hashes in all
-    await store.apply([BlockStored(f"node-{n}", hashes, tier) for n in range(8) for tier in ("device", "dram")])
+    await store.apply([BlockStored(node_id=f"node-{n}", block_hashes=hashes, tier=tier)
+                       for n in range(8) for tier in ("device", "dram")])
     events, cursor = await store.dump(0, 10_000)
-    assert cursor != 0 and len(encode(KVSDump(events, cursor))) < 2 * DUMP_MAX_BYTES + 100_000
+    assert cursor != 0 and len(encode(KVSDump(events=events, cursor=cursor))) < 2 * DUMP_MAX_BYTES + 100_000
 
 
 async def test_a_purged_node_leaves_no_tier_behind(redis_db):
     store = KVMetaStore(redis_db[1])
-    await store.apply([BlockStored("p0", ["a"], "device"), BlockStored("p0", ["a"], "dram"),
-                       BlockEvicted("p0", ["a"], "device")])
+    await store.apply([BlockStored(node_id="p0", block_hashes=["a"], tier="device"),
+                       BlockStored(node_id="p0", block_hashes=["a"], tier="dram"),
+                       BlockEvicted(node_id="p0", block_hashes=["a"], tier="device")])
     assert await store.holders(["a"]) == [["p0:dram"]]
     assert await store.purge_node("p0") == 1
     assert await store.holders(["a"]) == [[]]
 
 
 async def store_blocks(nc, node: str, hashes: list[str]) -> None:
-    await nc.publish(Subjects.kv_events(node), encode(KVEventBatch([BlockStored(node, hashes, "device")])))
+    batch = KVEventBatch(events=[BlockStored(node_id=node, block_hashes=hashes, tier="device")])
+    await nc.publish(Subjects.kv_events(node), encode(batch))
     await nc.flush()
 
 
@@ -97,7 +101,7 @@ async def test_a_local_conductor_places_from_kv_events_and_a_late_one_from_the_s
         await announce(nc, conductor)
         await store_blocks(nc, "p1", HASHES[:4])
         await eventually(lambda: conductor.index.match(HASHES) == {"p1": 4}, "the first conductor saw the event")
-        decision = await schedule(nc, ScheduleRequest("a", 100, HASHES, 8))
+        decision = await schedule(nc, ScheduleRequest(request_id="a", n_tokens=100, block_hashes=HASHES, max_tokens=8))
         assert isinstance(decision, Placement) and decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
         assert kvs_meta.counters["queries_total"] == 0  # no lookup on the request's path
         text = await metrics(conductor)
@@ -115,7 +119,7 @@ async def test_a_local_conductor_places_from_kv_events_and_a_late_one_from_the_s
         await eventually(lambda: late.seeded, "the late conductor was seeded from kvs-meta's dump")
         assert late.index.match(HASHES) == {"p1": 4} and kvs_meta.counters["dump_pages_total"] >= 2
         await announce(nc, late)
-        decision = await schedule(nc, ScheduleRequest("b", 100, HASHES, 8))
+        decision = await schedule(nc, ScheduleRequest(request_id="b", n_tokens=100, block_hashes=HASHES, max_tokens=8))
         assert isinstance(decision, Placement) and decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
         assert kvs_meta.counters["queries_total"] == 0
     finally:
@@ -132,7 +136,7 @@ async def test_without_kvs_meta_the_local_index_goes_live_from_events_alone(own_
         await eventually(lambda: conductor.pending is None, "the local index went live")
         assert not conductor.seeded and conductor.counters["prefix_seed_failures_total"] == 1
         await eventually(lambda: conductor.index.match(HASHES) == {"p0": 3}, "the event reached the index")
-        decision = await schedule(nc, ScheduleRequest("c", 100, HASHES, 8))
+        decision = await schedule(nc, ScheduleRequest(request_id="c", n_tokens=100, block_hashes=HASHES, max_tokens=8))
         assert isinstance(decision, Placement) and decision.prefill_id == "p0" and decision.cached_tokens == 3 * 16
         assert 'kvc_prefix_index_seeded{role="conductor",instance="conductor-test"} 0.0' in await metrics(conductor)
     finally:

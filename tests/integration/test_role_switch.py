@@ -118,7 +118,7 @@ def test_role_commands_are_validated(cluster):
     assert not bad.ok and bad.error
     bad_role = asyncio.run(raw(encode({"role": "gateway"})))
     assert not bad_role.ok
-    assert asyncio.run(raw(encode(RoleSwitch("decode")))).ok  # already decode: nothing to do
+    assert asyncio.run(raw(encode(RoleSwitch(role="decode")))).ok  # already decode: nothing to do
 
 
 def test_the_conductor_switches_an_idle_prefill_instance_when_decode_is_the_bottleneck(tmp_path):

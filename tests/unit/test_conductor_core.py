@@ -64,7 +64,8 @@ def test_snapshot_lists_alive_instances_with_their_load():
 
 
 def outcome(request_id, ttft_s, e2e_s, tokens=100, prefill_id="p0", decode_id="d0"):
-    return RequestOutcome(request_id, prefill_id, decode_id, "length", ttft_s, e2e_s, 1000, tokens)
+    return RequestOutcome(request_id=request_id, prefill_id=prefill_id, decode_id=decode_id, finish_reason="length",
+                          ttft_s=ttft_s, e2e_s=e2e_s, prompt_tokens=1000, completion_tokens=tokens)
 
 
 def test_outcomes_record_the_ttft_prediction_error_and_teach_the_decode_time():

@@ -34,7 +34,9 @@ def test_t_is_replanned_for_the_new_counts_once_the_switch_shows():
     loop = loop_for(conductor)
     lengths = [2_000 + 1_500 * i for i in range(40)]
     for i, n in enumerate(lengths):
-        loop.placed(ScheduleRequest(f"r{i}", n, [], 256), Placement(f"r{i}", "a0", "d0", "", 0, 0.1, 0.01))
+        loop.placed(ScheduleRequest(request_id=f"r{i}", n_tokens=n, block_hashes=[], max_tokens=256),
+                    Placement(request_id=f"r{i}", prefill_id="a0", decode_id="d0", decode_kv_addr="",
+                              cached_tokens=0, predicted_ttft_s=0.1, predicted_tbt_s=0.01))
     loop.retuner.expect(1, 2)
     loop.retune_threshold(2, 1, 0.5)  # the switch has not shown yet: t stays
     assert conductor.router.stats["threshold_replans"] == 0

@@ -219,7 +219,7 @@ def test_a_file_that_is_not_a_cost_model_is_refused_as_profile(tmp_path):
                                           (500, "server_error")])
 def test_an_engine_error_chunk_becomes_the_api_error_of_its_status(status, kind):
     async def chunks():
-        yield TokenChunk("r", 0, [], "error", 4, 0, "rejected by decode for TBT", status)
+        yield TokenChunk.failed("r", "rejected by decode for TBT", prompt_tokens=4, status=status)
 
     async def relay():
         job = Job("r", None, [1, 2, 3, 4], False, 0.0)

@@ -8,12 +8,13 @@ from kvcentric.core.protocol import DecodeJob, Dispatch, Placement, PrefillJob, 
 
 def request(n_tokens: int = 3, max_tokens: int = 4, token_ids=(1, 2, 3), sampling_max: int = 4,
             request_id: str = "r1") -> ScheduleRequest:
-    return ScheduleRequest(request_id, n_tokens, [], max_tokens,
-                           dispatch=Dispatch(list(token_ids), SamplingParams(max_tokens=sampling_max)))
+    return ScheduleRequest(request_id=request_id, n_tokens=n_tokens, block_hashes=[], max_tokens=max_tokens,
+                           dispatch=Dispatch(token_ids=list(token_ids),
+                                             sampling=SamplingParams(max_tokens=sampling_max)))
 
 
 def test_a_request_without_a_dispatch_part_is_fine():
-    assert bad_dispatch(ScheduleRequest("r1", 3, [], 4)) == ""
+    assert bad_dispatch(ScheduleRequest(request_id="r1", n_tokens=3, block_hashes=[], max_tokens=4)) == ""
 
 
 def test_a_sound_dispatch_part_is_fine():
@@ -33,7 +34,7 @@ def test_a_request_id_that_is_no_subject_token_is_refused():
 
 
 def test_a_pair_gets_a_prefill_and_a_decode_job():
-    placement = Placement("r1", "p0", "d0", "10.0.0.1:9000")
+    placement = Placement(request_id="r1", prefill_id="p0", decode_id="d0", decode_kv_addr="10.0.0.1:9000")
     submits = jobs("r1", placement, [1, 2, 3], SamplingParams(max_tokens=4))
     assert [(role, instance) for role, instance, _ in submits] == [("prefill", "p0"), ("decode", "d0")]
     prefill, decode = submits[0][2], submits[1][2]
@@ -42,5 +43,6 @@ def test_a_pair_gets_a_prefill_and_a_decode_job():
 
 
 def test_a_colocated_instance_gets_only_the_prefill_job():
-    submits = jobs("r1", Placement("r1", "c0", "c0", ""), [1, 2], SamplingParams(max_tokens=4))
+    placement = Placement(request_id="r1", prefill_id="c0", decode_id="c0", decode_kv_addr="")
+    submits = jobs("r1", placement, [1, 2], SamplingParams(max_tokens=4))
     assert [(role, instance) for role, instance, _ in submits] == [("prefill", "c0")]

@@ -56,7 +56,8 @@ def test_the_outbox_keeps_order_skips_nothing_to_send_and_closes_finished_reques
     spans = RequestSpans()
     outbox = TokenOutbox(spans)
     spans.start("r", "decode.generate")
-    outbox.emit([TokenChunk("r", 0, [5]), None, TokenChunk("r", 1, [6], "length", 4, 2)])
+    last = TokenChunk(request_id="r", seq=1, token_ids=[6], finish_reason="length", prompt_tokens=4, completion_tokens=2)
+    outbox.emit([TokenChunk(request_id="r", seq=0, token_ids=[5]), None, last])
     sent = [outbox.queue.get_nowait() for _ in range(outbox.queue.qsize())]
     assert [c.token_ids for c in sent] == [[5], [6]] and outbox.empty()
     assert ("r", "decode.generate") not in spans.open
@@ -95,10 +96,10 @@ def role_change(role: str, idle=lambda: True, events: list | None = None) -> Rol
 
 
 def test_a_colocated_instance_refuses_to_switch_and_a_switch_to_its_own_role_is_a_no_op():
-    assert not role_change("colocated").answer(RoleSwitch("decode")).ok
-    ack = role_change("prefill").answer(RoleSwitch("prefill"))
+    assert not role_change("colocated").answer(RoleSwitch(role="decode")).ok
+    ack = role_change("prefill").answer(RoleSwitch(role="prefill"))
     assert ack.ok and "already a prefill" in ack.error
-    assert role_change("prefill").answer(RoleSwitch("decode")) is None
+    assert role_change("prefill").answer(RoleSwitch(role="decode")) is None
 
 
 def test_a_switch_reports_draining_at_once_then_drains_forgets_the_cache_and_stops(monkeypatch):
@@ -107,9 +108,9 @@ def test_a_switch_reports_draining_at_once_then_drains_forgets_the_cache_and_sto
     change = role_change("prefill", events=events)
 
     async def scenario() -> None:
-        ack = await change.on_switch(RoleSwitch("decode", "replan"))
+        ack = await change.on_switch(RoleSwitch(role="decode", reason="replan"))
         assert ack.ok and change.draining and events == ["load"]
-        again = await change.on_switch(RoleSwitch("prefill"))
+        again = await change.on_switch(RoleSwitch(role="prefill"))
         assert not again.ok and "already draining to decode" in again.error
         await asyncio.wait_for(change.tasks.stopping.wait(), 1.0)
 

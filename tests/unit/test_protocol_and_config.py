@@ -10,13 +10,13 @@ from kvcentric.core.protocol import (BadMessage, Placement, Rejection, ScheduleR
 
 
 def test_messages_round_trip_and_unions_pick_the_tagged_type():
-    placement = Placement("r", "p0", "d0", "127.0.0.1:1")
+    placement = Placement(request_id="r", prefill_id="p0", decode_id="d0", decode_kv_addr="127.0.0.1:1")
     assert decode(encode(placement), ScheduleReply) == placement
-    rejection = Rejection("r", "overloaded", "busy", 2.0)
+    rejection = Rejection.overloaded("r", "busy", retry_after_s=2.0)
     assert decode(encode(rejection), ScheduleReply) == rejection
 
 
-@pytest.mark.parametrize("data", [b"", b"\xc1", encode(TokenChunk("r", 0, [1]))])
+@pytest.mark.parametrize("data", [b"", b"\xc1", encode(TokenChunk(request_id="r", seq=0, token_ids=[1]))])
 def test_bytes_that_do_not_fit_the_schema_raise_bad_message(data):
     with pytest.raises(BadMessage):
         decode(data, ScheduleRequest)

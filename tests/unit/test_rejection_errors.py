@@ -7,18 +7,19 @@ from kvcentric.core.protocol import Rejection
 
 
 def test_no_instance_is_503():
-    error = rejection_error(Rejection("r1", "no_instance", "no decode instance"))
+    error = rejection_error(Rejection(request_id="r1", reason="no_instance", message="no decode instance"))
     assert (error.status, error.kind, error.message, error.headers) == (503, "service_unavailable",
                                                                          "no decode instance", {})
 
 
 def test_a_conductor_failure_is_500_not_the_clients_fault():
-    error = rejection_error(Rejection("r1", "bad_request", "boom"))
+    error = rejection_error(Rejection(request_id="r1", reason="bad_request", message="boom"))
     assert (error.status, error.kind, error.message) == (500, "server_error", "the conductor failed: boom")
 
 
 def test_overload_is_429_with_retry_after_and_the_reason_as_code():
-    error = rejection_error(Rejection("r1", "overloaded", "prefill is busy", retry_after_s=2.6))
+    error = rejection_error(Rejection(request_id="r1", reason="overloaded", message="prefill is busy",
+                                      retry_after_s=2.6))
     assert (error.status, error.kind, error.code) == (429, "rate_limit_exceeded", "overloaded")
     assert error.headers == {"Retry-After": "3"}
 

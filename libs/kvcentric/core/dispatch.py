@@ -14,11 +14,13 @@ Submit = tuple[str, str, PrefillJob | DecodeJob]
 def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: SamplingParams) -> list[Submit]:
     """The prefill job, and the decode job unless one colocated instance does both (it takes its decode
     job from the prefill job)."""
-    prefill = PrefillJob(request_id, token_ids, sampling, placement.decode_id, placement.decode_kv_addr,
-                         placement.kv_source_addr, placement.pull_block_hashes)
+    prefill = PrefillJob(request_id=request_id, token_ids=token_ids, sampling=sampling, decode_id=placement.decode_id,
+                         decode_kv_addr=placement.decode_kv_addr, kv_source_addr=placement.kv_source_addr,
+                         pull_block_hashes=placement.pull_block_hashes)
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
-        submits.append(("decode", placement.decode_id, DecodeJob(request_id, len(token_ids), sampling)))
+        submits.append(("decode", placement.decode_id, DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids),
+                                                                 sampling=sampling)))
     return submits
 
 

@@ -1,8 +1,10 @@
 """Every message that crosses NATS, defined once; it encodes and validates them and does no I/O.
 
-Messages are msgspec Structs encoded as msgpack. New fields go at the end with a default, so an
+Messages are msgspec Structs encoded as msgpack maps keyed by field name. They are built by field
+name only (keyword-only), or by a named constructor for a recurring shape (`TokenChunk.failed`,
+`SubmitAck.refused`, `Rejection.overloaded`). New fields go at the end with a default, so an
 older peer still decodes a newer message. `decode` raises `BadMessage` for anything that does not
-fit its schema; the bus adapters log and count such drops (`kvcentric.bus`).
+fit its schema; the bus adapter logs and counts such drops (`kvcentric.runtime.bus`).
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class Subjects:
 # ---------------------------------------------------------------- sampling
 
 
-class SamplingParams(msgspec.Struct, frozen=True):
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -76,14 +78,14 @@ class SamplingParams(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- conductor
 
 
-class Dispatch(msgspec.Struct, frozen=True):
+class Dispatch(msgspec.Struct, frozen=True, kw_only=True):
     """What the engines need besides the placement, when the conductor is to hand the jobs over itself."""
 
     token_ids: list[int]
     sampling: SamplingParams
 
 
-class ScheduleRequest(msgspec.Struct, frozen=True):
+class ScheduleRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     n_tokens: int
     block_hashes: list[str]
@@ -95,7 +97,7 @@ class ScheduleRequest(msgspec.Struct, frozen=True):
     `kvc.req.<id>.out`). None: it only answers, and the asker sends the jobs."""
 
 
-class Placement(msgspec.Struct, frozen=True, tag="placement"):
+class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     request_id: str
     prefill_id: str
     decode_id: str
@@ -115,7 +117,7 @@ class Placement(msgspec.Struct, frozen=True, tag="placement"):
     dispatching: the asker sends them."""
 
 
-class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
+class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
     request_id: str
     reason: Literal["no_instance", "overloaded", "bad_request"]
     message: str
@@ -125,11 +127,26 @@ class Rejection(msgspec.Struct, frozen=True, tag="rejection"):
     load: float = 0.0
     """That load: predicted TTFT / TTFT_SLO or predicted TBT / TBT_SLO."""
 
+    @classmethod
+    def overloaded(cls, request_id: str, message: str, *, retry_after_s: float = 1.0, stage: str = "",
+                   load: float = 0.0) -> Rejection:
+        return cls(request_id=request_id, reason="overloaded", message=message, retry_after_s=retry_after_s,
+                   stage=stage, load=load)
+
+    @classmethod
+    def no_instance(cls, request_id: str, message: str) -> Rejection:
+        return cls(request_id=request_id, reason="no_instance", message=message, retry_after_s=1.0)
+
+    @classmethod
+    def bad_request(cls, request_id: str, message: str) -> Rejection:
+        """Asking again will not help: no retry-after."""
+        return cls(request_id=request_id, reason="bad_request", message=message, retry_after_s=0.0)
+
 
 ScheduleReply = Placement | Rejection
 
 
-class InstanceInfo(msgspec.Struct, frozen=True):
+class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     instance_id: str
     role: Role
     cluster: str
@@ -138,7 +155,7 @@ class InstanceInfo(msgspec.Struct, frozen=True):
     age_s: float
 
 
-class RequestOutcome(msgspec.Struct, frozen=True):
+class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
     """Published by the gateway on `kvc.conductor.outcome` when a request ends, so the conductor can
     compare its predicted TTFT with the actual one."""
 
@@ -153,19 +170,19 @@ class RequestOutcome(msgspec.Struct, frozen=True):
     predicted_ttft_s: float = 0.0
 
 
-class InstancesQuery(msgspec.Struct, frozen=True):
+class InstancesQuery(msgspec.Struct, frozen=True, kw_only=True):
     role: str = ""
     """Only instances of this role ("" for all)."""
 
 
-class InstancesReply(msgspec.Struct, frozen=True):
+class InstancesReply(msgspec.Struct, frozen=True, kw_only=True):
     instances: list[InstanceInfo]
 
 
 # ---------------------------------------------------------------- engines
 
 
-class PrefillJob(msgspec.Struct, frozen=True):
+class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     token_ids: list[int]
     sampling: SamplingParams
@@ -176,7 +193,7 @@ class PrefillJob(msgspec.Struct, frozen=True):
     pull_block_hashes: list[str] = []
 
 
-class DecodeJob(msgspec.Struct, frozen=True):
+class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     n_prompt_tokens: int
     sampling: SamplingParams
@@ -184,12 +201,20 @@ class DecodeJob(msgspec.Struct, frozen=True):
     """How long the decode instance waits for the request's KV before failing it."""
 
 
-class SubmitAck(msgspec.Struct, frozen=True):
+class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     error: str = ""
 
+    @classmethod
+    def accepted(cls) -> SubmitAck:
+        return cls(ok=True)
 
-class LoadReport(msgspec.Struct, frozen=True):
+    @classmethod
+    def refused(cls, error: str) -> SubmitAck:
+        return cls(ok=False, error=error)
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Published by every engine about 10 times a second on `kvc.load.<role>.<id>`."""
 
     instance_id: str
@@ -212,7 +237,7 @@ class LoadReport(msgspec.Struct, frozen=True):
     """It finishes what it has and takes nothing new in this role (a role change is under way)."""
 
 
-class RoleSwitch(msgspec.Struct, frozen=True):
+class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):
     """On `kvc.control.<id>` (request/reply, answered with a SubmitAck): drain, then serve as `role`.
 
     PrfaaS §3.4.3 long-term re-planning converts PD instances between prefill and decode."""
@@ -224,7 +249,7 @@ class RoleSwitch(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- output
 
 
-class TokenChunk(msgspec.Struct, frozen=True):
+class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens of one request on `kvc.req.<id>.out`; `seq` orders chunks, the last has finish_reason."""
 
     request_id: str
@@ -237,8 +262,22 @@ class TokenChunk(msgspec.Struct, frozen=True):
     error_status: int = 500
     """With finish_reason "error": the HTTP status it means (503 when an instance refused the job)."""
 
+    @classmethod
+    def final(cls, request_id: str, reason: Literal["stop", "length", "abort"], *, seq: int, token_ids: list[int],
+              prompt_tokens: int, completion_tokens: int) -> TokenChunk:
+        """The last chunk of a request that ended without an error."""
+        return cls(request_id=request_id, seq=seq, token_ids=token_ids, finish_reason=reason,
+                   prompt_tokens=prompt_tokens, completion_tokens=completion_tokens)
 
-class Cancel(msgspec.Struct, frozen=True):
+    @classmethod
+    def failed(cls, request_id: str, error: str, *, prompt_tokens: int, completion_tokens: int = 0, seq: int = 0,
+               status: int = 500) -> TokenChunk:
+        """The last chunk of a request that failed: no tokens, finish_reason "error", `status` for HTTP."""
+        return cls(request_id=request_id, seq=seq, token_ids=[], finish_reason="error", prompt_tokens=prompt_tokens,
+                   completion_tokens=completion_tokens, error=error, error_status=status)
+
+
+class Cancel(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     reason: str = "client disconnected"
 
@@ -246,13 +285,13 @@ class Cancel(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- kv metadata
 
 
-class BlockStored(msgspec.Struct, frozen=True, tag="stored"):
+class BlockStored(msgspec.Struct, frozen=True, tag="stored", kw_only=True):
     node_id: str
     block_hashes: list[str]
     tier: str = "dram"
 
 
-class BlockEvicted(msgspec.Struct, frozen=True, tag="evicted"):
+class BlockEvicted(msgspec.Struct, frozen=True, tag="evicted", kw_only=True):
     node_id: str
     block_hashes: list[str]
     tier: str = "dram"
@@ -261,22 +300,22 @@ class BlockEvicted(msgspec.Struct, frozen=True, tag="evicted"):
 KVEvent = BlockStored | BlockEvicted
 
 
-class KVEventBatch(msgspec.Struct, frozen=True):
+class KVEventBatch(msgspec.Struct, frozen=True, kw_only=True):
     events: list[KVEvent]
 
 
-class KVSQuery(msgspec.Struct, frozen=True):
+class KVSQuery(msgspec.Struct, frozen=True, kw_only=True):
     block_hashes: list[str]
 
 
-class KVSReply(msgspec.Struct, frozen=True):
+class KVSReply(msgspec.Struct, frozen=True, kw_only=True):
     holders: list[list[str]]
     """For each queried hash, the holders as "node_id:tier" strings, in query order."""
     error: str = ""
     """Set when kvs-meta could not answer (its Redis is down, the query was bad): holders is empty then."""
 
 
-class KVSDumpQuery(msgspec.Struct, frozen=True):
+class KVSDumpQuery(msgspec.Struct, frozen=True, kw_only=True):
     """One page of kvs-meta's whole block index (a conductor seeding its local mirror)."""
 
     cursor: int = 0
@@ -285,7 +324,7 @@ class KVSDumpQuery(msgspec.Struct, frozen=True):
     """About how many blocks the page should hold (kvs-meta may answer fewer, or a few more)."""
 
 
-class KVSDump(msgspec.Struct, frozen=True):
+class KVSDump(msgspec.Struct, frozen=True, kw_only=True):
     events: list[BlockStored]
     """The page's blocks, one event per holder (node and tier)."""
     cursor: int

@@ -57,8 +57,9 @@ class DecodeRequest:
     def chunk(self, token_ids: list[int], reason: str | None = None, error: str = "",
               error_status: int = 500) -> TokenChunk:
         self.seq += 1
-        return TokenChunk(self.request_id, self.seq - 1, token_ids, reason, self.job.n_prompt_tokens,
-                          len(self.generated), error, error_status)
+        return TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=token_ids, finish_reason=reason,
+                          prompt_tokens=self.job.n_prompt_tokens, completion_tokens=len(self.generated),
+                          error=error, error_status=error_status)
 
 
 class DecodeEngine:

@@ -39,10 +39,10 @@ class JobIntake:
         problem = job_problem(job.request_id, job.sampling)
         if problem:
             self.counters["bus_drops_total"] += 1
-            return SubmitAck(False, problem)
+            return SubmitAck(ok=False, error=problem)
         if job.request_id in self.cancelled:
             self.counters["jobs_after_cancel_total"] += 1
-            return SubmitAck(False, f"request {job.request_id} was cancelled before its job arrived")
+            return SubmitAck(ok=False, error=f"request {job.request_id} was cancelled before its job arrived")
         return None
 
     async def take_jobs(self, bus: Bus, role: str, instance_id: str, kind,
@@ -52,7 +52,7 @@ class JobIntake:
             return self.refusal(job) or await handler(job)
 
         await bus.subscribe(Subjects.submit(role, instance_id), kind, take,
-                            bad_reply=lambda error: SubmitAck(False, error))
+                            bad_reply=lambda error: SubmitAck(ok=False, error=error))
 
     async def take_cancels(self, bus: Bus, handler: Callable[[Cancel], Awaitable[None]]) -> None:
         """Remember each cancel, then hand it to `handler`."""

@@ -32,8 +32,9 @@ class Reporter:
         self.pool, self.host, self.pusher = pool, host, pusher
 
     def load_report(self, role: str, load: Load, kv_addr: str, draining: bool) -> LoadReport:
-        return LoadReport(self.instance_id, role, self.cluster, kv_addr, load.queued_requests, load.queued_tokens,
-                          load.running, self.pool.num_blocks, self.pool.num_free, time.time(),
+        return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
+                          queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
+                          kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
 
@@ -45,8 +46,8 @@ class Reporter:
         events = []
         for tier, pool in (("device", self.pool), ("dram", self.host)):
             stored, evicted = pool.drain_events() if pool is not None else ([], [])
-            events += ([BlockEvicted(self.instance_id, evicted, tier)] if evicted else []) + \
-                      ([BlockStored(self.instance_id, stored, tier)] if stored else [])
+            events += ([BlockEvicted(node_id=self.instance_id, block_hashes=evicted, tier=tier)] if evicted else []) + \
+                      ([BlockStored(node_id=self.instance_id, block_hashes=stored, tier=tier)] if stored else [])
         await self._publish_events(events)
 
     async def publish_cache_forgotten(self) -> None:
@@ -55,12 +56,12 @@ class Reporter:
         for tier, hashes in (("device", list(self.pool.hash_to_block)),
                              ("dram", list(self.host.slot_of) if self.host is not None else [])):
             if hashes:
-                events.append(BlockEvicted(self.instance_id, hashes, tier))
+                events.append(BlockEvicted(node_id=self.instance_id, block_hashes=hashes, tier=tier))
         await self._publish_events(events)
 
     async def _publish_events(self, events: list) -> None:
         if events:
-            await self.bus.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events))
+            await self.bus.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events=events))
 
     def stats(self) -> dict:
         """The pools' and the pusher's counters, for /health and /metrics."""

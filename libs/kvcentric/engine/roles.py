@@ -43,16 +43,16 @@ class RoleChange:
 
     async def listen(self, bus: Bus, instance_id: str) -> None:
         await bus.subscribe(Subjects.control(instance_id), RoleSwitch, self.on_switch,
-                            bad_reply=lambda error: SubmitAck(False, error))
+                            bad_reply=lambda error: SubmitAck(ok=False, error=error))
 
     def answer(self, command: RoleSwitch) -> SubmitAck | None:
         """The ack of a command that starts no drain, or None when it starts one."""
         if self.role not in SWITCHING_ROLES:
-            return SubmitAck(False, f"a {self.role} instance serves both roles; it does not switch")
+            return SubmitAck(ok=False, error=f"a {self.role} instance serves both roles; it does not switch")
         if command.role == self.role and self.draining_to is None:
-            return SubmitAck(True, f"already a {self.role} instance")
+            return SubmitAck(ok=True, error=f"already a {self.role} instance")
         if self.draining_to is not None:
-            return SubmitAck(self.draining_to == command.role, f"already draining to {self.draining_to}")
+            return SubmitAck(ok=self.draining_to == command.role, error=f"already draining to {self.draining_to}")
         return None
 
     async def on_switch(self, command: RoleSwitch) -> SubmitAck:
@@ -66,7 +66,7 @@ class RoleChange:
                       f" ({command.reason})" if command.reason else "")
         await self.report_load()  # the conductor stops placing here now, not at the next tick
         self.tasks.spawn(self.drain_then_switch(), "role-switch")
-        return SubmitAck(True)
+        return SubmitAck(ok=True)
 
     @property
     def draining(self) -> bool:

@@ -129,7 +129,7 @@ def dump_events(hashes: list[str], holders: list[list[str]]) -> list[BlockStored
     for holder, blocks in groups.items():
         node_id, _, tier = holder.rpartition(":")
         if node_id:
-            events.append(BlockStored(node_id, blocks, tier))
+            events.append(BlockStored(node_id=node_id, block_hashes=blocks, tier=tier))
     return events
 
 

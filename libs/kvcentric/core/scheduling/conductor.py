@@ -119,15 +119,15 @@ class Conductor:
         verdict = self.admission.verdict(request, choice.ttft_s, decode, self.t_d)
         if verdict is not None:
             self.stats[f"rejected_{verdict.stage}"] += 1
-            return Rejection(request.request_id, "overloaded", verdict.message, verdict.retry_after_s,
-                             verdict.stage, round(verdict.load, 4))
+            return Rejection.overloaded(request.request_id, verdict.message, retry_after_s=verdict.retry_after_s,
+                                        stage=verdict.stage, load=round(verdict.load, 4))
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
 
     def _no_instance(self, request: ScheduleRequest, prefills: list, decodes: list) -> Rejection:
         missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
         self.stats["rejected_no_instance"] += 1
-        return Rejection(request.request_id, "no_instance", f"no {missing} instance is alive", 1.0)
+        return Rejection.no_instance(request.request_id, f"no {missing} instance is alive")
 
     def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
                         now: float) -> PrefillChoice | None:
@@ -170,9 +170,9 @@ class Conductor:
         source = choice.source
         pull = request.block_hashes[choice.local_blocks:choice.prefix_blocks] if source is not None else []
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
-        return Placement(request.request_id, choice.instance.instance_id, decode.instance.instance_id,
-                         decode.instance.kv_addr,
-                         self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
-                         round(choice.ttft_s, 6), round(tbt, 6),
-                         source.instance_id if source is not None else "",
-                         source.kv_addr if source is not None else "", pull)
+        return Placement(request_id=request.request_id, prefill_id=choice.instance.instance_id,
+                         decode_id=decode.instance.instance_id, decode_kv_addr=decode.instance.kv_addr,
+                         cached_tokens=self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
+                         predicted_ttft_s=round(choice.ttft_s, 6), predicted_tbt_s=round(tbt, 6),
+                         kv_source_id=source.instance_id if source is not None else "",
+                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull)

@@ -114,8 +114,10 @@ class InstanceRegistry:
 
     def snapshot(self, now: float) -> list[InstanceInfo]:
         """Alive instances; load is queued prefill seconds, or the decode batch size."""
-        prefill = [InstanceInfo(s.instance_id, "prefill", s.cluster, s.kv_addr, round(s.queue_s(now), 4),
-                                round(now - s.seen_at, 3)) for s in self.alive_prefill(now)]
-        decode = [InstanceInfo(s.instance_id, "decode", s.cluster, s.kv_addr, float(s.running),
-                               round(now - s.seen_at, 3)) for s in self.alive_decode(now)]
+        prefill = [InstanceInfo(instance_id=s.instance_id, role="prefill", cluster=s.cluster, kv_addr=s.kv_addr,
+                                load=round(s.queue_s(now), 4), age_s=round(now - s.seen_at, 3))
+                   for s in self.alive_prefill(now)]
+        decode = [InstanceInfo(instance_id=s.instance_id, role="decode", cluster=s.cluster, kv_addr=s.kv_addr,
+                               load=float(s.running), age_s=round(now - s.seen_at, 3))
+                  for s in self.alive_decode(now)]
         return prefill + decode

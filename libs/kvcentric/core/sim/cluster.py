@@ -156,8 +156,9 @@ class Simulation:
     def arrive(self, now: float, record: Record) -> None:
         request = record.request
         hits = self.index.match(request.hashes)
-        decision = self.conductor.schedule(ScheduleRequest(request.request_id, request.input_len, request.hashes,
-                                                           request.output_len, request.priority), hits, now)
+        ask = ScheduleRequest(request_id=request.request_id, n_tokens=request.input_len, block_hashes=request.hashes,
+                              max_tokens=request.output_len, priority=request.priority)
+        decision = self.conductor.schedule(ask, hits, now)
         if isinstance(decision, Rejection):
             record.status, record.reason = "rejected_before_prefill", decision.stage or decision.reason
             self.rejected += 1
@@ -275,9 +276,11 @@ class Simulation:
     def finished(self, record: Record, now: float) -> None:
         record.status = "completed"
         request = record.request
-        self.conductor.on_outcome(RequestOutcome(request.request_id, record.prefill_id, record.decode_id, "length",
-                                                 record.ttft_s, now - request.arrival_s, request.input_len,
-                                                 request.output_len, record.predicted_ttft_s), now)
+        outcome = RequestOutcome(request_id=request.request_id, prefill_id=record.prefill_id,
+                                 decode_id=record.decode_id, finish_reason="length", ttft_s=record.ttft_s,
+                                 e2e_s=now - request.arrival_s, prompt_tokens=request.input_len,
+                                 completion_tokens=request.output_len, predicted_ttft_s=record.predicted_ttft_s)
+        self.conductor.on_outcome(outcome, now)
 
 
 class Progress:

@@ -67,9 +67,10 @@ class PrefillInstance:
 
     def load_report(self, now: float) -> LoadReport:
         queued = sum(r.request.input_len for r in self.queue)
-        return LoadReport(self.instance_id, "prefill", self.cluster, self.instance_id, len(self.queue), queued,
-                          int(self.current is not None), 0, 0, now, self.queue_s(now),
-                          kv_bytes_sent=self.kv_bytes_sent)
+        return LoadReport(instance_id=self.instance_id, role="prefill", cluster=self.cluster, kv_addr=self.instance_id,
+                          queued_requests=len(self.queue), queued_tokens=queued,
+                          running=int(self.current is not None), kv_blocks_total=0, kv_blocks_free=0, ts=now,
+                          est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent)
 
 
 class BatchInstance:
@@ -270,13 +271,15 @@ class BatchInstance:
     def load_reports(self, now: float, block: int) -> list[LoadReport]:
         total = int(self.capacity_tokens // block) if self.capacity_tokens != float("inf") else 0
         used = min(total, -(-self.kv_now(now) // block)) if total else 0
-        decode = LoadReport(self.instance_id, "decode", self.cluster, self.instance_id, 0, 0, self.batch_size(), total,
-                            total - used, now)
+        decode = LoadReport(instance_id=self.instance_id, role="decode", cluster=self.cluster, kv_addr=self.instance_id,
+                            queued_requests=0, queued_tokens=0, running=self.batch_size(), kv_blocks_total=total,
+                            kv_blocks_free=total - used, ts=now)
         if not self.colocated:
             return [decode]
         queued = sum(r.request.input_len for r in self.waiting)
-        prefill = LoadReport(self.instance_id, "prefill", self.cluster, self.instance_id, len(self.waiting), queued, 0, 0, 0,
-                             now, self.queue_s(now))
+        prefill = LoadReport(instance_id=self.instance_id, role="prefill", cluster=self.cluster,
+                             kv_addr=self.instance_id, queued_requests=len(self.waiting), queued_tokens=queued,
+                             running=0, kv_blocks_total=0, kv_blocks_free=0, ts=now, est_queue_s=self.queue_s(now))
         return [prefill, decode]
 
 
