@@ -115,7 +115,7 @@ def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout
     except nats.errors.NoRespondersError:
         print(f"kvcentric role: no engine {instance_id!r} listens on {nats_url}", file=sys.stderr)
         return 1
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         print(f"kvcentric role: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if not ack.ok:

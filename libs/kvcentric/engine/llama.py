@@ -10,7 +10,7 @@ given tokens; it does not schedule, allocate blocks or sample. The cache is one 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -100,7 +100,7 @@ class Attention(nn.Module):
         sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         return F.linear(x, *self.qkv).split(sizes, dim=-1)
 
-    def forward(self, x, batch: "AttentionBatch", rotary: Rotary, k_cache, v_cache):
+    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache):
         tokens = x.shape[0]
         q, k, v = self.project(x)
         q = rotary(q.reshape(tokens, self.num_heads, self.head_dim), batch.positions)
@@ -216,7 +216,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
 
-    def fuse(self) -> "LlamaModel":
+    def fuse(self) -> LlamaModel:
         """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
         for layer in self.layers:
             layer.self_attn.fuse()

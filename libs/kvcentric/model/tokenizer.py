@@ -21,7 +21,7 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder()
 
 
@@ -96,7 +96,7 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def stream_decoder(self) -> "HFStreamDecoder":
+    def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
 
     def apply_chat_template(self, messages: list[dict]) -> str:

@@ -9,7 +9,8 @@ import collections
 import itertools
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats
 import nats.errors
@@ -132,7 +133,7 @@ class Bus:
         """The reply to a `send_request`, decoded as `kind`; raises as `request` does."""
         try:
             msg = await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise nats.errors.TimeoutError from None
         finally:
             future.cancel()  # no-op once answered

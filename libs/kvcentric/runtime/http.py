@@ -7,7 +7,7 @@ no policy of its own.
 from __future__ import annotations
 
 import collections
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 

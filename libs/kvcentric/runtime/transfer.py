@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from typing import AsyncIterator, Awaitable, Callable, Iterator, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Protocol
 
 import crc32c
 import grpc

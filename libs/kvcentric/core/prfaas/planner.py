@@ -194,7 +194,7 @@ def _balance(point: OperatingPoint) -> dict:
 def _warnings(profile: PrfaasProfile, workload: LengthDistribution, best: OperatingPoint) -> list[str]:
     out = []
     for role, hardware in (("prfaas", profile.prfaas), ("pd_prefill", profile.pd_prefill)):
-        outside = ~np.array([hardware.prefill.covers(l) for l in workload.lengths])
+        outside = ~np.array([hardware.prefill.covers(length) for length in workload.lengths])
         share = float(workload.weights[outside].sum())
         if share > 0.01:
             out.append(f"{share:.1%} of the workload lies outside the {role} profile's lengths "
