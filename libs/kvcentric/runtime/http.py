@@ -56,7 +56,7 @@ class HttpServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
         return self.port
 
     async def close(self) -> None:
