@@ -18,7 +18,7 @@ class HostBlockPool:
     def __init__(self, capacity_blocks: int, block_bytes: int, policy: str = "lru") -> None:
         if capacity_blocks < 1 or block_bytes < 1:
             raise ValueError("capacity_blocks and block_bytes must be positive")
-        self.capacity, self.block_bytes, self.policy_name = capacity_blocks, block_bytes, policy
+        self.capacity, self.block_bytes = capacity_blocks, block_bytes
         self.policy = make_policy(policy)
         # Preallocated and touched once: no request pays for first-touch page faults.
         self.buffer = torch.zeros((capacity_blocks, block_bytes), dtype=torch.uint8)
