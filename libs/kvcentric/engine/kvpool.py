@@ -9,6 +9,8 @@ A block's bytes are [num_layers, 2 (key, value), block_size, num_kv_heads, head_
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kvcentric.core.scheduling.eviction import make_policy
@@ -101,7 +103,7 @@ class HostBlockPool:
                     self.policy.on_remove(victim)
                     skipped.append(victim)
                     continue
-                return self._evict(victim)
+                return self._evict(cast(str, victim))  # the policy holds the block hashes put here
             return None
         finally:
             for key in skipped:

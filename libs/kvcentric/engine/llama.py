@@ -10,7 +10,8 @@ given tokens; it does not schedule, allocate blocks or sample. The cache is one 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,9 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inverse_frequencies(config))
@@ -188,7 +192,7 @@ class SequenceSlice:
                 self.mask &= key_pos > query_pos - sliding_window
 
 
-def _window_applies(window: int | None, context: int) -> bool:
+def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
     return window is not None and context > window
 
 
@@ -197,7 +201,7 @@ class AttentionBatch:
     padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask (decode,
     one token per sequence)."""
 
-    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: list[SequenceSlice] = (),
+    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
                  padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
                  block_size: int = 0) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
@@ -218,7 +222,7 @@ class LlamaModel(nn.Module):
 
     def fuse(self) -> LlamaModel:
         """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self
