@@ -33,13 +33,18 @@ $(LINTED): $(STAMP)
 
 # ruff (defects, no formatting), mypy (the library and the services, which import as kvc_<name>: linked under
 # build/typecheck), import-linter (layers and forbidden imports, pyproject.toml) and a check for import cycles.
+# Every check runs, so one report shows all findings; it fails if any check failed.
 lint: $(LINTED)
-	$(BIN)/ruff check
 	mkdir -p build/typecheck
 	for dir in services/*; do ln -sfn ../../$$dir build/typecheck/kvc_$$(basename $$dir | tr - _); done
-	$(BIN)/mypy
-	$(BIN)/lint-imports
-	$(BIN)/python .ci/import_cycles.py
+	status=0; \
+	$(BIN)/ruff check || status=1; \
+	$(BIN)/mypy > build/mypy.txt || status=1; \
+	sed -e 's#build/typecheck/kvc_kvs_meta/#services/kvs-meta/#' -e 's#build/typecheck/kvc_\([a-z]*\)/#services/\1/#' \
+	    build/mypy.txt; \
+	$(BIN)/lint-imports --no-logo --cache-dir build/import-linter || status=1; \
+	$(BIN)/python .ci/import_cycles.py || status=1; \
+	exit $$status
 
 proto: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'

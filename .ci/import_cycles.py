@@ -67,7 +67,7 @@ def describe(graph: grimp.ImportGraph, group: list[str]) -> str:
 
 
 def main() -> int:
-    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True)
+    graph = grimp.build_graph(*PACKAGES, exclude_type_checking_imports=True, cache_dir=None)
     groups = strongly_connected(graph)
     for group in groups:
         print(describe(graph, group))
