@@ -137,7 +137,7 @@ class Switch:
 
     change: RoleChange
     instance_ids: tuple[str, ...]
-    to_role: str
+    to_role: Literal["prefill", "decode"]
 
 
 class Replanner:
@@ -185,6 +185,7 @@ class Replanner:
         self.last = change
         if change.action == "none":
             return None
+        to_role: Literal["prefill", "decode"]
         if change.action == "prefill_to_decode":
             donors = sorted(prefill, key=lambda s: (s.queue_s(now), s.instance_id))
             to_role = "decode"
