@@ -1,11 +1,12 @@
-# kvcentric: `make up` runs the whole system on this box, `make test` runs the whole suite.
+# kvcentric: `make up` runs the whole system on this box, `make test` runs the whole suite, `make lint` checks the code.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+LINTED := $(VENV)/.lint-installed
 ARGS   ?=
 
-.PHONY: up test unit integration proto bench clean
+.PHONY: up test unit integration lint proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +26,25 @@ unit: $(STAMP)
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
+
+$(LINTED): $(STAMP)
+	$(BIN)/pip install -q -e '.[lint]'
+	touch $(LINTED)
+
+# ruff (defects, no formatting), mypy (the library and the services, which import as kvc_<name>: linked under
+# build/typecheck), import-linter (layers and forbidden imports, pyproject.toml) and a check for import cycles.
+# Every check runs, so one report shows all findings; it fails if any check failed.
+lint: $(LINTED)
+	mkdir -p build/typecheck
+	for dir in services/*; do ln -sfn ../../$$dir build/typecheck/kvc_$$(basename $$dir | tr - _); done
+	status=0; \
+	$(BIN)/ruff check || status=1; \
+	$(BIN)/mypy > build/mypy.txt || status=1; \
+	sed -e 's#build/typecheck/kvc_kvs_meta/#services/kvs-meta/#' -e 's#build/typecheck/kvc_\([a-z]*\)/#services/\1/#' \
+	    build/mypy.txt; \
+	$(BIN)/lint-imports --no-logo --cache-dir build/import-linter || status=1; \
+	$(BIN)/python .ci/import_cycles.py || status=1; \
+	exit $$status
 
 proto: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev]'

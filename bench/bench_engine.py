@@ -160,7 +160,8 @@ def main() -> None:
             ours = run_ours(checkpoint, requests, args.batch, args.device)
             log(f"static batches of {args.batch} with transformers generate")
             theirs = run_transformers(checkpoint, requests, args.batch, args.device)
-        result["decode"] = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "requests": len(requests), "batch": args.batch, "ours_s": ours, "transformers_s": theirs,
+        result["decode"] = {"measured_at": time.strftime("%Y-%m-%d %H:%M"), "requests": len(requests),
+                            "batch": args.batch, "ours_s": ours, "transformers_s": theirs,
                             "speedup": theirs / ours, "output_tokens": sum(n for _, n in requests),
                             "prompt_tokens": sum(len(p) for p, _ in requests)}
     RESULTS.mkdir(exist_ok=True)

@@ -222,7 +222,7 @@ def main() -> None:
         with asyncio.Runner(loop_factory=loop_factory()) as runner:  # the client on uvloop too, when installed
             rtt = runner.run(nats_round_trip(nats_url))
             breakdown = runner.run(hops(nats_url))
-            for name, url in targets.items():  # warm every target up before the first measured round
+            for url in targets.values():  # warm every target up before the first measured round
                 runner.run(load(url + "/v1/completions", args.rate, 0, args.warmup, args.prompt_tokens))
             for round_ in range(args.rounds):  # interleaved, so drift of the machine hits each target alike
                 for name, url in targets.items():
@@ -233,7 +233,8 @@ def main() -> None:
                     for key in ("results", "sent_s", "count"):
                         runs[name][key] += run[key]
                 print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-        server_ttft_ms = {mode: gateway_histogram_mean_ms(gateway, "ttft_seconds") for mode, gateway in gateways.items()}
+        server_ttft_ms = {mode: gateway_histogram_mean_ms(gateway, "ttft_seconds")
+                          for mode, gateway in gateways.items()}
     finally:
         for child in reversed(children):
             child.process.terminate()

@@ -252,7 +252,8 @@ def rows(args, single: dict, disagg: dict) -> list[dict]:
     out = []
     for n in args.lengths:
         s, d = summarize(single[n]), summarize(disagg[n])
-        out.append({"prompt_tokens": n, "output_tokens": args.output_tokens, "kv_bytes_per_request": kv_bytes(args.model, n),
+        out.append({"prompt_tokens": n, "output_tokens": args.output_tokens,
+                    "kv_bytes_per_request": kv_bytes(args.model, n),
                     "single": s, "disagg": d,
                     "ratio": {"ttft_p50": d["ttft_ms_p50"] / s["ttft_ms_p50"],
                               "e2e_p50": d["e2e_ms_p50"] / s["e2e_ms_p50"],
@@ -274,8 +275,8 @@ def outputs_match(single: dict, disagg: dict) -> dict:
 
 
 def markdown(args, table: list[dict]) -> str:
-    lines = [f"| prompt tokens | KV moved | TTFT p50 disagg | TTFT p50 single | TTFT ratio | e2e p50 disagg | "
-             f"e2e p50 single | e2e ratio | TBT disagg | TBT single | TBT ratio |",
+    lines = ["| prompt tokens | KV moved | TTFT p50 disagg | TTFT p50 single | TTFT ratio | e2e p50 disagg | "
+             "e2e p50 single | e2e ratio | TBT disagg | TBT single | TBT ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in table:
         s, d, q = r["single"], r["disagg"], r["ratio"]

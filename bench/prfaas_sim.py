@@ -216,7 +216,8 @@ def link_study(profile, lengths, t: float, h200, h20, links=(10.0, 5.0)) -> list
             row[f"t_after_{key}"] = round(at.get("final_threshold") or 0)
         rows.append(row)
         print(f"link {gbps:g} Gbps: sustained {row['sim_planned']:.2f} at t {t:,.0f} (model {fixed_model:.2f}), "
-              f"{row['sim_replanned']:.2f} at re-planned t {row['replanned_t']:,} (model {row['model_at_replanned_t']:.2f}), "
+              f"{row['sim_replanned']:.2f} at re-planned t {row['replanned_t']:,} "
+              f"(model {row['model_at_replanned_t']:.2f}), "
               f"{row['sim_short_term']:.2f} with short-term steps of t (ending at {row['t_after_short_term']:,})",
               flush=True)
     return rows
@@ -229,7 +230,8 @@ def main() -> int:
                                                           prfaas_instances=4, pd_instances=8))
     model = plan(profile, lengths, n_prfaas, n_pd, 12).to_dict()
     h200, h20, fits = cost_models(profile)
-    keys = {"PrfaaS-PD": "prfaas_pd", "homogeneous PD": "homogeneous_pd", "naive heterogeneous PD": "naive_heterogeneous"}
+    keys = {"PrfaaS-PD": "prfaas_pd", "homogeneous PD": "homogeneous_pd",
+            "naive heterogeneous PD": "naive_heterogeneous"}
     result = {"inputs": {"cost_models": fits, "link_gbps": profile.egress_gbps, "duration_s": DURATION_S,
                          "decode": {"step_s": STEP_S, "max_batch": BS_MAX}, "output_tokens": OUTPUT},
               "common_rate": 2.0, "light_rate": 0.2, "deployments": {}}
@@ -244,7 +246,8 @@ def main() -> int:
               f"{column['at_common_rate']['ttft_p90_s']:.2f} s", flush=True)
     result["link_study"] = link_study(profile, lengths, model["prfaas_pd"]["threshold"], h200, h20)
     base = result["deployments"]["homogeneous PD"]["capacity_rps"]
-    result["ratio_vs_homogeneous"] = {name: round(c["capacity_rps"] / base, 3) for name, c in result["deployments"].items()}
+    result["ratio_vs_homogeneous"] = {name: round(c["capacity_rps"] / base, 3)
+                                      for name, c in result["deployments"].items()}
     result["elapsed_s"] = round(time.monotonic() - started, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "prfaas_sim.json").write_text(json.dumps(result, indent=1))

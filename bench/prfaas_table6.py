@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcentric.tools import plan_report as report
 from kvcentric.core.prfaas.planner import Plan, plan
 from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.workload import from_trace, lognormal
+from kvcentric.tools import plan_report
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"
@@ -198,14 +198,14 @@ def main() -> int:
         {**WORKLOAD, "notes": "PrfaaS §4.1: truncated log-normal, 128K = 131072 tokens"}, indent=2) + "\n")
     result = run(profile)
     ours = summary(result)
-    print(report.table(result), "", *side_by_side(ours), sep="\n")
+    print(plan_report.table(result), "", *side_by_side(ours), sep="\n")
     RESULTS.mkdir(exist_ok=True)
-    report.write_json(result, RESULTS / "prfaas_table6.json", paper=PAPER, ours=ours, derivation=derivation,
+    plan_report.write_json(result, RESULTS / "prfaas_table6.json", paper=PAPER, ours=ours, derivation=derivation,
                       profile=profile, sensitivity=sensitivity(derivation["mean_length"]),
                       traces=trace_runs(profile))
-    report.plot_split_search(result, RESULTS / "prfaas_fig5a_split.png",
+    plan_report.plot_split_search(result, RESULTS / "prfaas_fig5a_split.png",
                              "Figure 5(a): split search at the optimal t (ours)")
-    report.plot_threshold_search(result, RESULTS / "prfaas_fig5b_threshold.png",
+    plan_report.plot_threshold_search(result, RESULTS / "prfaas_fig5b_threshold.png",
                                  f"Figure 5(b): threshold search at N_p = {result.prfaas_pd.point.counts.pd_prefill},"
                                  f" N_d = {result.prfaas_pd.point.counts.decode} (ours)")
     print(f"wrote {RESULTS / 'prfaas_table6.json'} and the two Figure 5 PNGs")

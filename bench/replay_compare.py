@@ -17,7 +17,8 @@ from kvcentric.tools.replay_plots import plot_cdfs, run_values
 
 ROWS = (("requests", "requests", "{:d}"), ("completed", "completed", "{:d}"),
         ("completed_within_slo", "within both SLOs", "{:d}"), ("rejected_429", "rejected (429)", "{:d}"),
-        ("failed", "failed", "{:d}"), ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"), ("ttft_p90_s", "TTFT P90 (s)", "{:.3f}"),
+        ("failed", "failed", "{:d}"),
+        ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"), ("ttft_p90_s", "TTFT P90 (s)", "{:.3f}"),
         ("tbt_p50_s", "TBT p50 (s)", "{:.4f}"), ("tbt_p90_s", "TBT P90 (s)", "{:.4f}"),
         ("worst_gap_p90_s", "worst gap P90 (s)", "{:.3f}"), ("slo_attainment", "SLO attainment", "{:.3f}"),
         ("goodput_rps", "goodput (req/s)", "{:.3f}"))

@@ -47,7 +47,8 @@ def main() -> None:
         theirs = runs[f"vLLM 20M @{speed:g}x"]
         for setup in ("Mooncake 10P+10D", "Mooncake 14P+6D"):
             ours = runs[f"{setup} @{speed:g}x"]
-            ratios[f"{setup} vs vLLM 20M @{speed:g}x"] = {k: round(ours[k] / max(1, theirs[k]) - 1, 4) for k in KEYS[:3]}
+            ratios[f"{setup} vs vLLM 20M @{speed:g}x"] = {k: round(ours[k] / max(1, theirs[k]) - 1, 4)
+                                                          for k in KEYS[:3]}
     print("more requests within both SLOs than vLLM 20M:", json.dumps(ratios, indent=1))
     save_json("colocated.json", {"trace": "conversation_trace.jsonl", "runs": runs,
                                  "mooncake_vs_vllm_more_within_slo": ratios, "paper": "about +75% (arXiv trace)"})

@@ -3,7 +3,6 @@ summary, save JSON, and get a headless pyplot. It runs `kvcentric.sim`; it model
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -48,6 +47,3 @@ def pyplot():
 def brief(summary: dict, *keys: str) -> dict:
     return {k: round(summary[k], 4) if isinstance(summary[k], float) else summary[k] for k in keys}
 
-
-def config_fields() -> set[str]:
-    return {f.name for f in dataclasses.fields(SimConfig)}

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import sys
+from typing import Literal
 
 from kvcentric.config import ConfigError, add_arguments, from_namespace
 from kvcentric.registry import DESCRIPTIONS, config_class, service_class
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 
 
-def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout_s: float = 5.0) -> int:
+def switch_role(nats_url: str, instance_id: str, role: Literal["prefill", "decode"], reason: str,
+                timeout_s: float = 5.0) -> int:
     """`kvcentric role`: ask one engine to drain and switch; 0 when it agreed."""
     import nats
     import nats.errors
@@ -116,7 +118,7 @@ def switch_role(nats_url: str, instance_id: str, role: str, reason: str, timeout
     except nats.errors.NoRespondersError:
         print(f"kvcentric role: no engine {instance_id!r} listens on {nats_url}", file=sys.stderr)
         return 1
-    except (OSError, nats.errors.Error, asyncio.TimeoutError) as exc:
+    except (TimeoutError, OSError, nats.errors.Error) as exc:
         print(f"kvcentric role: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if not ack.ok:

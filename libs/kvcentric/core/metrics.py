@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                      30.0, 60.0, 120.0)

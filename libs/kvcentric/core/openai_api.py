@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvcentric.core.protocol import SamplingParams
 
@@ -51,7 +52,7 @@ class CompletionRequest:
     way (higher is more important, `--top-priority`), so it is asked with `-priority`."""
 
 
-def _check(condition: bool, message: str, param: str) -> None:
+def _check(condition: bool, message: str, param: str | None) -> None:
     if not condition:
         raise ApiError(400, message, param)
 
@@ -115,11 +116,12 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
-def _max_tokens(body: dict, default: int | None) -> int | None:
+def _max_tokens(body: dict) -> int | None:
+    """The completion budget the body asks for, or None when it names none."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(name)
     if value is None:
-        return default
+        return None
     _check(_is_int(value) and value >= 1, f"'{name}' must be an integer >= 1", name)
     return value
 
@@ -152,7 +154,8 @@ def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: i
     served name, or the names it answers to with the canonical one first."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
     prompt, token_ids = _prompt(body, vocab_size)
-    common = _common(body, served_model, _max_tokens(body, 16))
+    max_tokens = _max_tokens(body)
+    common = _common(body, served_model, 16 if max_tokens is None else max_tokens)
     return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, **common)
 
 
@@ -165,8 +168,8 @@ def _content(message: dict, index: int) -> str:
         _check(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content), f"messages[{index}].content: only text parts are supported", "messages")
         return "".join(p["text"] for p in content)
-    _check(isinstance(content, str), f"messages[{index}].content must be a string or a list of text parts",
-           "messages")
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", "messages")
     return content
 
 
@@ -188,7 +191,7 @@ def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int) -
     gateway caps it once the prompt is tokenized), as vLLM does."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
     messages = _messages(body)
-    max_tokens = _max_tokens(body, None)
+    max_tokens = _max_tokens(body)
     common = _common(body, served_model, max_tokens or context_len)
     return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages,
                              max_tokens_defaulted=max_tokens is None, **common)
@@ -234,7 +237,7 @@ def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | No
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
-    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
     if cached_tokens:  # OpenAI's field; absent means none were cached
         body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}

@@ -52,12 +52,13 @@ class ColocatedEngine:
         if chunk is not None:
             self.prefill.update(chunk)
             if chunk.last:
+                assert first is not None, "the last chunk of a prompt samples its first token"
                 out += self._hand_over(chunk, first)
         return out
 
     def fail_step(self, chunk: PrefillChunk | None, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step raised: end the prompt in progress and the decode batch with the error."""
-        out = self.decode.fail_step(batch, error)
+        out: list[TokenChunk | None] = [*self.decode.fail_step(batch, error)]
         if chunk is not None and chunk.work.request_id in self.prefill.running:
             self.jobs.pop(chunk.work.request_id, None)
             self.prefill.finish(chunk.work)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
@@ -21,6 +22,8 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner, sample
 from kvcentric.core.stopping import finish_reason
 from kvcentric.core.protocol import DecodeJob, TokenChunk
+
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class KVRejected(RuntimeError):
@@ -54,7 +57,7 @@ class DecodeRequest:
         """Tokens whose KV the next decode step reads: the prompt and every token generated."""
         return self.job.n_prompt_tokens + max(1, len(self.generated))
 
-    def chunk(self, token_ids: list[int], reason: str | None = None, error: str = "",
+    def chunk(self, token_ids: list[int], reason: FinishReason | None = None, error: str = "",
               error_status: int = 500) -> TokenChunk:
         self.seq += 1
         return TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=token_ids, finish_reason=reason,
@@ -86,7 +89,7 @@ class DecodeEngine:
             raise KVRejected(f"request {job.request_id} is already here")
         self.requests[job.request_id] = DecodeRequest(job, deadline=now + job.kv_wait_s)
 
-    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: list[int] = (),
+    def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: Sequence[int] = (),
                  join: bool = False) -> None:
         """Allocate blocks for a request's prompt KV; `join`: another stripe of a transfer already begun."""
         if join and request_id in self.requests and self.requests[request_id].state == "receiving":
@@ -115,7 +118,7 @@ class DecodeEngine:
         """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
         The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
         request = self._complete(request_id)
-        if self.tbt_slo_s <= 0:
+        if self.tbt_slo_s <= 0 or self.cost is None:  # no SLO (the constructor pairs one with a cost model)
             return TBTVerdict(True, 0.0, 0.0)
         batch = [r for r in self.requests.values() if r.state in ("running", "preempted")]
         return decode_tbt_check(self.cost, len(batch), sum(r.context_tokens for r in batch),
@@ -153,9 +156,13 @@ class DecodeEngine:
     # ---------------------------------------------------------------- ending
 
     def abort(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk | None:
-        request = self.requests.pop(request_id, None)
-        if request is None:
+        """End a request and free its blocks; None when it is not here (already ended)."""
+        if request_id not in self.requests:
             return None
+        return self._end(request_id, reason, error)
+
+    def _end(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk:
+        request = self.requests.pop(request_id)
         self._release(request)
         self.stats["requests_aborted"] += 1
         return request.chunk([], reason, error)
@@ -164,7 +171,7 @@ class DecodeEngine:
         """Fail requests whose KV did not arrive in time."""
         late = [r.request_id for r in self.requests.values()
                 if r.state in ("waiting_kv", "receiving") and now > r.deadline]
-        return [self.abort(rid, "error", "KV did not arrive in time") for rid in late]
+        return [self._end(rid, "error", "KV did not arrive in time") for rid in late]
 
     # ---------------------------------------------------------------- steps
 
@@ -195,7 +202,7 @@ class DecodeEngine:
         self._in_step = set()
         self.pool.free(self._deferred_free)
         self._deferred_free = []
-        return [self.abort(r.request_id, "error", error) for r in batch if r.request_id in self.requests]
+        return [self._end(r.request_id, "error", error) for r in batch if r.request_id in self.requests]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
         self.stats["decode_steps"] += 1
@@ -215,7 +222,7 @@ class DecodeEngine:
         """Free a block for `request` by preempting the newest other running request; False if it is
         itself the one preempted."""
         while not self.pool.can_allocate(1):
-            victim = next((r for r in reversed(running) if r.state == "running"), None)
+            victim = next(r for r in reversed(running) if r.state == "running")  # `request` at the latest
             self._preempt(victim)
             if victim is request:
                 return False
@@ -238,7 +245,7 @@ class DecodeEngine:
             needed = self.pool.blocks_for(request.position + 1)
             if needed > self.pool.num_blocks:
                 self.preempted.popleft()
-                failed.append(self.abort(request.request_id, "error", "sequence outgrew the KV cache"))
+                failed.append(self._end(request.request_id, "error", "sequence outgrew the KV cache"))
                 continue
             if not self.pool.can_allocate(needed):
                 break

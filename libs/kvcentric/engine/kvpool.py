@@ -9,6 +9,8 @@ A block's bytes are [num_layers, 2 (key, value), block_size, num_kv_heads, head_
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from kvcentric.core.scheduling.eviction import make_policy
@@ -18,7 +20,7 @@ class HostBlockPool:
     def __init__(self, capacity_blocks: int, block_bytes: int, policy: str = "lru") -> None:
         if capacity_blocks < 1 or block_bytes < 1:
             raise ValueError("capacity_blocks and block_bytes must be positive")
-        self.capacity, self.block_bytes, self.policy_name = capacity_blocks, block_bytes, policy
+        self.capacity, self.block_bytes = capacity_blocks, block_bytes
         self.policy = make_policy(policy)
         # Preallocated and touched once: no request pays for first-touch page faults.
         self.buffer = torch.zeros((capacity_blocks, block_bytes), dtype=torch.uint8)
@@ -101,7 +103,7 @@ class HostBlockPool:
                     self.policy.on_remove(victim)
                     skipped.append(victim)
                     continue
-                return self._evict(victim)
+                return self._evict(cast(str, victim))  # the policy holds the block hashes put here
             return None
         finally:
             for key in skipped:

@@ -10,7 +10,8 @@ given tokens; it does not schedule, allocate blocks or sample. The cache is one 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable, Sequence
+from typing import TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +60,9 @@ def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inverse_frequencies(config))
@@ -100,7 +104,7 @@ class Attention(nn.Module):
         sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         return F.linear(x, *self.qkv).split(sizes, dim=-1)
 
-    def forward(self, x, batch: "AttentionBatch", rotary: Rotary, k_cache, v_cache):
+    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache):
         tokens = x.shape[0]
         q, k, v = self.project(x)
         q = rotary(q.reshape(tokens, self.num_heads, self.head_dim), batch.positions)
@@ -188,7 +192,7 @@ class SequenceSlice:
                 self.mask &= key_pos > query_pos - sliding_window
 
 
-def _window_applies(window: int | None, context: int) -> bool:
+def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
     return window is not None and context > window
 
 
@@ -197,7 +201,7 @@ class AttentionBatch:
     padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask (decode,
     one token per sequence)."""
 
-    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: list[SequenceSlice] = (),
+    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
                  padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
                  block_size: int = 0) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
@@ -216,9 +220,9 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = Rotary(config)
 
-    def fuse(self) -> "LlamaModel":
+    def fuse(self) -> LlamaModel:
         """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
-        for layer in self.layers:
+        for layer in cast("list[DecoderLayer]", self.layers):
             layer.self_attn.fuse()
             layer.mlp.fuse()
         return self

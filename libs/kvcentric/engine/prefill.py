@@ -142,17 +142,18 @@ class PrefillEngine:
     def _load_from_host(self, blocks: list[int], hashes: list[str], first: int, count: int) -> None:
         """Copy `count` blocks found in the host pool into the cache, after the `first` already there."""
         for index in range(first, first + count):
+            assert self.host is not None  # blocks come from the host pool only when there is one
             self.runner.write_block(blocks[index], self.host.view(hashes[index], index))
         self.pool.cache(blocks[first:first + count], hashes[first:first + count])
         self.stats["prefill_tokens_from_host"] += count * self.pool.block_size
 
-    def _offload_to_host(self, blocks: list[int], hashes: list[str]) -> None:
+    def _offload_to_host(self, host: HostBlockPool, blocks: list[int], hashes: list[str]) -> None:
         """Every computed full block enters the node's host pool (Mooncake §3: the KVCache pool)."""
-        missing = [i for i, h in enumerate(hashes) if h not in self.host]
+        missing = [i for i, h in enumerate(hashes) if h not in host]
         if missing:
             data = self.runner.read_blocks([blocks[i] for i in missing])
             for row, index in enumerate(missing):
-                self.host.put(hashes[index], index, data[row])
+                host.put(hashes[index], index, data[row])
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
@@ -172,7 +173,7 @@ class PrefillEngine:
         computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
         self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         if self.host is not None:
-            self._offload_to_host(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+            self._offload_to_host(self.host, work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         if work.done == work.num_tokens:
             self.stats["prefill_tokens_cached"] += work.num_cached
             self.stats["requests_prefilled"] += 1

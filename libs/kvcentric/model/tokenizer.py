@@ -7,6 +7,7 @@ across two tokens comes out once complete); ids that are not bytes decode to not
 from __future__ import annotations
 
 import codecs
+from collections.abc import Callable
 
 
 class ByteTokenizer:
@@ -21,7 +22,7 @@ class ByteTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder()
 
 
@@ -46,6 +47,7 @@ class ByteChat:
     """The documented simple chat template of the dummy models."""
 
     chat_template = None
+    encode: Callable[..., list[int]]  # the tokenizer this is mixed into
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         lines = "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
@@ -96,7 +98,7 @@ class HFTokenizer:
     def decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def stream_decoder(self) -> "HFStreamDecoder":
+    def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
@@ -126,7 +128,8 @@ class HFStreamDecoder:
     incomplete UTF-8 character (shown as U+FFFD at the end)."""
 
     def __init__(self, tokenizer: HFTokenizer) -> None:
-        self.tokenizer, self.ids, self.sent = tokenizer, [], 0
+        self.tokenizer, self.sent = tokenizer, 0
+        self.ids: list[int] = []
 
     def feed(self, token_ids: list[int]) -> str:
         self.ids += token_ids

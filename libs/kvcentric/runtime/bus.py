@@ -9,8 +9,10 @@ import collections
 import itertools
 import logging
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
+import msgspec
 import nats
 import nats.errors
 
@@ -48,11 +50,18 @@ class Bus:
             await self.nc.close()
 
     @property
+    def client(self) -> nats.NATS:
+        """The connection; only after `connect`."""
+        if self.nc is None:
+            raise RuntimeError("the bus is not connected")
+        return self.nc
+
+    @property
     def max_payload(self) -> int:
-        return self.nc.max_payload
+        return self.client.max_payload
 
     async def subscribe(self, subject: str, kind: Any, handler: Callable[[Any], Awaitable[Any]], *,
-                        queue: str = "", bad_reply: Callable[[str], object] | None = None,
+                        queue: str = "", bad_reply: Callable[[str], msgspec.Struct] | None = None,
                         span_name: str | None = None) -> None:
         """Decode every message on `subject` as `kind` and hand it to `handler`.
 
@@ -88,22 +97,22 @@ class Bus:
             if msg.reply and reply is not None:
                 await msg.respond(encode(reply))
 
-        await self.nc.subscribe(subject, queue=queue, cb=on_message)
+        await self.client.subscribe(subject, queue=queue, cb=on_message)
 
     async def subscribe_raw(self, subject: str, **kwargs):
         """A plain nats-py subscription (for a reader that iterates `.messages` itself)."""
-        return await self.nc.subscribe(subject, **kwargs)
+        return await self.client.subscribe(subject, **kwargs)
 
     async def publish(self, subject: str, message, headers: dict | None = None) -> None:
         """Publish `message`; the current trace context (if any) travels in the NATS headers."""
-        await self.nc.publish(subject, encode(message), headers=tracing.inject_headers(headers))
+        await self.client.publish(subject, encode(message), headers=tracing.inject_headers(headers))
 
     async def request(self, subject: str, message, kind, timeout_s: float = 2.0):
         """NATS request/reply with trace context: the reply decoded as `kind`.
 
         Raises what nats-py raises (nats.errors.NoRespondersError, nats.errors.TimeoutError) and
         BadMessage for a reply that does not decode."""
-        reply = await self.nc.request(subject, encode(message), timeout=timeout_s,
+        reply = await self.client.request(subject, encode(message), timeout=timeout_s,
                                       headers=tracing.inject_headers())
         return decode(reply.data, kind)
 
@@ -111,13 +120,14 @@ class Bus:
         """Publish a request now, before this coroutine yields (so several go out in one write, ahead of
         anything published after them), and return the future of its reply; `reply` awaits it."""
         if not self._inbox:
-            self._inbox = self.nc.new_inbox()
-            await self.nc.subscribe(f"{self._inbox}.*", cb=self._on_reply)
+            self._inbox = self.client.new_inbox()
+            await self.client.subscribe(f"{self._inbox}.*", cb=self._on_reply)
         payload, token = encode(message), str(next(self._reply_tokens))
         future = self._replies[token] = asyncio.get_running_loop().create_future()
         future.add_done_callback(lambda _: self._replies.pop(token, None))  # answered, or given up on
         try:
-            await self.nc.publish(subject, payload, reply=f"{self._inbox}.{token}", headers=tracing.inject_headers())
+            await self.client.publish(subject, payload, reply=f"{self._inbox}.{token}",
+                                      headers=tracing.inject_headers())
         except BaseException:
             future.cancel()
             raise
@@ -132,7 +142,7 @@ class Bus:
         """The reply to a `send_request`, decoded as `kind`; raises as `request` does."""
         try:
             msg = await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise nats.errors.TimeoutError from None
         finally:
             future.cancel()  # no-op once answered

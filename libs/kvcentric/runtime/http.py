@@ -7,7 +7,7 @@ no policy of its own.
 from __future__ import annotations
 
 import collections
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -56,7 +56,7 @@ class HttpServer:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
         return self.port
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ Tiers: `device` is an engine's paged cache, `dram` a node's host pool (Mooncake'
 from __future__ import annotations
 
 from redis.asyncio import Redis
+from redis.commands.core import AsyncScript
 
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEvent
 
@@ -33,7 +34,7 @@ DUMP_SCAN_STEP = 256
 class KVMetaStore:
     def __init__(self, redis: Redis, lease_ttl_s: float = 5.0) -> None:
         self.redis, self.lease_ttl_s = redis, lease_ttl_s
-        self._holders_script = None
+        self._holders_script: AsyncScript | None = None
 
     async def apply(self, events: list[KVEvent]) -> None:
         """Apply a batch of stored/evicted events in one pipelined round trip."""

@@ -9,6 +9,7 @@ classes (grpcio or grpclib) reads and writes the same stream. Headers and commit
 from __future__ import annotations
 
 import dataclasses
+from typing import TypeAlias
 
 from kvcentric.proto import kv_pb2
 
@@ -31,7 +32,7 @@ class LayerData:
         return len(self.key) + len(self.value)
 
 
-Item = kv_pb2.KVHeader | LayerData | kv_pb2.KVCommit
+Item: TypeAlias = "kv_pb2.KVHeader | LayerData | kv_pb2.KVCommit"
 
 
 def _varint(value: int) -> bytes:
@@ -76,7 +77,7 @@ def encode(item: Item | kv_pb2.KVChunk) -> bytes:
     return b"".join(_field(number, item.SerializeToString()))
 
 
-def decode(data: bytes) -> Item:
+def decode(data: bytes | bytearray) -> Item:
     """Parse a serialized KVChunk; a layer's key and value are views into `data`. Raises ValueError."""
     view = memoryview(data)
     try:
@@ -97,23 +98,24 @@ def decode(data: bytes) -> Item:
 
 
 def _decode_layer(view: memoryview) -> LayerData:
-    fields: dict[int, int | memoryview] = {}
+    numbers: dict[int, int] = {}
+    payloads: dict[int, memoryview] = {}
     pos = 0
     try:
         while pos < len(view):
             tag, pos = _read_varint(view, pos)
             if tag & 7 == 0:
-                fields[tag >> 3], pos = _read_varint(view, pos)
+                numbers[tag >> 3], pos = _read_varint(view, pos)
             elif tag & 7 == 2:
                 length, pos = _read_varint(view, pos)
-                fields[tag >> 3], pos = view[pos:pos + length], pos + length
+                payloads[tag >> 3], pos = view[pos:pos + length], pos + length
             else:
                 raise ValueError(f"unexpected wire type {tag & 7} in LayerChunk")
     except IndexError:
         raise ValueError("truncated LayerChunk") from None
     empty = memoryview(b"")
-    return LayerData(fields.get(1, 0), fields.get(2, 0), fields.get(3, 0), fields.get(4, empty),
-                     fields.get(5, empty), fields.get(6, 0))
+    return LayerData(numbers.get(1, 0), numbers.get(2, 0), numbers.get(3, 0), payloads.get(4, empty),
+                     payloads.get(5, empty), numbers.get(6, 0))
 
 
 def normalize(item: Item | kv_pb2.KVChunk) -> Item:

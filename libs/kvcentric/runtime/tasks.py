@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 
 class Tasks:
@@ -38,7 +38,7 @@ class Tasks:
                 self.log.exception("periodic %s failed", getattr(action, "__name__", action))
             try:
                 await asyncio.wait_for(self.stopping.wait(), period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def cancel_all(self) -> None:

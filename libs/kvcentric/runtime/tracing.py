@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
@@ -78,10 +78,10 @@ def _exporter(kind: str, env: Mapping[str, str]):
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
         return ConsoleSpanExporter()
     if otlp_protocol(env) == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    return OTLPSpanExporter()  # endpoint, headers, timeout, compression: from the OTEL_* variables
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        return GrpcExporter()  # endpoint, headers, timeout, compression: from the OTEL_* variables
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    return HttpExporter()
 
 
 def setup(role: str, instance_id: str = "", env: Mapping[str, str] | None = None) -> bool:
@@ -177,4 +177,4 @@ def extract_metadata(metadata: Iterable | None) -> Context:
 
 
 def carries_context(headers: Mapping[str, str] | None) -> bool:
-    return bool(headers) and "traceparent" in headers
+    return headers is not None and "traceparent" in headers

@@ -192,7 +192,8 @@ def to_record(item: Planned, outcome: Outcome, start: float, block_len: int, tbt
     request = SimRequest(r.request_id, r.arrival_s, len(item.token_ids),
                          outcome.completion_tokens or item.max_tokens, r.hashes, r.priority)
     return Record(request, status_of(outcome), reason=outcome.error[:300], prefill_id=outcome.prefill_id,
-                  decode_id=outcome.decode_id, predicted_ttft_s=outcome.predicted_ttft_s, cached_blocks=outcome.cached_tokens // block_len,
+                  decode_id=outcome.decode_id, predicted_ttft_s=outcome.predicted_ttft_s,
+                  cached_blocks=outcome.cached_tokens // block_len,
                   prefill_start=0.0 if outcome.status == 200 else -1.0,
                   first_token=outcome.first_token - start if outcome.first_token >= 0 else -1.0,
                   finish=outcome.finish - start, max_gap_s=max(outcome.gaps, default=0.0),

@@ -164,14 +164,15 @@ def plan(profile: PrfaasProfile, workload: LengthDistribution, n_prfaas: int, n_
 def _split_search(profile: PrfaasProfile, workload: LengthDistribution, best: OperatingPoint, n_pd: int,
                   mode: Mode) -> dict:
     routed = route_workload(profile, workload, [best.threshold], mode)
-    rows = {"threshold": best.threshold, "n_p": [], "lambda_max": [], "producers": [], "decode": []}
+    n_ps, lambda_max, producers, decode = [], [], [], []
     for n_p in range(n_pd + 1):
         th = throughputs(profile, routed, Counts(best.counts.prfaas, n_p, n_pd - n_p), workload.output_length)
-        rows["n_p"].append(n_p)
-        rows["lambda_max"].append(float(th.lambda_max[0]))
-        rows["producers"].append(float(th.prfaas[0] + th.pd_p[0]))
-        rows["decode"].append(float(th.pd_d[0]))
-    return rows
+        n_ps.append(n_p)
+        lambda_max.append(float(th.lambda_max[0]))
+        producers.append(float(th.prfaas[0] + th.pd_p[0]))
+        decode.append(float(th.pd_d[0]))
+    return {"threshold": best.threshold, "n_p": n_ps, "lambda_max": lambda_max, "producers": producers,
+            "decode": decode}
 
 
 def _threshold_search(profile: PrfaasProfile, workload: LengthDistribution, grid: np.ndarray, counts: Counts,
@@ -194,7 +195,7 @@ def _balance(point: OperatingPoint) -> dict:
 def _warnings(profile: PrfaasProfile, workload: LengthDistribution, best: OperatingPoint) -> list[str]:
     out = []
     for role, hardware in (("prfaas", profile.prfaas), ("pd_prefill", profile.pd_prefill)):
-        outside = ~np.array([hardware.prefill.covers(l) for l in workload.lengths])
+        outside = ~np.array([hardware.prefill.covers(length) for length in workload.lengths])
         share = float(workload.weights[outside].sum())
         if share > 0.01:
             out.append(f"{share:.1%} of the workload lies outside the {role} profile's lengths "

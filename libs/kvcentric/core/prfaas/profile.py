@@ -49,12 +49,12 @@ class Curve:
     values: tuple[float, ...]
 
     def __call__(self, length):
-        l = np.asarray(length, dtype=float)
+        lengths = np.asarray(length, dtype=float)
         x, y = np.asarray(self.lengths), np.asarray(self.values)
-        inside = np.interp(l, x, y)
-        high = y[-1] + (l - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
-        low = np.maximum(y[0] + (l - x[0]) * (y[1] - y[0]) / (x[1] - x[0]), y[0] * l / x[0])
-        out = np.where(l > x[-1], high, np.where(l < x[0], low, inside))
+        inside = np.interp(lengths, x, y)
+        high = y[-1] + (lengths - x[-1]) * (y[-1] - y[-2]) / (x[-1] - x[-2])
+        low = np.maximum(y[0] + (lengths - x[0]) * (y[1] - y[0]) / (x[1] - x[0]), y[0] * lengths / x[0])
+        out = np.where(lengths > x[-1], high, np.where(lengths < x[0], low, inside))
         return float(out) if out.ndim == 0 else out
 
     def covers(self, length: float) -> bool:

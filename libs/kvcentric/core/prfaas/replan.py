@@ -137,7 +137,7 @@ class Switch:
 
     change: RoleChange
     instance_ids: tuple[str, ...]
-    to_role: str
+    to_role: Literal["prefill", "decode"]
 
 
 class Replanner:
@@ -175,14 +175,17 @@ class Replanner:
             return None  # too little seen yet to call an imbalance persistent
         n = len(self.samples)
         loads = []
-        for index, count in ((1, len(prefill)), (2, len(decode))):
-            busy = sum(sample[index].busy for sample in self.samples) / n
-            queued = sum(sample[index].queued_s for sample in self.samples) / n
+        prefill_samples = [p for _, p, _ in self.samples]
+        decode_samples = [d for _, _, d in self.samples]
+        for count, samples in ((len(prefill), prefill_samples), (len(decode), decode_samples)):
+            busy = sum(sample.busy for sample in samples) / n
+            queued = sum(sample.queued_s for sample in samples) / n
             loads.append(PoolLoad(count, min(1.0, busy / count), queued))
         change = recommend_role_change(loads[0], loads[1], self.policy)
         self.last = change
         if change.action == "none":
             return None
+        to_role: Literal["prefill", "decode"]
         if change.action == "prefill_to_decode":
             donors = sorted(prefill, key=lambda s: (s.queue_s(now), s.instance_id))
             to_role = "decode"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 from kvcentric.core.prfaas.inputs import Fields, InputError, load_document
 
@@ -102,7 +102,8 @@ def _cluster(fields: Fields) -> Cluster:
     name = fields.text("name")
     if "." in name or " " in name:
         raise fields.fail("name", f"may not contain '.' or spaces, got {name!r}")
-    return Cluster(name, fields.text("role", choices=("pd", "prfaas")), fields.integer("instances", minimum=1),
+    role = cast(Role, fields.text("role", choices=("pd", "prfaas")))
+    return Cluster(name, role, fields.integer("instances", minimum=1),
                    fields.text("hardware", default="-"))
 
 

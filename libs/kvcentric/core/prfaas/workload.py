@@ -105,7 +105,9 @@ def from_trace(path: str | Path, prefix_cache: str = "infinite", block_tokens: i
                limit: int = 0) -> LengthDistribution:
     """Uncached lengths of a Mooncake JSONL trace, prefix-matched against all earlier requests (see module)."""
     seen: set[int] = set()
-    uncached, outputs, stamps = [], [], []
+    uncached: list[int] = []
+    outputs: list[int] = []
+    stamps: list[int] = []
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, start=1):
             if limit and len(uncached) >= limit:
@@ -134,7 +136,7 @@ def _trace_line(line: bytes, number: int) -> dict:
     except json.JSONDecodeError as exc:
         raise InputError(f"workload: trace line {number}: not JSON: {exc}") from None
     fields = Fields(item, f"workload: trace line {number}")
-    out = {key: fields.integer(key, minimum=0) for key in ("timestamp", "input_length", "output_length")}
+    out: dict = {key: fields.integer(key, minimum=0) for key in ("timestamp", "input_length", "output_length")}
     if out["input_length"] < 1:
         raise fields.fail("input_length", "must be >= 1")
     ids = fields.raw("hash_ids")
