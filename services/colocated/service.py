@@ -104,6 +104,9 @@ class ColocatedService(Service):
     def idle(self) -> bool:
         return not self.engine.has_work and self.outbox.empty()
 
+    async def readiness(self) -> str:
+        return self.reporter.readiness(self.role_change.draining)
+
     def health(self) -> dict:
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,

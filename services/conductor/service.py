@@ -256,6 +256,13 @@ class ConductorService(Service):
         snapshot = self.registry.snapshot(time.monotonic())
         return InstancesReply(instances=[i for i in snapshot if not role or i.role == role])
 
+    async def readiness(self) -> str:
+        """Ready to place requests once a prefill and a decode instance report (a colocated one is both)."""
+        now = time.monotonic()
+        missing = [role for role, alive in (("prefill", self.registry.alive_prefill(now)),
+                                            ("decode", self.registry.alive_decode(now))) if not alive]
+        return f"no {' and no '.join(missing)} instance alive" if missing else ""
+
     def health(self) -> dict:
         now = time.monotonic()
         return {"prefill_alive": len(self.registry.alive_prefill(now)),

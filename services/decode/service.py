@@ -126,6 +126,9 @@ class DecodeService(Service):
         """Nothing waiting for KV, generating or still to send (a drain waits for this)."""
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
 
+    async def readiness(self) -> str:
+        return self.reporter.readiness(self.role_change.draining)
+
     def health(self) -> dict:
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,

@@ -37,7 +37,7 @@ from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.service import Service
 
-OPEN_PATHS = ("/health", "/metrics", "/openapi.json")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -101,6 +101,15 @@ class GatewayService(Service):
                 "prefill_alive": sum(i.role == "prefill" for i in instances or []),
                 "decode_alive": sum(i.role == "decode" for i in instances or [])}
         return (200 if self.ready else 503), body
+
+    async def readiness(self) -> str:
+        """Ready when the conductor answers and sees a prefill and a decode instance (so it is ready too)."""
+        try:
+            instances = (await self.instances()).instances
+        except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
+            return "the conductor does not answer"
+        missing = [role for role in ("prefill", "decode") if not any(i.role == role for i in instances)]
+        return f"the conductor sees no {' and no '.join(missing)} instance" if missing else ""
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvcentric",

@@ -6,13 +6,20 @@ conductor seeds its local mirror). The storage logic is `kvcentric.runtime.kvs_s
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvcentric.core.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
 from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
 from kvcentric.runtime.service import Service
+
+
+READY_PING_TIMEOUT_S = 0.5
+"""How long /ready waits for Redis to answer a ping."""
 
 
 class KVSMetaService(Service):
@@ -36,6 +43,13 @@ class KVSMetaService(Service):
 
     async def stop(self) -> None:
         await self.redis.aclose()
+
+    async def readiness(self) -> str:
+        try:
+            await asyncio.wait_for(self.redis.ping(), READY_PING_TIMEOUT_S)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            return f"Redis does not answer: {type(exc).__name__}"
+        return ""
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/batch_query_keys", self.batch_query_keys)

@@ -143,6 +143,9 @@ class PrefillService(Service):
         busy = self.engine.queue or self.engine.running or self.pushes or self.pulling
         return not busy and self.outbox.empty()
 
+    async def readiness(self) -> str:
+        return self.reporter.readiness(self.role_change.draining)
+
     def health(self) -> dict:
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,

@@ -133,3 +133,23 @@ def test_the_load_report_carries_the_roles_numbers_and_the_pool_and_drain_state(
     assert (report.kv_blocks_total, report.kv_blocks_free) == (pool.num_blocks, pool.num_free)
     assert reporter.stats()["kv_blocks_total"] == pool.num_blocks
 
+
+
+class _Bus:
+    """Records what is published (a stand-in for the NATS bus in this pure test)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+
+    async def publish(self, subject: str, message) -> None:
+        self.sent.append((subject, message))
+
+
+async def test_an_engine_is_ready_once_its_first_load_report_is_out_and_not_while_draining():
+    runner = make_runner()
+    bus = _Bus()
+    reporter = Reporter(bus, "p0", "dc1", make_pool(runner), None, KVPusher())
+    assert "load report" in reporter.readiness(draining=False)
+    await reporter.publish_load("prefill", Load(0, 0, 0), "127.0.0.1:5000")
+    assert len(bus.sent) == 1 and reporter.readiness(draining=False) == ""
+    assert "draining" in reporter.readiness(draining=True)

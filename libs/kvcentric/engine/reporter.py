@@ -30,6 +30,14 @@ class Reporter:
                  pusher: KVPusher) -> None:
         self.bus, self.instance_id, self.cluster = bus, instance_id, cluster
         self.pool, self.host, self.pusher = pool, host, pusher
+        self.reports_sent = 0
+        """Load reports published; the first is how the conductor learns of this instance."""
+
+    def readiness(self, draining: bool) -> str:
+        """Why the engine cannot take work ("" when it can): not yet announced to the conductor, or draining."""
+        if draining:
+            return "draining for a role change"
+        return "" if self.reports_sent else "no load report sent to the conductor yet"
 
     def load_report(self, role: str, load: Load, kv_addr: str, draining: bool) -> LoadReport:
         return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
@@ -40,6 +48,7 @@ class Reporter:
 
     async def publish_load(self, role: str, load: Load, kv_addr: str, draining: bool = False) -> None:
         await self.bus.publish(Subjects.load(role, self.instance_id), self.load_report(role, load, kv_addr, draining))
+        self.reports_sent += 1
 
     async def publish_cache_changes(self) -> None:
         """Announce the blocks that entered or left the device and host pools since the last call."""

@@ -35,17 +35,20 @@ class Metrics:
 
 
 HealthView = Callable[[], Awaitable[tuple[int, dict]]]
-"""async () -> (HTTP status, JSON body) of GET /health."""
+"""async () -> (HTTP status, JSON body) of GET /health or GET /ready."""
 
 
 class HttpServer:
-    """One aiohttp server with /health and /metrics; `add_routes` adds a service's own before `start`."""
+    """One aiohttp server with /health (alive), /ready (able to serve) and /metrics; a service adds its own
+    routes to `app` before `start`."""
 
-    def __init__(self, health: HealthView, metrics: Metrics) -> None:
+    def __init__(self, health: HealthView, ready: HealthView, metrics: Metrics) -> None:
         self.health = health
+        self.ready = ready
         self.metrics = metrics
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -65,6 +68,10 @@ class HttpServer:
 
     async def _health(self, request: web.Request) -> web.Response:
         status, body = await self.health()
+        return web.json_response(body, status=status)
+
+    async def _ready(self, request: web.Request) -> web.Response:
+        status, body = await self.ready()
         return web.json_response(body, status=status)
 
     async def _metrics(self, request: web.Request) -> web.Response:

@@ -34,7 +34,7 @@ class Service:
         self.tasks = Tasks(self.log)
         self.stopping = self.tasks.stopping
         self.bus = Bus(self.instance_id, self.counters, self.log)
-        self.http = HttpServer(self.health_view, self.metrics)
+        self.http = HttpServer(self.health_view, self.ready_view, self.metrics)
         self.ready = False
 
     # ---------------------------------------------------------------- what a role fills in
@@ -57,6 +57,20 @@ class Service:
         body = {"status": "ok" if self.ready else "starting", "role": self.role,
                 "instance_id": self.instance_id, "cluster": self.config.cluster, **self.health()}
         return (200 if self.ready else 503), body
+
+    async def readiness(self) -> str:
+        """Why this service cannot serve yet ("" once it can). Roles add their own condition: an engine
+        until the conductor has its first load report, the conductor until it sees a prefill and a decode
+        instance, the gateway until its conductor is ready, kvs-meta while Redis does not answer."""
+        return "" if self.ready else "starting"
+
+    async def ready_view(self) -> tuple[int, dict]:
+        """GET /ready: 200 when `readiness` has no objection, else 503 with the reason; apart from /health,
+        which says only that the process is alive (a probe should restart on /health, route on /ready)."""
+        reason = await self.readiness() if self.ready else "starting"
+        body = {"ready": not reason, "role": self.role, "instance_id": self.instance_id,
+                **({"reason": reason} if reason else {})}
+        return (503 if reason else 200), body
 
     def gauges(self) -> dict[str, float]:
         return {}

@@ -140,8 +140,12 @@ class Cluster:
         except (OSError, ValueError):
             return False
         prefill, decode = self.config.expected_alive
-        return (status == 200 and body.get("prefill_alive", 0) >= prefill
-                and body.get("decode_alive", 0) >= decode)
+        if status != 200 or body.get("prefill_alive", 0) < prefill or body.get("decode_alive", 0) < decode:
+            return False
+        try:  # and the gateway says it can serve (GET /ready)
+            return get_json(self.processes.child("gateway").health_url.replace("/health", "/ready"))[0] == 200
+        except (OSError, ValueError):
+            return False
 
     def check_alive(self) -> None:
         self.processes.check_alive()
