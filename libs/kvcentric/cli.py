@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Start nats-server, redis-server, kvs-meta, conductor, the gateway and "
                                          "prefill/decode instances; wait until healthy; stop all on Ctrl-C.")
     add_arguments(up, UpConfig)
-    from kvcentric.engine.profile import ProfileConfig
+    from kvcentric.engine.config import ProfileConfig
     profile = commands.add_parser("profile", help="time the model here and fit the conductor's cost model",
                                   description="Time prefill over (new x cached tokens) and decode steps over "
                                               "(batch x context), fit T_prefill and T_decode, write JSON.")
@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args = parser.parse_args(argv)
         if args.command == "profile":
-            from kvcentric.engine.profile import ProfileConfig, main as profile_main
+            from kvcentric.engine.config import ProfileConfig
+            from kvcentric.engine.profile import main as profile_main
             sys.exit(profile_main(from_namespace(ProfileConfig, args)))
         if args.command == "plan":
             from kvcentric.tools.plan import PlanConfig, main as plan_main

@@ -81,3 +81,19 @@ class EngineConfig(BusConfig):
     def cost_model(self) -> CostModel:
         """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""
         return load_cost_model(self.profile, self.model, self.hardware)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    model: str = setting("tiny", "checkpoint directory or preset to profile")
+    out: str = setting("profile.json", "where to write the samples and the fitted cost model")
+    device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
+    dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype")
+    torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
+    max_tokens: int = setting(2048, "largest new + cached tokens timed (capped by the model's context)")
+    repeat: int = setting(3, "timings per grid point (the median is kept)")
+    block_size: int = setting(16, "tokens per KV block")
+
+    def __post_init__(self) -> None:
+        require(self.max_tokens >= 64, "max_tokens", "must be at least 64")
+        require(self.repeat >= 1, "repeat", "must be at least 1")

@@ -11,31 +11,14 @@ import dataclasses
 import json
 import sys
 import time
-from typing import Literal
 
 import torch
 
-from kvcentric.config import require, setting
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.engine.config import ProfileConfig
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
-
-
-@dataclasses.dataclass(frozen=True)
-class ProfileConfig:
-    model: str = setting("tiny", "checkpoint directory or preset to profile")
-    out: str = setting("profile.json", "where to write the samples and the fitted cost model")
-    device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
-    dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype")
-    torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
-    max_tokens: int = setting(2048, "largest new + cached tokens timed (capped by the model's context)")
-    repeat: int = setting(3, "timings per grid point (the median is kept)")
-    block_size: int = setting(16, "tokens per KV block")
-
-    def __post_init__(self) -> None:
-        require(self.max_tokens >= 64, "max_tokens", "must be at least 64")
-        require(self.repeat >= 1, "repeat", "must be at least 1")
 
 
 def prefill_grid(limit: int) -> list[tuple[int, int]]:
