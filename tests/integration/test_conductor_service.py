@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 
 import nats
@@ -17,14 +16,7 @@ from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
                                 RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, decode, encode)
-
-
-async def eventually(condition, what: str, patience_s: float = 10.0) -> None:
-    for _ in range(int(patience_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
+from waiting import eventually, eventually_async
 
 
 async def start_conductor(nats_url: str, **settings) -> ConductorService:
@@ -40,8 +32,9 @@ async def announce(nc, service: ConductorService, prefills=("p0", "p1"), decodes
         for name in names:
             report = LoadReport(name, role, "local", f"{name}.example:50061", 0, 0, 0, 1000, 1000, 0.0)
             await nc.publish(Subjects.load(role, name), encode(report))
-    await eventually(lambda: len(service.registry.prefill) == len(prefills)
-                     and len(service.registry.decode) == len(decodes), "the conductor saw every instance")
+    await eventually_async(lambda: (sorted(service.registry.prefill), sorted(service.registry.decode)),
+                           "the conductor saw every instance",
+                           until=lambda seen: len(seen[0]) == len(prefills) and len(seen[1]) == len(decodes))
 
 
 async def schedule(nc, request: ScheduleRequest):
@@ -69,13 +62,10 @@ async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
         hashes = [f"conductor-test-{i}" for i in range(6)]
         await nc.publish(Subjects.kv_events("p1"), encode(KVEventBatch([BlockStored("p1", hashes[:4])])))
 
-        async def stored() -> bool:
+        async def holders() -> list[list[str]]:
             reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(hashes[:1])), timeout=2)
-            return decode(reply.data, KVSReply).holders == [["p1:dram"]]
-        for _ in range(200):
-            if await stored():
-                break
-            await asyncio.sleep(0.02)
+            return decode(reply.data, KVSReply).holders
+        await eventually_async(holders, "kvs-meta lists p1's first block", until=lambda seen: seen == [["p1:dram"]])
         decision = await schedule(nc, ScheduleRequest("a", 100, hashes, 8))
         assert isinstance(decision, Placement)
         assert decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
@@ -126,7 +116,8 @@ async def test_outcomes_are_compared_with_the_predicted_ttft(own_nats):
         outcome = RequestOutcome("o1", placed.prefill_id, placed.decode_id, "length", placed.predicted_ttft_s + 0.5,
                                  2.0, 100, 8, placed.predicted_ttft_s)
         await nc.publish(Subjects.OUTCOME, encode(outcome))
-        await eventually(lambda: conductor.core.stats["outcomes"] == 1, "the outcome was recorded")
+        await eventually_async(lambda: conductor.core.stats["outcomes"], "the outcome was recorded",
+                               until=lambda outcomes: outcomes == 1)
         text = await metrics(conductor)
         assert 'kvc_ttft_prediction_error_mean_s{role="conductor",instance="conductor-test"} -0.5' in text
     finally:
@@ -141,9 +132,5 @@ def test_the_live_gateway_reports_outcomes_to_the_conductor(cluster):
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
     url = cluster.manifest["services"]["conductor"]["health_url"].replace("/health", "/metrics")
-    for _ in range(250):
-        lines = [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")]
-        if lines and float(lines[0].split()[-1]) >= 1:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the conductor recorded no outcome: {lines}")
+    eventually(lambda: [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")],
+               "the conductor recorded an outcome", until=lambda lines: lines and float(lines[0].split()[-1]) >= 1)
