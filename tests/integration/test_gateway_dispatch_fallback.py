@@ -51,7 +51,7 @@ async def recorded(bus):
 
     async def schedule(msg):
         asked.append(decode(msg.data, ScheduleRequest))
-        await asyncio.sleep(SLOW_CONDUCTOR_S if asked[-1].n_tokens == SLOW_PROMPT_TOKENS else 0)
+        await asyncio.sleep(SLOW_CONDUCTOR_S if asked[-1].n_tokens == SLOW_PROMPT_TOKENS else 0)  # deliberately slow
         await msg.respond(encode(PLACED))
 
     async def prefill(msg):
