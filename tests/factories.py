@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
@@ -38,9 +39,10 @@ def decode_job(request_id: str, n_prompt: int, params: SamplingParams | None = N
 
 
 def load_report(instance_id: str, role: str, queued_tokens: int = 0, running: int = 0, ts: float = 0.0) -> LoadReport:
-    return LoadReport(instance_id=instance_id, role=role, cluster="local",
-                      kv_addr=f"127.0.0.1:{5000 + hash(instance_id) % 1000}", queued_requests=0,
-                      queued_tokens=queued_tokens, running=running, kv_blocks_total=100, kv_blocks_free=100, ts=ts)
+    port = 5000 + zlib.crc32(instance_id.encode()) % 1000  # the same in every run (str hashes are salted)
+    return LoadReport(instance_id=instance_id, role=role, cluster="local", kv_addr=f"127.0.0.1:{port}",
+                      queued_requests=0, queued_tokens=queued_tokens, running=running, kv_blocks_total=100,
+                      kv_blocks_free=100, ts=ts)
 
 
 # ---------------------------------------------------------------- conductor clusters (scheduling tests)

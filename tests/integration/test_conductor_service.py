@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 
 import nats
@@ -17,14 +16,7 @@ from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
                                 RequestOutcome, ScheduleReply, ScheduleRequest, Subjects, decode, encode)
-
-
-async def eventually(condition, what: str, patience_s: float = 10.0) -> None:
-    for _ in range(int(patience_s / 0.02)):
-        if condition():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
+from waiting import eventually, eventually_async
 
 
 async def start_conductor(nats_url: str, **settings) -> ConductorService:
@@ -42,8 +34,9 @@ async def announce(nc, service: ConductorService, prefills=("p0", "p1"), decodes
                                 queued_requests=0, queued_tokens=0, running=0, kv_blocks_total=1000,
                                 kv_blocks_free=1000, ts=0.0)
             await nc.publish(Subjects.load(role, name), encode(report))
-    await eventually(lambda: len(service.registry.prefill) == len(prefills)
-                     and len(service.registry.decode) == len(decodes), "the conductor saw every instance")
+    await eventually_async(lambda: (sorted(service.registry.prefill), sorted(service.registry.decode)),
+                           "the conductor saw every instance",
+                           until=lambda seen: len(seen[0]) == len(prefills) and len(seen[1]) == len(decodes))
 
 
 async def schedule(nc, request: ScheduleRequest):
@@ -72,13 +65,10 @@ async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
         batch = KVEventBatch(events=[BlockStored(node_id="p1", block_hashes=hashes[:4])])
         await nc.publish(Subjects.kv_events("p1"), encode(batch))
 
-        async def stored() -> bool:
+        async def holders() -> list[list[str]]:
             reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
-            return decode(reply.data, KVSReply).holders == [["p1:dram"]]
-        for _ in range(200):
-            if await stored():
-                break
-            await asyncio.sleep(0.02)
+            return decode(reply.data, KVSReply).holders
+        await eventually_async(holders, "kvs-meta lists p1's first block", until=lambda seen: seen == [["p1:dram"]])
         decision = await schedule(nc, ScheduleRequest(request_id="a", n_tokens=100, block_hashes=hashes,
                                                       max_tokens=8))
         assert isinstance(decision, Placement)
@@ -133,7 +123,8 @@ async def test_outcomes_are_compared_with_the_predicted_ttft(own_nats):
                                  finish_reason="length", ttft_s=placed.predicted_ttft_s + 0.5, e2e_s=2.0,
                                  prompt_tokens=100, completion_tokens=8, predicted_ttft_s=placed.predicted_ttft_s)
         await nc.publish(Subjects.OUTCOME, encode(outcome))
-        await eventually(lambda: conductor.core.stats["outcomes"] == 1, "the outcome was recorded")
+        await eventually_async(lambda: conductor.core.stats["outcomes"], "the outcome was recorded",
+                               until=lambda outcomes: outcomes == 1)
         text = await metrics(conductor)
         assert 'kvc_ttft_prediction_error_mean_s{role="conductor",instance="conductor-test"} -0.5' in text
     finally:
@@ -148,9 +139,5 @@ def test_the_live_gateway_reports_outcomes_to_the_conductor(cluster):
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
     url = cluster.manifest["services"]["conductor"]["health_url"].replace("/health", "/metrics")
-    for _ in range(250):
-        lines = [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")]
-        if lines and float(lines[0].split()[-1]) >= 1:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"the conductor recorded no outcome: {lines}")
+    eventually(lambda: [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")],
+               "the conductor recorded an outcome", until=lambda lines: lines and float(lines[0].split()[-1]) >= 1)

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
+import urllib.request
 
 import aiohttp
 import msgspec
@@ -15,8 +18,10 @@ import pytest
 from conftest import start_server, stop
 from kvcentric.tools.processes import free_port, nats_server_argv
 from harness import spawn_service as spawn
-from kvcentric.core.protocol import (Cancel, DecodeJob, Dispatch, LoadReport, PrefillJob, Rejection, SamplingParams,
-                                ScheduleReply, ScheduleRequest, SubmitAck, Subjects, TokenChunk, decode, encode)
+from kvcentric.core.protocol import (Cancel, DecodeJob, Dispatch, InstancesQuery, InstancesReply, LoadReport,
+                                PrefillJob, Rejection, SamplingParams, ScheduleReply, ScheduleRequest, SubmitAck,
+                                Subjects, TokenChunk, decode, encode)
+from waiting import eventually_async
 
 BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}
 SILENT = SubmitAck.refused("(never sent: the stand-in takes the job and does not answer)")
@@ -48,6 +53,7 @@ class Engines:
         self.prefill_jobs: list[PrefillJob] = []
         self.decode_jobs: list[DecodeJob] = []
         self.cancels: list[Cancel] = []
+        self.first_tokens_sent: set[str] = set()
         self.subscriptions = []
 
     async def __aenter__(self) -> "Engines":
@@ -58,13 +64,21 @@ class Engines:
             subjects.append((Subjects.submit("decode", "d"), self.on_decode))
         for subject, callback in subjects:
             self.subscriptions.append(await self.nc.subscribe(subject, cb=callback))
+        reported = time.monotonic()
         for role, name in (("prefill", "p"), ("decode", "d")):
             report = LoadReport(instance_id=name, role=role, cluster="local", kv_addr="127.0.0.1:1", queued_requests=0,
                                 queued_tokens=0, running=0, kv_blocks_total=1000, kv_blocks_free=1000, ts=0.0)
             await self.nc.publish(Subjects.load(role, name), encode(report))
         await self.nc.flush()
-        await asyncio.sleep(0.2)  # the conductor has seen both reports
+        # the conductor's last report of each is no older than ours (ages are rounded to the millisecond)
+        await eventually_async(self.report_ages, "the conductor saw both reports", until=lambda ages: all(
+            ages.get(name, math.inf) <= time.monotonic() - reported + 1e-3 for name in ("p", "d")))
         return self
+
+    async def report_ages(self) -> dict[str, float]:
+        """How long ago the conductor heard from each instance it knows."""
+        reply = await self.nc.request(Subjects.INSTANCES, encode(InstancesQuery()), timeout=2)
+        return {instance.instance_id: instance.age_s for instance in decode(reply.data, InstancesReply).instances}
 
     async def __aexit__(self, *exc) -> None:
         for subscription in self.subscriptions:
@@ -77,6 +91,7 @@ class Engines:
         if self.prefill_ack.ok and self.decode_ack is not None and self.decode_ack.ok:  # as a prefill instance does
             first = TokenChunk(request_id=job.request_id, seq=0, token_ids=[104])
             await self.nc.publish(Subjects.out(job.request_id), encode(first))
+            self.first_tokens_sent.add(job.request_id)
 
     async def on_decode(self, msg) -> None:
         job = decode(msg.data, DecodeJob)
@@ -87,18 +102,17 @@ class Engines:
         if self.decode_ack.ok and self.prefill_ack is not None and self.prefill_ack.ok:  # KV came: it decodes
             final = TokenChunk.final(job.request_id, "length", seq=1, token_ids=[105],
                                      prompt_tokens=job.n_prompt_tokens, completion_tokens=2)
-            await asyncio.sleep(0.05)
+            await eventually_async(lambda: self.first_tokens_sent, "the prefill stand-in sent the first token",
+                                   until=lambda sent: job.request_id in sent)
             await self.nc.publish(Subjects.out(job.request_id), encode(final))
 
     async def on_cancel(self, msg) -> None:
         self.cancels.append(decode(msg.data, Cancel))
 
     async def cancelled(self, request_id: str) -> bool:
-        for _ in range(100):
-            if any(c.request_id == request_id for c in self.cancels):
-                return True
-            await asyncio.sleep(0.02)
-        return False
+        await eventually_async(lambda: [c.request_id for c in self.cancels], f"a cancel of {request_id}",
+                               until=lambda cancelled: request_id in cancelled)
+        return True
 
 
 @pytest.fixture
@@ -108,6 +122,13 @@ async def nc(cluster):
         yield client
     finally:
         await client.close()
+
+
+def bus_drops(port: int) -> float:
+    """kvc_bus_drops_total on the /metrics of the service on `port` (0 before the first drop)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
+        lines = [line for line in response.read().decode().splitlines() if line.startswith("kvc_bus_drops_total")]
+    return float(lines[0].split()[-1]) if lines else 0.0
 
 
 async def post(url: str, body: dict) -> tuple[int, dict, str]:
@@ -175,11 +196,14 @@ async def test_a_dispatch_that_does_not_match_its_request_is_refused(cluster, nc
 async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
     """The gateway may cancel (client gone) while the conductor's job is still on its way: the engine
     remembers the cancel and refuses the job, so it computes nothing for nobody."""
-    prefill, _ = spawn("prefill", cluster[0], "--model", "tiny", "--instance-id", "p-late", "--num-kv-blocks", "64")
+    prefill, port = spawn("prefill", cluster[0], "--model", "tiny", "--instance-id", "p-late", "--num-kv-blocks", "64")
     try:
         await nc.publish(Subjects.cancel("r-late"), encode(Cancel(request_id="r-late", reason="client disconnected")))
+        # the engine takes cancels one by one, in order: once it has counted this bad one, it has the cancel
+        await nc.publish(Subjects.cancel("r-barrier"), b"\xc1 not a cancel")
         await nc.flush()
-        await asyncio.sleep(0.2)
+        await eventually_async(lambda: asyncio.to_thread(bus_drops, port), "the engine took the cancel",
+                               until=lambda drops: drops >= 1)
         job = PrefillJob(request_id="r-late", token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=1),
                          decode_id="d", decode_kv_addr="127.0.0.1:1")
         reply = await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)

@@ -12,6 +12,7 @@ import pytest
 from conftest import start_server, stop
 from harness import spawn_service
 from kvcentric.tools.processes import free_port, nats_server_argv
+from waiting import eventually_async, read_until_async
 from kvcentric.core.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
 
@@ -74,14 +75,11 @@ async def test_client_disconnect_cancels_and_frees_kv_on_decode(cluster):
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
-    while b"data: " not in await reader.readline():
-        pass
+    await read_until_async(reader, b"data: ", "the first event of the stream")
     writer.close()  # the client goes away mid-stream
-    for _ in range(100):
-        stats = cluster.health("decode-0")["stats"]
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["requests_aborted"] >= 1:
-            break
-        await asyncio.sleep(0.1)
+    stats = await eventually_async(lambda: cluster.health("decode-0")["stats"], "the request aborted and its KV freed",
+                                   until=lambda stats: stats["kv_blocks_free"] == stats["kv_blocks_total"]
+                                   and stats["requests_aborted"] >= 1, every_s=0.1)
     assert stats["requests_aborted"] >= 1
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 

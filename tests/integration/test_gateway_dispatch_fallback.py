@@ -19,6 +19,7 @@ from kvcentric.tools.processes import free_port, nats_server_argv
 from harness import spawn_service as spawn
 from kvcentric.core.protocol import (Cancel, Dispatch, Placement, PrefillJob, SamplingParams, ScheduleRequest,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
+from waiting import eventually_async
 
 MAX_PAYLOAD = 6000
 SLOW_PROMPT_TOKENS, SLOW_CONDUCTOR_S = 7, 1.0
@@ -51,7 +52,7 @@ async def recorded(bus):
 
     async def schedule(msg):
         asked.append(decode(msg.data, ScheduleRequest))
-        await asyncio.sleep(SLOW_CONDUCTOR_S if asked[-1].n_tokens == SLOW_PROMPT_TOKENS else 0)
+        await asyncio.sleep(SLOW_CONDUCTOR_S if asked[-1].n_tokens == SLOW_PROMPT_TOKENS else 0)  # deliberately slow
         await msg.respond(encode(PLACED))
 
     async def prefill(msg):
@@ -127,10 +128,7 @@ async def test_a_client_gone_before_the_conductor_answers_is_cancelled_on_the_en
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
                 await session.post(bus[1] + "/v1/completions", json={"prompt": [65] * SLOW_PROMPT_TOKENS,
                                                                      "max_tokens": 1})
-        for _ in range(100):
-            if cancels:
-                break
-            await asyncio.sleep(0.02)
+        await eventually_async(lambda: cancels, "the gateway cancelled the request")
         assert [c.request_id for c in cancels] == [asked[-1].request_id] and asked[-1].dispatch is not None
     finally:
         await nc.close()

@@ -18,6 +18,7 @@ from kvcentric.tools.processes import free_port, nats_server_argv
 from kvcentric.core.protocol import (Cancel, Placement, PrefillJob, Rejection, RequestOutcome, ScheduleRequest,
                                 SubmitAck, Subjects, TokenChunk, decode, encode)
 from harness import spawn_service as spawn
+from waiting import eventually_async
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
 
@@ -78,11 +79,11 @@ class StandIns:
     async def outcome(self, msg) -> None:
         self.outcomes.append(decode(msg.data, RequestOutcome))
 
-    async def settle(self) -> None:
-        for _ in range(50):
-            if self.cancels and self.outcomes:
-                return
-            await asyncio.sleep(0.05)
+    async def settle(self, cancels: int = 1, outcomes: int = 1) -> None:
+        """Until the gateway has published at least these many cancels and outcomes."""
+        await eventually_async(lambda: (len(self.cancels), len(self.outcomes)),
+                               f"{cancels} cancel(s) and {outcomes} outcome(s)",
+                               until=lambda seen: seen[0] >= cancels and seen[1] >= outcomes)
 
 
 PLACED = Placement(request_id="", prefill_id="p", decode_id="d", decode_kv_addr="127.0.0.1:1", predicted_ttft_s=0.25)
@@ -151,7 +152,9 @@ async def test_an_engine_error_is_500_whole_and_an_error_event_when_streaming(bu
         status, _, text = await post(bus[1], BODY)
         assert status == 500 and "boom" in json.loads(text)["error"]["message"]
         status, _, text = await post(bus[1], {**BODY, "stream": True})
-        await standins.settle()
+        await standins.settle(cancels=0, outcomes=2)
+        # the gateway cancels before it reports an outcome; still, deliberately give a stray cancel a moment
+        await asyncio.sleep(0.5)
     events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
     assert status == 200 and json.loads(events[0])["choices"][0]["text"] == "h"
     assert "boom" in json.loads(events[-2])["error"]["message"] and events[-1] == "[DONE]"

@@ -4,7 +4,6 @@ which then computes only the rest; the tokens equal a run without any cache, and
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import nats
@@ -14,6 +13,7 @@ from factories import make_pool, make_runner
 from kvcentric.engine.local import generate
 from kvcentric.core.hashing import BlockHasher, to_hex
 from harness import UpProcess
+from waiting import eventually
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.core.protocol import (DecodeJob, PrefillJob, SamplingParams, SubmitAck, Subjects, TokenChunk, decode,
                                 encode)
@@ -80,11 +80,12 @@ async def test_node_b_pulls_the_prefix_from_node_a_and_generates_the_same_tokens
         len(token_ids) - pulled_tokens
     assert two_prefills.health(holder)["stats"]["blocks_served"] == len(hashes)
     url = two_prefills.manifest["services"]["kvs-meta"]["health_url"].replace("/health", "/batch_query_keys")
-    for _ in range(50):
+
+
+    def holders() -> list[set[str]]:
         with urllib.request.urlopen(f"{url}?keys={','.join(hashes)}") as response:
             data = json.load(response)["data"]
-        nodes = [{v["node_id"] for v in data[h].get("values", [])} for h in hashes]
-        if all({holder, other} <= n for n in nodes):
-            break
-        time.sleep(0.1)
+        return [{v["node_id"] for v in data[h].get("values", [])} for h in hashes]
+    nodes = eventually(holders, f"kvs-meta lists {holder} and {other} for every block",
+                       until=lambda nodes: all({holder, other} <= n for n in nodes), every_s=0.1)
     assert all({holder, other} <= n for n in nodes), nodes

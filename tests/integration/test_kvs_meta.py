@@ -3,7 +3,6 @@ node that stops reporting purged from every block it held."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.request
@@ -15,6 +14,7 @@ from conftest import stop
 from harness import spawn_service
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSQuery, KVSReply, LoadReport, Subjects,
                                 decode, encode)
+from waiting import eventually, eventually_async
 
 
 @pytest.fixture
@@ -43,21 +43,19 @@ async def test_blocks_of_a_node_that_stops_heartbeating_are_purged(kvs_meta, nat
         events = KVEventBatch(events=[BlockStored(node_id="alive-node", block_hashes=["h1", "h2"]),
                                       BlockStored(node_id="dying-node", block_hashes=["h1"], tier="device")])
         await nc.publish(Subjects.kv_events("x"), encode(events))
-        purged = None
-        for _ in range(40):  # alive-node keeps reporting; dying-node never does, and its 2 s lease runs out
+
+        async def heartbeat_and_ask() -> list[list[str]]:
             await nc.publish(Subjects.load("prefill", "alive-node"), encode(report("alive-node")))
-            await asyncio.sleep(0.25)
-            purged = await holders(nc, ["h1", "h2", "h3"])
-            if purged == [["alive-node:dram"], ["alive-node:dram"], []]:
-                break
+            return await holders(nc, ["h1", "h2", "h3"])
+        # alive-node keeps reporting; dying-node never does, and its 2 s lease runs out
+        purged = await eventually_async(heartbeat_and_ask, "dying-node purged, alive-node kept",
+                                        until=lambda seen: seen == [["alive-node:dram"], ["alive-node:dram"], []],
+                                        every_s=0.25)
         assert purged == [["alive-node:dram"], ["alive-node:dram"], []]
         evicted = KVEventBatch(events=[BlockEvicted(node_id="alive-node", block_hashes=["h2"])])
         await nc.publish(Subjects.kv_events("x"), encode(evicted))
         await nc.flush()
-        for _ in range(20):
-            if await holders(nc, ["h2"]) == [[]]:
-                break
-            await asyncio.sleep(0.1)
+        await eventually_async(lambda: holders(nc, ["h2"]), "h2 evicted", until=lambda seen: seen == [[]], every_s=0.1)
         assert await holders(nc, ["h2"]) == [[]]
     finally:
         await nc.close()
@@ -72,10 +70,12 @@ async def test_the_http_batch_query_has_mooncakes_shape(kvs_meta, nats_url):
         await nc.publish(Subjects.kv_events("y"), encode(batch))
         await nc.publish(Subjects.load("prefill", "node-y"), encode(report("node-y")))
         await nc.flush()
-        await asyncio.sleep(0.3)
     finally:
         await nc.close()
-    with urllib.request.urlopen(kvs_meta + "/batch_query_keys?keys=k1,missing") as response:
-        body = json.load(response)
+
+    def batch_query() -> dict:
+        with urllib.request.urlopen(kvs_meta + "/batch_query_keys?keys=k1,missing") as response:
+            return json.load(response)
+    body = eventually(batch_query, "kvs-meta lists k1", until=lambda body: body["data"]["k1"]["ok"])
     assert body == {"success": True, "data": {"k1": {"ok": True, "values": [{"node_id": "node-y", "tier": "dram"}]},
                                               "missing": {"ok": False, "error": "key not found"}}}

@@ -20,7 +20,8 @@ from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.tools.processes import free_port, redis_server_argv
 from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest, Subjects,
                                 decode, encode)
-from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
+from test_conductor_service import announce, metrics, schedule, start_conductor
+from waiting import eventually_async
 
 DOWN_S = 3.0
 """--kvs-down-duration-s of these tests: long enough to see the down period, short enough to wait it out."""
@@ -42,24 +43,22 @@ async def store_blocks(nc, node: str, hashes: list[str]) -> None:
     """Announce `node`'s blocks as an engine does, and wait until kvs-meta answers with them."""
     batch = KVEventBatch(events=[BlockStored(node_id=node, block_hashes=hashes)])
     await nc.publish(Subjects.kv_events(node), encode(batch))
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
-        except nats.errors.NoRespondersError:  # a kvs-meta just started: its subscription is on its way
-            reply = None
-        if reply is not None and decode(reply.data, KVSReply).holders == [[f"{node}:dram"]]:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"kvs-meta never listed {node}'s blocks")
+
+    async def holders() -> list[list[str]]:
+        reply = await nc.request(Subjects.KVS_QUERY, encode(KVSQuery(block_hashes=hashes[:1])), timeout=2)
+        return decode(reply.data, KVSReply).holders
+    # NoRespondersError: a kvs-meta just started, and its subscription is on its way
+    await eventually_async(holders, f"kvs-meta lists {node}'s blocks", until=lambda seen: seen == [[f"{node}:dram"]],
+                           ignoring=(nats.errors.NoRespondersError,))
 
 
 async def place(nc, conductor: ConductorService, hashes: list[str]) -> Placement:
     """Schedule a 100-token request on instances with empty queues (fresh load reports replace what the
     conductor placed before), so only prefix hits can tell the prefill instances apart."""
     await announce(nc, conductor)
-    await eventually(lambda: all(p.dispatched_s == 0 for p in conductor.registry.prefill.values()),
-                     "the fresh load reports were taken")
+    await eventually_async(lambda: {name: p.dispatched_s for name, p in conductor.registry.prefill.items()},
+                           "the fresh load reports were taken",
+                           until=lambda dispatched: all(s == 0 for s in dispatched.values()))
     decision = await schedule(nc, ScheduleRequest(request_id=f"r-{uuid.uuid4().hex[:8]}", n_tokens=100,
                                                   block_hashes=hashes, max_tokens=8))
     assert isinstance(decision, Placement), decision
@@ -98,6 +97,7 @@ async def test_after_the_down_period_the_conductor_asks_kvs_meta_again_and_follo
         assert still_down.cached_tokens == 0 and kvs.counters["queries_total"] == asked  # not asked while down
         assert conductor.counters["placements_load_only_total"] == 2
 
+        # deliberately let the down period run out: polling would place, and count, more requests
         await asyncio.sleep(max(0.0, conductor.gate.down_until - time.monotonic()) + 0.05)
         after = await place(nc, conductor, hashes)
         assert (after.prefill_id, after.cached_tokens) == ("p1", HELD_BLOCKS * BLOCK_TOKENS)
@@ -144,10 +144,9 @@ async def test_when_the_redis_behind_kvs_meta_comes_back_prefix_placement_comes_
 
         restart()  # an empty Redis (no persistence): the blocks p0 stores from now on are known again
         await store_blocks(nc, "p0", hashes[:HELD_BLOCKS])
-        deadline = time.monotonic() + DOWN_S + 10
-        while (decision := await place(nc, conductor, hashes)).cached_tokens == 0:
-            assert time.monotonic() < deadline, "prefix-aware placement never came back"
-            await asyncio.sleep(0.1)
+        decision = await eventually_async(lambda: place(nc, conductor, hashes), "prefix-aware placement came back",
+                                          until=lambda placed: placed.cached_tokens > 0, timeout_s=DOWN_S + 10,
+                                          every_s=0.1)
         assert (decision.prefill_id, decision.cached_tokens) == ("p0", HELD_BLOCKS * BLOCK_TOKENS)
     finally:
         await nc.close()

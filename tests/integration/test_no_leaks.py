@@ -11,6 +11,7 @@ import nats
 import pytest
 
 from harness import UpProcess
+from waiting import eventually_async, read_until_async
 
 from kvcentric.tools.processes import free_port
 from kvcentric.core.protocol import PrefillJob, SamplingParams, SubmitAck, Subjects, decode, encode
@@ -24,6 +25,10 @@ def striped(tmp_path_factory):
         yield up
     finally:
         up.stop()
+
+
+def all_free(stats: dict) -> bool:
+    return stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
 def post(url: str, body: dict) -> int:
@@ -43,8 +48,7 @@ async def disconnect_mid_stream(port: int, prompt: str) -> None:
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     await writer.drain()
-    while b"data: " not in await reader.readline():
-        pass
+    await read_until_async(reader, b"data: ", "the first event of the stream")
     writer.close()
 
 
@@ -72,13 +76,10 @@ async def test_failing_and_cancelled_requests_leak_no_blocks(striped):
         prefill_to_nowhere(striped.manifest["nats_url"], "nowhere-2"),
     )
     assert statuses[:6] == [200, 200, 200, 200, 400, 400]
-    for _ in range(100):
-        decode_stats = striped.health("decode-0")["stats"]
-        prefill_stats = striped.health("prefill-0")["stats"]
-        if decode_stats["kv_blocks_free"] == decode_stats["kv_blocks_total"] and \
-                prefill_stats["kv_blocks_free"] == prefill_stats["kv_blocks_total"]:
-            break
-        await asyncio.sleep(0.1)
+    decode_stats, prefill_stats = await eventually_async(
+        lambda: (striped.health("decode-0")["stats"], striped.health("prefill-0")["stats"]),
+        "every KV block free on decode and prefill", until=lambda both: all(all_free(stats) for stats in both),
+        every_s=0.1)
     assert decode_stats["kv_blocks_free"] == decode_stats["kv_blocks_total"]
     assert prefill_stats["kv_blocks_free"] == prefill_stats["kv_blocks_total"]  # cached blocks count as free
     assert decode_stats["requests_aborted"] >= 2

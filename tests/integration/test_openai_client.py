@@ -4,7 +4,6 @@ and not, stop strings, errors and the API key."""
 from __future__ import annotations
 
 import os
-import time
 
 import openai
 import pytest
@@ -13,6 +12,7 @@ from conftest import stop
 from kvcentric.tools.processes import get_json
 from kvcentric.model.tokenizer import DummyTokenizer
 from harness import spawn_service as spawn
+from waiting import eventually
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a cache."}]
@@ -26,12 +26,8 @@ def client(cluster):
 
 def wait_kv_free(cluster) -> dict:
     """Decode's KV pool once every request is gone (cancels are asynchronous)."""
-    for _ in range(100):
-        stats = cluster.health("decode-0")["stats"]
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"]:
-            break
-        time.sleep(0.1)
-    return stats
+    return eventually(lambda: cluster.health("decode-0")["stats"], "every KV block free on decode",
+                      until=lambda stats: stats["kv_blocks_free"] == stats["kv_blocks_total"], every_s=0.1)
 
 
 def test_models_lists_the_served_model(client):

@@ -4,8 +4,6 @@ dump, going live from events alone when kvs-meta is down, and bad dump pages and
 
 from __future__ import annotations
 
-import asyncio
-
 import nats
 import pytest
 from redis.asyncio import Redis
@@ -16,7 +14,8 @@ from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.runtime.kvs_store import DUMP_MAX_BYTES, KVMetaStore
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVEventBatch, KVSDump, KVSDumpQuery, Placement,
                                 ScheduleRequest, Subjects, decode, encode)
-from test_conductor_service import announce, eventually, metrics, schedule, start_conductor
+from test_conductor_service import announce, metrics, schedule, start_conductor
+from waiting import eventually_async
 
 HASHES = [f"mirror-{i}" for i in range(6)]
 
@@ -97,10 +96,12 @@ async def test_a_local_conductor_places_from_kv_events_and_a_late_one_from_the_s
     nc = await nats.connect(own_nats)
     conductor = await start_conductor(own_nats, policy="cache_aware")
     try:
-        await eventually(lambda: conductor.pending is None and conductor.seeded, "the first conductor was seeded")
+        await eventually_async(lambda: (conductor.pending, conductor.seeded), "the first conductor was seeded",
+                               until=lambda state: state == (None, True))
         await announce(nc, conductor)
         await store_blocks(nc, "p1", HASHES[:4])
-        await eventually(lambda: conductor.index.match(HASHES) == {"p1": 4}, "the first conductor saw the event")
+        await eventually_async(lambda: conductor.index.match(HASHES), "the first conductor saw the event",
+                               until=lambda match: match == {"p1": 4})
         decision = await schedule(nc, ScheduleRequest(request_id="a", n_tokens=100, block_hashes=HASHES, max_tokens=8))
         assert isinstance(decision, Placement) and decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
         assert kvs_meta.counters["queries_total"] == 0  # no lookup on the request's path
@@ -110,13 +111,11 @@ async def test_a_local_conductor_places_from_kv_events_and_a_late_one_from_the_s
     finally:
         await conductor.close()
     holders = KVMetaStore(redis_db[1]).holders
-    for _ in range(200):
-        if await holders(HASHES[:1]) == [["p1:device"]]:
-            break
-        await asyncio.sleep(0.02)
+    await eventually_async(lambda: holders(HASHES[:1]), "kvs-meta stored p1's first block",
+                           until=lambda seen: seen == [["p1:device"]])
     late = await start_conductor(own_nats, policy="cache_aware")
     try:
-        await eventually(lambda: late.seeded, "the late conductor was seeded from kvs-meta's dump")
+        await eventually_async(lambda: late.seeded, "the late conductor was seeded from kvs-meta's dump")
         assert late.index.match(HASHES) == {"p1": 4} and kvs_meta.counters["dump_pages_total"] >= 2
         await announce(nc, late)
         decision = await schedule(nc, ScheduleRequest(request_id="b", n_tokens=100, block_hashes=HASHES, max_tokens=8))
@@ -133,9 +132,10 @@ async def test_without_kvs_meta_the_local_index_goes_live_from_events_alone(own_
     try:
         await announce(nc, conductor)
         await store_blocks(nc, "p0", HASHES[:3])  # buffered while the seed is tried, applied when it goes live
-        await eventually(lambda: conductor.pending is None, "the local index went live")
+        await eventually_async(lambda: conductor.pending is None, "the local index went live")
         assert not conductor.seeded and conductor.counters["prefix_seed_failures_total"] == 1
-        await eventually(lambda: conductor.index.match(HASHES) == {"p0": 3}, "the event reached the index")
+        await eventually_async(lambda: conductor.index.match(HASHES), "the event reached the index",
+                               until=lambda match: match == {"p0": 3})
         decision = await schedule(nc, ScheduleRequest(request_id="c", n_tokens=100, block_hashes=HASHES, max_tokens=8))
         assert isinstance(decision, Placement) and decision.prefill_id == "p0" and decision.cached_tokens == 3 * 16
         assert 'kvc_prefix_index_seeded{role="conductor",instance="conductor-test"} 0.0' in await metrics(conductor)
@@ -153,11 +153,12 @@ async def test_a_bad_dump_page_and_a_bad_event_are_dropped_and_counted(own_nats)
     await nc.flush()
     conductor = await start_conductor(own_nats, policy="cache_aware", prefix_seed_patience_s=0.3)
     try:
-        await eventually(lambda: conductor.pending is None, "the local index went live")
+        await eventually_async(lambda: conductor.pending is None, "the local index went live")
         assert conductor.counters["prefix_dump_failures_total"] >= 1 and not conductor.seeded
         await nc.publish(Subjects.kv_events("p0"), b"\x92\x01\x02")
         await store_blocks(nc, "p0", HASHES[:2])
-        await eventually(lambda: conductor.index.match(HASHES) == {"p0": 2}, "the good event after the bad one")
+        await eventually_async(lambda: conductor.index.match(HASHES), "the good event after the bad one",
+                               until=lambda match: match == {"p0": 2})
         assert conductor.counters["bus_drops_total"] == 1
     finally:
         await conductor.close()
@@ -168,11 +169,11 @@ async def test_kvs_meta_answers_a_dump_query_on_the_bus(own_nats, kvs_meta):
     nc = await nats.connect(own_nats)
     try:
         await store_blocks(nc, "p2", HASHES[:2])
-        for _ in range(200):
-            page = decode((await nc.request(Subjects.KVS_DUMP, encode(KVSDumpQuery()), timeout=2)).data, KVSDump)
-            if sum(len(event.block_hashes) for event in page.events) == 2:
-                break
-            await asyncio.sleep(0.02)
+
+        async def first_page() -> KVSDump:
+            return decode((await nc.request(Subjects.KVS_DUMP, encode(KVSDumpQuery()), timeout=2)).data, KVSDump)
+        page = await eventually_async(first_page, "the dump holds both blocks",
+                                      until=lambda page: sum(len(event.block_hashes) for event in page.events) == 2)
         assert page.cursor == 0 and [(e.node_id, e.tier, sorted(e.block_hashes)) for e in page.events] == \
             [("p2", "device", HASHES[:2])]
     finally:

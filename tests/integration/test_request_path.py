@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 
 import pytest
@@ -13,6 +12,7 @@ from kvcentric.engine.local import generate
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.core.protocol import SamplingParams
+from waiting import eventually
 
 
 def post(url: str, body, raw: bytes | None = None) -> tuple[int, dict, dict]:
@@ -95,12 +95,13 @@ def test_prefix_blocks_reach_kvs_meta_in_redis(cluster, nats_url):
     from kvcentric.core.hashing import BlockHasher, to_hex
     hashes = [to_hex(h) for h in BlockHasher(block_size=16).hash_blocks(ByteTokenizer().encode(prompt))]
     url = cluster.manifest["services"]["kvs-meta"]["health_url"].replace("/health", "/batch_query_keys")
-    for _ in range(50):  # events are asynchronous: give them a moment
+
+    def batch_query() -> dict:
         with urllib.request.urlopen(f"{url}?keys={','.join(hashes)},nosuchkey") as response:
-            reply = json.load(response)
-        if all(len(reply["data"][h].get("values", [])) == 2 for h in hashes):
-            break
-        time.sleep(0.1)
+            return json.load(response)
+    reply = eventually(batch_query, "two holders of every block (events are asynchronous)",
+                       until=lambda reply: all(len(reply["data"][h].get("values", [])) == 2 for h in hashes),
+                       every_s=0.1)
     assert reply["success"] is True
     for block_hash in hashes:  # in prefill-0's paged cache and in its host pool
         assert sorted((v["node_id"], v["tier"]) for v in reply["data"][block_hash]["values"]) == \

@@ -9,13 +9,13 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import nats
 import pytest
 
 from harness import UpProcess
+from waiting import eventually
 from kvcentric.core.protocol import InstancesQuery, InstancesReply, RoleSwitch, Subjects, SubmitAck, decode, encode
 
 PROMPT = "A prefill instance becomes a decode instance when decode is the bottleneck. "
@@ -53,13 +53,9 @@ def roles(nats_url: str) -> dict[str, set[str]]:
 
 
 def wait_for_roles(nats_url: str, prefill: set[str], decode_: set[str], timeout_s: float = 30.0) -> None:
-    deadline, seen = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        seen = roles(nats_url)
-        if seen == {"prefill": prefill, "decode": decode_}:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"roles are {seen}, want prefill {prefill} and decode {decode_}")
+    want = {"prefill": prefill, "decode": decode_}
+    eventually(lambda: roles(nats_url), f"roles {want}", until=lambda seen: seen == want, timeout_s=timeout_s,
+               every_s=0.2)
 
 
 def switch(nats_url: str, instance_id: str, role: str) -> subprocess.CompletedProcess:
@@ -79,11 +75,8 @@ def test_engines_switch_roles_after_draining_and_serve_the_same_tokens(cluster):
     results, before = {}, {name: committed(name) for name in ("decode-0", "decode-1")}
     long_request = threading.Thread(target=lambda: results.update(long=complete(cluster.url, max_tokens=96)))
     long_request.start()
-    deadline = time.monotonic() + 30
-    busy = None
-    while busy is None and time.monotonic() < deadline:
-        busy = next((name for name in before if committed(name) > before[name]), None)
-        time.sleep(0.02)
+    busy = eventually(lambda: next((name for name in before if committed(name) > before[name]), None),
+                      "the long request reached a decode instance", timeout_s=30, every_s=0.02)
     assert busy is not None, "the long request never reached a decode instance"
     done = switch(nats_url, busy, "prefill")
     assert done.returncode == 0, done.stderr
@@ -137,12 +130,9 @@ def test_the_conductor_switches_an_idle_prefill_instance_when_decode_is_the_bott
         for thread in burst:
             thread.join(120)
         assert len(results) == 6 and all(text for _, text in results)  # nothing lost to the switch
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            seen = roles(nats_url)
-            if len(seen["prefill"]) == 1 and len(seen["decode"]) == 2:
-                break
-            time.sleep(0.2)
+        seen = eventually(lambda: roles(nats_url), "one prefill and two decode instances",
+                          until=lambda seen: len(seen["prefill"]) == 1 and len(seen["decode"]) == 2, timeout_s=30,
+                          every_s=0.2)
         assert len(seen["prefill"]) == 1 and seen["decode"] >= {"decode-0"}, seen
         replan = up.health("conductor")["replan"]
         assert replan["switches"] and replan["switches"][0]["to"] == "decode" and replan["switches"][0]["ok"]

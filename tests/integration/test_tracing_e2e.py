@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
 import urllib.request
 
 import pytest
 
 from harness import UpProcess
 from test_tracing_exporters import HttpCollector
+from waiting import eventually
 
 # The spans of issue 6 and the service that emits each (span names start with their service's short name).
 REQUIRED_SPANS = {"gateway.request": "gateway", "conductor.schedule": "conductor", "kvs.query": "kvs-meta",
@@ -51,16 +51,23 @@ def complete(url: str, traceparent: str) -> dict:
         return json.load(response)
 
 
+class Trace(list):
+    """The spans of one trace, shown as the (service, name) pairs they hold."""
+
+    def __repr__(self) -> str:
+        return repr(sorted({(s["service"], s["name"]) for s in self}))
+
+    def whole(self) -> bool:
+        """Every process and every required span has reported, and no span waits for its parent."""
+        known = {s["span_id"] for s in self} | {s["parent_id"] for s in self if s["name"] == "gateway.request"}
+        return PROCESSES <= {s["service"] for s in self} and REQUIRED_SPANS.keys() <= {s["name"] for s in self} \
+            and all(s["parent_id"] in known for s in self)
+
+
 def wait_for_trace(collector: HttpCollector, trace_id: str, timeout_s: float = 20.0) -> list[dict]:
     """The trace's spans once every process has exported its part (exports are batched, 100 ms here)."""
-    deadline, spans = time.monotonic() + timeout_s, []
-    while time.monotonic() < deadline:
-        spans = [s for s in collector.snapshot() if s["trace_id"] == trace_id]
-        if PROCESSES <= {s["service"] for s in spans} and any(s["name"] == "gateway.request" for s in spans):
-            time.sleep(0.5)  # stragglers of the same trace
-            return [s for s in collector.snapshot() if s["trace_id"] == trace_id]
-        time.sleep(0.1)
-    return spans
+    return eventually(lambda: Trace(s for s in collector.snapshot() if s["trace_id"] == trace_id),
+                      f"every span of trace {trace_id}", until=Trace.whole, timeout_s=timeout_s, every_s=0.1)
 
 
 def test_one_request_is_one_trace_across_all_services(traced):

@@ -44,7 +44,8 @@ class HttpCollector:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
-        self._ready.wait(10)
+        if not self._ready.wait(10):
+            raise AssertionError(f"the OTLP/HTTP collector did not start on port {self.port} in 10 s")
 
     @property
     def endpoint(self) -> str:

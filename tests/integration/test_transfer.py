@@ -18,6 +18,7 @@ from conftest import stop
 from kvcentric.tools.processes import free_port, get_json, wait_for_port
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
 from kvcentric.runtime.transfer import KVPusher, TransferError, checksum
+from waiting import eventually_async, read_until
 
 
 def start_messenger(nats_url: str, capacity_mb: int = 64) -> tuple[subprocess.Popen, str, str]:
@@ -49,6 +50,10 @@ def request_chunks(request_id: str, layers: int = 6, layer_bytes: int = 4096, co
                                                          checksum=crc))
         yield kv_pb2.KVChunk(commit=kv_pb2.KVCommit(first_token=7))
     return generate()
+
+
+def receiver_stats(http: str) -> dict:
+    return get_json(http + "/health")[1]["stats"]
 
 
 async def pull(addr: str, request_id: str) -> list[kv_pb2.KVChunk]:
@@ -107,12 +112,13 @@ async def test_a_corrupt_push_is_resent_and_a_persistently_corrupt_one_fails_cle
 
 
 async def test_a_receiver_killed_mid_push_fails_the_push_with_a_clear_error(nats_url):
-    process, addr, _ = start_messenger(nats_url)
+    process, addr, http = start_messenger(nats_url)
     pusher = KVPusher(rate_limit_bytes_s=1e6)
     try:
         push = asyncio.ensure_future(pusher.push(addr, request_chunks("orphan", layers=16, layer_bytes=128 << 10),
                                                  timeout_s=30))
-        await asyncio.sleep(1.0)
+        await eventually_async(lambda: asyncio.to_thread(receiver_stats, http), "the first layers at the receiver",
+                               until=lambda stats: stats["used_bytes"] > 0)
         process.kill()
         with pytest.raises(TransferError, match=f"KV push to {addr} failed: UNAVAILABLE"):
             await push
@@ -140,19 +146,14 @@ async def test_a_sender_killed_mid_push_leaves_nothing_held_by_the_receiver(mess
     addr, http = messenger
     sender = subprocess.Popen([sys.executable, "-c", SENDER, addr], stdout=subprocess.PIPE, text=True)
     try:
-        while "sent 3" not in sender.stdout.readline():
-            pass
-        for _ in range(50):  # "sent" means handed to gRPC: on a loaded box the receiver stores it a moment later
-            if get_json(http + "/health")[1]["stats"]["used_bytes"] > 0:
-                break
-            await asyncio.sleep(0.1)
+        read_until(sender.stdout, "sent 3", "the sender's fourth layer")
+        # "sent" means handed to gRPC: on a loaded box the receiver stores it a moment later
+        await eventually_async(lambda: receiver_stats(http), "the first layers at the receiver",
+                               until=lambda stats: stats["used_bytes"] > 0, every_s=0.1)
         assert get_json(http + "/health")[1]["stats"]["used_bytes"] > 0  # layers are arriving
         os.kill(sender.pid, signal.SIGKILL)
     finally:
         sender.wait()
-    for _ in range(50):
-        stats = get_json(http + "/health")[1]["stats"]
-        if stats["used_bytes"] == 0:
-            break
-        await asyncio.sleep(0.1)
+    stats = await eventually_async(lambda: receiver_stats(http), "the receiver let go of the dead sender's layers",
+                                   until=lambda stats: stats["used_bytes"] == 0, every_s=0.1)
     assert stats["used_bytes"] == 0 and stats["stored_requests"] == 0

@@ -11,6 +11,7 @@ import urllib.request
 import pytest
 
 from conftest import start_up
+from waiting import eventually
 
 
 def alive(pid: int) -> bool:
@@ -37,8 +38,9 @@ def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
     finally:
         started = time.monotonic()
         assert cluster.stop(sig) == 0
-    while any(alive(pid) for pid in pids) and time.monotonic() - started < 10:
-        time.sleep(0.1)
+    left_s = max(0.0, 10 - (time.monotonic() - started))
+    eventually(lambda: [pid for pid in pids if alive(pid)], "every child of `kvcentric up` gone",
+               until=lambda living: not living, timeout_s=left_s, every_s=0.1)
     assert not [pid for pid in pids if alive(pid)]
     assert time.monotonic() - started < 10
     for name, service in cluster.manifest["services"].items():

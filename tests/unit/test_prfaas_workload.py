@@ -86,8 +86,8 @@ def test_a_fully_cached_request_still_computes_one_token(tmp_path):
     assert from_trace(trace).lengths.tolist() == [1, 1024]
 
 
-def test_the_shared_mooncake_trace_loads_when_present():
-    path = "/work/shared/traces/conversation_trace.jsonl"
+def test_the_shared_mooncake_trace_loads_when_present(shared):
+    path = shared / "traces" / "conversation_trace.jsonl"
     try:
         dist = from_trace(path, limit=500)
     except OSError:

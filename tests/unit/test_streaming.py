@@ -52,6 +52,7 @@ def layer_kv(runner):
 
 
 async def settle() -> None:
+    """Let the event loop run the callbacks the hook handed it (a few turns of the loop; no time passes)."""
     for _ in range(5):
         await asyncio.sleep(0)
 
