@@ -29,7 +29,7 @@ class GatewayConfig(BusConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            self.model_config
+            _ = self.model_config  # resolving the model validates it
         except ValueError as exc:
             require(False, "model", str(exc))
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")

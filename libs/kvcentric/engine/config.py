@@ -20,7 +20,8 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(BusConfig):
-    model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: tiny, small, llama2-7b, llama2-70b")
+    model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: "
+                                 "tiny, small, llama2-7b, llama2-70b")
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable, Container
+from collections.abc import Callable, Container
 
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.decode import DecodeEngine, KVRejected

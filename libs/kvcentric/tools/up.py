@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
 from kvcentric.engine.config import DEVICE
