@@ -10,7 +10,7 @@ from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
-from kvcentric.core.hashing import HASH_ALGOS
+from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import load_model_config
 
@@ -28,7 +28,7 @@ class EngineConfig(BusConfig):
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
-    hash_algo: str = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
+    hash_algo: HashAlgo = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")

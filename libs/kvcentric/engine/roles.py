@@ -23,8 +23,8 @@ from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.tasks import Tasks
 
 DRAIN_GRACE_S = 0.5
-DRAIN_POLL_S = 0.05
 """A draining instance still takes what was placed before the conductor saw its draining report."""
+DRAIN_POLL_S = 0.05
 SWITCHING_ROLES = ("prefill", "decode")
 """The roles an instance may switch between (a colocated instance serves both already)."""
 
