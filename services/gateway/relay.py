@@ -58,7 +58,7 @@ class Job:
         """Count tokens that just arrived; report the time per token since the previous ones (TBT)."""
         if not count:
             return
-        if self.first_token_at is None:
+        if self.first_token_at is None or self.last_token_at is None:
             self.first_token_at = now
         else:
             gap = (now - self.last_token_at) / count
