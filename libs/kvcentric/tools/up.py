@@ -134,8 +134,11 @@ class Cluster:
                                     "the conductor's view of the engines")
 
     def engines_seen(self) -> bool:
+        url = self.processes.child("gateway").health_url
+        if url is None:
+            return False
         try:
-            status, body = get_json(self.processes.child("gateway").health_url)
+            status, body = get_json(url)
         except (OSError, ValueError):
             return False
         prefill, decode = self.config.expected_alive
