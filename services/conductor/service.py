@@ -22,7 +22,7 @@ import nats.errors
 
 from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
-from kvcentric.core.costmodel import CostModel, hardware
+from kvcentric.core.costmodel import CostModel
 from kvcentric.core.dispatch import Submit, bad_dispatch, jobs
 from kvcentric.core.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
                                      KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
@@ -31,7 +31,6 @@ from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.kvs_gate import KVSGate
 from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
 from kvcentric.core.scheduling.seeding import IndexSeeding
-from kvcentric.model.config import load_model_config
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.service import Service
 
@@ -169,7 +168,7 @@ class ConductorService(Service):
         """Prefix hits from one kvs-meta batch query; None when it is down."""
         if not self.gate.available(time.monotonic()):
             return None
-        for attempt in range(self.config.kvs_retry_times):
+        for _ in range(self.config.kvs_retry_times):
             try:
                 holders = await self.kvs_holders(block_hashes)
             except KVS_ERRORS as exc:
@@ -281,7 +280,8 @@ class ConductorService(Service):
         gauges = {"kvs_metadata_down": float(self.gate.is_down(time.monotonic())),
                   "kvs_marked_down_total": float(self.gate.times_marked_down),
                   "decode_time_estimate_s": self.core.t_d,
-                  "placements_pulling_total": float(stats["pulls"]), "pulled_blocks_total": float(stats["pulled_blocks"]),
+                  "placements_pulling_total": float(stats["pulls"]),
+                  "pulled_blocks_total": float(stats["pulled_blocks"]),
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "ttft_outcomes_total": float(outcomes)}

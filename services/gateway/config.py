@@ -7,7 +7,7 @@ import functools
 from typing import Literal
 
 from kvcentric.config import BusConfig, require, setting
-from kvcentric.core.hashing import HASH_ALGOS
+from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
 from kvcentric.model.config import ModelConfig, load_model_config
 
 
@@ -17,7 +17,7 @@ class GatewayConfig(BusConfig):
     model: str = setting("tiny", "model the engines serve: a preset name or a checkpoint directory; sets the "
                                  "tokenizer, chat template and context length")
     block_size: int = setting(16, "tokens per KV block (must match the engines)")
-    hash_algo: str = setting("sha256_cbor", "prefix block hash (must match the engines)")
+    hash_algo: HashAlgo = setting("sha256_cbor", "prefix block hash (must match the engines)")
     request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
     dispatch: Literal["conductor", "gateway"] = setting(
@@ -29,7 +29,7 @@ class GatewayConfig(BusConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         try:
-            self.model_config
+            _ = self.model_config  # resolving the model validates it
         except ValueError as exc:
             require(False, "model", str(exc))
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")

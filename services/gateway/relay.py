@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -58,7 +58,7 @@ class Job:
         """Count tokens that just arrived; report the time per token since the previous ones (TBT)."""
         if not count:
             return
-        if self.first_token_at is None:
+        if self.first_token_at is None or self.last_token_at is None:
             self.first_token_at = now
         else:
             gap = (now - self.last_token_at) / count
@@ -102,7 +102,7 @@ async def collect(job: Job, stream: AsyncIterator[tuple[str, str | None]], model
                   headers: dict) -> web.Response:
     """The whole answer as one JSON body, `usage` included."""
     text = []
-    async for piece, finish_reason in stream:
+    async for piece, _finish_reason in stream:
         text.append(piece)
     shape = chat_body if job.chat else completion_body
     body = shape(job.request_id, model, "".join(text), job.finish_reason, job.usage())

@@ -94,7 +94,7 @@ class GatewayService(Service):
     async def health_view(self) -> tuple[int, dict]:
         try:
             instances = (await self.instances()).instances
-        except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
+        except (TimeoutError, nats.errors.Error, BadMessage):
             instances = None
         body = {"status": "ok" if self.ready else "starting", "role": self.role, "model": self.model_name,
                 "conductor": instances is not None,
@@ -203,7 +203,7 @@ class GatewayService(Service):
             return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
         except nats.errors.NoRespondersError:
             raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable") from None
-        except (nats.errors.TimeoutError, asyncio.TimeoutError):
+        except (TimeoutError, nats.errors.TimeoutError):
             raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s (--bus-timeout-s)",
                            kind="service_unavailable") from None
         except BadMessage as exc:

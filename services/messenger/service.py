@@ -29,6 +29,7 @@ class StoreServicer(KVTransferServicer):
         entry = await self.sink.wait_for(request.request_id, request.wait_s)
         if entry is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no KV for request {request.request_id}")
+            return  # abort raises; this tells the type checker so
         yield kv_pb2.KVChunk(header=entry.header)
         for number in sorted(entry.layers):
             layer = entry.layers[number]

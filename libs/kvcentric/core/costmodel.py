@@ -111,13 +111,15 @@ class CostModel:
         try:
             prefill = tuple(float(x) for x in data["prefill"])
             decode = tuple(float(x) for x in data["decode"])
-            model = cls(prefill, decode, int(data["kv_bytes_per_token"]), str(data.get("source", "")),
-                        int(data.get("kv_bytes_fixed", 0)))
+            per_token, source = int(data["kv_bytes_per_token"]), str(data.get("source", ""))
+            fixed = int(data.get("kv_bytes_fixed", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc!r}") from None
         if len(prefill) != 4 or len(decode) != 3:
             raise ValueError("a cost model has 4 prefill and 3 decode coefficients")
-        return model
+        p0, p1, p2, p3 = prefill
+        d0, d1, d2 = decode
+        return cls((p0, p1, p2, p3), (d0, d1, d2), per_token, source, fixed)
 
     def save(self, path: str | Path, **extra) -> None:
         """Write {"cost_model": {...}, **extra} as JSON (extra: samples, fit errors, hardware...)."""

@@ -10,7 +10,7 @@ from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
-from kvcentric.core.hashing import HASH_ALGOS
+from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import load_model_config
 
@@ -20,14 +20,15 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(BusConfig):
-    model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: tiny, small, llama2-7b, llama2-70b")
+    model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: "
+                                 "tiny, small, llama2-7b, llama2-70b")
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
-    hash_algo: str = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
+    hash_algo: HashAlgo = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")

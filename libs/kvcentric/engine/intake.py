@@ -7,7 +7,7 @@ It checks and forwards; what a job or a cancel does is the role's handler.
 from __future__ import annotations
 
 import collections
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from kvcentric.core.protocol import Cancel, Subjects, SubmitAck, job_problem
 from kvcentric.runtime.bus import Bus

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable, Container
+from collections.abc import Callable, Container, Sequence
 
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.decode import DecodeEngine, KVRejected
@@ -27,7 +27,7 @@ class DecodeSink:
     commit or an abort produces, `wake` wakes the work loop."""
 
     def __init__(self, engine: DecodeEngine, counters: collections.Counter[str], recent_cancels: Container[str],
-                 spans: RequestSpans, emit: Callable[[list[TokenChunk | None]], None], wake: Wakeup) -> None:
+                 spans: RequestSpans, emit: Callable[[Sequence[TokenChunk | None]], None], wake: Wakeup) -> None:
         self.engine, self.counters, self.recent_cancels = engine, counters, recent_cancels
         self.spans, self.emit, self.wake = spans, emit, wake
         self.waiting: dict[str, asyncio.Event] = {}

@@ -57,6 +57,6 @@ class Wakeup:
         """Until set or `timeout_s` passed, whichever is first; then unset."""
         try:
             await asyncio.wait_for(self.event.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self.event.clear()

@@ -7,6 +7,7 @@ It sends what it is given; it does not make tokens or decide when a request ends
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from kvcentric.core.protocol import Subjects, TokenChunk
 from kvcentric.engine.spans import RequestSpans
@@ -20,7 +21,7 @@ class TokenOutbox:
         self.spans = spans
         self.queue: asyncio.Queue[TokenChunk] = asyncio.Queue()
 
-    def emit(self, chunks: list[TokenChunk | None]) -> None:
+    def emit(self, chunks: Sequence[TokenChunk | None]) -> None:
         """Queue the chunks (None: nothing to send for that request)."""
         for chunk in chunks:
             if chunk is not None:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck
 from kvcentric.engine.config import EngineConfig
@@ -23,6 +24,7 @@ from kvcentric.runtime.tasks import Tasks
 
 DRAIN_GRACE_S = 0.5
 """A draining instance still takes what was placed before the conductor saw its draining report."""
+DRAIN_POLL_S = 0.05
 SWITCHING_ROLES = ("prefill", "decode")
 """The roles an instance may switch between (a colocated instance serves both already)."""
 
@@ -75,7 +77,10 @@ class RoleChange:
     async def drain_then_switch(self) -> None:
         started = time.monotonic()
         while not (self.idle() and time.monotonic() - started >= DRAIN_GRACE_S):
-            await asyncio.sleep(0.05)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.tasks.stopping.wait(), DRAIN_POLL_S)
+            if self.tasks.stopping.is_set():
+                return  # shutting down: no switch
         await self.forget_cache()
         self.log.info("drained in %.2f s; switching to %s", time.monotonic() - started, self.draining_to)
         self.next_role = self.draining_to

@@ -8,6 +8,7 @@ with the request's submit message (W3C trace context in NATS headers), so one re
 from __future__ import annotations
 
 from opentelemetry import trace
+from opentelemetry.context import Context
 from opentelemetry.trace import Span, Status, StatusCode
 
 from kvcentric.runtime import tracing
@@ -15,7 +16,7 @@ from kvcentric.runtime import tracing
 
 class RequestSpans:
     def __init__(self) -> None:
-        self.parents: dict[str, object] = {}
+        self.parents: dict[str, Context] = {}
         self.open: dict[tuple[str, str], Span] = {}
 
     def received(self, request_id: str) -> None:

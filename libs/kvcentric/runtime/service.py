@@ -80,7 +80,7 @@ class Service:
         """Another service goes on in this process once this one stops (see `run_service`)."""
         return False
 
-    def successor(self) -> "Service | None":
+    def successor(self) -> Service | None:
         """The service this process runs next, once this one has stopped (None: the process ends)."""
         return None
 

@@ -16,7 +16,6 @@ import os
 import signal
 import sys
 import time
-from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
 from kvcentric.engine.config import DEVICE
@@ -135,8 +134,11 @@ class Cluster:
                                     "the conductor's view of the engines")
 
     def engines_seen(self) -> bool:
+        url = self.processes.child("gateway").health_url
+        if url is None:
+            return False
         try:
-            status, body = get_json(self.processes.child("gateway").health_url)
+            status, body = get_json(url)
         except (OSError, ValueError):
             return False
         prefill, decode = self.config.expected_alive

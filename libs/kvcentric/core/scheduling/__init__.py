@@ -2,4 +2,5 @@
 `policies` (prefill placement by name), `admission` (decode choice and rejection modes), `estimators`
 (T_prefill, T_transfer, decode forecast), `registry` (load reports + dispatch accounting), `prefix`
 (prefix matching), `eviction` (LRU/LFU/length-aware block caches), `kvs_gate` (kvs-meta health gating),
-`clusters` (PrfaaS routing across a PD and a PrfaaS cluster), `config` (their settings). The live conductor service and the simulator both drive them."""
+`clusters` (PrfaaS routing across a PD and a PrfaaS cluster), `config` (their settings).
+The live conductor service and the simulator both drive them."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.prfaas.routing import (RouteDecision, ShortTermPolicy, ThresholdChange, adjust_threshold,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest

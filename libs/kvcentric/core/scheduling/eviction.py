@@ -16,7 +16,8 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-from typing import Hashable, Iterable, Literal, Protocol, Sequence, get_args
+from typing import Literal, Protocol, get_args
+from collections.abc import Hashable, Iterable, Sequence
 
 Key = Hashable
 

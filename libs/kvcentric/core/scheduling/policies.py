@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from typing import Literal, Mapping, Protocol, get_args
+from typing import Literal, Protocol, get_args
+from collections.abc import Mapping
 
 from kvcentric.core.protocol import ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable

@@ -10,7 +10,7 @@ does no I/O and reads no clock.
 
 from __future__ import annotations
 
-from typing import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEvent
 

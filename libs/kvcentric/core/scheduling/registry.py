@@ -78,16 +78,16 @@ class InstanceRegistry:
             state.pending_tokens = report.queued_tokens
             state.dispatched_s, state.dispatched_tokens = 0.0, 0
             return state
-        state = self.decode.get(report.instance_id)
-        if state is None:
-            state = self.decode[report.instance_id] = DecodeState(report.instance_id, report.kv_addr, now)
+        decoder = self.decode.get(report.instance_id)
+        if decoder is None:
+            decoder = self.decode[report.instance_id] = DecodeState(report.instance_id, report.kv_addr, now)
         block = self.estimator.block_tokens
-        state.kv_addr, state.seen_at, state.cluster = report.kv_addr, now, report.cluster
-        state.draining = report.draining
-        state.running, state.waiting = report.running, report.queued_requests
-        state.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
-        state.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
-        return state
+        decoder.kv_addr, decoder.seen_at, decoder.cluster = report.kv_addr, now, report.cluster
+        decoder.draining = report.draining
+        decoder.running, decoder.waiting = report.running, report.queued_requests
+        decoder.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
+        decoder.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
+        return decoder
 
     def alive_prefill(self, now: float) -> list[PrefillState]:
         limit = now - self.stale_after_s

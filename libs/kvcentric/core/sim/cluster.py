@@ -17,7 +17,7 @@ import heapq
 import math
 import random
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from kvcentric.core.costmodel import CostModel, decode_tbt_check
 from kvcentric.core.protocol import LoadReport, Rejection, RequestOutcome, ScheduleRequest
@@ -88,7 +88,8 @@ class Simulation:
         if spec.architecture == "colocated":
             for i in range(spec.instances):
                 instance = BatchInstance(self, f"c{i}", spec.decode_capacity_tokens, colocated=True,
-                                         cache=BlockCache(spec.cache_blocks, spec.eviction), chunk_tokens=spec.chunk_tokens)
+                                         cache=BlockCache(spec.cache_blocks, spec.eviction),
+                                         chunk_tokens=spec.chunk_tokens)
                 self.prefills[instance.instance_id] = self.decodes[instance.instance_id] = instance
         else:
             local = self.clusters.local if self.clusters else "sim"
