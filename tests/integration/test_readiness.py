@@ -14,16 +14,13 @@ from conftest import start_server, stop
 from harness import spawn_service as spawn
 from kvcentric.core.protocol import LoadReport, Subjects, encode
 from kvcentric.tools.processes import free_port, get_json, nats_server_argv, redis_server_argv
+from waiting import eventually
 
 
-def eventually_status(url: str, status: int, timeout_s: float = 10.0) -> dict:
-    deadline, last = time.monotonic() + timeout_s, None
-    while time.monotonic() < deadline:
-        last = get_json(url)
-        if last[0] == status:
-            return last[1]
-        time.sleep(0.1)
-    raise AssertionError(f"{url} did not answer {status} within {timeout_s} s; last answer {last}")
+def eventually_status(url: str, status: int) -> dict:
+    """The JSON body of `url` once it answers `status`."""
+    return eventually(lambda: get_json(url), f"{url} answers {status}", until=lambda answer: answer[0] == status,
+                      ignoring=(OSError, ValueError))[1]
 
 
 async def report_engines(nats_url: str) -> None:
