@@ -29,7 +29,8 @@ def prompt(n: int, offset: int = 0) -> list[int]:
     return [256] + [(offset + 7 * i) % 256 for i in range(n - 1)]
 
 
-def prefill_job(token_ids: list[int], params: SamplingParams | None = None, request_id: str | None = None) -> PrefillJob:
+def prefill_job(token_ids: list[int], params: SamplingParams | None = None,
+                request_id: str | None = None) -> PrefillJob:
     return PrefillJob(request_id=request_id or f"req-{next(_ids)}", token_ids=token_ids, sampling=params or greedy(),
                       decode_id="decode-0", decode_kv_addr="127.0.0.1:1")
 

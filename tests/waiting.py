@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 NOT_YET = object()
 """What `last` says before the probe has answered once."""

@@ -74,7 +74,8 @@ async def test_placement_follows_the_prefix_kvs_meta_knows(own_nats, redis_url):
         assert isinstance(decision, Placement)
         assert decision.prefill_id == "p1" and decision.cached_tokens == 4 * 16
         assert decision.decode_id == "d0" and decision.decode_kv_addr == "d0.example:50061"
-        assert "kvc_kvs_metadata_down" in await metrics(conductor) and conductor.counters["kvs_query_failures_total"] == 0
+        assert "kvc_kvs_metadata_down" in await metrics(conductor) \
+            and conductor.counters["kvs_query_failures_total"] == 0
     finally:
         await nc.close()
         await conductor.close()

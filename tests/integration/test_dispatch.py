@@ -24,6 +24,7 @@ from kvcentric.core.protocol import (Cancel, DecodeJob, Dispatch, InstancesQuery
 from waiting import eventually_async
 
 BODY = {"model": "tiny", "prompt": "hello, conductor", "max_tokens": 2}
+ACCEPTED = SubmitAck.accepted()
 SILENT = SubmitAck.refused("(never sent: the stand-in takes the job and does not answer)")
 
 
@@ -47,8 +48,7 @@ class Engines:
     """A prefill "p" and a decode "d" played by NATS subscribers: they report load (so the conductor
     places on them), answer submits with the given acks, and record jobs and cancels."""
 
-    def __init__(self, nc, prefill_ack: SubmitAck | None = SubmitAck.accepted(),
-                 decode_ack: SubmitAck | None = SubmitAck.accepted()) -> None:
+    def __init__(self, nc, prefill_ack: SubmitAck | None = ACCEPTED, decode_ack: SubmitAck | None = ACCEPTED) -> None:
         self.nc, self.prefill_ack, self.decode_ack = nc, prefill_ack, decode_ack
         self.prefill_jobs: list[PrefillJob] = []
         self.decode_jobs: list[DecodeJob] = []
@@ -56,7 +56,7 @@ class Engines:
         self.first_tokens_sent: set[str] = set()
         self.subscriptions = []
 
-    async def __aenter__(self) -> "Engines":
+    async def __aenter__(self) -> Engines:
         subjects = [(Subjects.CANCEL_ALL, self.on_cancel)]
         if self.prefill_ack is not None:  # None: registered by its load report, but nobody takes its jobs
             subjects.append((Subjects.submit("prefill", "p"), self.on_prefill))

@@ -13,8 +13,8 @@ from conftest import start_server, stop
 from harness import spawn_service
 from kvcentric.tools.processes import free_port, nats_server_argv
 from waiting import eventually_async, read_until_async
-from kvcentric.core.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams, ScheduleReply,
-                                SubmitAck, Subjects, TokenChunk, decode, encode)
+from kvcentric.core.protocol import (InstancesQuery, InstancesReply, PrefillJob, Rejection, SamplingParams,
+                                     ScheduleReply, SubmitAck, Subjects, TokenChunk, decode, encode)
 
 
 @pytest.fixture

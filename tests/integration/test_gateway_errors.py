@@ -38,20 +38,24 @@ def bus():
         stop(server)
 
 
+ACCEPTED = SubmitAck.accepted()
+
+
 class StandIns:
     """A conductor and two engines played by NATS subscribers; they record what reaches them."""
 
-    def __init__(self, nc, decision, decode_ack=SubmitAck.accepted(), tokens: list[TokenChunk] = ()) -> None:
+    def __init__(self, nc, decision, decode_ack=ACCEPTED, tokens: list[TokenChunk] = ()) -> None:
         self.nc, self.decision, self.decode_ack, self.tokens = nc, decision, decode_ack, tokens
         self.cancels: list[Cancel] = []
         self.outcomes: list[RequestOutcome] = []
         self.asked: list[ScheduleRequest] = []
         self.subscriptions = []
 
-    async def __aenter__(self) -> "StandIns":
-        for subject, callback in ((Subjects.SCHEDULE, self.schedule), (Subjects.submit("decode", "d"), self.submit_decode),
-                                  (Subjects.submit("prefill", "p"), self.submit_prefill), (Subjects.CANCEL_ALL, self.cancel),
-                                  (Subjects.OUTCOME, self.outcome)):
+    async def __aenter__(self) -> StandIns:
+        for subject, callback in ((Subjects.SCHEDULE, self.schedule),
+                                  (Subjects.submit("decode", "d"), self.submit_decode),
+                                  (Subjects.submit("prefill", "p"), self.submit_prefill),
+                                  (Subjects.CANCEL_ALL, self.cancel), (Subjects.OUTCOME, self.outcome)):
             self.subscriptions.append(await self.nc.subscribe(subject, cb=callback))
         await self.nc.flush()
         return self
@@ -71,7 +75,8 @@ class StandIns:
         await msg.respond(encode(SubmitAck.accepted()))
         request_id = decode(msg.data, PrefillJob).request_id
         for chunk in self.tokens:
-            await self.nc.publish(Subjects.out(request_id), encode(msgspec.structs.replace(chunk, request_id=request_id)))
+            chunk = msgspec.structs.replace(chunk, request_id=request_id)
+            await self.nc.publish(Subjects.out(request_id), encode(chunk))
 
     async def cancel(self, msg) -> None:
         self.cancels.append(decode(msg.data, Cancel))

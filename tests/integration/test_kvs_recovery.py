@@ -18,8 +18,8 @@ from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.tools.processes import free_port, redis_server_argv
-from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest, Subjects,
-                                decode, encode)
+from kvcentric.core.protocol import (BlockStored, KVEventBatch, KVSQuery, KVSReply, Placement, ScheduleRequest,
+                                     Subjects, decode, encode)
 from test_conductor_service import announce, metrics, schedule, start_conductor
 from waiting import eventually_async
 

@@ -52,8 +52,8 @@ async def test_pushed_kv_can_be_pulled_back_byte_for_byte(messenger):
         await pusher.close()
     assert pulled[0].header.request_id == "r1" and pulled[-1].commit.first_token == 42
     layers = [c.layer for c in pulled[1:-1]]
-    assert [l.layer for l in layers] == [0, 1, 2]
-    assert all(l.key == bytes([l.layer]) * 160 for l in layers)
+    assert [layer.layer for layer in layers] == [0, 1, 2]
+    assert all(layer.key == bytes([layer.layer]) * 160 for layer in layers)
     assert stats.bytes_received == 3 * 5 * 64 and stats.streams_sent == 1 and stats.stored_requests == 1
 
 

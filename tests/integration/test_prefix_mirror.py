@@ -8,7 +8,6 @@ import nats
 import pytest
 from redis.asyncio import Redis
 
-from kvc_conductor.service import ConductorService
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.runtime.kvs_store import DUMP_MAX_BYTES, KVMetaStore

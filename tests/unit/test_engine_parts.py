@@ -56,7 +56,8 @@ def test_the_outbox_keeps_order_skips_nothing_to_send_and_closes_finished_reques
     spans = RequestSpans()
     outbox = TokenOutbox(spans)
     spans.start("r", "decode.generate")
-    last = TokenChunk(request_id="r", seq=1, token_ids=[6], finish_reason="length", prompt_tokens=4, completion_tokens=2)
+    last = TokenChunk(request_id="r", seq=1, token_ids=[6], finish_reason="length", prompt_tokens=4,
+                      completion_tokens=2)
     outbox.emit([TokenChunk(request_id="r", seq=0, token_ids=[5]), None, last])
     sent = [outbox.queue.get_nowait() for _ in range(outbox.queue.qsize())]
     assert [c.token_ids for c in sent] == [[5], [6]] and outbox.empty()

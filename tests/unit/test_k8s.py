@@ -209,7 +209,8 @@ def test_the_base_runs_every_service_and_the_gpu_overlay_only_adds_gpus_to_the_e
             assert workload == kvcentric_workloads("base")[name]
             continue
         assert spec["resources"]["requests"]["nvidia.com/gpu"] == spec["resources"]["limits"]["nvidia.com/gpu"] == "1"
-        assert spec["command"][-2:] == ["--device", "cuda"] and {"name": "KVC_DTYPE", "value": "bfloat16"} in spec["env"]
+        assert spec["command"][-2:] == ["--device", "cuda"]
+        assert {"name": "KVC_DTYPE", "value": "bfloat16"} in spec["env"]
         assert spec["image"] == "kvcentric-engine:cuda"
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"]) and pod["nodeSelector"]
 
@@ -224,7 +225,7 @@ def test_no_gpu_is_asked_for_outside_the_gpu_overlay(layout):
 def test_each_datacenter_joins_its_nats_cluster_to_the_other_through_a_nats_gateway(side, other):
     layout = f"{side}-dc"
     gateway_conf = config_map(layout, "nats-config")["gateway.conf"]
-    assert re.search(r'gateway \{\s*name: "%s"\s*port: 7222' % side, gateway_conf)
+    assert re.search(rf'gateway \{{\s*name: "{side}"\s*port: 7222', gateway_conf)
     assert f'{{name: "{other}", urls: ["nats://nats-gateway.{other}.' in gateway_conf
     assert {"name": "gateway", "containerPort": 7222} in container(of_kind(layout, "StatefulSet")["nats"])["ports"]
     (port,) = of_kind(layout, "Service")["nats-gateway"]["spec"]["ports"]

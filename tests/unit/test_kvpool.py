@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from factories import greedy, make_pool, make_runner, prefill_job, prompt
+from factories import make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.core.hashing import BlockHasher

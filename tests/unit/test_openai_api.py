@@ -70,8 +70,9 @@ def chat(**body):
 
 
 def test_chat_messages_become_role_and_text_with_content_parts_joined():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     request = chat(messages=[{"role": "system", "content": "be brief"},
-                             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                             {"role": "user", "content": parts},
                              {"role": "assistant", "content": None}])
     assert request.messages == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"},
                                 {"role": "assistant", "content": ""}]

@@ -28,7 +28,8 @@ def test_the_threshold_applies_to_the_uncached_length_not_the_total():
 def test_scarce_bandwidth_judges_each_clusters_prefix_on_its_own():
     # PrfaaS holds 28K of a 30K prompt, PD nothing: l = 30K - l_pd > t, so PrfaaS, which reuses its own 28K.
     decision = two(30_000, pd=0, prfaas=28_000, scarce=True)
-    assert (decision.target, decision.cached, decision.uncached, decision.transfer_tokens) == ("prfaas", 28_000, 2_000, 0)
+    assert (decision.target, decision.cached, decision.uncached, decision.transfer_tokens) == \
+        ("prfaas", 28_000, 2_000, 0)
     assert decision.kv_to_pd_tokens == 30_000  # PD holds none of it, so all of the KV crosses the link
     # PD holds 15K, PrfaaS 28K: still l_total - l_pd = 15K > t, to PrfaaS, nothing moves between caches.
     decision = two(30_000, pd=15_000, prfaas=28_000, scarce=True)

@@ -21,7 +21,8 @@ def test_two_datacenters_give_the_planner_its_counts_and_egress():
 
 def test_egress_adds_the_links_to_every_pd_cluster_but_not_to_other_prfaas_clusters():
     data = {"clusters": [{"name": "a", "role": "pd", "instances": 4}, {"name": "b", "role": "pd", "instances": 4},
-                         {"name": "p", "role": "prfaas", "instances": 2}, {"name": "q", "role": "prfaas", "instances": 2}],
+                         {"name": "p", "role": "prfaas", "instances": 2},
+                         {"name": "q", "role": "prfaas", "instances": 2}],
             "links": [{"between": ["p", "a"], "gbps": 10}, {"between": ["p", "b"], "gbps": 5},
                       {"between": ["p", "q"], "gbps": 40}, {"between": ["q", "a"], "gbps": 1}]}
     topology = Topology.from_dict(data)

@@ -105,4 +105,5 @@ async def test_a_real_prefill_streams_every_layer_of_every_chunk_once():
     push.finish(int(torch.argmax(token)))
     await push.task
     assert sorted(pusher.layers()) == list(range(runner.config.num_layers))
-    assert all(item.token_start == 0 and item.token_end == TOKENS for item in pusher.items if isinstance(item, LayerData))
+    assert all(item.token_start == 0 and item.token_end == TOKENS
+               for item in pusher.items if isinstance(item, LayerData))
