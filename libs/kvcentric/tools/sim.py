@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import json
 import random
 import sys
@@ -24,8 +25,16 @@ from kvcentric.core.sim.cluster import ClusterSpec, Progress, Simulation
 from kvcentric.core.sim.metrics import summarize, write_results
 from kvcentric.core.sim.workload import load_trace, poisson_workload
 
-DEFAULT_TRACE = str(Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl")
-"""The FAST'25 conversation trace in the `shared/` folder beside the repository."""
+def _shared_folder() -> Path:
+    """$KVC_SHARED, else `shared/` inside the repository, else `shared/` beside it (as the tests resolve it)."""
+    repo = Path(__file__).resolve().parents[3]
+    if os.environ.get("KVC_SHARED"):
+        return Path(os.environ["KVC_SHARED"])
+    return repo / "shared" if (repo / "shared").is_dir() else repo.parent / "shared"
+
+
+DEFAULT_TRACE = str(_shared_folder() / "traces" / "conversation_trace.jsonl")
+"""The FAST'25 conversation trace in the `shared/` folder (see `_shared_folder`)."""
 
 
 @dataclasses.dataclass(frozen=True)
