@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import json
+import os
 import random
 import sys
 import time
