@@ -140,10 +140,17 @@ def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
 
 
 def kv_payload(keys: torch.Tensor, values: torch.Tensor) -> tuple[bytes, bytes, int]:
-    """Tensors to wire bytes (C order, on the host) and their checksum (`transfer.checksum`, CRC-32C)."""
-    key = keys.contiguous().cpu().numpy().tobytes()
-    value = values.contiguous().cpu().numpy().tobytes()
+    """Tensors to wire bytes (C order, on the host) and their checksum (`transfer.checksum`, CRC-32C).
+
+    The bytes are the cache's own, whatever its dtype: the tensor is reinterpreted as bytes before it leaves
+    torch, so bfloat16 (which numpy lacks) travels like float16 and float32, with no conversion."""
+    key, value = raw_bytes(keys), raw_bytes(values)
     return key, value, checksum(key, value)
+
+
+def raw_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's memory as bytes, in C order, copied to the host once."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
