@@ -12,7 +12,7 @@ from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
-from kvcentric.model.config import load_model_config
+from kvcentric.model.config import PRESETS, load_model_config
 
 DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 """The torch devices an engine runs on."""
@@ -21,7 +21,7 @@ DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig(BusConfig):
     model: str = setting("tiny", "a checkpoint directory (LLaMA, Mistral, Qwen2), or a preset with random weights: "
-                                 "tiny, small, llama2-7b, llama2-70b")
+                                 + ", ".join(PRESETS))
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")

@@ -73,12 +73,14 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     config.name: config
     for config in (
-        # Byte-level vocabularies (256 bytes + BOS + EOS): every generated token decodes to text.
+        # Byte-level vocabularies (256 bytes + BOS + EOS).
         ModelConfig("tiny", 258, 64, 128, 4, 4, 2, 16, 2048),
         ModelConfig("small", 258, 512, 1408, 8, 8, 4, 64, 4096),
         # The shapes of the models the Mooncake paper serves (§8), random weights ("dummy" models).
         ModelConfig("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 128, 4096),
         ModelConfig("llama2-70b", 32000, 8192, 28672, 80, 64, 8, 128, 4096),
+        # The shape people serve today (GQA, 128K vocabulary); ids above the bytes decode to synthetic words.
+        ModelConfig("llama3-8b", 128256, 4096, 14336, 32, 32, 8, 128, 8192, rope_theta=500000.0),
     )
 }
 

@@ -1,7 +1,9 @@
-"""The byte-level tokenizer of the built-in dummy models: one token per UTF-8 byte, plus BOS and EOS.
+"""The tokenizer of the built-in dummy models: one token per UTF-8 byte, plus BOS and EOS, and for presets
+with a larger vocabulary (the 32K and 128K of Llama shapes) one synthetic word per id above those, so that
+every id a random-weight model samples decodes to visible text.
 
-It encodes text to ids and decodes ids back to text incrementally (a multi-byte character split
-across two tokens comes out once complete); ids that are not bytes decode to nothing.
+It encodes text to byte ids (it never produces a word id) and decodes ids back to text incrementally (a
+multi-byte character split across two tokens comes out once complete).
 """
 
 from __future__ import annotations
@@ -9,31 +11,58 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable
 
+BYTE_VOCAB = 258
+"""256 bytes, BOS and EOS: the ids every dummy model has."""
+
+_CONSONANTS, _VOWELS = "bdfgklmnprstvz", "aeiou"
+
+
+def synthetic_word(token_id: int) -> str:
+    """The text of a word id (>= BYTE_VOCAB): a space and consonant-vowel syllables, distinct per id."""
+    n, syllables = token_id - BYTE_VOCAB, []
+    while True:
+        n, digit = divmod(n, len(_CONSONANTS) * len(_VOWELS))
+        syllables.append(_CONSONANTS[digit // len(_VOWELS)] + _VOWELS[digit % len(_VOWELS)])
+        if n == 0:
+            return " " + "".join(reversed(syllables))
+
 
 class ByteTokenizer:
     bos_token_id = 256
     eos_token_id = 257
-    vocab_size = 258
+
+    def __init__(self, vocab_size: int = BYTE_VOCAB) -> None:
+        self.vocab_size = vocab_size
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.bos_token_id, *ids] if add_bos else ids
 
     def decode(self, token_ids: list[int]) -> str:
-        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+        decoder = self.stream_decoder()
+        return decoder.feed(token_ids) + decoder.flush()
 
     def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder()
+        return StreamDecoder(self.vocab_size)
 
 
 class StreamDecoder:
-    """Turns a stream of byte-token ids into text pieces, holding back incomplete characters."""
+    """Turns a stream of token ids into text pieces, holding back incomplete characters; word ids come out
+    whole, after any bytes before them."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int = BYTE_VOCAB) -> None:
+        self.vocab_size = vocab_size
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_ids: list[int]) -> str:
-        return self._utf8.decode(bytes(t for t in token_ids if 0 <= t < 256))
+        pieces, pending = [], bytearray()
+        for token in token_ids:
+            if 0 <= token < 256:
+                pending.append(token)
+            elif BYTE_VOCAB <= token < self.vocab_size:
+                pieces.append(self._utf8.decode(bytes(pending), final=True) + synthetic_word(token))
+                pending.clear()
+        return "".join(pieces) + self._utf8.decode(bytes(pending))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)
@@ -150,5 +179,5 @@ def load_tokenizer(model: str):
     from kvcentric.model.config import PRESETS
 
     if model in PRESETS:
-        return DummyTokenizer()
+        return DummyTokenizer(PRESETS[model].vocab_size)
     return HFTokenizer(model)

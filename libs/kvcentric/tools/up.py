@@ -19,6 +19,7 @@ import time
 
 from kvcentric.config import LogLevel, require, setting
 from kvcentric.engine.config import DEVICE
+from kvcentric.model.config import PRESETS
 from kvcentric.tools.processes import Child, Supervisor, get_json
 
 
@@ -30,7 +31,7 @@ class UpConfig:
     decode: int = setting(1, "number of decode instances")
     colocated: int = setting(0, "run this many colocated instances (prefill and decode in one, the "
                                 "vLLM-style baseline) instead of separate prefill and decode ones")
-    model: str = setting("tiny", "model preset served: tiny, small, llama2-7b, llama2-70b")
+    model: str = setting("tiny", "model preset served: " + ", ".join(PRESETS))
     seed: int = setting(0, "seed of the model's random weights")
     nats_url: str = setting("", "use this NATS server instead of starting one")
     redis_url: str = setting("", "use this Redis instead of starting one")
