@@ -99,7 +99,7 @@ class BusConfig:
     instance_id: str = setting("", "instance id, unique in the cluster (default: role-<random>)")
     cluster: str = setting("local", "cluster (datacenter) this service belongs to")
     host: str = setting("127.0.0.1", "address the HTTP side (health, metrics, API) binds to")
-    port: int = setting(0, "HTTP port for /health and /metrics (0: pick a free port)")
+    port: int = setting(0, "HTTP port for /health, /ready and /metrics (0: pick a free port)")
     log_level: LogLevel = setting("info", "log level")
 
     def __post_init__(self) -> None:
