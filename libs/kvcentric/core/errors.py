@@ -22,3 +22,19 @@ def rejection_error(rejection: Rejection) -> ApiError:
 def retry_after(seconds: float) -> str:
     """The Retry-After header for a suggested wait: whole seconds, at least 1."""
     return str(max(1, round(seconds)))
+
+
+def http_error(status: int, method: str, path: str, max_body_bytes: int) -> ApiError:
+    """The OpenAI-shaped answer for what the HTTP layer refuses before any handler runs: an unknown path
+    (404), a method the path does not take (405), a body over the limit (a 400 `request_too_large`, the
+    client's mistake, as a request too large for the bus is), anything else by its status."""
+    if status == 404:
+        return ApiError(404, f"no such endpoint: {method} {path}", kind="not_found_error", code="not_found")
+    if status == 405:
+        return ApiError(405, f"{path} does not take {method}", kind="invalid_request_error",
+                        code="method_not_allowed")
+    if status == 413:
+        return ApiError(400, f"the request body is over the gateway's limit of {max_body_bytes} bytes",
+                        code="request_too_large")
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return ApiError(status, f"{method} {path} failed with HTTP {status}", kind=kind)
