@@ -106,7 +106,7 @@ class GatewayService(Service):
         """Ready when the conductor answers and sees a prefill and a decode instance (so it is ready too)."""
         try:
             instances = (await self.instances()).instances
-        except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
+        except (TimeoutError, nats.errors.Error, BadMessage):
             return "the conductor does not answer"
         missing = [role for role in ("prefill", "decode") if not any(i.role == role for i in instances)]
         return f"the conductor sees no {' and no '.join(missing)} instance" if missing else ""
