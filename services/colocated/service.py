@@ -10,7 +10,7 @@ import time
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, SubmitAck
+from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import KVRejected
@@ -98,7 +98,8 @@ class ColocatedService(Service):
         """The same load, once as a prefill and once as a decode instance."""
         running = sum(r.state == "running" for r in self.engine.decode.requests.values())
         load = Load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running)
-        for role in ("prefill", "decode"):
+        roles: tuple[Role, ...] = ("prefill", "decode")
+        for role in roles:
             await self.reporter.publish_load(role, load, self.messenger.addr, self.role_change.draining)
 
     def idle(self) -> bool:

@@ -89,7 +89,7 @@ class ReplanLoop:
         router = self.core.router
         n_prfaas = prfaas_instances(self.core.registry.alive_prefill(now), router)
         point = self.retuner.retune(n_prefill, n_decode, n_prfaas)
-        if point is None:
+        if point is None or router is None:  # no router, no PrfaaS cluster: retune has no point either
             return
         router.replan(point.threshold, f"re-planned for N_prfaas/N_p/N_d = {n_prfaas}/{n_prefill}/{n_decode}")
         self.log.info("re-planned t = %.0f tokens for N_prfaas/N_p/N_d = %d/%d/%d (Λ_max %.3g req/s)",

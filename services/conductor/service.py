@@ -24,9 +24,10 @@ from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.dispatch import Submit, bad_dispatch, jobs
-from kvcentric.core.protocol import (BadMessage, Cancel, InstancesQuery, InstancesReply, KVEventBatch, KVSDump,
-                                     KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
+from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, KVEventBatch,
+                                     KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
                                      RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
+from kvcentric.core.scheduling.clusters import ClusterRouter
 from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.kvs_gate import KVSGate
 from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
@@ -122,14 +123,15 @@ class ConductorService(Service):
             if self.replan is not None:
                 self.replan.placed(request, decision)
             if request.dispatch is not None:
-                decision = await self.hand_to_engines(request, decision)
+                decision = await self.hand_to_engines(request, request.dispatch, decision)
         return decision
 
-    async def hand_to_engines(self, request: ScheduleRequest, placement: Placement) -> Placement:
-        """Send the jobs ahead of the answer, which does not wait for their acks (`check_taken` does)."""
+    async def hand_to_engines(self, request: ScheduleRequest, what: Dispatch, placement: Placement) -> Placement:
+        """Send the jobs (`what` is `request.dispatch`) ahead of the answer, which does not wait for their
+        acks (`check_taken` does)."""
         placement = msgspec.structs.replace(placement, dispatched=True)
         rid = request.request_id
-        submits = jobs(rid, placement, request.dispatch.token_ids, request.dispatch.sampling)
+        submits = jobs(rid, placement, what.token_ids, what.sampling)
         try:
             sent = await dispatch.send(self.bus, submits)
         except Exception:  # one job may be out: take it back (the caller answers bad_request)
@@ -290,15 +292,14 @@ class ConductorService(Service):
                            "prefix_index_nodes": float(self.index.nodes), "prefix_index_seeded": float(self.seeded),
                            "prefix_index_events_applied_total": float(self.index.events_applied)})
         if self.core.router is not None:
-            gauges.update(self.prfaas_gauges())
+            gauges.update(self.prfaas_gauges(self.core.router))
         if outcomes:
             gauges["ttft_prediction_error_mean_s"] = stats["ttft_error_sum_s"] / outcomes
             gauges["ttft_prediction_abs_error_mean_s"] = stats["ttft_abs_error_sum_s"] / outcomes
             gauges["ttft_prediction_rel_error_mean"] = stats["ttft_rel_error_sum"] / outcomes
         return gauges
 
-    def prfaas_gauges(self) -> dict[str, float]:
-        router = self.core.router
+    def prfaas_gauges(self, router: ClusterRouter) -> dict[str, float]:
         status = router.status(self.registry.alive_prefill(time.monotonic()), time.monotonic())
         gauges = {"prfaas_threshold_tokens": router.threshold,
                   "prfaas_routed_local_total": float(router.stats["routed_pd"]),

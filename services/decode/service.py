@@ -12,7 +12,7 @@ import time
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.metrics import labelled
-from kvcentric.core.protocol import Cancel, DecodeJob, SubmitAck
+from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.intake import JobIntake
@@ -47,7 +47,7 @@ class CheckedDecodeSink(DecodeSink):
 
 
 class DecodeService(Service):
-    role = "decode"
+    role: Role = "decode"
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""

@@ -127,6 +127,12 @@ class EventWriter:
         self.job, self.model, self.created = job, model, int(time.time())
         self.held: list[bytes] = []
 
+    @property
+    def response(self) -> web.StreamResponse:
+        """The job's SSE response, which `open` prepared before any event is written."""
+        assert self.job.response is not None, "an event is written before the stream is open"
+        return self.job.response
+
     async def open(self, request: web.Request, headers: dict) -> web.StreamResponse:
         response = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         await response.prepare(request)
@@ -145,19 +151,20 @@ class EventWriter:
             body = completion_body(self.job.request_id, self.model, text, finish_reason, final_usage, self.created)
         self.hold(body)
         if finish_reason is None:
-            await self.job.response.write(self.take())
+            await self.response.write(self.take())
 
     async def close(self, include_usage: bool) -> None:
         if include_usage:  # OpenAI's extra last chunk: no choices, the usage
-            shape, empty = (chat_chunk, {}) if self.job.chat else (completion_body, "")
+            shape: Callable[..., dict] = chat_chunk if self.job.chat else completion_body
+            empty = {} if self.job.chat else ""
             body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
             body["choices"] = []
             self.hold(body)
-        await self.job.response.write_eof(self.take() + b"data: [DONE]\n\n")
+        await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     async def error(self, error: ApiError) -> None:
         self.hold(error.body())
-        await self.job.response.write_eof(self.take() + b"data: [DONE]\n\n")
+        await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     def hold(self, body: dict) -> None:
         self.held.append(b"data: " + json.dumps(body).encode() + b"\n\n")
@@ -183,6 +190,6 @@ async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str,
         if job.response is None:
             raise
         await writer.error(exc)
-        return job.response
+        return writer.response
     await writer.close(job.request.include_usage)
-    return job.response
+    return writer.response

@@ -106,7 +106,7 @@ class GatewayService(Service):
         """Ready when the conductor answers and sees a prefill and a decode instance (so it is ready too)."""
         try:
             instances = (await self.instances()).instances
-        except (nats.errors.Error, asyncio.TimeoutError, BadMessage):
+        except (TimeoutError, nats.errors.Error, BadMessage):
             return "the conductor does not answer"
         missing = [role for role in ("prefill", "decode") if not any(i.role == role for i in instances)]
         return f"the conductor sees no {' and no '.join(missing)} instance" if missing else ""
@@ -175,10 +175,10 @@ class GatewayService(Service):
         subscription = await self.bus.subscribe_raw(Subjects.out(job.request_id))
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                job.placement = await self.place(job)
+                placement = job.placement = await self.place(job)
                 text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
                 pairs = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
-                headers = self.response_headers(job)
+                headers = self.response_headers(job.request_id, placement)
                 if job.request.stream:
                     response = await relay.stream(request, job, pairs, self.model_name, headers)
                 else:
@@ -194,6 +194,8 @@ class GatewayService(Service):
                 return job.response, "504"
             return error_response(error), "504"
         except ConnectionResetError:
+            if job.response is None:  # the client left before its stream opened: nothing to answer with
+                raise
             return job.response, "cancelled"
         finally:
             await subscription.unsubscribe()
@@ -294,7 +296,7 @@ class GatewayService(Service):
             predicted_ttft_s=job.placement.predicted_ttft_s))
 
     @staticmethod
-    def response_headers(job: relay.Job) -> dict:
-        return {"x-request-id": job.request_id, "x-kvcentric-prefill": job.placement.prefill_id,
-                "x-kvcentric-decode": job.placement.decode_id,
-                "x-kvcentric-predicted-ttft-s": f"{job.placement.predicted_ttft_s:.6f}"}
+    def response_headers(request_id: str, placement: Placement) -> dict:
+        return {"x-request-id": request_id, "x-kvcentric-prefill": placement.prefill_id,
+                "x-kvcentric-decode": placement.decode_id,
+                "x-kvcentric-predicted-ttft-s": f"{placement.predicted_ttft_s:.6f}"}

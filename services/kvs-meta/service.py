@@ -47,7 +47,7 @@ class KVSMetaService(Service):
     async def readiness(self) -> str:
         try:
             await asyncio.wait_for(self.redis.ping(), READY_PING_TIMEOUT_S)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             return f"Redis does not answer: {type(exc).__name__}"
         return ""
 

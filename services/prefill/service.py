@@ -9,7 +9,7 @@ import asyncio
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.core.protocol import Cancel, PrefillJob, SubmitAck, TokenChunk
+from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.messenger import Messenger
@@ -37,7 +37,7 @@ class RefusingSink:
 
 
 class PrefillService(Service):
-    role = "prefill"
+    role: Role = "prefill"
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""

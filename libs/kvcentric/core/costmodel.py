@@ -90,7 +90,7 @@ class CostModel:
         p0, p1, p2, p3 = self.prefill
         return p0 + n_new * (p1 + p2 * n_cached + p3 * n_new)
 
-    def t_decode(self, batch: int, kv_tokens: int) -> float:
+    def t_decode(self, batch: float, kv_tokens: float) -> float:
         d0, d1, d2 = self.decode
         return d0 + d1 * batch + d2 * kv_tokens
 

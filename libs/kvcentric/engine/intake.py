@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
-from kvcentric.core.protocol import Cancel, Subjects, SubmitAck, job_problem
+from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Subjects, SubmitAck, job_problem
 from kvcentric.runtime.bus import Bus
 
 CANCELLED_REMEMBERED = 4096
 """How many cancelled request ids an engine remembers, to refuse a job that comes after its cancel."""
+
+Job = TypeVar("Job", PrefillJob, DecodeJob)
 
 
 class JobIntake:
@@ -26,7 +29,7 @@ class JobIntake:
         """The last CANCELLED_REMEMBERED request ids cancelled: a job that arrives after its cancel (the
         conductor dispatches it while the gateway, a different sender, cancels) is refused."""
 
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: object) -> bool:
         return request_id in self.cancelled
 
     def cancel(self, request_id: str) -> None:
@@ -34,7 +37,7 @@ class JobIntake:
         if len(self.cancelled) > CANCELLED_REMEMBERED:
             self.cancelled.popitem(last=False)
 
-    def refusal(self, job) -> SubmitAck | None:
+    def refusal(self, job: PrefillJob | DecodeJob) -> SubmitAck | None:
         """The ack refusing `job`, or None when it may go to the role's handler."""
         problem = job_problem(job.request_id, job.sampling)
         if problem:
@@ -45,10 +48,10 @@ class JobIntake:
             return SubmitAck(ok=False, error=f"request {job.request_id} was cancelled before its job arrived")
         return None
 
-    async def take_jobs(self, bus: Bus, role: str, instance_id: str, kind,
-                        handler: Callable[[object], Awaitable[SubmitAck]]) -> None:
+    async def take_jobs(self, bus: Bus, role: str, instance_id: str, kind: type[Job],
+                        handler: Callable[[Job], Awaitable[SubmitAck]]) -> None:
         """Take `kind` jobs on kvc.<role>.<id>.submit with `handler`, unless refused."""
-        async def take(job) -> SubmitAck:
+        async def take(job: Job) -> SubmitAck:
             return self.refusal(job) or await handler(job)
 
         await bus.subscribe(Subjects.submit(role, instance_id), kind, take,

@@ -10,7 +10,7 @@ import time
 from typing import NamedTuple
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Subjects
+from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Role, Subjects
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.transfer import KVPusher
@@ -39,14 +39,14 @@ class Reporter:
             return "draining for a role change"
         return "" if self.reports_sent else "no load report sent to the conductor yet"
 
-    def load_report(self, role: str, load: Load, kv_addr: str, draining: bool) -> LoadReport:
+    def load_report(self, role: Role, load: Load, kv_addr: str, draining: bool) -> LoadReport:
         return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
                           queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
                           kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
 
-    async def publish_load(self, role: str, load: Load, kv_addr: str, draining: bool = False) -> None:
+    async def publish_load(self, role: Role, load: Load, kv_addr: str, draining: bool = False) -> None:
         await self.bus.publish(Subjects.load(role, self.instance_id), self.load_report(role, load, kv_addr, draining))
         self.reports_sent += 1
 

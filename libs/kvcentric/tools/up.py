@@ -146,7 +146,7 @@ class Cluster:
         if status != 200 or body.get("prefill_alive", 0) < prefill or body.get("decode_alive", 0) < decode:
             return False
         try:  # and the gateway says it can serve (GET /ready)
-            return get_json(self.processes.child("gateway").health_url.replace("/health", "/ready"))[0] == 200
+            return get_json(url.replace("/health", "/ready"))[0] == 200
         except (OSError, ValueError):
             return False
 

@@ -11,7 +11,6 @@ the simulator drive this same class.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -23,7 +22,7 @@ from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
-from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry
+from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
 
 MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
@@ -33,6 +32,13 @@ MAX_PENDING = 100_000
 class Pending:
     predicted_ttft_s: float
     decode_id: str
+
+
+class Tally(dict[str, float]):
+    """Counts and sums by name, as a Counter but for float sums too: a name never added reads as 0."""
+
+    def __missing__(self, name: str) -> float:
+        return 0
 
 
 class Conductor:
@@ -49,7 +55,7 @@ class Conductor:
                                    config.priority_step, config.top_priority)
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
-        self.stats: collections.Counter[str] = collections.Counter()
+        self.stats = Tally()
 
     def _make_policy(self, estimator: Estimator):
         config = self.config
@@ -70,7 +76,8 @@ class Conductor:
 
     def _learn_links(self, report: LoadReport) -> None:
         """Measured bandwidth from this instance to peers (keyed by messenger address) for T_transfer."""
-        by_addr = {s.kv_addr: s.instance_id for s in (*self.registry.prefill.values(), *self.registry.decode.values())}
+        states: list[PrefillState | DecodeState] = [*self.registry.prefill.values(), *self.registry.decode.values()]
+        by_addr = {s.kv_addr: s.instance_id for s in states}
         for addr, bytes_per_s in report.link_bandwidth.items():
             if bytes_per_s > 0:
                 self.links.set_bandwidth(report.instance_id, by_addr.get(addr, addr), bytes_per_s)

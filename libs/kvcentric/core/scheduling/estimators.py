@@ -36,7 +36,7 @@ class Estimator:
     def block_bytes(self, blocks: int) -> int:
         return blocks * self.block_tokens * self.cost.kv_bytes_per_token
 
-    def tbt(self, batch: int, kv_tokens: float, capacity_tokens: float = math.inf) -> float:
+    def tbt(self, batch: float, kv_tokens: float, capacity_tokens: float = math.inf) -> float:
         """Decode step seconds for `batch` sequences holding `kv_tokens`; inf when they do not fit."""
         if kv_tokens > capacity_tokens:
             return math.inf
@@ -148,6 +148,8 @@ class DecodeForecast:
 
     def at(self, t: float, t_d: float) -> tuple[float, float]:
         """Predicted (batch, kv tokens) at moment t."""
+        batch: float
+        tokens: float
         batch, tokens = self.tracked_at(t, t_d)
         if not (self.offset_batch or self.offset_tokens) or t_d <= 0:
             return batch, tokens

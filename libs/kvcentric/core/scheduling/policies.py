@@ -144,6 +144,7 @@ class KVCentricPolicy(_Policy):
             queue = instance.queue_end - now
             ttft = (queue if queue > 0.0 else 0.0) + instance.dispatched_s + prefill_s
             if pull:
+                assert source is not None  # best_prefix > 0, so some instance holds it
                 nbytes = estimator.block_bytes(best_prefix - prefix)
                 ttft += self.links.t_transfer(source.instance_id, instance.instance_id, nbytes, now)
             if ttft < best_ttft:

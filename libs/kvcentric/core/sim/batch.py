@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Generic, TypeVar
 
 from kvcentric.core.costmodel import CostModel
 
 
-class DecodeBatch:
+Item = TypeVar("Item")
+
+
+class DecodeBatch(Generic[Item]):
     def __init__(self, cost: CostModel) -> None:
         self.cost = cost
         self.steps = 0
         """Decode steps run so far (a global clock in steps)."""
         self.kv_tokens = 0
         """Context tokens of every sequence in the batch (prompt plus tokens generated)."""
-        self.heap: list[tuple[int, int, object]] = []
+        self.heap: list[tuple[int, int, Item]] = []
         self._seq = 0
 
     def __len__(self) -> int:
         return len(self.heap)
 
-    def add(self, item: object, context_tokens: int, steps_left: int) -> None:
+    def add(self, item: Item, context_tokens: int, steps_left: int) -> None:
         """Join with `context_tokens` of KV; it leaves after `steps_left` more steps (>= 1)."""
         self._seq += 1
         heapq.heappush(self.heap, (self.steps + steps_left, self._seq, item))
@@ -64,11 +68,11 @@ class DecodeBatch:
             k += 1
         return k
 
-    def advance(self, k: int) -> list[object]:
+    def advance(self, k: int) -> list[Item]:
         """Run k steps; returns the items that finished (their context leaves the batch)."""
         self.kv_tokens += len(self.heap) * k
         self.steps += k
-        finished = []
+        finished: list[Item] = []
         while self.heap and self.heap[0][0] <= self.steps:
             finished.append(heapq.heappop(self.heap)[2])
         return finished

@@ -100,11 +100,11 @@ class Simulation:
             for i in range(spec.decode):
                 self.decodes[f"d{i}"] = BatchInstance(self, f"d{i}", spec.decode_capacity_tokens, cluster=local,
                                                       max_batch=spec.decode_max_batch)
-        for instance in self.prefills.values():
-            self.index.slot(instance.instance_id)
-            self.report_instance(instance, 0.0)
-        for instance in self.decodes.values():
-            self.report_batch(instance, 0.0)
+        for prefill in self.prefills.values():
+            self.index.slot(prefill.instance_id)
+            self.report_instance(prefill, 0.0)
+        for decode in self.decodes.values():
+            self.report_batch(decode, 0.0)
 
     def _build_prfaas(self) -> None:
         """PrfaaS prefill instances r0.. in the first PrfaaS cluster, on that cluster's cost model."""
@@ -200,10 +200,12 @@ class Simulation:
         ready_at, pulled = now, 0
         source = self.prefills.get(record.pull_source)
         if source is not None and record.planned_blocks > local:
-            available = source.cache.prefix_len(hashes[:record.planned_blocks])
+            source_cache = source.cache
+            assert source_cache is not None  # every instance that prefills keeps a prefix cache
+            available = source_cache.prefix_len(hashes[:record.planned_blocks])
             pulled = max(0, available - local)
             if pulled:
-                source.cache.touch(hashes[local:available])
+                source_cache.touch(hashes[local:available])
                 nbytes = self.estimator.block_bytes(pulled)
                 ready_at = self.links.reserve(source.instance_id, instance.instance_id, nbytes, now)
         record.cached_blocks, record.pulled_blocks = local + pulled, pulled
@@ -212,8 +214,10 @@ class Simulation:
     def prefill_seconds(self, record: Record, cached_blocks: int | None, n_new: int | None = None,
                         n_cached: int | None = None, cost: CostModel | None = None) -> float:
         if n_new is None:
+            assert cached_blocks is not None  # without the token counts, the cached blocks give them
             n_cached = self.estimator.cached_tokens(record.request.input_len, cached_blocks)
             n_new = record.request.input_len - n_cached
+        assert n_cached is not None  # given with n_new, or counted above
         seconds = (cost or self.cost).t_prefill(n_new, n_cached)
         if self.spec.noise:
             seconds *= self.rng.lognormvariate(0.0, self.spec.noise)
@@ -248,11 +252,13 @@ class Simulation:
     def _cross_link(self, sender: PrefillInstance, record: Record, now: float) -> float:
         """A PrfaaS prefill's KV over the inter-cluster link, shared FIFO by the cluster's instances: it
         streams from prefill start, and the last layer leaves only when the prefill ends (PrfaaS §3.3)."""
+        clusters = self.clusters
+        assert clusters is not None  # a remote sender is in a PrfaaS cluster of the topology
         nbytes = sender.cost.kv_bytes(record.request.input_len)
         sender.kv_bytes_sent += nbytes
-        bandwidth = self.clusters.link_bytes_per_s(sender.cluster, self.clusters.local)
-        self.cross_links.set_bandwidth(sender.cluster, self.clusters.local, bandwidth)
-        done = self.cross_links.reserve(sender.cluster, self.clusters.local, nbytes, record.prefill_start)
+        bandwidth = clusters.link_bytes_per_s(sender.cluster, clusters.local)
+        self.cross_links.set_bandwidth(sender.cluster, clusters.local, bandwidth)
+        done = self.cross_links.reserve(sender.cluster, clusters.local, nbytes, record.prefill_start)
         return max(done, now + nbytes / bandwidth / self.spec.num_layers)
 
     def decode_accepts(self, instance: BatchInstance, record: Record, now: float) -> bool:

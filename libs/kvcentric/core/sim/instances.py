@@ -84,7 +84,7 @@ class BatchInstance:
         self.max_batch = max_batch
         """Most sequences decoding at once (0: only the KV capacity limits the batch)."""
         self.colocated, self.cache, self.chunk_tokens = colocated, cache, chunk_tokens
-        self.batch = DecodeBatch(sim.cost)
+        self.batch: DecodeBatch[Record] = DecodeBatch(sim.cost)
         self.joining: collections.deque[Record] = collections.deque()
         """KV arrived (or prefill done here): joins at the next step boundary, capacity permitting."""
         self.waiting: collections.deque[Record] = collections.deque()
@@ -148,6 +148,7 @@ class BatchInstance:
     def _segment_end(self, now: float, version: int) -> None:
         if version != self.version:
             return
+        assert self.segment is not None  # the version matches: this is the segment scheduled last
         _, steps = self.segment
         self.segment = None
         first, growth = self.batch.first_step_s(), self.batch.cost.decode[2] * len(self.batch)
