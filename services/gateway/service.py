@@ -26,7 +26,7 @@ from kvc_gateway.config import GatewayConfig
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.dispatch import jobs
-from kvcentric.core.errors import rejection_error
+from kvcentric.core.errors import http_error, rejection_error
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
@@ -37,7 +37,15 @@ from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.service import Service
 
+MAX_REQUEST_ID = 256
+"""Longest X-Request-ID echoed back; a longer one is replaced by the gateway's own id."""
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+
+
+def client_request_id(request: web.Request) -> str:
+    """The client's X-Request-ID, echoed back as it is (printable, at most 256 characters), else ""."""
+    value = request.headers.get("X-Request-ID", "")
+    return value if len(value) <= MAX_REQUEST_ID and value.isprintable() else ""
 
 
 def error_response(error: ApiError) -> web.Response:
@@ -63,14 +71,29 @@ class GatewayService(Service):
         self.prompt_tokens = histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
 
     def add_routes(self, app: web.Application) -> None:
+        app.middlewares.append(self.openai_errors)
         app.middlewares.append(self.check_api_key)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id}", self.model_card)
         app.router.add_get("/openapi.json", self.openapi)
 
     def gauges(self) -> dict[str, float]:
         return {"requests_in_flight": self.in_flight}
+
+    @web.middleware
+    async def openai_errors(self, request: web.Request, handler):
+        """What aiohttp refuses itself (no such path, a method the path does not take, a body over the limit)
+        is answered as an OpenAI error object too, never as aiohttp's plain-text page."""
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            error = http_error(exc.status, request.method, request.path, self.http.max_body_bytes)
+            self.counters[labelled("requests_total", outcome=str(error.status))] += 1
+            return error_response(error)
 
     @web.middleware
     async def check_api_key(self, request: web.Request, handler):
@@ -111,10 +134,21 @@ class GatewayService(Service):
         missing = [role for role in ("prefill", "decode") if not any(i.role == role for i in instances)]
         return f"the conductor sees no {' and no '.join(missing)} instance" if missing else ""
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvcentric",
+    def card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvcentric",
                 "max_model_len": self.model.max_position, "vocab_size": self.model.vocab_size}
-        return web.json_response({"object": "list", "data": [card]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self.card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the served model's card under any of its served names, else a 404."""
+        model_id = request.match_info["model_id"]
+        if model_id not in self.config.served_names:
+            return error_response(ApiError(404, f"the model '{model_id}' does not exist; this server serves "
+                                                f"{', '.join(self.config.served_names)}", param="model",
+                                           kind="not_found_error", code="model_not_found"))
+        return web.json_response(self.card())
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.model_name))
@@ -178,7 +212,7 @@ class GatewayService(Service):
                 placement = job.placement = await self.place(job)
                 text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
                 pairs = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
-                headers = self.response_headers(job.request_id, placement)
+                headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
                     response = await relay.stream(request, job, pairs, self.model_name, headers)
                 else:

@@ -34,6 +34,9 @@ class Metrics:
         return render(self.labels, self.counters, self.gauges(), self.histograms)
 
 
+MAX_BODY_BYTES = 1 << 20
+"""Largest request body a service reads (aiohttp's default, made explicit so errors can name it)."""
+
 HealthView = Callable[[], Awaitable[tuple[int, dict]]]
 """async () -> (HTTP status, JSON body) of GET /health or GET /ready."""
 
@@ -42,11 +45,13 @@ class HttpServer:
     """One aiohttp server with /health (alive), /ready (able to serve) and /metrics; a service adds its own
     routes to `app` before `start`."""
 
-    def __init__(self, health: HealthView, ready: HealthView, metrics: Metrics) -> None:
+    def __init__(self, health: HealthView, ready: HealthView, metrics: Metrics,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
         self.health = health
         self.ready = ready
         self.metrics = metrics
-        self.app = web.Application()
+        self.max_body_bytes = max_body_bytes
+        self.app = web.Application(client_max_size=max_body_bytes)
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/ready", self._ready)
         self.app.router.add_get("/metrics", self._metrics)
