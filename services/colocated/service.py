@@ -8,63 +8,31 @@ from __future__ import annotations
 
 import time
 
-from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import KVRejected
-from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.messenger import Messenger
-from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
-from kvcentric.engine.outbox import TokenOutbox
 from kvcentric.engine.prefill import PrefillRejected
-from kvcentric.engine.reporter import Load, Reporter
-from kvcentric.engine.roles import RoleChange
-from kvcentric.engine.spans import RequestSpans
-from kvcentric.runtime.service import Service
-from kvcentric.runtime.transfer import KVPusher
+from kvcentric.engine.reporter import Load
+from kvcentric.engine.service import EngineService
 
 
-class ColocatedService(Service):
+class ColocatedService(EngineService):
     role = "colocated"
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.config: EngineConfig = config
-        self.runner = load_runner(config)
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
-        self.host = host_pool(config, self.runner.block_bytes)
         self.engine = ColocatedEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
                                       config.prefill_chunk, config.max_batch, self.host)
-        self.model = ModelThread(self.role)
-        self.wake = Wakeup()
-        self.spans = RequestSpans()
-        self.outbox = TokenOutbox(self.spans)
-        self.intake = JobIntake(self.counters)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
-        sink = DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit, self.wake)
-        self.messenger = Messenger(sink, self.host, self.runner)
-        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, self.host, self.pusher)
-        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
-                                      self.reporter.publish_cache_forgotten)
-        """Refuses every RoleSwitch: a colocated instance serves both roles already."""
+        self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
+                               self.wake))
+        """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
 
-    async def start(self) -> None:
-        await self.messenger.start(self.config)
-        await self.intake.take_cancels(self.bus, self.on_cancel)
-        await self.role_change.listen(self.bus, self.instance_id)
-        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
-        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
-        self.tasks.spawn(self.work_loop(), "work-loop")
+    async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, "prefill", self.instance_id, PrefillJob, self.on_prefill)
         await self.intake.take_jobs(self.bus, "decode", self.instance_id, DecodeJob, self.on_decode)
-
-    async def stop(self) -> None:
-        await self.messenger.stop()
-        self.model.close()
-        await self.pusher.close()
 
     # ---------------------------------------------------------------- jobs and cancels
 
@@ -104,14 +72,6 @@ class ColocatedService(Service):
 
     def idle(self) -> bool:
         return not self.engine.has_work and self.outbox.empty()
-
-    async def readiness(self) -> str:
-        return self.reporter.readiness(self.role_change.draining)
-
-    def health(self) -> dict:
-        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
-                "draining_to": self.role_change.draining_to,
-                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
         return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats,

@@ -10,22 +10,14 @@ import collections
 import logging
 import time
 
-from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.messenger import Messenger
-from kvcentric.engine.node import ModelThread, Wakeup, load_runner
-from kvcentric.engine.outbox import TokenOutbox
-from kvcentric.engine.reporter import Load, Reporter
-from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.spans import RequestSpans
-from kvcentric.runtime.service import Service
-from kvcentric.runtime.transfer import KVPusher
+from kvcentric.engine.service import EngineService
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
 log = logging.getLogger("kvcentric.decode")
@@ -46,53 +38,23 @@ class CheckedDecodeSink(DecodeSink):
         self.emit([self.engine.reject_kv(request_id, verdict)])
 
 
-class DecodeService(Service):
+class DecodeService(EngineService):
     role: Role = "decode"
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
-        super().__init__(config)
-        self.config: EngineConfig = config
-        self.runner = load_runner(config, runner)
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        super().__init__(config, runner, with_host_pool=False)
         cost = config.cost_model() if config.tbt_slo_s > 0 else None
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
-        self.model = ModelThread(self.role)
-        self.wake = Wakeup()
-        self.spans = RequestSpans()
-        self.outbox = TokenOutbox(self.spans)
-        self.intake = JobIntake(self.counters)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
-        self.messenger = Messenger(self.sink, None, self.runner)
-        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, None, self.pusher)
-        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
-                                      self.reporter.publish_cache_forgotten)
+        self.attach(self.sink)
 
-    async def start(self) -> None:
-        await self.messenger.start(self.config)
-        await self.intake.take_cancels(self.bus, self.on_cancel)
-        await self.role_change.listen(self.bus, self.instance_id)
-        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
-        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
-        self.tasks.spawn(self.work_loop(), "work-loop")
+    async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
         if self.engine.cost is not None:
             self.log.info("TBT double-check on: SLO %g s, steps predicted by %s", self.engine.tbt_slo_s,
                           self.engine.cost.source)
-
-    async def stop(self) -> None:
-        await self.messenger.stop()
-        self.model.close()
-        await self.pusher.close()
-
-    @property
-    def hands_over(self) -> bool:
-        return self.role_change.next_role is not None
-
-    def successor(self) -> Service | None:
-        return self.role_change.successor(self.config, self.instance_id, self.runner)
 
     # ---------------------------------------------------------------- jobs and cancels
 
@@ -125,14 +87,6 @@ class DecodeService(Service):
     def idle(self) -> bool:
         """Nothing waiting for KV, generating or still to send (a drain waits for this)."""
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
-
-    async def readiness(self) -> str:
-        return self.reporter.readiness(self.role_change.draining)
-
-    def health(self) -> dict:
-        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
-                "draining_to": self.role_change.draining_to,
-                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
         return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}

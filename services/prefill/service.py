@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import asyncio
 
-from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.intake import JobIntake
-from kvcentric.engine.messenger import Messenger
-from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
-from kvcentric.engine.outbox import TokenOutbox
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.reporter import Load, Reporter
-from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.spans import RequestSpans
 from kvcentric.engine.streaming import RequestPush
-from kvcentric.runtime.service import Service
-from kvcentric.runtime.transfer import KVPusher, pull_blocks
+from kvcentric.engine.service import EngineService
+from kvcentric.runtime.transfer import pull_blocks
 
 
 class RefusingSink:
@@ -36,52 +29,20 @@ class RefusingSink:
     def abort(self, request_id, reason, retryable=False): ...
 
 
-class PrefillService(Service):
+class PrefillService(EngineService):
     role: Role = "prefill"
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
-        super().__init__(config)
-        self.config: EngineConfig = config
-        self.runner = load_runner(config, runner)
-        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
-        self.host = host_pool(config, self.runner.block_bytes)
+        super().__init__(config, runner)
         self.engine = PrefillEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
                                     config.prefill_chunk, self.host)
-        self.model = ModelThread(self.role)
-        self.wake = Wakeup()
-        self.spans = RequestSpans()
-        self.outbox = TokenOutbox(self.spans)
-        self.intake = JobIntake(self.counters)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
-        """The messenger's client side: pushes to decode peers, pulls from block holders."""
-        self.messenger = Messenger(RefusingSink(), self.host, self.runner)
-        self.reporter = Reporter(self.bus, self.instance_id, config.cluster, self.pool, self.host, self.pusher)
-        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
-                                      self.reporter.publish_cache_forgotten)
+        self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}
         self.pulling = 0
 
-    async def start(self) -> None:
-        await self.messenger.start(self.config)
-        await self.intake.take_cancels(self.bus, self.on_cancel)
-        await self.role_change.listen(self.bus, self.instance_id)
-        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
-        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
-        self.tasks.spawn(self.work_loop(), "work-loop")
+    async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, PrefillJob, self.on_submit)
-
-    async def stop(self) -> None:
-        await self.messenger.stop()
-        self.model.close()
-        await self.pusher.close()
-
-    @property
-    def hands_over(self) -> bool:
-        return self.role_change.next_role is not None
-
-    def successor(self) -> Service | None:
-        return self.role_change.successor(self.config, self.instance_id, self.runner)
 
     # ---------------------------------------------------------------- jobs and cancels
 
@@ -142,14 +103,6 @@ class PrefillService(Service):
         """Nothing queued, running, in transfer or still to send (a drain waits for this)."""
         busy = self.engine.queue or self.engine.running or self.pushes or self.pulling
         return not busy and self.outbox.empty()
-
-    async def readiness(self) -> str:
-        return self.reporter.readiness(self.role_change.draining)
-
-    def health(self) -> dict:
-        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
-                "draining_to": self.role_change.draining_to,
-                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
         return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}

@@ -1,0 +1,102 @@
+"""What the prefill, decode and colocated services share, once: their parts built from the engine config
+(model runner, device pool, model thread, wake-up, spans, token outbox, job intake, KV pusher, in-process
+messenger, load reporter, role change), starting and stopping them, and the health and readiness they
+report. Each role adds its engine, its sink for pushed KV, its jobs and its work loop; this class decides
+nothing about a request.
+"""
+
+from __future__ import annotations
+
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.protocol import Cancel, Role
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.intake import JobIntake
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.messenger import Messenger
+from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
+from kvcentric.engine.outbox import TokenOutbox
+from kvcentric.engine.reporter import Reporter
+from kvcentric.engine.roles import RoleChange
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.spans import RequestSpans
+from kvcentric.runtime.service import Service
+from kvcentric.runtime.transfer import KVPusher
+
+
+class EngineService(Service):
+    """The parts every engine role has; a role calls `attach` once its engine and KV sink exist."""
+
+    role: Role | str = "engine"
+
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, with_host_pool: bool = True) -> None:
+        """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
+        super().__init__(config)
+        self.config: EngineConfig = config
+        self.runner = load_runner(config, runner)
+        self.pool = BlockPool(config.num_kv_blocks, config.block_size)
+        self.host: HostBlockPool | None = host_pool(config, self.runner.block_bytes) if with_host_pool else None
+        self.model = ModelThread(self.role)
+        self.wake = Wakeup()
+        self.spans = RequestSpans()
+        self.outbox = TokenOutbox(self.spans)
+        self.intake = JobIntake(self.counters)
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        """The messenger's client side: pushes to decode peers, pulls from block holders."""
+
+    def attach(self, sink) -> None:
+        """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
+        self.messenger = Messenger(sink, self.host, self.runner)
+        self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher)
+        self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
+                                      self.reporter.publish_cache_forgotten)
+
+    # ---------------------------------------------------------------- what a role fills in
+
+    async def take_jobs(self) -> None:
+        """Subscribe to the role's job subjects (the last thing `start` does: jobs may arrive at once)."""
+
+    async def on_cancel(self, cancel: Cancel) -> None:
+        """Drop the request wherever this instance holds it."""
+
+    async def report_load(self) -> None:
+        """Publish this instance's load report(s)."""
+
+    async def work_loop(self) -> None:
+        """Run the engine's steps in the model thread until stopping."""
+
+    def idle(self) -> bool:
+        """Nothing queued, running or still to send (a drain waits for this)."""
+        return True
+
+    # ---------------------------------------------------------------- lifecycle, health
+
+    async def start(self) -> None:
+        await self.messenger.start(self.config)
+        await self.intake.take_cancels(self.bus, self.on_cancel)
+        await self.role_change.listen(self.bus, self.instance_id)
+        self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
+        self.tasks.spawn(self.outbox.send(self.bus), "outbox")
+        self.tasks.spawn(self.work_loop(), "work-loop")
+        await self.take_jobs()
+
+    async def stop(self) -> None:
+        await self.messenger.stop()
+        self.model.close()
+        await self.pusher.close()
+
+    @property
+    def hands_over(self) -> bool:
+        return self.role_change.next_role is not None
+
+    def successor(self) -> Service | None:
+        return self.role_change.successor(self.config, self.instance_id, self.runner)
+
+    async def readiness(self) -> str:
+        return self.reporter.readiness(self.role_change.draining)
+
+    def health(self) -> dict:
+        return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
+                "draining_to": self.role_change.draining_to,
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+
+
