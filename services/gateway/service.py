@@ -190,6 +190,10 @@ class GatewayService(Service):
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+        except LookupError:
+            raise ApiError(400, f"unknown charset {request.charset!r} in Content-Type: send UTF-8 JSON") from None
+        except RecursionError:
+            raise ApiError(400, "the JSON body is nested too deeply") from None
         context = self.model.max_position
         if chat:
             parsed = parse_chat(body, self.config.served_names, context)

@@ -48,3 +48,30 @@ def test_the_clients_request_id_is_kept(cluster):
     body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
     status, headers, _ = call(cluster.url + "/v1/completions", "POST", body, {"X-Request-ID": "client-abc-123"})
     assert status == 200 and headers["x-request-id"] == "client-abc-123"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "tiny", "prompt": "x", "max_tokens": 1, "seed": 2 ** 63}, "seed"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 1, "seed": -(2 ** 63) - 1}, "seed"),
+])
+def test_a_seed_beyond_64_bits_is_a_400_naming_it(cluster, body, param):
+    status, _, answer = call(cluster.url + "/v1/completions", "POST", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == param
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(cluster):
+    base = {"model": "tiny", "prompt": "greedy, please", "max_tokens": 6, "ignore_eos": True}
+    tiny = call(cluster.url + "/v1/completions", "POST", json.dumps({**base, "temperature": 1e-39}).encode())
+    greedy = call(cluster.url + "/v1/completions", "POST", json.dumps({**base, "temperature": 0}).encode())
+    assert tiny[0] == greedy[0] == 200
+    assert tiny[2]["choices"][0]["text"] == greedy[2]["choices"][0]["text"]
+
+
+def test_a_bogus_charset_and_deep_nesting_are_400s_in_json(cluster):
+    body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode()
+    status, _, answer = call(cluster.url + "/v1/completions", "POST", body,
+                             {"Content-Type": "application/json; charset=bogus"})
+    assert status == 400 and "charset" in answer["error"]["message"]
+    deep = b"[" * 100_000 + b"]" * 100_000
+    status, _, answer = call(cluster.url + "/v1/completions", "POST", deep)
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"

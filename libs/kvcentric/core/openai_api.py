@@ -28,6 +28,10 @@ class ApiError(Exception):
 
 
 MAX_STOP_STRINGS = 4
+SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
+"""The seeds a request may give: what a 64-bit signed integer holds (the engines seed torch with it)."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are taken as 0 (greedy), as vLLM does: dividing logits by less overflows."""
 MAX_PRIORITY = 1000
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -131,7 +135,8 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
     n = body.get("n", 1)
     _check(n == 1 and _is_int(n), "only n=1 is supported", "n")
     seed = body.get("seed")
-    _check(seed is None or _is_int(seed), "'seed' must be an integer", "seed")
+    _check(seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX),
+           f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit signed integer)", "seed")
     user = body.get("user")
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
     options = body.get("stream_options") or {}
@@ -141,7 +146,10 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
            f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
     top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
     _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if temperature < GREEDY_BELOW:  # so small a temperature overflows the softmax: it means greedy
+        temperature = 0.0
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0))
     return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
