@@ -9,6 +9,7 @@ from typing import Literal
 from kvcentric.config import BusConfig, require, setting
 from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
 from kvcentric.model.config import ModelConfig, load_model_config
+from kvcentric.runtime.connections import HttpLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,11 @@ class GatewayConfig(BusConfig):
                      "jobs as it answers, one bus round trip fewer before the first token) or gateway (after "
                      "the conductor's answer, as DESIGN.md first had it)")
     api_key: str = setting("", "if set, /v1/* requires the header 'Authorization: Bearer <key>' (else 401)")
+    header_timeout_s: float = setting(15.0, "a connection that has not sent a whole request head this long after "
+                                            "it opened or after its last answer is closed")
+    body_timeout_s: float = setting(30.0, "a request body not all arrived this long after its head gets 408")
+    max_connections: int = setting(4096, "most client connections open at once (at most the open-file limit "
+                                         "less 128): the oldest idle one is closed to make room, else a 503")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -36,6 +42,13 @@ class GatewayConfig(BusConfig):
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
         require(self.bus_timeout_s > 0, "bus_timeout_s", "must be positive")
+        require(self.header_timeout_s > 0, "header_timeout_s", "must be positive")
+        require(self.body_timeout_s > 0, "body_timeout_s", "must be positive")
+        require(self.max_connections >= 1, "max_connections", "must be at least 1")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
     @functools.cached_property
     def model_config(self) -> ModelConfig:

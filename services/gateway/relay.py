@@ -38,7 +38,8 @@ class Job:
     completion_tokens: int = 0
     finish_reason: str | None = None
     engine_finished: bool = False
-    """The engine sent the final chunk itself (nothing to cancel)."""
+    """The engine finished the request itself, with a final chunk that is not an error (nothing left to
+    cancel anywhere). An error chunk ends only the engine that sent it."""
     response: web.StreamResponse | None = None
     """The SSE response once it is prepared (its headers leave with the first event; errors after that go
     into the stream)."""
@@ -74,7 +75,6 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
     async for chunk in chunks:
         job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
-            job.engine_finished = True
             status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
             headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
             raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)

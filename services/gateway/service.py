@@ -26,7 +26,7 @@ from kvc_gateway.config import GatewayConfig
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.dispatch import jobs
-from kvcentric.core.errors import http_error, rejection_error
+from kvcentric.core.errors import rejection_error
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
@@ -35,6 +35,7 @@ from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuer
                                      TokenChunk, decode, encode)
 from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.runtime import dispatch, tracing
+from kvcentric.runtime.http import BUS_DOWN, RETRY_AFTER_S, error_response
 from kvcentric.runtime.service import Service
 
 MAX_REQUEST_ID = 256
@@ -46,10 +47,6 @@ def client_request_id(request: web.Request) -> str:
     """The client's X-Request-ID, echoed back as it is (printable, at most 256 characters), else ""."""
     value = request.headers.get("X-Request-ID", "")
     return value if len(value) <= MAX_REQUEST_ID and value.isprintable() else ""
-
-
-def error_response(error: ApiError) -> web.Response:
-    return web.json_response(error.body(), status=error.status, headers=error.headers)
 
 
 class GatewayService(Service):
@@ -69,9 +66,14 @@ class GatewayService(Service):
         self.e2e = histogram("e2e_seconds", help="request in to last token out")
         self.ttft_error = histogram("ttft_prediction_error_seconds", help="|actual - conductor-predicted| TTFT")
         self.prompt_tokens = histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
+        self.http.limits = config.http_limits
+        self.http.on_error = self.count_error
+
+    def count_error(self, status: int) -> None:
+        """An error the HTTP layer answered (no such path, a body too large or too slow, a failure)."""
+        self.counters[labelled("requests_total", outcome=str(status))] += 1
 
     def add_routes(self, app: web.Application) -> None:
-        app.middlewares.append(self.openai_errors)
         app.middlewares.append(self.check_api_key)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -81,19 +83,6 @@ class GatewayService(Service):
 
     def gauges(self) -> dict[str, float]:
         return {"requests_in_flight": self.in_flight}
-
-    @web.middleware
-    async def openai_errors(self, request: web.Request, handler):
-        """What aiohttp refuses itself (no such path, a method the path does not take, a body over the limit)
-        is answered as an OpenAI error object too, never as aiohttp's plain-text page."""
-        try:
-            return await handler(request)
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            error = http_error(exc.status, request.method, request.path, self.http.max_body_bytes)
-            self.counters[labelled("requests_total", outcome=str(error.status))] += 1
-            return error_response(error)
 
     @web.middleware
     async def check_api_key(self, request: web.Request, handler):
@@ -236,7 +225,10 @@ class GatewayService(Service):
                 raise
             return job.response, "cancelled"
         finally:
-            await subscription.unsubscribe()
+            try:
+                await subscription.unsubscribe()
+            except nats.errors.Error:  # the bus is draining or closed: the subscription goes with it
+                pass
 
     async def ask(self, subject: str, message, kind):
         try:
@@ -250,6 +242,9 @@ class GatewayService(Service):
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
         except nats.errors.MaxPayloadError:
             raise self.too_large() from None
+        except BUS_DOWN as exc:
+            raise ApiError(503, f"the bus is unavailable ({type(exc).__name__}); retry shortly",
+                           kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
 
     def too_large(self) -> ApiError:
         return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.bus.max_payload} bytes): "
@@ -311,12 +306,30 @@ class GatewayService(Service):
     # ---------------------------------------------------------------- the end of a request
 
     async def finish(self, job: relay.Job, outcome: str) -> None:
-        """Account for the request; cancel it on the engines unless they finished it; tell the conductor."""
+        """Account for the request, cancel it on the engines unless they finished it, tell the conductor.
+        With the bus gone (the gateway stopping) the answer already made stands; nothing more is sent."""
         self.counters[labelled("requests_total", outcome=outcome)] += 1
         self.prompt_tokens.observe(len(job.token_ids))
-        if not job.engine_finished and (job.placement is not None or job.dispatch_pending):
-            await self.bus.publish(Subjects.cancel(job.request_id),
-                                   Cancel(request_id=job.request_id, reason=f"gateway: {outcome}"))
+        try:
+            await self.cancel_on_engines(job, outcome)
+            await self.report_outcome(job, outcome)
+        except BUS_DOWN as exc:
+            self.counters["outcomes_unsent_total"] += 1
+            self.log.warning("request %s ended (%s) but the bus is unavailable: %s", job.request_id, outcome,
+                             type(exc).__name__)
+
+    async def cancel_on_engines(self, job: relay.Job, outcome: str) -> None:
+        """Every ending but the engines' own (a final chunk that is not an error) cancels the request where
+        it may still be: the client left, a stop string, a timeout, an error chunk from one engine while the
+        other still holds its job (a decode that gave up waiting for KV, with the prefill still queued)."""
+        if job.engine_finished or (job.placement is None and not job.dispatch_pending):
+            return
+        self.counters[labelled("cancels_sent_total", outcome=outcome)] += 1
+        await self.bus.publish(Subjects.cancel(job.request_id),
+                               Cancel(request_id=job.request_id, reason=f"gateway: {outcome}"))
+
+    async def report_outcome(self, job: relay.Job, outcome: str) -> None:
+        """Observe the request's latencies and publish its RequestOutcome (the conductor learns from it)."""
         if job.placement is None:
             return
         e2e = time.perf_counter() - job.started

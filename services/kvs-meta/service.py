@@ -13,6 +13,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from kvc_kvs_meta.config import KVSMetaConfig
+from kvcentric.core.openai_api import ApiError
 from kvcentric.core.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
 from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
 from kvcentric.runtime.service import Service
@@ -84,11 +85,17 @@ class KVSMetaService(Service):
         return KVSDump(events=events, cursor=cursor)
 
     async def batch_query_keys(self, request: web.Request) -> web.Response:
+        """Mooncake's master query. A bad query is a 400 OpenAI error object (with Mooncake's `success:
+        false` beside it); Redis down is the HTTP layer's 503 with Retry-After."""
         keys = [k for k in request.query.get("keys", "").split(",") if k]
         if not keys:
-            return web.json_response({"success": False, "error": "give keys=k1,k2,..."}, status=400)
+            return bad_query("give keys=k1,k2,...")
         if len(keys) > self.config.max_query_keys:
-            return web.json_response({"success": False, "error": f"at most {self.config.max_query_keys} keys"},
-                                     status=400)
+            return bad_query(f"at most {self.config.max_query_keys} keys (--max-query-keys)")
         self.counters["http_queries_total"] += 1
         return web.json_response(mooncake_batch_reply(keys, await self.store.holders(keys)))
+
+
+def bad_query(message: str) -> web.Response:
+    body = {**ApiError(400, message, param="keys").body(), "success": False}
+    return web.json_response(body, status=400)

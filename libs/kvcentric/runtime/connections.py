@@ -1,0 +1,114 @@
+"""Bounds on the connections of one HTTP server: how long a client may take to send a request, and how many
+connections may be open at once, so that slow or silent clients cannot hold the process's file descriptors.
+
+At the cap the oldest idle connection (no request in progress: silent, half a request head, or kept alive)
+is closed to make room; only when every connection is busy does a newcomer get a 503 in OpenAI's error
+shape. It bounds connections; what a request means is the handlers' business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import resource
+from collections.abc import Callable
+from typing import cast
+
+from aiohttp import web
+
+FD_RESERVE = 128
+"""File descriptors kept out of the connection cap for everything else the process opens (NATS, Redis,
+gRPC, logs), so that a full cap never leaves the process unable to open one."""
+LINGER_S = 1.0
+"""How long a connection stays open after an answer sent before the body was all read (aiohttp reads and
+drops the rest meanwhile, so the client reads the answer before the close); its default is 10 s, which a
+slow body would hold on to. A refused connection stays this long after its 503."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpLimits:
+    """How long a client may take and how many connections a server keeps; see docs/operations.md."""
+
+    header_timeout_s: float = 15.0
+    """A connection that has not sent a whole request head this long after it opened or after its last
+    answer is closed (silent clients, half-sent heads, idle keep-alive)."""
+    body_timeout_s: float = 30.0
+    """A request whose body has not all arrived this long after its head gets a 408 and the connection
+    is closed."""
+    max_connections: int = 4096
+    """Most connections open at once (further capped by the open-file limit, less FD_RESERVE)."""
+
+    @property
+    def connection_cap(self) -> int:
+        """`max_connections`, or fewer where the process may not open that many files."""
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_connections
+        return max(1, min(self.max_connections, soft - FD_RESERVE))
+
+
+def refusal_bytes() -> bytes:
+    """The whole HTTP answer of a connection over the cap: 503, JSON error body, Retry-After, close."""
+    body = json.dumps({"error": {"message": "the server has too many open connections; retry shortly",
+                                 "type": "service_unavailable", "param": None,
+                                 "code": "too_many_connections"}}).encode()
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
+    return head.encode() + body
+
+
+class Refusal(asyncio.Protocol):
+    """A connection over the cap: answered with the 503 at once, closed a moment later, its input ignored."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        transport.write(refusal_bytes())
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+
+class ConnectionCap:
+    """The listening socket's protocol factory: aiohttp's request handler while there is room, else room
+    made by closing the oldest idle connection, else a `Refusal`."""
+
+    def __init__(self, server: web.Server, cap: int, counters: collections.Counter[str]) -> None:
+        self.server, self.cap, self.counters = server, cap, counters
+        self.busy: collections.Counter[object] = collections.Counter()
+        """Requests in progress per connection (its aiohttp handler), kept by `HttpServer`'s middleware."""
+
+    def __call__(self) -> asyncio.BaseProtocol:
+        if self.open_count() >= self.cap and not self.close_oldest_idle():
+            self.counters["http_connections_refused_total"] += 1
+            return Refusal()
+        return self.server()
+
+    def open_count(self) -> int:
+        return sum(not closing(handler) for handler in self.server.connections)
+
+    def close_oldest_idle(self) -> bool:
+        """Close the connection open longest that has no request in progress; False when all are busy."""
+        for handler in self.server.connections:  # in the order they opened
+            if not closing(handler) and not self.busy[handler]:
+                handler.force_close()
+                self.counters["http_connections_evicted_total"] += 1
+                return True
+        return False
+
+    def counting(self, handler: object) -> Callable[[], None]:
+        """Mark one request in progress on `handler`; the returned function unmarks it."""
+        self.busy[handler] += 1
+
+        def done() -> None:
+            self.busy[handler] -= 1
+            if self.busy[handler] <= 0:
+                del self.busy[handler]
+        return done
+
+
+def closing(handler) -> bool:
+    transport = handler.transport
+    return transport is None or transport.is_closing()
