@@ -234,10 +234,11 @@ class GatewayService(Service):
         try:
             return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
         except nats.errors.NoRespondersError:
-            raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable") from None
+            raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
         except (TimeoutError, nats.errors.TimeoutError):
             raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s (--bus-timeout-s)",
-                           kind="service_unavailable") from None
+                           kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except BadMessage as exc:
             raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
         except nats.errors.MaxPayloadError:
