@@ -10,6 +10,8 @@ import collections
 import logging
 import time
 
+import msgspec
+
 from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
@@ -59,6 +61,8 @@ class DecodeService(EngineService):
     # ---------------------------------------------------------------- jobs and cancels
 
     async def on_submit(self, job: DecodeJob) -> SubmitAck:
+        if job.kv_wait_s > self.config.kv_wait_s:
+            job = msgspec.structs.replace(job, kv_wait_s=self.config.kv_wait_s)
         try:
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:

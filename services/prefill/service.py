@@ -105,7 +105,8 @@ class PrefillService(EngineService):
         return not busy and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}
+        work = {"requests_queued": len(self.engine.queue), "requests_running": len(self.engine.running)}
+        return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats()}
 
     # ---------------------------------------------------------------- the work loop
 

@@ -48,6 +48,8 @@ class EngineConfig(BusConfig):
                                "predicts the step time (default: a roofline of --model on --hardware)")
     hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline cost model "
                                          f"when no --profile is given: {', '.join(HARDWARE)}")
+    kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job "
+                                     "fails ('KV did not arrive in time'; the job's own limit if shorter)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -68,6 +70,7 @@ class EngineConfig(BusConfig):
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
+        require(self.kv_wait_s > 0, "kv_wait_s", "must be positive")
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")
         require(DEVICE.fullmatch(self.device) is not None, "device",
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
