@@ -25,6 +25,8 @@ LINGER_S = 1.0
 """How long a connection stays open after an answer sent before the body was all read (aiohttp reads and
 drops the rest meanwhile, so the client reads the answer before the close); its default is 10 s, which a
 slow body would hold on to. A refused connection stays this long after its 503."""
+REFUSALS_LINGERING = FD_RESERVE // 2
+"""Most refused connections left open at once for their client to read the 503 (beyond, closed at once)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,15 +62,35 @@ def refusal_bytes() -> bytes:
 
 
 class Refusal(asyncio.Protocol):
-    """A connection over the cap: answered with the 503 at once, closed a moment later, its input ignored."""
+    """A connection over the cap: answered with the 503 at once and closed once the client's request has
+    come in (closing on unread input would reset the connection and could lose the 503), or after
+    LINGER_S, or at once when `lingering` already holds REFUSALS_LINGERING (their descriptors are outside
+    the cap)."""
+
+    def __init__(self, lingering: set[Refusal]) -> None:
+        self.lingering = lingering
+        self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-        transport.write(refusal_bytes())
-        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
+        self.transport.write(refusal_bytes())
+        if len(self.lingering) >= REFUSALS_LINGERING:
+            self.transport.close()
+            return
+        self.lingering.add(self)
+        asyncio.get_running_loop().call_later(LINGER_S, self.close)
 
     def data_received(self, data: bytes) -> None:
-        pass
+        if b"\r\n\r\n" in data:
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lingering.discard(self)
+
+    def close(self) -> None:
+        self.lingering.discard(self)
+        if self.transport is not None:
+            self.transport.close()
 
 
 class ConnectionCap:
@@ -79,11 +101,12 @@ class ConnectionCap:
         self.server, self.cap, self.counters = server, cap, counters
         self.busy: collections.Counter[object] = collections.Counter()
         """Requests in progress per connection (its aiohttp handler), kept by `HttpServer`'s middleware."""
+        self.refusing: set[Refusal] = set()
 
     def __call__(self) -> asyncio.BaseProtocol:
         if self.open_count() >= self.cap and not self.close_oldest_idle():
             self.counters["http_connections_refused_total"] += 1
-            return Refusal()
+            return Refusal(self.refusing)
         return self.server()
 
     def open_count(self) -> int:
