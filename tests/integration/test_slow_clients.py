@@ -130,3 +130,14 @@ def refused_with_503(port: int) -> bool:
         return False
     assert b"Retry-After: 1" in head
     return json.loads(body)["error"]["code"] == "too_many_connections"
+
+
+@pytest.mark.parametrize("head", [b"NOT HTTP AT ALL\r\n\r\n",
+                                  b"GET /health HTTP/1.1\r\nX-Long: " + b"x" * 20_000 + b"\r\n\r\n"])
+def test_a_head_aiohttp_cannot_parse_is_a_400_in_json(gateway, head):
+    with socket.create_connection(("127.0.0.1", gateway), timeout=10) as sock:
+        sock.sendall(head)
+        status_line, _, rest = read_all(sock).partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.split()[1] == b"400" and b"application/json" in headers, (status_line, body)
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"

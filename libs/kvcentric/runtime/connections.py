@@ -18,6 +18,8 @@ from typing import cast
 
 from aiohttp import web
 
+from kvcentric.core.openai_api import ApiError
+
 FD_RESERVE = 128
 """File descriptors kept out of the connection cap for everything else the process opens (NATS, Redis,
 gRPC, logs), so that a full cap never leaves the process unable to open one."""
@@ -93,12 +95,32 @@ class Refusal(asyncio.Protocol):
             self.transport.close()
 
 
-class ConnectionCap:
-    """The listening socket's protocol factory: aiohttp's request handler while there is room, else room
-    made by closing the oldest idle connection, else a `Refusal`."""
+class JsonErrorHandler(web.RequestHandler):
+    """aiohttp's connection handler, except that what it answers itself, before any middleware (a request
+    head it cannot parse, a header line too long), is an OpenAI error object too, not a plain-text page."""
 
-    def __init__(self, server: web.Server, cap: int, counters: collections.Counter[str]) -> None:
-        self.server, self.cap, self.counters = server, cap, counters
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs it; raises if an answer has begun
+        if status < 500:
+            first_line = (message or "malformed HTTP").splitlines()[0]
+            error = ApiError(status, f"the request could not be read: {first_line}")
+        else:
+            error = ApiError(status, "internal error while handling the request", kind="server_error")
+        response = web.json_response(error.body(), status=status)
+        response.force_close()
+        return response
+
+
+class ConnectionCap:
+    """The listening socket's protocol factory: aiohttp's request handler (`JsonErrorHandler`, made with
+    `handler_args`) while there is room, else room made by closing the oldest idle connection, else a
+    `Refusal`."""
+
+    def __init__(self, server: web.Server, handler_args: dict, cap: int, counters: collections.Counter[str]) -> None:
+        self.server, self.handler_args, self.cap, self.counters = server, handler_args, cap, counters
         self.busy: collections.Counter[object] = collections.Counter()
         """Requests in progress per connection (its aiohttp handler), kept by `HttpServer`'s middleware."""
         self.refusing: set[Refusal] = set()
@@ -107,7 +129,7 @@ class ConnectionCap:
         if self.open_count() >= self.cap and not self.close_oldest_idle():
             self.counters["http_connections_refused_total"] += 1
             return Refusal(self.refusing)
-        return self.server()
+        return JsonErrorHandler(self.server, loop=asyncio.get_running_loop(), **self.handler_args)
 
     def open_count(self) -> int:
         return sum(not closing(handler) for handler in self.server.connections)

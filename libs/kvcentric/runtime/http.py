@@ -10,6 +10,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import nats.errors
 import redis.exceptions
@@ -115,11 +116,13 @@ class HttpServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen on host:port (0: any free port); returns the port bound."""
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
-                                     keepalive_timeout=self.limits.header_timeout_s, lingering_time=LINGER_S)
+        handler_args: dict[str, Any] = {"access_log": None, "keepalive_timeout": self.limits.header_timeout_s,
+                                        "lingering_time": LINGER_S}
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, **handler_args)
         await self._runner.setup()
         assert self._runner.server is not None
-        self.cap = ConnectionCap(self._runner.server, self.limits.connection_cap, self.metrics.counters)
+        self.cap = ConnectionCap(self._runner.server, handler_args, self.limits.connection_cap,
+                                 self.metrics.counters)
         self._listener = await asyncio.get_running_loop().create_server(self.cap, host, port, backlog=1024)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
