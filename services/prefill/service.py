@@ -90,8 +90,13 @@ class PrefillService(EngineService):
         self.submit(job)
 
     async def on_cancel(self, cancel: Cancel) -> None:
+        """Drop the job if queued; if running, stop it at its next chunk, and its push now (a last push
+        waiting on its receiver would otherwise hold the work loop until the push deadline)."""
         if self.engine.cancel(cancel.request_id):
             self.log.info("cancelled %s", cancel.request_id)
+            push = self.pushes.get(cancel.request_id)
+            if push is not None:  # the work loop sees the cancel on its next await of the push
+                push.task.cancel()
 
     # ---------------------------------------------------------------- what it tells the cluster
 
