@@ -99,7 +99,15 @@ class JsonErrorHandler(web.RequestHandler):
     """aiohttp's connection handler, except that what it answers itself, before any middleware (a request
     head it cannot parse, a header line too long), is an OpenAI error object too, not a plain-text page."""
 
-    __slots__ = ()
+    __slots__ = ("on_lost",)
+
+    def __init__(self, *args, on_lost: Callable[[JsonErrorHandler], None], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_lost = on_lost
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        self.on_lost(self)
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -124,20 +132,26 @@ class ConnectionCap:
         self.busy: collections.Counter[object] = collections.Counter()
         """Requests in progress per connection (its aiohttp handler), kept by `HttpServer`'s middleware."""
         self.refusing: set[Refusal] = set()
+        self.open: dict[JsonErrorHandler, None] = {}
+        """The connections open, oldest first (those closed to make room leave at once)."""
 
     def __call__(self) -> asyncio.BaseProtocol:
-        if self.open_count() >= self.cap and not self.close_oldest_idle():
+        if len(self.open) >= self.cap and not self.close_oldest_idle():
             self.counters["http_connections_refused_total"] += 1
             return Refusal(self.refusing)
-        return JsonErrorHandler(self.server, loop=asyncio.get_running_loop(), **self.handler_args)
+        handler = JsonErrorHandler(self.server, loop=asyncio.get_running_loop(), on_lost=self.forget,
+                                   **self.handler_args)
+        self.open[handler] = None
+        return handler
 
-    def open_count(self) -> int:
-        return sum(not closing(handler) for handler in self.server.connections)
+    def forget(self, handler: JsonErrorHandler) -> None:
+        self.open.pop(handler, None)
 
     def close_oldest_idle(self) -> bool:
         """Close the connection open longest that has no request in progress; False when all are busy."""
-        for handler in self.server.connections:  # in the order they opened
-            if not closing(handler) and not self.busy[handler]:
+        for handler in self.open:  # in the order they opened
+            if not self.busy[handler]:
+                del self.open[handler]  # it is closing: out of the count now, not when its close is done
                 handler.force_close()
                 self.counters["http_connections_evicted_total"] += 1
                 return True
@@ -153,7 +167,3 @@ class ConnectionCap:
                 del self.busy[handler]
         return done
 
-
-def closing(handler) -> bool:
-    transport = handler.transport
-    return transport is None or transport.is_closing()
