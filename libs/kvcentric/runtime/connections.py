@@ -55,9 +55,9 @@ class HttpLimits:
 
 def refusal_bytes() -> bytes:
     """The whole HTTP answer of a connection over the cap: 503, JSON error body, Retry-After, close."""
-    body = json.dumps({"error": {"message": "the server has too many open connections; retry shortly",
-                                 "type": "service_unavailable", "param": None,
-                                 "code": "too_many_connections"}}).encode()
+    error = ApiError(503, "the server has too many open connections; retry shortly", kind="service_unavailable",
+                     code="too_many_connections")
+    body = json.dumps(error.body()).encode()
     head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n")
     return head.encode() + body

@@ -70,13 +70,13 @@ def unavailable(exc: BaseException) -> str:
     return ""
 
 
-def error_for(exc: Exception, request: web.Request, max_body_bytes: int) -> ApiError:
+def error_for(exc: Exception, method: str, path: str, max_body_bytes: int) -> ApiError:
     """The OpenAI-shaped answer for whatever a handler raised: its own ApiError, aiohttp's refusals (404,
     405, a body over the limit), a 503 with Retry-After when a dependency is down, else a 500."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, web.HTTPException):
-        return http_error(exc.status, request.method, request.path, max_body_bytes)
+        return http_error(exc.status, method, path, max_body_bytes)
     dependency = unavailable(exc)
     if dependency:
         return ApiError(503, f"{dependency} is unavailable ({type(exc).__name__}: {exc}); retry shortly",
@@ -142,11 +142,11 @@ class HttpServer:
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            error = error_for(exc, request, self.max_body_bytes)
+            error = error_for(exc, request.method, request.path, self.max_body_bytes)
         except ConnectionResetError:  # the client left: nobody to answer
             raise
         except Exception as exc:  # noqa: BLE001 - every failure is answered in JSON
-            error = error_for(exc, request, self.max_body_bytes)
+            error = error_for(exc, request.method, request.path, self.max_body_bytes)
             if error.status == 500:
                 self.log.exception("%s %s failed", request.method, request.path)
             else:
