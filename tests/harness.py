@@ -93,7 +93,10 @@ class UpProcess:
         raise TimeoutError(f"kvcentric up did not say /{pattern}/ in {timeout_s} s; it said:\n" + "".join(self.said))
 
     def health(self, service: str) -> dict:
-        return get_json(self.manifest["services"][service]["health_url"])[1]
+        """GET /health of `service` as cluster.json names it now ({} while a restarted one has not bound its
+        port yet)."""
+        url = self.reload()["services"][service]["health_url"]
+        return {} if url is None else get_json(url)[1]
 
     def pids(self) -> list[int]:
         return [s["pid"] for s in self.manifest["services"].values()]

@@ -74,6 +74,9 @@ class ConductorService(Service):
         if not self.local_index:  # nothing to seed: the index stays empty and unused
             self.seeding.go_live(seeded=False)
         self.leadership = Leadership(self.instance_id, time.monotonic(), lease_s=3 * HEARTBEAT_S)
+        self.started_at = time.monotonic()
+        self.warm = False
+        """It has heard from a prefill and a decode instance, or has run --stale-after-s (`warmed_up`)."""
         self.replan = (ReplanLoop.from_config(self.core, self.bus, self.counters, self.log, config)
                        if config.replan_interval_s > 0 else None)
 
@@ -140,6 +143,8 @@ class ConductorService(Service):
         if problem:
             self.counters["bus_drops_total"] += 1
             return Rejection.bad_request(request.request_id, problem)
+        if not self.warm:
+            await self.warmed_up()
         hits = await self.prefix_hits(request.block_hashes)
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
@@ -151,6 +156,16 @@ class ConductorService(Service):
             if request.dispatch is not None:
                 decision = await self.hand_to_engines(request, request.dispatch, decision)
         return decision
+
+    async def warmed_up(self) -> None:
+        """A conductor that has just started (a replica joining, one restarted) has no view yet: a request the
+        queue group gives it waits for the engines' first load reports (at most --stale-after-s from its
+        start) instead of being refused for want of them."""
+        while not self.warm:
+            if time.monotonic() - self.started_at >= self.config.stale_after_s or not await self.readiness():
+                self.warm = True
+            else:
+                await asyncio.sleep(0.02)
 
     async def hand_to_engines(self, request: ScheduleRequest, what: Dispatch, placement: Placement) -> Placement:
         """Send the jobs (`what` is `request.dispatch`) ahead of the answer, which does not wait for their

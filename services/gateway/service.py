@@ -11,6 +11,7 @@ rejection becomes in `kvcentric.core.errors`; it holds no scheduling policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -69,6 +70,9 @@ class GatewayService(Service):
         self.tokenizer = load_tokenizer(config.model)
         self.hasher = BlockHasher(config.hash_algo, config.block_size)
         self.in_flight = 0
+        self.running: dict[int, relay.Job] = {}
+        """The requests being served, to end their token streams when the bus connection drops."""
+        self.bus.on_disconnect.append(self.end_streams)
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
         self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
@@ -217,6 +221,7 @@ class GatewayService(Service):
     async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
         """Place, relay and answer; returns the response and the outcome label of the request."""
         job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        self.running[id(job)] = job
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 placement = job.placement = await self.place(job)
@@ -242,7 +247,16 @@ class GatewayService(Service):
                 raise
             return job.response, "cancelled"
         finally:
-            await job.output.unsubscribe()
+            self.running.pop(id(job), None)
+            with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams`, or NATS is draining
+                await job.output.unsubscribe()
+
+    async def end_streams(self) -> None:
+        """The bus connection dropped: what the engines publish until it is back is lost, so every request
+        being served ends now with a 503 (`token_chunks`) instead of waiting for tokens that may never come."""
+        for job in list(self.running.values()):
+            with contextlib.suppress(nats.errors.Error):
+                await job.output.unsubscribe()
 
     async def ask(self, subject: str, message, kind):
         """One request/reply; while nobody is subscribed it asks again for up to --bus-timeout-s (nothing was
@@ -337,6 +351,8 @@ class GatewayService(Service):
             yield chunk
             if chunk.finish_reason is not None:
                 return
+        raise ApiError(503, "the gateway lost its NATS connection while the request ran (its tokens may be lost); "
+                            "retry", kind="service_unavailable", headers={"Retry-After": "1"})
 
     # ---------------------------------------------------------------- the end of a request
 

@@ -116,6 +116,7 @@ class Cluster:
         self.processes = Supervisor(config.log_dir)
         self.nats_url = config.nats_url
         self.redis_url = config.redis_url
+        self.manifest: dict = {}
 
     @property
     def log_dir(self) -> str:
@@ -143,10 +144,14 @@ class Cluster:
 
     def write_manifest(self) -> None:
         """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests; written
-        again whenever a child restarts (written aside, then renamed: a reader never sees half of it)."""
+        again whenever that changes (a child restarted, a restarted service bound its port), aside and then
+        renamed, so a reader never sees half of it."""
         manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url,
                     "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
                                  for c in self.processes.children}}
+        if manifest == self.manifest:
+            return
+        self.manifest = manifest
         path = os.path.join(self.log_dir, "cluster.json")
         with open(path + ".tmp", "w") as out:
             json.dump(manifest, out, indent=2)
@@ -172,11 +177,9 @@ class Cluster:
         if self.config.restart == "never":
             self.processes.check_alive()
             return
-        said = self.processes.tend(time.monotonic())
-        for line in said:
+        for line in self.processes.tend(time.monotonic()):
             print(f"kvcentric: {line}", flush=True)
-        if said:
-            self.write_manifest()
+        self.write_manifest()
 
     @property
     def gateway_port(self) -> int:
