@@ -1,6 +1,6 @@
 """The Supervisor restarts a child that dies, after a backoff that doubles with each quick crash in a row,
-and gives up on a crash loop with a message naming the child; the restart policy and the conductors'
-leadership are pure and tested with time passed in."""
+and gives up on a crash loop with a message naming the child; the restart policy is pure and tested with
+time passed in."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 
 from waiting import eventually
 
-from kvcentric.core.scheduling.leadership import Leadership
 from kvcentric.tools.processes import RestartPolicy, Supervisor
 
 
@@ -66,17 +65,3 @@ def test_a_crash_loop_is_given_up_on_with_the_childs_name_and_log(tmp_path):
             "looper exited with code 2; restarting it in 0.02 s (2 quick crashes in a row; gives up after 2)"]
     finally:
         supervisor.stop(grace_s=1.0)
-
-
-def test_the_lowest_live_conductor_leads_and_a_newcomer_waits_one_lease_before_it_acts():
-    a, b = Leadership("conductor", started=0.0, lease_s=1.5), Leadership("conductor-1", started=0.0, lease_s=1.5)
-    assert not a.leads(1.0)  # too soon: it has not heard whether a lower id is alive
-    for now in (1.0, 1.5, 2.0):
-        a.heard("conductor-1", now)
-        b.heard("conductor", now)
-        a.heard("conductor", now)  # its own heartbeat, echoed back: ignored
-    assert a.leads(2.0) and not b.leads(2.0)
-    assert a.replicas(2.0) == b.replicas(2.0) == ["conductor", "conductor-1"]
-    assert b.leader(3.6) == "conductor-1" and b.leads(3.6)  # "conductor" silent for more than a lease
-    b.heard("conductor", 4.0)  # it came back
-    assert b.leader(4.0) == "conductor" and not b.leads(4.0)
