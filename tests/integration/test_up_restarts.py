@@ -1,7 +1,7 @@
 """`kvcentric up` keeps its cluster serving through a child's death: a decode instance or a conductor
 killed with SIGKILL is started again (and `up` says so), killing one of the two conductors under load loses
-no request, and a nats-server killed and restarted is rejoined by every service; with --restart never the
-first death stops the cluster."""
+no request, a nats-server killed and restarted is rejoined by every service (requests caught in the gap
+end at once with a 503), and kvs-meta reconnects to a restarted redis-server."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import pytest
 
 from harness import UpProcess
 from waiting import eventually
+
+from kvcentric.tools.processes import get_json
 
 BOUND_S = 20.0
 """No request may take longer than this, fault or not (the gateway's own timeout is 120 s)."""
@@ -127,3 +129,13 @@ def test_a_killed_nats_server_is_restarted_and_every_service_rejoins_it(up):
     assert max(seconds for _, _, seconds in answers) < BOUND_S
     assert eventually(lambda: up.health("gateway"), "the gateway sees every engine again",
                       until=lambda health: (health["prefill_alive"], health["decode_alive"]) == (1, 2))
+
+
+def test_kvs_meta_reconnects_to_a_restarted_redis_server(up):
+    said = len(up.said)
+    kill(up, "redis-server")
+    wait_restarted(up, "redis-server", said)
+    kvs_meta = up.reload()["services"]["kvs-meta"]["health_url"].replace("/health", "/ready")
+    eventually(lambda: get_json(kvs_meta)[0], "kvs-meta answers /ready again", until=lambda status: status == 200,
+               timeout_s=30, ignoring=(OSError,))
+    assert serving(up)
