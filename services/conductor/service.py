@@ -53,6 +53,9 @@ DUMP_PAGE_TIMEOUT_S = 2.0
 """How long one page of the dump may take."""
 HEARTBEAT_S = 0.5
 """How often a conductor says it is alive to the other replicas (one is taken for gone after 3 missed)."""
+WARM_UP_S = 1.0
+"""How long a conductor that has just started waits for the engines' first load reports (they come about ten
+times a second) before it places without them."""
 SCHEDULERS = "conductor"
 """The NATS queue group every conductor answers kvc.conductor.schedule in."""
 
@@ -76,7 +79,7 @@ class ConductorService(Service):
         self.leadership = Leadership(self.instance_id, time.monotonic(), lease_s=3 * HEARTBEAT_S)
         self.started_at = time.monotonic()
         self.warm = False
-        """It has heard from a prefill and a decode instance, or has run --stale-after-s (`warmed_up`)."""
+        """It has heard from a prefill and a decode instance, or has run WARM_UP_S (`warmed_up`)."""
         self.replan = (ReplanLoop.from_config(self.core, self.bus, self.counters, self.log, config)
                        if config.replan_interval_s > 0 else None)
 
@@ -159,10 +162,10 @@ class ConductorService(Service):
 
     async def warmed_up(self) -> None:
         """A conductor that has just started (a replica joining, one restarted) has no view yet: a request the
-        queue group gives it waits for the engines' first load reports (at most --stale-after-s from its
-        start) instead of being refused for want of them."""
+        queue group gives it waits for the engines' first load reports (at most WARM_UP_S from its start)
+        instead of being refused for want of them."""
         while not self.warm:
-            if time.monotonic() - self.started_at >= self.config.stale_after_s or not await self.readiness():
+            if time.monotonic() - self.started_at >= WARM_UP_S or not await self.readiness():
                 self.warm = True
             else:
                 await asyncio.sleep(0.02)
