@@ -28,7 +28,7 @@ def alive(pid: int) -> bool:
 def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
     cluster = start_up(tmp_path, "--prefill", "1", "--decode", "2")
     try:
-        assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor",
+        assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor-0",
                                                      "conductor-1", "prefill-0", "decode-0", "decode-1", "gateway"}
         request = urllib.request.Request(cluster.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                          data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode())

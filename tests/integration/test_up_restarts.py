@@ -99,13 +99,13 @@ def test_a_killed_decode_instance_is_started_again_and_the_cluster_serves_it(up)
 
 
 def test_killing_one_of_two_conductors_under_load_loses_no_request(up):
-    assert up.health("conductor")["conductors"] == ["conductor", "conductor-1"]
+    assert up.health("conductor-0")["conductors"] == ["conductor-0", "conductor-1"]
     with Load(up.url) as load:
         eventually(lambda: len(load.answers), "some requests answered", until=lambda n: n >= 4, timeout_s=60)
         said = len(up.said)
-        kill(up, "conductor")
-        wait_restarted(up, "conductor", said)
-        eventually(lambda: up.health("conductor"), "the conductor is back", timeout_s=60,
+        kill(up, "conductor-0")
+        wait_restarted(up, "conductor-0", said)
+        eventually(lambda: up.health("conductor-0"), "the conductor is back", timeout_s=60,
                    until=lambda health: health and health["decode_alive"] == 2, ignoring=(OSError,))
         answered = len(load.answers)
         eventually(lambda: len(load.answers), "requests after its return", until=lambda n: n >= answered + 4)

@@ -79,5 +79,5 @@ def test_bad_up_flags_are_refused_naming_the_flag(argv, flag):
 def test_two_conductor_replicas_and_restarts_by_default_named_as_the_cluster_json_lists_them():
     config = up_config()
     assert (config.conductors, config.restart) == (2, "on-failure")
-    assert config.conductor_names == ["conductor", "conductor-1"]
+    assert config.conductor_names == ["conductor-0", "conductor-1"]
     assert up_config("--conductors", "3", "--restart", "never").conductor_names[-1] == "conductor-2"

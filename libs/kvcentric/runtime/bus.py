@@ -160,11 +160,13 @@ class Bus:
 
 
 def default_span_name(subject: str, instance_id: str) -> str:
-    """'kvc.conductor.schedule' -> 'conductor.schedule'; 'kvc.prefill.<id>.submit' -> 'prefill.submit'."""
+    """'kvc.conductor.schedule' -> 'conductor.schedule'; 'kvc.prefill.<id>.submit' -> 'prefill.submit'. The
+    first token names the service and stays, even when the instance id is that word."""
     tokens = subject.split(".")
     if tokens[0] == "kvc":
         tokens = tokens[1:]
-    return ".".join(t for t in tokens if t not in ("*", ">", instance_id)) or subject
+    kept = [t for i, t in enumerate(tokens) if t not in ("*", ">") and (i == 0 or t != instance_id)]
+    return ".".join(kept) or subject
 
 
 async def connect_nats(url: str, name: str, stopping: asyncio.Event,

@@ -98,8 +98,8 @@ class UpConfig:
 
     @property
     def conductor_names(self) -> list[str]:
-        """Names (and instance ids) of the conductors: `conductor`, then `conductor-1`, `conductor-2`, ..."""
-        return ["conductor" if i == 0 else f"conductor-{i}" for i in range(self.conductors)]
+        """Names (and instance ids) of the conductors: `conductor-0`, `conductor-1`, ..."""
+        return [f"conductor-{i}" for i in range(self.conductors)]
 
     @property
     def expected_alive(self) -> tuple[int, int]:
