@@ -101,6 +101,8 @@ class BusConfig:
     host: str = setting("127.0.0.1", "address the HTTP side (health, metrics, API) binds to")
     port: int = setting(0, "HTTP port for /health, /ready and /metrics (0: pick a free port)")
     log_level: LogLevel = setting("info", "log level")
+    port_file: str = setting("", "once the HTTP side listens, write the port bound and this pid to this file as JSON "
+                                 "(for a supervisor that starts services with --port 0)")
 
     def __post_init__(self) -> None:
         require(self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")), "nats_url",

@@ -54,12 +54,16 @@ class ReplanLoop:
     def placed(self, request: ScheduleRequest, placement: Placement) -> None:
         self.retuner.placed(request.n_tokens - placement.cached_tokens, request.max_tokens)
 
-    async def tick(self) -> None:
+    async def tick(self, leads: bool = True) -> None:
+        """Sample the pools and re-plan t; decide and send a role switch only when `leads` (one conductor
+        replica of several does)."""
         now = time.monotonic()
         registry = self.core.registry
         prefill, decode = pd_pools(registry.alive_prefill(now), registry.alive_decode(now), self.core.router)
         self.planner.observe(prefill, decode, now)
         self.retune_threshold(len(prefill), len(decode), now)
+        if not leads:
+            return
         switch = self.planner.decide(prefill, decode, now)
         if switch is not None:
             await self.apply(switch)

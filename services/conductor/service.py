@@ -10,6 +10,11 @@ request (one batch, with retries and health gating). When kvs-meta is down or un
 placement is load-only (no prefix hits), counted in `placements_load_only_total` and shown by the
 `kvs_metadata_down` gauge. kvs-meta stays the durable source of truth; the mirror is never written back.
 The seeding's states are `kvcentric.core.scheduling.seeding`; this module only feeds it and asks for pages.
+
+Several conductors may run side by side: they answer kvc.conductor.schedule from one NATS queue group (each
+request reaches one of them), while load reports, outcomes and KV events reach each, so each keeps its own
+view (their estimates may differ; each placement is made from a whole view). They heartbeat on
+kvc.conductor.alive, and only the leader (`Leadership`: the lowest live id) sends re-planning role switches.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ from kvc_conductor.config import ConductorConfig
 from kvc_conductor.replanning import ReplanLoop
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.dispatch import Submit, bad_dispatch, jobs
-from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, KVEventBatch,
-                                     KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement, Rejection,
-                                     RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
+from kvcentric.core.protocol import (BadMessage, Cancel, ConductorAlive, Dispatch, InstancesQuery, InstancesReply,
+                                     KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement,
+                                     Rejection, RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
 from kvcentric.core.scheduling.clusters import ClusterRouter
 from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.kvs_gate import KVSGate
+from kvcentric.core.scheduling.leadership import Leadership
 from kvcentric.core.scheduling.prefix import HolderIndex, prefix_from_holders
 from kvcentric.core.scheduling.seeding import IndexSeeding
 from kvcentric.runtime import dispatch, tracing
@@ -45,6 +51,13 @@ DUMP_PAGE_BLOCKS = 2000
 """Blocks asked for per page of kvs-meta's dump."""
 DUMP_PAGE_TIMEOUT_S = 2.0
 """How long one page of the dump may take."""
+HEARTBEAT_S = 0.5
+"""How often a conductor says it is alive to the other replicas (one is taken for gone after 3 missed)."""
+WARM_UP_S = 1.0
+"""How long a conductor that has just started waits for the engines' first load reports (they come about ten
+times a second) before it places without them."""
+SCHEDULERS = "conductor"
+"""The NATS queue group every conductor answers kvc.conductor.schedule in."""
 
 
 class ConductorService(Service):
@@ -63,6 +76,10 @@ class ConductorService(Service):
         self.index = self.seeding.index
         if not self.local_index:  # nothing to seed: the index stays empty and unused
             self.seeding.go_live(seeded=False)
+        self.leadership = Leadership(self.instance_id, time.monotonic(), lease_s=3 * HEARTBEAT_S)
+        self.started_at = time.monotonic()
+        self.warm = False
+        """It has heard from a prefill and a decode instance, or has run WARM_UP_S (`warmed_up`)."""
         self.replan = (ReplanLoop.from_config(self.core, self.bus, self.counters, self.log, config)
                        if config.replan_interval_s > 0 else None)
 
@@ -83,13 +100,15 @@ class ConductorService(Service):
                              "prefix-index-leases")
         await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
         await self.bus.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
-        await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue="conductor",
+        await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue=SCHEDULERS,
                                  bad_reply=lambda error: Rejection.bad_request("", error))
         await self.bus.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                                  bad_reply=lambda error: self.instances())
         self.tasks.spawn(self.tasks.every(10.0, self.forget_departed), "forget-departed")
+        await self.bus.subscribe(Subjects.CONDUCTORS, ConductorAlive, self.on_conductor)
+        self.tasks.spawn(self.tasks.every(HEARTBEAT_S, self.say_alive), "heartbeat")
         if self.replan is not None:
-            self.tasks.spawn(self.tasks.every(self.config.replan_interval_s, self.replan.tick), "replan")
+            self.tasks.spawn(self.tasks.every(self.config.replan_interval_s, self.replan_tick), "replan")
         self.log_setup()
 
     def log_setup(self) -> None:
@@ -106,6 +125,19 @@ class ConductorService(Service):
         if self.local_index:
             self.index.renew(report.instance_id, now)
 
+    # ---------------------------------------------------------------- replicas
+
+    async def on_conductor(self, alive: ConductorAlive) -> None:
+        self.leadership.heard(alive.instance_id, time.monotonic())
+
+    async def say_alive(self) -> None:
+        await self.bus.publish(Subjects.CONDUCTORS, ConductorAlive(instance_id=self.instance_id))
+
+    async def replan_tick(self) -> None:
+        """Every replica follows the pools; only the leader switches roles (one switch, not one per replica)."""
+        assert self.replan is not None
+        await self.replan.tick(leads=self.leadership.leads(time.monotonic()))
+
     async def on_outcome(self, outcome: RequestOutcome) -> None:
         self.core.on_outcome(outcome, time.monotonic())
 
@@ -114,6 +146,8 @@ class ConductorService(Service):
         if problem:
             self.counters["bus_drops_total"] += 1
             return Rejection.bad_request(request.request_id, problem)
+        if not self.warm:
+            await self.warmed_up()
         hits = await self.prefix_hits(request.block_hashes)
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
@@ -125,6 +159,16 @@ class ConductorService(Service):
             if request.dispatch is not None:
                 decision = await self.hand_to_engines(request, request.dispatch, decision)
         return decision
+
+    async def warmed_up(self) -> None:
+        """A conductor that has just started (a replica joining, one restarted) has no view yet: a request the
+        queue group gives it waits for the engines' first load reports (at most WARM_UP_S from its start)
+        instead of being refused for want of them."""
+        while not self.warm:
+            if time.monotonic() - self.started_at >= WARM_UP_S or not await self.readiness():
+                self.warm = True
+            else:
+                await asyncio.sleep(0.02)
 
     async def hand_to_engines(self, request: ScheduleRequest, what: Dispatch, placement: Placement) -> Placement:
         """Send the jobs (`what` is `request.dispatch`) ahead of the answer, which does not wait for their
@@ -271,6 +315,7 @@ class ConductorService(Service):
                 "policy": self.config.policy, "rejection": self.config.rejection,
                 "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
                 "prefix_index": self.config.prefix_index,
+                "conductors": self.leadership.replicas(now), "leader": self.leadership.leader(now),
                 **({"prefix_index_live": self.seeding.live, "prefix_index_seeded": self.seeded}
                    if self.local_index else {}),
                 **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -46,6 +47,8 @@ class Job:
     dispatch_pending: bool = False
     """The conductor was asked to hand the request to the engines and has not answered yet: an ending now
     must cancel it on engines that may already have it."""
+    output: Any = None
+    """The NATS subscription to the request's kvc.req.<id>.out (a new one when the id is renewed)."""
 
     @property
     def ttft_s(self) -> float | None:

@@ -11,6 +11,7 @@ rejection becomes in `kvcentric.core.errors`; it holds no scheduling policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import json
@@ -41,6 +42,12 @@ from kvcentric.runtime.service import Service
 MAX_REQUEST_ID = 256
 """Longest X-Request-ID echoed back; a longer one is replaced by the gateway's own id."""
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+NO_RESPONDERS_PAUSE_S = 0.1
+"""Pause before asking again when no conductor is subscribed (one restarting, NATS reconnecting)."""
+
+
+class SilentConductor(ApiError):
+    """The conductor that took a schedule request did not answer in time (it may have died holding it)."""
 
 
 def client_request_id(request: web.Request) -> str:
@@ -60,6 +67,9 @@ class GatewayService(Service):
         self.tokenizer = load_tokenizer(config.model)
         self.hasher = BlockHasher(config.hash_algo, config.block_size)
         self.in_flight = 0
+        self.running: dict[int, relay.Job] = {}
+        """The requests being served, to end their token streams when the bus connection drops."""
+        self.bus.on_disconnect.append(self.end_streams)
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
         self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
@@ -199,12 +209,13 @@ class GatewayService(Service):
 
     async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
         """Place, relay and answer; returns the response and the outcome label of the request."""
-        subscription = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        self.running[id(job)] = job
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 placement = job.placement = await self.place(job)
                 text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pairs = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
+                pairs = relay.pieces(job, self.token_chunks(job.output), text, self.tbt.observe)
                 headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
                     response = await relay.stream(request, job, pairs, self.model_name, headers)
@@ -225,27 +236,41 @@ class GatewayService(Service):
                 raise
             return job.response, "cancelled"
         finally:
-            try:
-                await subscription.unsubscribe()
-            except nats.errors.Error:  # the bus is draining or closed: the subscription goes with it
-                pass
+            self.running.pop(id(job), None)
+            with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams`, or NATS is draining
+                await job.output.unsubscribe()
+
+    async def end_streams(self) -> None:
+        """The bus connection dropped: what the engines publish until it is back is lost, so every request
+        being served ends now with a 503 (`token_chunks`) instead of waiting for tokens that may never come."""
+        for job in list(self.running.values()):
+            with contextlib.suppress(nats.errors.Error):
+                await job.output.unsubscribe()
 
     async def ask(self, subject: str, message, kind):
-        try:
-            return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
-        except nats.errors.NoRespondersError:
-            raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None
-        except (TimeoutError, nats.errors.TimeoutError):
-            raise ApiError(503, f"no answer on {subject} in {self.config.bus_timeout_s} s (--bus-timeout-s)",
-                           kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
-        except BadMessage as exc:
-            raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
-        except nats.errors.MaxPayloadError:
-            raise self.too_large() from None
-        except BUS_DOWN as exc:
-            raise ApiError(503, f"the bus is unavailable ({type(exc).__name__}); retry shortly",
-                           kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        """One request/reply; while nobody is subscribed it asks again for up to --bus-timeout-s (nothing was
+        delivered, so asking again is safe)."""
+        patience = time.monotonic() + self.config.bus_timeout_s
+        while True:
+            try:
+                return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
+            except nats.errors.NoRespondersError:
+                if time.monotonic() < patience:
+                    await asyncio.sleep(NO_RESPONDERS_PAUSE_S)
+                    continue
+                raise ApiError(503, f"nobody answers on {subject}", kind="service_unavailable",
+                               headers={"Retry-After": RETRY_AFTER_S}) from None
+            except (TimeoutError, nats.errors.TimeoutError):
+                raise SilentConductor(503, f"no answer on {subject} in {self.config.bus_timeout_s} s "
+                                           f"(--bus-timeout-s)", kind="service_unavailable",
+                                      headers={"Retry-After": RETRY_AFTER_S}) from None
+            except BadMessage as exc:
+                raise ApiError(500, f"a bad answer on {subject}: {exc}", kind="server_error") from None
+            except nats.errors.MaxPayloadError:
+                raise self.too_large() from None
+            except BUS_DOWN as exc:
+                raise ApiError(503, f"the bus is unavailable ({type(exc).__name__}); retry shortly",
+                               kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
 
     def too_large(self) -> ApiError:
         return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.bus.max_payload} bytes): "
@@ -256,7 +281,10 @@ class GatewayService(Service):
         answers; with --dispatch gateway they are sent from here, to prefill and decode at once."""
         ask = self.schedule_request(job)
         job.dispatch_pending = ask.dispatch is not None
-        decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
+        try:
+            decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
+        except SilentConductor:
+            decision = await self.ask(Subjects.SCHEDULE, await self.renew(job, ask), ScheduleReply)
         job.dispatch_pending = False
         if isinstance(decision, Rejection):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1
@@ -265,6 +293,18 @@ class GatewayService(Service):
         if not decision.dispatched:  # asked not to, or a conductor from before dispatching
             await self.send_jobs(job, decision)
         return decision
+
+    async def renew(self, job: relay.Job, ask: ScheduleRequest) -> ScheduleRequest:
+        """After a conductor went silent holding `ask` (another replica of the queue group answers next): cancel
+        it on any engine it was handed to, and ask again under a new request id, whose output is listened to
+        from now on, so a late job of the old id can neither run nor mix into this stream."""
+        await self.bus.publish(Subjects.cancel(job.request_id),
+                               Cancel(request_id=job.request_id, reason="gateway: its conductor went silent"))
+        await job.output.unsubscribe()
+        self.counters["schedule_retries_total"] += 1
+        job.request_id = f"{job.request_id.partition('-')[0]}-{uuid.uuid4().hex}"
+        job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        return msgspec.structs.replace(ask, request_id=job.request_id)
 
     def schedule_request(self, job: relay.Job) -> ScheduleRequest:
         """What the conductor is asked; with --dispatch conductor it carries the jobs' tokens too, unless
@@ -303,6 +343,8 @@ class GatewayService(Service):
             yield chunk
             if chunk.finish_reason is not None:
                 return
+        raise ApiError(503, "the gateway lost its NATS connection while the request ran (its tokens may be lost); "
+                            "retry", kind="service_unavailable", headers={"Retry-After": "1"})
 
     # ---------------------------------------------------------------- the end of a request
 

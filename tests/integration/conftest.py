@@ -1,4 +1,5 @@
-"""Real servers for the integration tests: nats-server and redis-server on free loopback ports, and a
+"""Real servers for the integration tests: nats-server and redis-server on loopback ports that cannot
+collide (nats-server binds one itself; redis-server is retried on another port if its was taken), and a
 whole `kvcentric up` cluster. Nothing here mocks NATS, Redis or gRPC."""
 
 from __future__ import annotations
@@ -9,29 +10,23 @@ import pytest
 
 from harness import UpProcess
 
-from kvcentric.tools.processes import free_port, nats_server_argv, redis_server_argv, wait_for_port
+from kvcentric.tools.processes import end, serve_nats, serve_redis, wait_for_port
 
 
 def start_server(argv: list[str], port: int) -> subprocess.Popen:
+    """A server on a port chosen up front (to restart one where it was: its clients know the port)."""
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port("127.0.0.1", port, 10)
     return process
 
 
 def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    end(process)
 
 
 @pytest.fixture(scope="session")
 def nats_url():
-    port = free_port()
-    process = start_server(nats_server_argv(port), port)
+    process, port = serve_nats()
     try:
         yield f"nats://127.0.0.1:{port}"
     finally:
@@ -41,8 +36,7 @@ def nats_url():
 @pytest.fixture
 def own_nats():
     """A NATS server of the test's own, so no other test's conductor or kvs-meta answers in a queue group."""
-    port = free_port()
-    server = start_server(nats_server_argv(port), port)
+    server, port = serve_nats()
     try:
         yield f"nats://127.0.0.1:{port}"
     finally:
@@ -51,8 +45,7 @@ def own_nats():
 
 @pytest.fixture(scope="session")
 def redis_url():
-    port = free_port()
-    process = start_server(redis_server_argv(port), port)
+    process, port = serve_redis()
     try:
         yield f"redis://127.0.0.1:{port}/0"
     finally:

@@ -139,6 +139,10 @@ def test_the_live_gateway_reports_outcomes_to_the_conductor(cluster):
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
-    url = cluster.manifest["services"]["conductor"]["health_url"].replace("/health", "/metrics")
-    eventually(lambda: [line for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")],
-               "the conductor recorded an outcome", until=lambda lines: lines and float(lines[0].split()[-1]) >= 1)
+    urls = [service["health_url"].replace("/health", "/metrics") for name, service in
+            cluster.manifest["services"].items() if name.startswith("conductor")]  # the one that placed it counts
+
+    def outcomes() -> float:
+        lines = [line for url in urls for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")]
+        return sum(float(line.split()[-1]) for line in lines)
+    eventually(outcomes, "a conductor recorded an outcome", until=lambda count: count >= 1)

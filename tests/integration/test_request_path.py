@@ -135,5 +135,5 @@ def test_health_and_models_answer(cluster):
     with urllib.request.urlopen(cluster.url + "/v1/models") as response:
         models = json.load(response)
     assert models["data"][0]["id"] == "tiny"
-    for service in ("conductor", "kvs-meta", "prefill-0", "decode-0"):
+    for service in ("conductor-0", "kvs-meta", "prefill-0", "decode-0"):
         assert cluster.health(service)["status"] == "ok"

@@ -1,4 +1,5 @@
-"""`kvcentric up` starts its own servers, serves, and leaves no process behind on SIGTERM or SIGINT."""
+"""`kvcentric up` starts its own servers, serves, and leaves no process behind on SIGTERM or SIGINT; with
+--restart never the first death of a child stops the cluster (fail fast)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def alive(pid: int) -> bool:
 def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
     cluster = start_up(tmp_path, "--prefill", "1", "--decode", "2")
     try:
-        assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor",
-                                                     "prefill-0", "decode-0", "decode-1", "gateway"}
+        assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor-0",
+                                                     "conductor-1", "prefill-0", "decode-0", "decode-1", "gateway"}
         request = urllib.request.Request(cluster.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                          data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode())
         with urllib.request.urlopen(request, timeout=30) as response:
@@ -46,3 +47,16 @@ def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
     for name, service in cluster.manifest["services"].items():
         with open(service["log"]) as log:
             assert "Traceback" not in log.read(), f"{name} logged a traceback"
+
+
+def test_with_restart_never_the_first_death_stops_every_child_and_up_fails(tmp_path):
+    cluster = start_up(tmp_path, "--restart", "never", "--conductors", "1")
+    pids = cluster.pids()
+    try:
+        os.kill(cluster.manifest["services"]["decode-0"]["pid"], signal.SIGKILL)
+        assert cluster.process.wait(30) == 1
+    finally:
+        cluster.stop()
+    cluster.wait_said("kvcentric: decode-0 exited with code -9", timeout_s=5)
+    eventually(lambda: [pid for pid in pids if alive(pid)], "every child of `kvcentric up` gone",
+               until=lambda living: not living, timeout_s=10, every_s=0.1)

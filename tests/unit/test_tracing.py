@@ -54,6 +54,7 @@ def test_bus_span_names_come_from_the_subject():
     assert default_span_name("kvc.kvs.query", "k") == "kvs.query"
     assert default_span_name("kvc.prefill.prefill-0.submit", "prefill-0") == "prefill.submit"
     assert default_span_name("kvc.req.*.cancel", "x") == "req.cancel"
+    assert default_span_name("kvc.conductor.schedule", "conductor") == "conductor.schedule"  # an id like the role
 
 
 @pytest.fixture

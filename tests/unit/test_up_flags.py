@@ -69,7 +69,15 @@ def test_environment_variables_reach_the_engines_through_up(monkeypatch):
     (["--tbt-slo-s", "-1"], "--tbt-slo-s"),
     (["--tbt-slo-s", "inf"], "--tbt-slo-s"),
     (["--port", "70000"], "--port"),
+    (["--conductors", "0"], "--conductors"),
 ])
 def test_bad_up_flags_are_refused_naming_the_flag(argv, flag):
     with pytest.raises(ConfigError, match=flag):
         up_config(*argv)
+
+
+def test_two_conductor_replicas_and_restarts_by_default_named_as_the_cluster_json_lists_them():
+    config = up_config()
+    assert (config.conductors, config.restart) == (2, "on-failure")
+    assert config.conductor_names == ["conductor-0", "conductor-1"]
+    assert up_config("--conductors", "3", "--restart", "never").conductor_names[-1] == "conductor-2"

@@ -30,6 +30,7 @@ class Subjects:
     SCHEDULE = "kvc.conductor.schedule"
     OUTCOME = "kvc.conductor.outcome"
     INSTANCES = "kvc.conductor.instances"
+    CONDUCTORS = "kvc.conductor.alive"
     LOAD_ALL = "kvc.load.>"
     KV_EVENTS_ALL = "kvc.kv.events.>"
     KVS_QUERY = "kvc.kvs.query"
@@ -177,6 +178,13 @@ class InstancesQuery(msgspec.Struct, frozen=True, kw_only=True):
 
 class InstancesReply(msgspec.Struct, frozen=True, kw_only=True):
     instances: list[InstanceInfo]
+
+
+class ConductorAlive(msgspec.Struct, frozen=True, kw_only=True):
+    """A conductor replica's heartbeat on kvc.conductor.alive: the replicas choose who acts alone on
+    cluster-wide changes (`kvcentric.core.scheduling.leadership`)."""
+
+    instance_id: str
 
 
 # ---------------------------------------------------------------- engines

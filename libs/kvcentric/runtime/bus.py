@@ -36,9 +36,17 @@ class Bus:
         self._inbox = ""
         self._replies: dict[str, asyncio.Future] = {}
         self._reply_tokens = itertools.count()
+        self.on_disconnect: list[Callable[[], Awaitable[None]]] = []
+        """Called each time the connection drops (it reconnects by itself, resubscribing; messages published
+        to it meanwhile are lost): a service fails what cannot survive the gap."""
 
     async def connect(self, url: str, stopping: asyncio.Event) -> None:
-        self.nc = await connect_nats(url, self.instance_id, stopping)
+        self.nc = await connect_nats(url, self.instance_id, stopping, self._disconnected)
+
+    async def _disconnected(self) -> None:
+        self.counters["bus_disconnects_total"] += 1
+        for hook in self.on_disconnect:
+            await hook()
 
     async def close(self) -> None:
         """Drain (2 s at most), else close; NATS may already be gone."""
@@ -152,15 +160,21 @@ class Bus:
 
 
 def default_span_name(subject: str, instance_id: str) -> str:
-    """'kvc.conductor.schedule' -> 'conductor.schedule'; 'kvc.prefill.<id>.submit' -> 'prefill.submit'."""
+    """'kvc.conductor.schedule' -> 'conductor.schedule'; 'kvc.prefill.<id>.submit' -> 'prefill.submit'. The
+    first token names the service and stays, even when the instance id is that word."""
     tokens = subject.split(".")
     if tokens[0] == "kvc":
         tokens = tokens[1:]
-    return ".".join(t for t in tokens if t not in ("*", ">", instance_id)) or subject
+    kept = [t for i, t in enumerate(tokens) if t not in ("*", ">") and (i == 0 or t != instance_id)]
+    return ".".join(kept) or subject
 
 
-async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s: float = 30.0) -> nats.NATS:
-    """Connect, retrying while the server comes up; give up after `patience_s` with a clear error."""
+async def connect_nats(url: str, name: str, stopping: asyncio.Event,
+                       disconnected: Callable[[], Awaitable[None]] | None = None,
+                       patience_s: float = 30.0) -> nats.NATS:
+    """Connect, retrying while the server comes up; give up after `patience_s` with a clear error. Once
+    connected it reconnects forever (every 0.5 s; a server restarted on its port is found again, every
+    subscription renewed) and calls `disconnected` each time the connection drops."""
     deadline = time.monotonic() + patience_s
 
     async def on_error(exc: Exception) -> None:  # one line, not nats-py's default traceback
@@ -169,12 +183,17 @@ async def connect_nats(url: str, name: str, stopping: asyncio.Event, patience_s:
     async def on_disconnect() -> None:
         if not stopping.is_set():
             log.warning("NATS %s: disconnected, reconnecting", url)
+            if disconnected is not None:
+                await disconnected()
+
+    async def on_reconnect() -> None:
+        log.warning("NATS %s: reconnected", url)
 
     while True:
         try:
             return await nats.connect(url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.5, allow_reconnect=True, error_cb=on_error,
-                                      disconnected_cb=on_disconnect)
+                                      disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
         except Exception as exc:  # noqa: BLE001 - nats raises several kinds while the server starts
             if stopping.is_set() or time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach NATS at {url} (--nats-url): {exc}") from exc

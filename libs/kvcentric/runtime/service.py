@@ -6,6 +6,7 @@ lifecycle: open them in order, run until a signal, close them in reverse. It hol
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import secrets
@@ -101,6 +102,8 @@ class Service:
         await self.bus.connect(self.config.nats_url, self.stopping)
         self.add_routes(self.http.app)
         await self.http.start(self.config.host, self.config.port)
+        if self.config.port_file:
+            write_port_file(self.config.port_file, self.http.port)
         await self.start()
         self.ready = True
         self.log.info("%s %s ready: http://%s:%d", self.role, self.instance_id, self.config.host, self.http.port)
@@ -118,6 +121,13 @@ class Service:
     @property
     def http_port(self) -> int:
         return self.http.port
+
+
+def write_port_file(path: str, port: int) -> None:
+    """Say which port this process bound (--port-file), whole or not at all (written aside, then renamed)."""
+    with open(path + ".tmp", "w") as out:
+        json.dump({"port": port, "pid": os.getpid()}, out)
+    os.replace(path + ".tmp", path)
 
 
 def run_service(service: Service) -> None:

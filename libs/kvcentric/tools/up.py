@@ -1,10 +1,13 @@
-"""`kvcentric up`: run a whole cluster on this machine as child processes, and stop it cleanly.
+"""`kvcentric up`: run a whole cluster on this machine as child processes, keep it running, and stop it
+cleanly.
 
-It starts nats-server and redis-server on free loopback ports (unless --nats-url / --redis-url name
-running ones), then kvs-meta, the conductor, N prefill and M decode instances (each with its in-process
-messenger) and the gateway; waits until every one answers /health and the conductor sees all engines;
-prints the URL and a sample request. SIGINT or SIGTERM stops every child within a few seconds, and
-each child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG).
+It starts nats-server and redis-server on loopback ports (unless --nats-url / --redis-url name running
+ones), then kvs-meta, --conductors conductors (replicas answering from one NATS queue group), N prefill and
+M decode instances (each with its in-process messenger) and the gateway; waits until every one answers
+/health and every conductor sees all engines; prints the URL and a sample request. A child that dies
+afterwards is started again after a backoff (--restart on-failure) and `up` says so; a crash loop, or with
+--restart never any death, stops everything. SIGINT or SIGTERM stops every child within a few seconds,
+and each child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ import os
 import signal
 import sys
 import time
+from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
 from kvcentric.tools.processes import Child, Supervisor, get_json
+
+Restart = Literal["on-failure", "never"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +35,8 @@ class UpConfig:
     port: int = setting(8000, "gateway HTTP port")
     prefill: int = setting(1, "number of prefill instances")
     decode: int = setting(1, "number of decode instances")
+    conductors: int = setting(2, "conductor replicas; they answer kvc.conductor.schedule from one NATS queue "
+                                 "group, so one may die without an outage")
     colocated: int = setting(0, "run this many colocated instances (prefill and decode in one, the "
                                 "vLLM-style baseline) instead of separate prefill and decode ones")
     model: str = setting("tiny", "model preset served: " + ", ".join(PRESETS))
@@ -49,6 +57,10 @@ class UpConfig:
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: LogLevel = setting("info", "log level of the services")
+    restart: Restart = setting("on-failure", "on-failure: a child that dies after start-up is started again "
+                                             "(backoff from 0.5 s, doubling; up gives up after 5 crashes in a "
+                                             "row within 10 s of a start); never: any death stops the cluster "
+                                             "and up exits 1 (fail fast, for CI)")
 
     def __post_init__(self) -> None:
         require(0 <= self.port < 65536, "port", "must be 0..65535")
@@ -58,6 +70,7 @@ class UpConfig:
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
         require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
         require(self.colocated >= 0, "colocated", "must be 0 or more")
+        require(self.conductors >= 1, "conductors", "need at least one conductor")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
 
@@ -84,6 +97,11 @@ class UpConfig:
                 *(["--tbt-slo-s", str(self.tbt_slo_s)] if self.tbt_slo_s > 0 else [])]
 
     @property
+    def conductor_names(self) -> list[str]:
+        """Names (and instance ids) of the conductors: `conductor-0`, `conductor-1`, ..."""
+        return [f"conductor-{i}" for i in range(self.conductors)]
+
+    @property
     def expected_alive(self) -> tuple[int, int]:
         """Prefill and decode instances the conductor must see before the cluster counts as up."""
         return (self.colocated, self.colocated) if self.colocated else (self.prefill, self.decode)
@@ -98,6 +116,7 @@ class Cluster:
         self.processes = Supervisor(config.log_dir)
         self.nats_url = config.nats_url
         self.redis_url = config.redis_url
+        self.manifest: dict = {}
 
     @property
     def log_dir(self) -> str:
@@ -115,46 +134,72 @@ class Cluster:
         c = self.config
         threads = max(1, (os.cpu_count() or 1) // len(c.engines))
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
-        self.service("conductor", "conductor", *c.conductor_flags())
+        for name in c.conductor_names:
+            self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
         for name, command in c.engines:
             self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads))
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
-                     str(c.block_size), port=c.port)
+                     str(c.block_size), port=c.port or None)
         self.write_manifest()
 
     def write_manifest(self) -> None:
-        """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests."""
+        """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests; written
+        again whenever that changes (a child restarted, a restarted service bound its port), aside and then
+        renamed, so a reader never sees half of it."""
         manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url,
                     "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
                                  for c in self.processes.children}}
-        with open(os.path.join(self.log_dir, "cluster.json"), "w") as out:
+        if manifest == self.manifest:
+            return
+        self.manifest = manifest
+        path = os.path.join(self.log_dir, "cluster.json")
+        with open(path + ".tmp", "w") as out:
             json.dump(manifest, out, indent=2)
+        os.replace(path + ".tmp", path)
 
     def wait_healthy(self) -> None:
         self.processes.wait_healthy(self.config.startup_timeout_s, self.engines_seen,
-                                    "the conductor's view of the engines")
+                                    "the conductors' view of the engines")
+        self.write_manifest()  # every health URL is known now
 
     def engines_seen(self) -> bool:
-        url = self.processes.child("gateway").health_url
-        if url is None:
-            return False
-        try:
-            status, body = get_json(url)
-        except (OSError, ValueError):
-            return False
+        """Every conductor sees every engine, and the gateway says it can serve (GET /ready)."""
         prefill, decode = self.config.expected_alive
-        if status != 200 or body.get("prefill_alive", 0) < prefill or body.get("decode_alive", 0) < decode:
-            return False
-        try:  # and the gateway says it can serve (GET /ready)
-            return get_json(url.replace("/health", "/ready"))[0] == 200
-        except (OSError, ValueError):
-            return False
+        for name in self.config.conductor_names:
+            body = _health(self.processes.child(name).health_url)
+            if body is None or body.get("prefill_alive", 0) < prefill or body.get("decode_alive", 0) < decode:
+                return False
+        gateway = self.processes.child("gateway").health_url
+        return gateway is not None and _health(gateway.replace("/health", "/ready")) is not None
 
-    def check_alive(self) -> None:
-        self.processes.check_alive()
+    def tend(self) -> None:
+        """Restart dead children (or, with --restart never, fail on the first death); say what was done."""
+        if self.config.restart == "never":
+            self.processes.check_alive()
+            return
+        for line in self.processes.tend(time.monotonic()):
+            print(f"kvcentric: {line}", flush=True)
+        self.write_manifest()
+
+    @property
+    def gateway_port(self) -> int:
+        """The gateway's port: --port, or the one it bound with --port 0."""
+        url = self.processes.child("gateway").health_url or ""
+        return int(url.rsplit(":", 1)[1].split("/")[0]) if url else self.config.port
 
     def stop(self, grace_s: float = 3.0) -> None:
         self.processes.stop(grace_s)
+
+
+def _health(url: str | None) -> dict | None:
+    """The body of a 200 answer from `url`; None for anything else."""
+    if url is None:
+        return None
+    try:
+        status, body = get_json(url)
+    except (OSError, ValueError):
+        return None
+    return body if status == 200 else None
 
 
 def _client_host(host: str) -> str:
@@ -170,7 +215,7 @@ def _raise_stop(signum, frame) -> None:
 
 
 def run_up(config: UpConfig) -> int:
-    """Run until SIGINT/SIGTERM or until a child dies; returns the exit code."""
+    """Run until SIGINT/SIGTERM, or until a child dies for good; returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     cluster = Cluster(config)
@@ -180,14 +225,14 @@ def run_up(config: UpConfig) -> int:
         print(f"kvcentric: starting {engines} instances of '{config.model}'; logs in {cluster.log_dir}", flush=True)
         cluster.start()
         cluster.wait_healthy()
-        url = f"http://{_client_host(config.host)}:{config.port}"
+        url = f"http://{_client_host(config.host)}:{cluster.gateway_port}"
         print(f"kvcentric: ready at {url}  (NATS {cluster.nats_url}, Redis {cluster.redis_url})\n"
               f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
               f"\"temperature\": 0}}'\nCtrl-C stops everything.", flush=True)
         while True:
-            cluster.check_alive()
-            time.sleep(0.5)
+            cluster.tend()
+            time.sleep(0.2)
     except _Stop:
         print("kvcentric: stopping", flush=True)
         return 0

@@ -1,0 +1,103 @@
+"""The gateway rides over a conductor that dies: when nobody answers kvc.conductor.schedule (a conductor
+restarting) it asks again until --bus-timeout-s, and when the conductor that took the request goes silent
+it cancels that request id and asks the queue group once more under a new id, whose tokens it then relays.
+A stand-in conductor and engines (plain NATS subscribers) play the other side on a real NATS server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import nats
+import pytest
+
+from harness import spawn_service
+from waiting import eventually_async
+
+from kvcentric.core.protocol import (Cancel, Placement, PrefillJob, ScheduleRequest, SubmitAck, Subjects, TokenChunk,
+                                     decode, encode)
+from kvcentric.tools.processes import end
+
+PLACED = Placement(request_id="", prefill_id="p", decode_id="d", decode_kv_addr="127.0.0.1:1", predicted_ttft_s=0.1)
+
+
+class Cluster:
+    """A conductor that stays silent on the first `silent` requests it gets, and engines that answer every job
+    with two tokens; what reaches them is recorded."""
+
+    def __init__(self, nc, silent: int = 0) -> None:
+        self.nc, self.silent = nc, silent
+        self.asked: list[str] = []
+        self.cancelled: list[str] = []
+
+    async def join(self) -> None:
+        """Subscribe the conductor (in the queue group every conductor answers in) and the engines."""
+        await self.nc.subscribe(Subjects.SCHEDULE, queue="conductor", cb=self.schedule)
+        await self.nc.subscribe(Subjects.submit("prefill", "p"), cb=self.prefill)
+        await self.nc.subscribe(Subjects.submit("decode", "d"), cb=self.ack)
+        await self.nc.subscribe(Subjects.CANCEL_ALL, cb=self.cancel)
+        await self.nc.flush()
+
+    async def schedule(self, msg) -> None:
+        self.asked.append(decode(msg.data, ScheduleRequest).request_id)
+        if len(self.asked) > self.silent:
+            await msg.respond(encode(PLACED))
+
+    async def ack(self, msg) -> None:
+        await msg.respond(encode(SubmitAck.accepted()))
+
+    async def prefill(self, msg) -> None:
+        await self.ack(msg)
+        rid = decode(msg.data, PrefillJob).request_id
+        await self.nc.publish(Subjects.out(rid), encode(TokenChunk.final(rid, "length", seq=0, token_ids=[72, 105],
+                                                                         prompt_tokens=5, completion_tokens=2)))
+
+    async def cancel(self, msg) -> None:
+        self.cancelled.append(decode(msg.data, Cancel).request_id)
+
+
+@pytest.fixture
+def gateway(own_nats):
+    process, port = spawn_service("gateway", own_nats, "--bus-timeout-s", "1.5", "--dispatch", "gateway")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        end(process)
+
+
+@pytest.fixture
+async def nc(own_nats):
+    client = await nats.connect(own_nats)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def complete(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+        async with session.post(url + "/v1/completions", json=body) as response:
+            return response.status, json.loads(await response.text())
+
+
+async def test_a_conductor_that_goes_silent_is_replaced_under_a_new_request_id(gateway, nc):
+    cluster = Cluster(nc, silent=1)
+    await cluster.join()
+    status, body = await complete(gateway)
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    first, second = cluster.asked
+    assert first != second and body["id"] == second  # the answer is the new id's
+    await eventually_async(lambda: cluster.cancelled, "the silent conductor's request was cancelled",
+                           until=lambda cancelled: first in cancelled)
+
+
+async def test_while_no_conductor_is_subscribed_the_gateway_asks_again(gateway, nc):
+    cluster = Cluster(nc)
+    asking = asyncio.ensure_future(complete(gateway))
+    await asyncio.sleep(0.5)  # nobody answers on the subject yet: a conductor restarting
+    assert not asking.done()
+    await cluster.join()
+    status, body = await asking
+    assert status == 200 and body["usage"]["completion_tokens"] == 2 and len(cluster.asked) == 1
