@@ -16,8 +16,9 @@ from aiohttp import web
 
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
-                                  usage)
-from kvcentric.core.protocol import Placement, TokenChunk
+                                       usage)
+from kvcentric.core.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from kvcentric.core.protocol import Placement, TokenChunk, TokenLogprob
 
 
 ERROR_KINDS = {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
@@ -45,6 +46,8 @@ class Job:
     dispatch_pending: bool = False
     """The conductor was asked to hand the request to the engines and has not answered yet: an ending now
     must cancel it on engines that may already have it."""
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    """Echo with logprobs: the prompt's tokens 1.. as the prefill scored them (from the first chunk)."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -68,44 +71,98 @@ class Job:
         self.completion_tokens += count
 
 
+@dataclasses.dataclass
+class Piece:
+    """Text safe to send, the tokens whose logprobs go with it (when asked for), and how the choice ended."""
+
+    text: str
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
 async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
-                 on_gap: Callable[[float], None]) -> AsyncIterator[tuple[str, str | None]]:
-    """(text piece, finish_reason) pairs; the last one has the finish reason. An engine error is ApiError."""
+                 on_gap: Callable[[float], None]) -> AsyncIterator[Piece]:
+    """Pieces of the answer; the last one has the finish reason. An engine error is ApiError. A token's
+    logprobs go out with the piece that releases its text (stop strings hold text back)."""
+    pending = Piece("")
     async for chunk in chunks:
-        job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
+        if chunk.prompt_logprobs:
+            job.prompt_logprobs = chunk.prompt_logprobs
+        tokens = [] if job.request.discard_output else chunk.token_ids
+        job.record_tokens(len(tokens), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
             job.engine_finished = True
             status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
             headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
             raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)
-        piece = text.feed(chunk.token_ids)
+        if tokens and chunk.logprobs:
+            pending.token_ids += tokens
+            pending.logprobs += chunk.logprobs
+        pending.text = text.feed(tokens)
         if chunk.finish_reason is not None and not text.stopped:
             job.engine_finished = True
-            piece += text.finish()
-        if text.stopped:
-            job.finish_reason = "stop"
-            yield piece, "stop"
+            pending.text += text.finish()
+        if text.stopped or chunk.finish_reason is not None:
+            pending.finish_reason = job.finish_reason = "stop" if text.stopped else chunk.finish_reason
+            if job.request.discard_output:
+                pending.finish_reason = job.finish_reason = "length"
+            yield pending
             return
-        if chunk.finish_reason is not None:
-            job.finish_reason = chunk.finish_reason
-            yield piece, chunk.finish_reason
-            return
-        if piece:
-            yield piece, None
+        if pending.text or pending.token_ids:
+            yield pending
+            pending = Piece("")
     raise ApiError(500, "the token stream ended early", kind="server_error")
+
+
+class Shaper:
+    """A choice's text and logprobs as the client sees them: echo puts the prompt (and its logprobs) first;
+    logprobs take the completions or the chat shape; text offsets run on across pieces."""
+
+    def __init__(self, job: Job, text_of: TokenText, prompt_text: str) -> None:
+        self.job, self.text_of, self.offset = job, text_of, 0
+        self.prefix_text = prompt_text if job.request.echo else ""
+        self.echo_pending = job.request.echo
+        """The prompt's logprobs are still to go out (with the first piece)."""
+
+    def text(self, piece: Piece) -> str:
+        text, self.prefix_text = self.prefix_text + piece.text, ""
+        return text
+
+    def logprobs(self, piece: Piece) -> dict | None:
+        if self.job.request.sampling.logprobs is None:
+            return None
+        if self.job.chat:
+            return chat_logprobs(piece.logprobs, self.text_of)
+        entries: list[TokenLogprob | None] = list(piece.logprobs)
+        token_ids = list(piece.token_ids)
+        if self.echo_pending:
+            self.echo_pending = False
+            entries = [None, *self.job.prompt_logprobs, *entries]
+            token_ids = [*self.job.token_ids, *token_ids]
+        shaped = completion_logprobs(entries, token_ids, self.text_of, self.offset)
+        self.offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
 
 
 # ---------------------------------------------------------------- answers
 
 
-async def collect(job: Job, stream: AsyncIterator[tuple[str, str | None]], model: str,
-                  headers: dict) -> web.Response:
+async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: dict,
+                  shaper: Shaper) -> web.Response:
     """The whole answer as one JSON body, `usage` included."""
-    text = []
-    async for piece, _finish_reason in stream:
-        text.append(piece)
-    shape = chat_body if job.chat else completion_body
-    body = shape(job.request_id, model, "".join(text), job.finish_reason, job.usage())
+    texts, shaped = [], []
+    async for piece in stream:
+        texts.append(shaper.text(piece))
+        logprobs = shaper.logprobs(piece)
+        if logprobs is not None:
+            shaped.append(logprobs)
+    if job.chat:
+        merged = {"content": [t for part in shaped for t in part["content"]], "refusal": None} if shaped else None
+        body = chat_body(job.request_id, model, "".join(texts), job.finish_reason, job.usage(), logprobs=merged)
+    else:
+        body = completion_body(job.request_id, model, "".join(texts), job.finish_reason, job.usage(),
+                               logprobs=merge_completion_logprobs(shaped))
     return web.json_response(body, headers=headers)
 
 
@@ -123,8 +180,8 @@ class EventWriter:
     last piece goes out with the usage event, `[DONE]` and the end of the body: every write is a system
     call and a wake-up of the client, and on loopback those are most of what a token costs here."""
 
-    def __init__(self, job: Job, model: str) -> None:
-        self.job, self.model, self.created = job, model, int(time.time())
+    def __init__(self, job: Job, model: str, shaper: Shaper) -> None:
+        self.job, self.model, self.shaper, self.created = job, model, shaper, int(time.time())
         self.held: list[bytes] = []
 
     @property
@@ -142,19 +199,21 @@ class EventWriter:
                                  None, None, self.created))
         return response
 
-    async def piece(self, text: str, finish_reason: str | None) -> None:
-        final_usage = self.job.usage() if finish_reason is not None else None
+    async def piece(self, piece: Piece) -> None:
+        text, logprobs = self.shaper.text(piece), self.shaper.logprobs(piece)
         if self.job.chat:
             delta = {"content": text} if text else {}
-            body = chat_chunk(self.job.request_id, self.model, delta, finish_reason, final_usage, self.created)
+            body = chat_chunk(self.job.request_id, self.model, delta, piece.finish_reason, None, self.created,
+                              logprobs=logprobs)
         else:
-            body = completion_body(self.job.request_id, self.model, text, finish_reason, final_usage, self.created)
+            body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
+                                   logprobs=logprobs)
         self.hold(body)
-        if finish_reason is None:
+        if piece.finish_reason is None:
             await self.response.write(self.take())
 
-    async def close(self, include_usage: bool) -> None:
-        if include_usage:  # OpenAI's extra last chunk: no choices, the usage
+    async def close(self) -> None:
+        if self.job.request.include_usage:  # OpenAI's extra last chunk: no choices, the usage
             shape: Callable[..., dict] = chat_chunk if self.job.chat else completion_body
             empty = {} if self.job.chat else ""
             body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
@@ -167,6 +226,8 @@ class EventWriter:
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     def hold(self, body: dict) -> None:
+        if self.job.request.include_usage and "choices" in body:  # OpenAI: usage null on all chunks but the last
+            body.setdefault("usage", None)
         self.held.append(b"data: " + json.dumps(body).encode() + b"\n\n")
 
     def take(self) -> bytes:
@@ -174,22 +235,21 @@ class EventWriter:
         return held
 
 
-async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str, str | None]], model: str,
-                 headers: dict) -> web.StreamResponse:
+async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
+                 shaper: Shaper) -> web.StreamResponse:
     """Relay the pieces as SSE. The headers go out with the first piece, so a request that fails before its
     first token (an instance refused it, the engine failed) still gets its HTTP status; an error after
     that becomes an error event."""
-    writer = EventWriter(job, model)
+    writer = EventWriter(job, model, shaper)
     try:
-        async for piece, finish_reason in pairs:
+        async for piece in pieces:
             if job.response is None:
                 await writer.open(request, headers)
-            if piece or finish_reason is not None:
-                await writer.piece(piece, finish_reason)
+            await writer.piece(piece)
     except ApiError as exc:
         if job.response is None:
             raise
         await writer.error(exc)
         return writer.response
-    await writer.close(job.request.include_usage)
+    await writer.close()
     return writer.response

@@ -63,6 +63,7 @@ class GatewayService(Service):
         self.tokenizer = load_tokenizer(config.model)
         self.hasher = BlockHasher(config.hash_algo, config.block_size)
         self.in_flight = 0
+        self.token_texts: dict[int, str] = {}
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
         self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
@@ -196,7 +197,7 @@ class GatewayService(Service):
             raise ApiError(400, "the JSON body is nested too deeply") from None
         context = self.model.max_position
         if chat:
-            parsed = parse_chat(body, self.config.served_names, context)
+            parsed = parse_chat(body, self.config.served_names, context, self.model.vocab_size)
             token_ids = self.tokenizer.encode_chat(parsed.messages)
             if parsed.max_tokens_defaulted:
                 sampling = msgspec.structs.replace(parsed.sampling, max_tokens=max(1, context - len(token_ids)))
@@ -211,16 +212,17 @@ class GatewayService(Service):
     async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
         """Place, relay and answer; returns the response and the outcome label of the request."""
         subscription = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        shaper = relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 placement = job.placement = await self.place(job)
                 text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pairs = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
+                pieces = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
                 headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
-                    response = await relay.stream(request, job, pairs, self.model_name, headers)
+                    response = await relay.stream(request, job, pieces, self.model_name, headers, shaper)
                 else:
-                    response = await relay.collect(job, pairs, self.model_name, headers)
+                    response = await relay.collect(job, pieces, self.model_name, headers, shaper)
                 return response, job.finish_reason or "500"
         except ApiError as exc:
             return error_response(exc), str(exc.status)
@@ -228,7 +230,7 @@ class GatewayService(Service):
             error = ApiError(504, f"the request did not finish in {self.config.request_timeout_s} s "
                                   f"(--request-timeout-s)", kind="timeout")
             if job.response is not None:  # the stream had started: the error goes into it
-                await relay.EventWriter(job, self.model_name).error(error)
+                await relay.EventWriter(job, self.model_name, shaper).error(error)
                 return job.response, "504"
             return error_response(error), "504"
         except ConnectionResetError:
@@ -237,6 +239,16 @@ class GatewayService(Service):
             return job.response, "cancelled"
         finally:
             await subscription.unsubscribe()
+
+    def token_text(self, token_id: int) -> str:
+        """What stands for a token in a logprobs answer: its text on its own (remembered)."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def prompt_text(self, job: relay.Job) -> str:
+        return job.request.prompt if job.request.prompt is not None else self.tokenizer.decode(job.token_ids)
 
     async def ask(self, subject: str, message, kind):
         try:

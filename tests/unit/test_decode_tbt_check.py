@@ -159,7 +159,7 @@ def make_sink(tbt_slo_s: float):
 def test_the_sink_rejects_after_prefill_with_429_counts_it_and_frees_the_blocks():
     sink, engine, intake, emitted = make_sink(tbt_slo_s=0.5)  # even a batch of one is over
     arrived(engine, "r")
-    sink.commit("r", types.SimpleNamespace(first_token=5))
+    sink.commit("r", types.SimpleNamespace(first_token=5, extras=b""))
     [chunk] = emitted
     assert chunk.finish_reason == "error" and chunk.error_status == 429 and chunk.token_ids == []
     assert intake.counters[TBT_REJECTIONS] == 1 and TBT_REJECTIONS == 'rejections_total{reason="tbt"}'
@@ -169,7 +169,7 @@ def test_the_sink_rejects_after_prefill_with_429_counts_it_and_frees_the_blocks(
 def test_the_sink_lets_a_request_within_the_slo_join_the_batch():
     sink, engine, intake, emitted = make_sink(tbt_slo_s=1.5)
     arrived(engine, "r")
-    sink.commit("r", types.SimpleNamespace(first_token=5))
+    sink.commit("r", types.SimpleNamespace(first_token=5, extras=b""))
     assert [c.token_ids for c in emitted] == [[5]] and emitted[0].finish_reason is None
     assert engine.requests["r"].state == "running" and not intake.counters[TBT_REJECTIONS]
 

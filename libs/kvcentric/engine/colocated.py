@@ -11,7 +11,7 @@ from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.core.protocol import DecodeJob, PrefillJob, TokenChunk
+from kvcentric.core.protocol import DecodeJob, FirstToken, PrefillJob, TokenChunk
 
 
 class ColocatedEngine:
@@ -80,4 +80,5 @@ class ColocatedEngine:
             return []
         self.pool.share(work.blocks)  # decode's reference; finish() drops prefill's
         self.prefill.finish(work)
-        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token)
+        first = FirstToken(logprob=work.first_logprob, prompt_logprobs=work.prompt_logprobs)
+        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token, first)

@@ -19,9 +19,10 @@ from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.runner import ModelRunner, sample
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.sampling import choose
 from kvcentric.core.stopping import finish_reason
-from kvcentric.core.protocol import DecodeJob, TokenChunk
+from kvcentric.core.protocol import DecodeJob, FirstToken, TokenChunk, TokenLogprob, decode
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -42,6 +43,8 @@ class DecodeRequest:
     seq: int = 0
     recompute: bool = False
     """Resumed after preemption: its KV must be recomputed before the next step."""
+    next_logprob: TokenLogprob | None = None
+    """The logprobs of the token the step in flight chose (when the request asked for them)."""
 
     @property
     def request_id(self) -> str:
@@ -58,11 +61,13 @@ class DecodeRequest:
         return self.job.n_prompt_tokens + max(1, len(self.generated))
 
     def chunk(self, token_ids: list[int], reason: FinishReason | None = None, error: str = "",
-              error_status: int = 500) -> TokenChunk:
+              error_status: int = 500, logprobs: list[TokenLogprob] | None = None,
+              prompt_logprobs: list[TokenLogprob] | None = None) -> TokenChunk:
         self.seq += 1
         return TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=token_ids, finish_reason=reason,
                           prompt_tokens=self.job.n_prompt_tokens, completion_tokens=len(self.generated),
-                          error=error, error_status=error_status)
+                          error=error, error_status=error_status, logprobs=logprobs or [],
+                          prompt_logprobs=prompt_logprobs or [])
 
 
 class DecodeEngine:
@@ -133,12 +138,13 @@ class DecodeEngine:
         self.stats["requests_rejected_tbt"] += 1
         return request.chunk([], "error", verdict.reason, error_status=429)
 
-    def commit_kv(self, request_id: str, first_token: int) -> list[TokenChunk]:
-        """All layers are in: emit the prefill's first token and join the batch (or finish)."""
+    def commit_kv(self, request_id: str, first_token: int, extras: bytes = b"") -> list[TokenChunk]:
+        """All layers are in: emit the prefill's first token (with the logprobs in `extras`, a msgpack
+        FirstToken, when asked for) and join the batch (or finish)."""
         request = self._complete(request_id)
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
-        return [self._emit(request, first_token)]
+        return [self._emit(request, first_token, decode(extras, FirstToken) if extras else None)]
 
     def reset_kv(self, request_id: str) -> None:
         """Drop what arrived of a request's KV and wait for it again (the sender will resend)."""
@@ -147,11 +153,12 @@ class DecodeEngine:
             self.pool.free(request.blocks)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
-    def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int) -> list[TokenChunk]:
+    def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int,
+              first: FirstToken | None = None) -> list[TokenChunk]:
         """Take over a request prefilled in this process (colocated): its blocks hold the prompt's KV."""
         request = DecodeRequest(job, deadline=0.0, state="running", blocks=blocks, prompt=list(prompt))
         self.requests[job.request_id] = request
-        return [self._emit(request, first_token)]
+        return [self._emit(request, first_token, first)]
 
     # ---------------------------------------------------------------- ending
 
@@ -195,7 +202,12 @@ class DecodeEngine:
         self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
-        return [sample(logits[i], r.job.sampling, len(r.generated)) for i, r in enumerate(batch)]
+        return [self._choose(logits[i], r) for i, r in enumerate(batch)]
+
+    def _choose(self, logits, request: DecodeRequest) -> int:
+        token, request.next_logprob = choose(logits, request.job.sampling, len(request.generated), request.prompt,
+                                             request.generated, self.runner.config.eos_token_ids)
+        return token
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""
@@ -262,7 +274,10 @@ class DecodeEngine:
 
     # ---------------------------------------------------------------- helpers
 
-    def _emit(self, request: DecodeRequest, token: int) -> TokenChunk:
+    def _emit(self, request: DecodeRequest, token: int, first: FirstToken | None = None) -> TokenChunk:
+        """Record a generated token; the chunk carries its logprobs (the step's, or the prefill's in `first`)."""
+        logprob = first.logprob if first is not None else request.next_logprob
+        request.next_logprob = None
         request.generated.append(token)
         self.stats["tokens_generated"] += 1
         reason = finish_reason(token, len(request.generated), request.job.sampling,
@@ -271,7 +286,8 @@ class DecodeEngine:
             del self.requests[request.request_id]
             self._release(request)
             self.stats["requests_finished"] += 1
-        return request.chunk([token], reason)
+        return request.chunk([token], reason, logprobs=None if logprob is None else [logprob],
+                             prompt_logprobs=first.prompt_logprobs if first is not None else None)
 
     def _release(self, request: DecodeRequest) -> None:
         if request.request_id in self._in_step:  # the step in flight still reads and writes its blocks
