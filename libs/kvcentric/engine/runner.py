@@ -1,4 +1,4 @@
-"""The only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
+"""With `sampling`, the only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
 
 It turns block tables into slot ids, runs prefill chunks and batched decode steps, and copies
 one layer's KV of a request out of or into the cache as bytes. It does not decide what to run or
