@@ -88,6 +88,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     min_tokens: int = 0
     """EOS and the stop tokens cannot be sampled before this many tokens."""
     logit_bias: dict[int, float] = {}
+    n: int = 1
+    """Sequences to sample from the one prompt (parallel sampling: they share its KV blocks)."""
 
 
 # ---------------------------------------------------------------- conductor
@@ -280,6 +282,9 @@ class FirstToken(msgspec.Struct, frozen=True, kw_only=True):
 
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] = []
+    siblings: list[int] = []
+    """With n > 1: the first tokens of sequences 1..n-1 (the commit's first_token is sequence 0's)."""
+    sibling_logprobs: list[TokenLogprob] = []
 
 
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -298,6 +303,8 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     """One per token of `token_ids` when the request asked for logprobs."""
     prompt_logprobs: list[TokenLogprob] = []
     """The first chunk, when asked for: prompt tokens 1.. (the first prompt token has none)."""
+    index: int = 0
+    """Which of the request's n sequences the tokens belong to (the choice index)."""
 
     @classmethod
     def final(cls, request_id: str, reason: Literal["stop", "length", "abort"], *, seq: int, token_ids: list[int],
@@ -376,6 +383,8 @@ _decoders: dict[object, msgspec.msgpack.Decoder] = {}
 
 MAX_LOGPROBS = 20
 """The most alternatives a token's logprobs may list (OpenAI's bound for top_logprobs)."""
+MAX_SEQUENCES = 16
+"""The most sequences one request may sample in parallel (n, best_of)."""
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -392,6 +401,8 @@ def job_problem(request_id: str, sampling: SamplingParams) -> str:
     counts = [n for n in (sampling.logprobs, sampling.prompt_logprobs) if n is not None]
     if any(not 0 <= n <= MAX_LOGPROBS for n in counts) or sampling.min_tokens < 0:
         return f"logprobs and prompt_logprobs must be in 0..{MAX_LOGPROBS}, min_tokens >= 0"
+    if not 1 <= sampling.n <= MAX_SEQUENCES:
+        return f"n must be in 1..{MAX_SEQUENCES}, got {sampling.n}"
     if not 0.0 < sampling.repetition_penalty <= 2.0:
         return f"repetition_penalty must be in (0, 2], got {sampling.repetition_penalty}"
     return ""

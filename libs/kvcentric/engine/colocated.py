@@ -11,7 +11,7 @@ from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.core.protocol import DecodeJob, FirstToken, PrefillJob, TokenChunk
+from kvcentric.core.protocol import DecodeJob, PrefillJob, TokenChunk
 
 
 class ColocatedEngine:
@@ -80,5 +80,4 @@ class ColocatedEngine:
             return []
         self.pool.share(work.blocks)  # decode's reference; finish() drops prefill's
         self.prefill.finish(work)
-        first = FirstToken(logprob=work.first_logprob, prompt_logprobs=work.prompt_logprobs)
-        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token, first)
+        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token, work.first_token())

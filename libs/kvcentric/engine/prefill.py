@@ -38,6 +38,8 @@ class PrefillWork:
     """Asked for (`sampling.prompt_logprobs`): prompt tokens 1..done scored so far."""
     first_logprob: TokenLogprob | None = None
     """Asked for (`sampling.logprobs`): the first generated token's, once the last chunk is computed."""
+    siblings: list[tuple[int, TokenLogprob | None]] = dataclasses.field(default_factory=list)
+    """With n > 1: the first token (and its logprobs) of sequences 1..n-1."""
 
     @property
     def request_id(self) -> str:
@@ -46,9 +48,15 @@ class PrefillWork:
     def first_token_extras(self) -> bytes:
         """What goes to decode with the first token: the logprobs asked for (msgpack FirstToken), or b""."""
         sampling = self.job.sampling
-        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+        if sampling.logprobs is None and sampling.prompt_logprobs is None and sampling.n == 1:
             return b""
-        return encode(FirstToken(logprob=self.first_logprob, prompt_logprobs=self.prompt_logprobs))
+        return encode(self.first_token())
+
+    def first_token(self) -> FirstToken:
+        """The logprobs asked for and the other sequences' first tokens, for decode."""
+        logprobs = [logprob for _, logprob in self.siblings if logprob is not None]
+        return FirstToken(logprob=self.first_logprob, prompt_logprobs=self.prompt_logprobs,
+                          siblings=[token for token, _ in self.siblings], sibling_logprobs=logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -180,8 +188,10 @@ class PrefillEngine:
             logits = logits[-1]
         if not chunk.last:
             return None
-        token, work.first_logprob = choose(logits, sampling, 0, work.job.token_ids, (),
-                                           self.runner.config.eos_token_ids)
+        eos = self.runner.config.eos_token_ids
+        token, work.first_logprob = choose(logits, sampling, 0, work.job.token_ids, (), eos)
+        work.siblings = [choose(logits, sampling, 0, work.job.token_ids, (), eos, index)
+                         for index in range(1, sampling.n)]
         return token
 
     def update(self, chunk: PrefillChunk) -> None:

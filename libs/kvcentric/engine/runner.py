@@ -110,6 +110,13 @@ class ModelRunner:
         shape = (self.config.num_layers, 2, len(blocks), self.block_size, *both.shape[-2:])
         return both.view(shape).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one cache block's KV, every layer, into another (a sequence forked from a partial block)."""
+        slots = block_slots([source, target], self.block_size).to(self.device)
+        half = self.block_size
+        self.k_cache[:, slots[half:]] = self.k_cache[:, slots[:half]]
+        self.v_cache[:, slots[half:]] = self.v_cache[:, slots[:half]]
+
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""
         shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)

@@ -15,6 +15,9 @@ import torch
 
 from kvcentric.core.protocol import SamplingParams, TokenLogprob
 
+SEQUENCE_STRIDE = 7_919_000_017
+"""Seeds of a request's sequences lie this far apart (sequence 0 draws as a request with n = 1 does)."""
+
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     """The next token from one position's logits, with no history (no penalties apply)."""
@@ -22,11 +25,13 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequence[int] = (),
-           generated: Sequence[int] = (), stop_ids: Collection[int] = ()) -> tuple[int, TokenLogprob | None]:
+           generated: Sequence[int] = (), stop_ids: Collection[int] = (),
+           sequence: int = 0) -> tuple[int, TokenLogprob | None]:
     """The next token and, when asked for, its logprobs. `generated` is the output so far (its length is
-    normally `step`), `stop_ids` the tokens min_tokens holds back (EOS and the request's stop tokens)."""
+    normally `step`), `stop_ids` the tokens min_tokens holds back (EOS and the request's stop tokens),
+    `sequence` which of the request's n sequences draws (each has its own seeded draws)."""
     adjusted = adjust(logits.float(), params, prompt, generated, stop_ids)
-    token = draw(adjusted, params, step)
+    token = draw(adjusted, params, step, sequence)
     if params.logprobs is None:
         return token, None
     if params.processed_logprobs:
@@ -63,8 +68,8 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
     return logits
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Greedy at temperature 0; else temperature, top-k and top-p, seeded per (seed, step)."""
+def draw(logits: torch.Tensor, params: SamplingParams, step: int, sequence: int = 0) -> int:
+    """Greedy at temperature 0; else temperature, top-k and top-p, seeded per (seed, sequence, step)."""
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
@@ -77,7 +82,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
     probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     generator = torch.Generator(device=probs.device)
     if params.seed is not None:
-        generator.manual_seed(params.seed * 1_000_003 + step)
+        generator.manual_seed((params.seed * 1_000_003 + step + sequence * SEQUENCE_STRIDE) % 2 ** 64)
     else:
         generator.seed()
     return int(torch.multinomial(probs, 1, generator=generator))
