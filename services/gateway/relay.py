@@ -7,6 +7,7 @@ ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -79,69 +80,96 @@ class Piece:
     finish_reason: str | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    index: int = 0
+    """The choice (one of the request's n sequences)."""
 
 
-async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
+class Choice:
+    """One sequence's way from tokens to pieces: its own detokenizer and stop strings."""
+
+    def __init__(self, index: int, text: TextStream) -> None:
+        self.index, self.text = index, text
+        self.pending = Piece("", index=index)
+        self.done = self.engine_done = False
+
+    def take(self, job: Job, chunk: TokenChunk, tokens: list[int]) -> Piece | None:
+        """The piece these tokens release (None when they release nothing yet)."""
+        pending = self.pending
+        if tokens and chunk.logprobs:
+            pending.token_ids += tokens
+            pending.logprobs += chunk.logprobs
+        pending.text = self.text.feed(tokens)
+        self.engine_done = chunk.finish_reason is not None
+        if self.engine_done and not self.text.stopped:
+            pending.text += self.text.finish()
+        if self.text.stopped or self.engine_done:
+            self.done = True
+            reason = "stop" if self.text.stopped else chunk.finish_reason
+            pending.finish_reason = job.finish_reason = "length" if job.request.discard_output else reason
+            return pending
+        if not (pending.text or pending.token_ids):
+            return None
+        self.pending = Piece("", index=self.index)
+        return pending
+
+
+async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], new_text: Callable[[], TextStream],
                  on_gap: Callable[[float], None]) -> AsyncIterator[Piece]:
-    """Pieces of the answer; the last one has the finish reason. An engine error is ApiError. A token's
-    logprobs go out with the piece that releases its text (stop strings hold text back)."""
-    pending = Piece("")
+    """Pieces of the answer, each of one choice; the last of each choice has its finish reason. An engine
+    error is ApiError. A token's logprobs go out with the piece that releases its text (stop strings hold
+    text back). A choice cut by a stop string ignores what its sequence still generates."""
+    choices = [Choice(index, new_text()) for index in range(job.request.sampling.n)]
     async for chunk in chunks:
         if chunk.prompt_logprobs:
             job.prompt_logprobs = chunk.prompt_logprobs
-        tokens = [] if job.request.discard_output else chunk.token_ids
-        job.record_tokens(len(tokens), time.perf_counter(), on_gap)
         if chunk.finish_reason == "error":
             job.engine_finished = True
             status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
             headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
             raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)
-        if tokens and chunk.logprobs:
-            pending.token_ids += tokens
-            pending.logprobs += chunk.logprobs
-        pending.text = text.feed(tokens)
-        if chunk.finish_reason is not None and not text.stopped:
-            job.engine_finished = True
-            pending.text += text.finish()
-        if text.stopped or chunk.finish_reason is not None:
-            pending.finish_reason = job.finish_reason = "stop" if text.stopped else chunk.finish_reason
-            if job.request.discard_output:
-                pending.finish_reason = job.finish_reason = "length"
-            yield pending
+        if not 0 <= chunk.index < len(choices) or choices[chunk.index].done:
+            continue
+        tokens = [] if job.request.discard_output else chunk.token_ids
+        job.record_tokens(len(tokens), time.perf_counter(), on_gap)
+        piece = choices[chunk.index].take(job, chunk, tokens)
+        if piece is not None:
+            yield piece
+        if all(choice.done for choice in choices):
+            job.engine_finished = all(choice.engine_done for choice in choices)
             return
-        if pending.text or pending.token_ids:
-            yield pending
-            pending = Piece("")
     raise ApiError(500, "the token stream ended early", kind="server_error")
 
 
 class Shaper:
-    """A choice's text and logprobs as the client sees them: echo puts the prompt (and its logprobs) first;
-    logprobs take the completions or the chat shape; text offsets run on across pieces."""
+    """The choices' text and logprobs as the client sees them: echo puts the prompt (and its logprobs) first
+    in each choice; logprobs take the completions or the chat shape; text offsets run on across pieces."""
 
     def __init__(self, job: Job, text_of: TokenText, prompt_text: str) -> None:
-        self.job, self.text_of, self.offset = job, text_of, 0
-        self.prefix_text = prompt_text if job.request.echo else ""
-        self.echo_pending = job.request.echo
-        """The prompt's logprobs are still to go out (with the first piece)."""
+        self.job, self.text_of, self.prompt_text = job, text_of, prompt_text
+        self.echoed_text: set[int] = set()
+        self.echoed_logprobs: set[int] = set()
+        self.offsets: dict[int, int] = {}
 
     def text(self, piece: Piece) -> str:
-        text, self.prefix_text = self.prefix_text + piece.text, ""
-        return text
+        if not self.job.request.echo or piece.index in self.echoed_text:
+            return piece.text
+        self.echoed_text.add(piece.index)
+        return self.prompt_text + piece.text
 
     def logprobs(self, piece: Piece) -> dict | None:
-        if self.job.request.sampling.logprobs is None:
+        if not self.job.request.show_logprobs:
             return None
         if self.job.chat:
             return chat_logprobs(piece.logprobs, self.text_of)
         entries: list[TokenLogprob | None] = list(piece.logprobs)
         token_ids = list(piece.token_ids)
-        if self.echo_pending:
-            self.echo_pending = False
+        if self.job.request.echo and piece.index not in self.echoed_logprobs:
+            self.echoed_logprobs.add(piece.index)
             entries = [None, *self.job.prompt_logprobs, *entries]
             token_ids = [*self.job.token_ids, *token_ids]
-        shaped = completion_logprobs(entries, token_ids, self.text_of, self.offset)
-        self.offset += sum(len(token) for token in shaped["tokens"])
+        offset = self.offsets.get(piece.index, 0)
+        shaped = completion_logprobs(entries, token_ids, self.text_of, offset)
+        self.offsets[piece.index] = offset + sum(len(token) for token in shaped["tokens"])
         return shaped
 
 
@@ -150,20 +178,34 @@ class Shaper:
 
 async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: dict,
                   shaper: Shaper) -> web.Response:
-    """The whole answer as one JSON body, `usage` included."""
-    texts, shaped = [], []
+    """The whole answer as one JSON body, `usage` included; with best_of, the n choices whose tokens are
+    likeliest (the highest sum of logprobs)."""
+    texts: dict[int, list[str]] = collections.defaultdict(list)
+    shaped: dict[int, list[dict]] = collections.defaultdict(list)
+    sums: dict[int, float] = collections.defaultdict(float)
+    reasons: dict[int, str | None] = {}
     async for piece in stream:
-        texts.append(shaper.text(piece))
+        texts[piece.index].append(shaper.text(piece))
+        sums[piece.index] += sum(entry.logprob for entry in piece.logprobs)
+        reasons[piece.index] = piece.finish_reason
         logprobs = shaper.logprobs(piece)
         if logprobs is not None:
-            shaped.append(logprobs)
+            shaped[piece.index].append(logprobs)
+    kept = sorted(sorted(texts, key=lambda index: -sums[index])[:job.request.n])
+    choices = [_choice(job, model, position, "".join(texts[index]), reasons[index], shaped[index])
+               for position, index in enumerate(kept)]
+    shape = chat_body if job.chat else completion_body
+    body = shape(job.request_id, model, "", None, job.usage())
+    body["choices"] = choices
+    return web.json_response(body, headers=headers)
+
+
+def _choice(job: Job, model: str, index: int, text: str, finish_reason: str | None, shaped: list[dict]) -> dict:
     if job.chat:
         merged = {"content": [t for part in shaped for t in part["content"]], "refusal": None} if shaped else None
-        body = chat_body(job.request_id, model, "".join(texts), job.finish_reason, job.usage(), logprobs=merged)
-    else:
-        body = completion_body(job.request_id, model, "".join(texts), job.finish_reason, job.usage(),
-                               logprobs=merge_completion_logprobs(shaped))
-    return web.json_response(body, headers=headers)
+        return chat_body(job.request_id, model, text, finish_reason, None, logprobs=merged, index=index)["choices"][0]
+    return completion_body(job.request_id, model, text, finish_reason, None,
+                           logprobs=merge_completion_logprobs(shaped), index=index)["choices"][0]
 
 
 class EventStream(web.StreamResponse):
@@ -195,8 +237,9 @@ class EventWriter:
         await response.prepare(request)
         self.job.response = response
         if self.job.chat:
-            self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
-                                 None, None, self.created))
+            for index in range(self.job.request.n):
+                self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
+                                     None, None, self.created, index=index))
         return response
 
     async def piece(self, piece: Piece) -> None:
@@ -204,10 +247,10 @@ class EventWriter:
         if self.job.chat:
             delta = {"content": text} if text else {}
             body = chat_chunk(self.job.request_id, self.model, delta, piece.finish_reason, None, self.created,
-                              logprobs=logprobs)
+                              logprobs=logprobs, index=piece.index)
         else:
             body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
-                                   logprobs=logprobs)
+                                   logprobs=logprobs, index=piece.index)
         self.hold(body)
         if piece.finish_reason is None:
             await self.response.write(self.take())

@@ -216,8 +216,9 @@ class GatewayService(Service):
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 placement = job.placement = await self.place(job)
-                text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pieces = relay.pieces(job, self.token_chunks(subscription), text, self.tbt.observe)
+                def new_text() -> TextStream:
+                    return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
+                pieces = relay.pieces(job, self.token_chunks(subscription), new_text, self.tbt.observe)
                 headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
                     response = await relay.stream(request, job, pieces, self.model_name, headers, shaper)
@@ -308,7 +309,7 @@ class GatewayService(Service):
             raise ApiError(503, why, kind="service_unavailable")
 
     async def token_chunks(self, subscription):
-        """The request's TokenChunks in order, ending with the one that carries finish_reason."""
+        """The request's TokenChunks in order (the reader stops once every choice has ended)."""
         async for msg in subscription.messages:
             try:
                 chunk = decode(msg.data, TokenChunk)
@@ -317,8 +318,6 @@ class GatewayService(Service):
                 self.log.warning("dropped a token chunk: %s", exc)
                 continue
             yield chunk
-            if chunk.finish_reason is not None:
-                return
 
     # ---------------------------------------------------------------- the end of a request
 

@@ -13,6 +13,7 @@ import torch
 from checkpoints import build_checkpoint, hf_model
 from harness import UpProcess
 from kvcentric.model.tokenizer import load_tokenizer
+from waiting import eventually
 
 PROMPT = "Mooncake schedules requests by prefix cache hits"
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -41,6 +42,8 @@ def client(request, checkpoint, tmp_path_factory):
     try:
         with openai.OpenAI(base_url=up.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
             client.served_model = client.models.list().data[0].id
+            client.stats = lambda: {**up.health("colocated-0" if flags else "prefill-0")["stats"],
+                                    **up.health("colocated-0" if flags else "decode-0")["stats"]}
             yield client
     finally:
         up.stop()
@@ -152,8 +155,8 @@ def test_min_tokens_holds_eos_back(client, reference):
 
 
 @pytest.mark.parametrize("field, value", [("suffix", "x"), ("tools", [{"type": "function"}]),
-                                          ("response_format", {"type": "json_object"}), ("best_of", 2),
-                                          ("n", 2), ("frequency_penalty", 3), ("logit_bias", {"-1": 1})])
+                                          ("response_format", {"type": "json_object"}), ("best_of", 17),
+                                          ("n", 0), ("frequency_penalty", 3), ("logit_bias", {"-1": 1})])
 def test_unsupported_or_out_of_range_parameters_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as caught:
         complete(client, prompt=PROMPT, max_tokens=1, extra_body={field: value})
@@ -171,3 +174,34 @@ def test_logprobs_of_a_sampled_token_are_finite_and_ranked(client):
     got = answer.choices[0].logprobs
     assert all(math.isfinite(v) and v <= 0 for v in got.token_logprobs)
     assert all(1 <= len(top) <= 6 for top in got.top_logprobs)  # 5 and the chosen one, keyed by text
+
+
+SEEDED = {"temperature": 1.0, "seed": 5, "extra_body": {"ignore_eos": True}}
+
+
+def test_n_choices_come_from_one_prefill_and_the_first_is_the_n1_answer(client):
+    before = client.stats()
+    answer = complete(client, prompt=PROMPT, max_tokens=6, n=3, logprobs=0, **SEEDED)
+    after = client.stats()
+    assert [c.index for c in answer.choices] == [0, 1, 2] and answer.usage.completion_tokens == 18
+    assert after["requests_prefilled"] - before["requests_prefilled"] == 1
+    assert after["sequences_forked"] - before["sequences_forked"] == 2
+    assert len({c.text for c in answer.choices}) > 1
+    single = complete(client, prompt=PROMPT, max_tokens=6, logprobs=0, **SEEDED)
+    assert single.choices[0].text == answer.choices[0].text
+    best = complete(client, prompt=PROMPT, max_tokens=6, best_of=3, **SEEDED)
+    likeliest = max(answer.choices, key=lambda c: sum(c.logprobs.token_logprobs))
+    assert [c.text for c in best.choices] == [likeliest.text] and best.choices[0].logprobs is None
+    eventually(client.stats, "every KV block free after the forked sequences end",
+               until=lambda stats: stats["kv_blocks_free"] == stats["kv_blocks_total"], every_s=0.1)
+
+
+def test_n_choices_stream_by_index_as_the_whole_answer_has_them(client):
+    messages = [{"role": "user", "content": "Name a cache."}]
+    asked = dict(model=client.served_model, messages=messages, max_tokens=5, n=2, **SEEDED)
+    whole = client.chat.completions.create(**asked)
+    chunks = list(client.chat.completions.create(stream=True, **asked))
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == choice.index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == choice.message.content

@@ -29,7 +29,7 @@ def test_token_id_prompts_and_a_batch_of_one_are_accepted():
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "seed": 1.5}, "seed"),
     ({"prompt": "x", "model": "gpt-4"}, "model"),
@@ -160,7 +160,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
 
 @pytest.mark.parametrize("body, param", [
     ({"suffix": "s"}, "suffix"), ({"tools": []}, "tools"), ({"response_format": {"type": "text"}}, "response_format"),
-    ({"best_of": 3}, "best_of"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 99}, "min_tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"300": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
@@ -175,3 +175,12 @@ def test_unsupported_and_out_of_range_fields_are_400_naming_them(body, param):
 def test_null_optional_fields_are_absent_fields():
     request = parse(prompt="x", suffix=None, tools=None, logprobs=None, n=None, logit_bias=None)
     assert request.sampling.logprobs is None and request.sampling.logit_bias == {}
+
+
+def test_n_and_best_of_sample_best_of_sequences_and_rank_them_by_logprobs():
+    request = parse(prompt="x", n=2, best_of=4)
+    assert request.n == 2 and request.sampling.n == 4 and request.sampling.logprobs == 0
+    assert not request.show_logprobs
+    assert parse(prompt="x", n=3).sampling.n == 3 and parse(prompt="x", n=3).sampling.logprobs is None
+    with pytest.raises(ApiError, match="cannot be streamed"):
+        parse(prompt="x", n=1, best_of=2, stream=True)

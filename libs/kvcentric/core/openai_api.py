@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kvcentric.core.protocol import MAX_LOGPROBS, SamplingParams
+from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
 
 
 class ApiError(Exception):
@@ -60,6 +60,10 @@ class CompletionRequest:
     """Completions: the answer starts with the prompt (and its logprobs, when logprobs are asked for)."""
     discard_output: bool = False
     """max_tokens 0 with echo: the engines sample one token (the prefill must end in one) that is dropped."""
+    n: int = 1
+    """Choices answered; the engines sample `sampling.n` sequences (best_of), the likeliest n are kept."""
+    show_logprobs: bool = False
+    """The client asked for logprobs (best_of > n has the engines compute them to rank the sequences)."""
 
 
 def _check(condition: bool, message: str, param: str | None) -> None:
@@ -200,8 +204,7 @@ def _positive(body: dict, name: str, default: float, high: float) -> float:
 
 def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size: int) -> dict:
     """The fields /v1/completions and /v1/chat/completions share, validated."""
-    n = body.get("n", 1)
-    _check(n is None or (n == 1 and _is_int(n)), "only n=1 is supported", "n")
+    n = _integer(body, "n", 1, 1, MAX_SEQUENCES) or 1
     seed = body.get("seed")
     _check(seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX),
            f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit signed integer)", "seed")
@@ -220,8 +223,8 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0),
-                              **_penalties(body, vocab_size, max_tokens))
-    return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
+                              n=n, **_penalties(body, vocab_size, max_tokens))
+    return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": _flag(body, "stream"),
             "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user,
             "priority": priority or 0}
 
@@ -235,14 +238,15 @@ def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: i
     prompt, token_ids = _prompt(body, vocab_size)
     echo = _flag(body, "echo")
     max_tokens = _max_tokens(body, allow_zero=echo)
-    best_of = body.get("best_of")
-    _check(best_of is None or best_of == 1, "only best_of=1 is supported", "best_of")
     common = _common(body, served_model, 16 if max_tokens is None else max(1, max_tokens), vocab_size)
+    best_of = _integer(body, "best_of", common["n"], common["n"], MAX_SEQUENCES) or common["n"]
+    _check(best_of == common["n"] or not common["stream"], "'best_of' above 'n' cannot be streamed", "best_of")
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
-    sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=logprobs,
+    ranked = 0 if best_of > common["n"] and logprobs is None else logprobs  # best_of ranks by logprobs
+    sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=ranked, n=best_of,
                                        prompt_logprobs=logprobs if echo else None)
     return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, sampling=sampling, echo=echo,
-                             discard_output=max_tokens == 0, **common)
+                             discard_output=max_tokens == 0, show_logprobs=logprobs is not None, **common)
 
 
 def _content(message: dict, index: int) -> str:
@@ -286,7 +290,7 @@ def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
     _check(top is None or wants, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=(top or 0) if wants else None)
     return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages, sampling=sampling,
-                             max_tokens_defaulted=max_tokens is None, **common)
+                             max_tokens_defaulted=max_tokens is None, show_logprobs=wants, **common)
 
 
 def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
@@ -299,30 +303,31 @@ def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    usage: dict | None, created: int | None = None, logprobs: dict | None = None) -> dict:
+                    usage: dict | None, created: int | None = None, logprobs: dict | None = None,
+                    index: int = 0) -> dict:
     """A text_completion object (whole answer) or one SSE chunk of it."""
     body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage is not None:
         body["usage"] = usage
     return body
 
 
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: dict | None,
-              created: int | None = None, logprobs: dict | None = None) -> dict:
+              created: int | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """A chat.completion object (the whole answer)."""
     message = {"role": "assistant", "content": text}
     return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None, usage: dict | None,
-               created: int, logprobs: dict | None = None) -> dict:
+               created: int, logprobs: dict | None = None, index: int = 0) -> dict:
     """One chat.completion.chunk SSE event; the first carries delta {"role": "assistant"}."""
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage is not None:
         body["usage"] = usage
     return body
