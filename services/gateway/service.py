@@ -152,7 +152,8 @@ class GatewayService(Service):
         return web.json_response(self.card())
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.model_name))
+        return web.json_response(openapi_document(self.config.served_names, self.model.max_position,
+                                                  self.model.vocab_size, bool(self.config.api_key)))
 
     # ---------------------------------------------------------------- completions
 
@@ -195,6 +196,13 @@ class GatewayService(Service):
             raise ApiError(400, f"unknown charset {request.charset!r} in Content-Type: send UTF-8 JSON") from None
         except RecursionError:
             raise ApiError(400, "the JSON body is nested too deeply") from None
+        try:
+            return self.job_of(body, chat, started)
+        except UnicodeEncodeError:
+            raise ApiError(400, "the text is not valid Unicode (it holds a lone surrogate escape)") from None
+
+    def job_of(self, body, chat: bool, started: float) -> relay.Job:
+        """The validated, tokenized request."""
         context = self.model.max_position
         if chat:
             parsed = parse_chat(body, self.config.served_names, context, self.model.vocab_size)

@@ -160,7 +160,10 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
 
 @pytest.mark.parametrize("body, param", [
     ({"suffix": "s"}, "suffix"), ({"tools": []}, "tools"), ({"response_format": {"type": "text"}}, "response_format"),
-    ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"top_k": 2 ** 31}, "top_k"), ({"stream_options": {"include_usage": 1}},
+                                                                         "stream_options"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias"), ({"logprobs_mode": ""}, "logprobs_mode"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": 99}, "min_tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"300": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),

@@ -8,6 +8,7 @@ gateway service does the network part.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,7 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 GREEDY_BELOW = 1e-5
 """Temperatures below this are taken as 0 (greedy), as vLLM does: dividing logits by less overflows."""
 MAX_PRIORITY = 1000
+MAX_TOP_K = 2 ** 31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -151,6 +153,7 @@ naming it, so nothing a client asks for is silently dropped."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
 MAX_LOGIT_BIAS = 300
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
 LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
 """vLLM's names for the distribution logprobs come from: the model's raw one (the default, as vLLM's), or the
 one sampled from after bias, penalties and temperature."""
@@ -172,12 +175,13 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int) ->
 
 def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
     """OpenAI's map of token id (a string) to a bias in [-100, 100]."""
-    bias = body.get("logit_bias") or {}
+    bias = body.get("logit_bias")
+    bias = {} if bias is None else bias
     _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS,
            f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
     parsed = {}
     for key, value in bias.items():
-        _check(isinstance(key, str) and key.isdecimal() and int(key) < vocab_size,
+        _check(isinstance(key, str) and TOKEN_ID.fullmatch(key) is not None and int(key) < vocab_size,
                f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
         _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
                f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
@@ -187,7 +191,8 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
 
 def _penalties(body: dict, vocab_size: int, max_tokens: int) -> dict:
     """presence, frequency and repetition penalties, min_tokens, logit_bias, the logprobs mode."""
-    mode = body.get("logprobs_mode") or "raw_logprobs"
+    mode = body.get("logprobs_mode")
+    mode = "raw_logprobs" if mode is None else mode
     _check(mode in LOGPROBS_MODES, f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
     return {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
@@ -210,13 +215,15 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
            f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit signed integer)", "seed")
     user = body.get("user")
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
-    options = body.get("stream_options") or {}
-    _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    include_usage = options.get("include_usage") if isinstance(options, dict) else None
+    _check(isinstance(options, dict) and (include_usage is None or isinstance(include_usage, bool)),
+           "'stream_options' must be an object whose include_usage is a boolean", "stream_options")
     priority = body.get("priority", 0)  # vLLM's extension
     _check(_is_int(priority) and abs(priority) <= MAX_PRIORITY,
            f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
-    top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
-    _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
+    top_k = _integer(body, "top_k", 0, -1, MAX_TOP_K)  # vLLM's extension; -1 and 0 both mean no limit
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     if temperature < GREEDY_BELOW:  # so small a temperature overflows the softmax: it means greedy
         temperature = 0.0
@@ -225,7 +232,7 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0),
                               n=n, **_penalties(body, vocab_size, max_tokens))
     return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": _flag(body, "stream"),
-            "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user,
+            "include_usage": bool(include_usage), "stop": _stop(body), "user": user,
             "priority": priority or 0}
 
 
