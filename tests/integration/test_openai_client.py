@@ -124,3 +124,6 @@ def test_with_an_api_key_a_missing_or_wrong_key_is_401_and_health_stays_open(key
         answer = right.completions.create(model="tiny", prompt="with a key", max_tokens=2, **GREEDY)
     assert answer.usage.completion_tokens == 2
     assert get_json(keyed_gateway + "/health")[0] == 200
+    document = get_json(keyed_gateway + "/openapi.json")[1]  # the description says a key is needed
+    assert document["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+    assert "bearer" in document["components"]["securitySchemes"]

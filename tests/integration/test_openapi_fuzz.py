@@ -63,3 +63,9 @@ def test_the_gateway_does_what_its_openapi_document_says(cluster, mode):
             calls[operation.path] = fuzz(operation, mode, 40 if takes_a_body else 10, deadline)
     print(mode, calls)
     assert calls["/v1/completions"] >= 20 and calls["/v1/chat/completions"] >= 10
+
+
+def test_without_a_key_the_document_asks_for_none(cluster):
+    document = schemathesis.openapi.from_url(cluster.url + "/openapi.json").raw_schema
+    assert "components" not in document
+    assert all("security" not in operation for path in document["paths"].values() for operation in path.values())

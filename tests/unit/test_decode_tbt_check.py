@@ -14,6 +14,9 @@ import pytest
 from factories import decode_job, make_pool, make_runner
 from kvc_decode.service import TBT_REJECTIONS, CheckedDecodeSink
 from kvc_gateway.relay import Job, pieces
+from kvc_gateway.textstream import TextStream
+from kvcentric.core.openai_api import parse_completion
+from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.config import ConfigError
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.config import EngineConfig
@@ -222,8 +225,8 @@ def test_an_engine_error_chunk_becomes_the_api_error_of_its_status(status, kind)
         yield TokenChunk.failed("r", "rejected by decode for TBT", prompt_tokens=4, status=status)
 
     async def relay():
-        job = Job("r", None, [1, 2, 3, 4], False, 0.0)
-        async for _ in pieces(job, chunks(), None, lambda gap: None):
+        job = Job("r", parse_completion({"prompt": [1, 2, 3, 4]}, "tiny", 258), [1, 2, 3, 4], False, 0.0)
+        async for _ in pieces(job, chunks(), lambda: TextStream(ByteTokenizer().stream_decoder()), lambda gap: None):
             pass
 
     with pytest.raises(ApiError) as raised:
