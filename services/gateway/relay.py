@@ -1,5 +1,6 @@
-"""One request's way back to its client: token chunks from NATS become text pieces (stop strings
-applied), and the pieces become one JSON answer or server-sent events in the completions or chat shape.
+"""One request's way back to its client: token chunks from NATS become text pieces of each choice (stop
+strings applied per choice, logprobs alongside), and the pieces become one JSON answer or server-sent
+events in the completions or chat shape (echo, logprobs, best_of's choice of the likeliest included).
 
 `Job` keeps what the gateway needs to account for the request (times, token counts, placement, how it
 ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.

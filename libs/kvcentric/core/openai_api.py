@@ -1,8 +1,9 @@
 """The OpenAI-compatible surface, without I/O: validate request bodies, shape responses and errors.
 
 `parse_completion` and `parse_chat` turn a decoded JSON body into a `CompletionRequest` or raise
-`ApiError` (status, OpenAI error type, message, param); `*_body` and `*_chunk` shape the answers. The
-gateway service does the network part.
+`ApiError` (status, OpenAI error type, message, param): a field it does not support is refused by name,
+never dropped. `*_body` and `*_chunk` shape the answers (logprobs in `openai_logprobs`). The gateway
+service does the network part.
 """
 
 from __future__ import annotations
