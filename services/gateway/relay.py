@@ -1,5 +1,6 @@
-"""One request's way back to its client: token chunks from NATS become text pieces (stop strings
-applied), and the pieces become one JSON answer or server-sent events in the completions or chat shape.
+"""One request's way back to its client: token chunks from NATS become text pieces of each choice (stop
+strings applied per choice, logprobs alongside), and the pieces become one JSON answer or server-sent
+events in the completions or chat shape (echo, logprobs, best_of's choice of the likeliest included).
 
 `Job` keeps what the gateway needs to account for the request (times, token counts, placement, how it
 ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
@@ -7,6 +8,7 @@ ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -17,8 +19,9 @@ from aiohttp import web
 
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
-                                  usage)
-from kvcentric.core.protocol import Placement, TokenChunk
+                                       usage)
+from kvcentric.core.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from kvcentric.core.protocol import Placement, TokenChunk, TokenLogprob
 
 
 ERROR_KINDS = {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
@@ -49,6 +52,8 @@ class Job:
     must cancel it on engines that may already have it."""
     output: Any = None
     """The NATS subscription to the request's kvc.req.<id>.out (a new one when the id is renewed)."""
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    """Echo with logprobs: the prompt's tokens 1.. as the prefill scored them (from the first chunk)."""
 
     @property
     def ttft_s(self) -> float | None:
@@ -72,44 +77,139 @@ class Job:
         self.completion_tokens += count
 
 
-async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], text: TextStream,
-                 on_gap: Callable[[float], None]) -> AsyncIterator[tuple[str, str | None]]:
-    """(text piece, finish_reason) pairs; the last one has the finish reason. An engine error is ApiError."""
+@dataclasses.dataclass
+class Piece:
+    """Text safe to send, the tokens whose logprobs go with it (when asked for), and how the choice ended."""
+
+    text: str
+    finish_reason: str | None = None
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    index: int = 0
+    """The choice (one of the request's n sequences)."""
+
+
+class Choice:
+    """One sequence's way from tokens to pieces: its own detokenizer and stop strings."""
+
+    def __init__(self, index: int, text: TextStream) -> None:
+        self.index, self.text = index, text
+        self.pending = Piece("", index=index)
+        self.done = self.engine_done = False
+
+    def take(self, job: Job, chunk: TokenChunk, tokens: list[int]) -> Piece | None:
+        """The piece these tokens release (None when they release nothing yet)."""
+        pending = self.pending
+        if tokens and chunk.logprobs:
+            pending.token_ids += tokens
+            pending.logprobs += chunk.logprobs
+        pending.text = self.text.feed(tokens)
+        self.engine_done = chunk.finish_reason is not None
+        if self.engine_done and not self.text.stopped:
+            pending.text += self.text.finish()
+        if self.text.stopped or self.engine_done:
+            self.done = True
+            reason = "stop" if self.text.stopped else chunk.finish_reason
+            pending.finish_reason = job.finish_reason = "length" if job.request.discard_output else reason
+            return pending
+        if not (pending.text or pending.token_ids):
+            return None
+        self.pending = Piece("", index=self.index)
+        return pending
+
+
+async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], new_text: Callable[[], TextStream],
+                 on_gap: Callable[[float], None]) -> AsyncIterator[Piece]:
+    """Pieces of the answer, each of one choice; the last of each choice has its finish reason. An engine
+    error is ApiError. A token's logprobs go out with the piece that releases its text (stop strings hold
+    text back). A choice cut by a stop string ignores what its sequence still generates."""
+    choices = [Choice(index, new_text()) for index in range(job.request.sampling.n)]
     async for chunk in chunks:
-        job.record_tokens(len(chunk.token_ids), time.perf_counter(), on_gap)
+        if chunk.prompt_logprobs:
+            job.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason == "error":
             status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
             headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
             raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)
-        piece = text.feed(chunk.token_ids)
-        if chunk.finish_reason is not None and not text.stopped:
-            job.engine_finished = True
-            piece += text.finish()
-        if text.stopped:
-            job.finish_reason = "stop"
-            yield piece, "stop"
+        if not 0 <= chunk.index < len(choices) or choices[chunk.index].done:
+            continue
+        tokens = [] if job.request.discard_output else chunk.token_ids
+        job.record_tokens(len(tokens), time.perf_counter(), on_gap)
+        piece = choices[chunk.index].take(job, chunk, tokens)
+        if piece is not None:
+            yield piece
+        if all(choice.done for choice in choices):
+            job.engine_finished = all(choice.engine_done for choice in choices)
             return
-        if chunk.finish_reason is not None:
-            job.finish_reason = chunk.finish_reason
-            yield piece, chunk.finish_reason
-            return
-        if piece:
-            yield piece, None
     raise ApiError(500, "the token stream ended early", kind="server_error")
+
+
+class Shaper:
+    """The choices' text and logprobs as the client sees them: echo puts the prompt (and its logprobs) first
+    in each choice; logprobs take the completions or the chat shape; text offsets run on across pieces."""
+
+    def __init__(self, job: Job, text_of: TokenText, prompt_text: str) -> None:
+        self.job, self.text_of, self.prompt_text = job, text_of, prompt_text
+        self.echoed_text: set[int] = set()
+        self.echoed_logprobs: set[int] = set()
+        self.offsets: dict[int, int] = {}
+
+    def text(self, piece: Piece) -> str:
+        if not self.job.request.echo or piece.index in self.echoed_text:
+            return piece.text
+        self.echoed_text.add(piece.index)
+        return self.prompt_text + piece.text
+
+    def logprobs(self, piece: Piece) -> dict | None:
+        if not self.job.request.show_logprobs:
+            return None
+        if self.job.chat:
+            return chat_logprobs(piece.logprobs, self.text_of)
+        entries: list[TokenLogprob | None] = list(piece.logprobs)
+        token_ids = list(piece.token_ids)
+        if self.job.request.echo and piece.index not in self.echoed_logprobs:
+            self.echoed_logprobs.add(piece.index)
+            entries = [None, *self.job.prompt_logprobs, *entries]
+            token_ids = [*self.job.token_ids, *token_ids]
+        offset = self.offsets.get(piece.index, 0)
+        shaped = completion_logprobs(entries, token_ids, self.text_of, offset)
+        self.offsets[piece.index] = offset + sum(len(token) for token in shaped["tokens"])
+        return shaped
 
 
 # ---------------------------------------------------------------- answers
 
 
-async def collect(job: Job, stream: AsyncIterator[tuple[str, str | None]], model: str,
-                  headers: dict) -> web.Response:
-    """The whole answer as one JSON body, `usage` included."""
-    text = []
-    async for piece, _finish_reason in stream:
-        text.append(piece)
+async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: dict,
+                  shaper: Shaper) -> web.Response:
+    """The whole answer as one JSON body, `usage` included; with best_of, the n choices whose tokens are
+    likeliest (the highest sum of logprobs)."""
+    texts: dict[int, list[str]] = collections.defaultdict(list)
+    shaped: dict[int, list[dict]] = collections.defaultdict(list)
+    sums: dict[int, float] = collections.defaultdict(float)
+    reasons: dict[int, str | None] = {}
+    async for piece in stream:
+        texts[piece.index].append(shaper.text(piece))
+        sums[piece.index] += sum(entry.logprob for entry in piece.logprobs)
+        reasons[piece.index] = piece.finish_reason
+        logprobs = shaper.logprobs(piece)
+        if logprobs is not None:
+            shaped[piece.index].append(logprobs)
+    kept = sorted(sorted(texts, key=lambda index: -sums[index])[:job.request.n])
+    choices = [_choice(job, model, position, "".join(texts[index]), reasons[index], shaped[index])
+               for position, index in enumerate(kept)]
     shape = chat_body if job.chat else completion_body
-    body = shape(job.request_id, model, "".join(text), job.finish_reason, job.usage())
+    body = shape(job.request_id, model, "", None, job.usage())
+    body["choices"] = choices
     return web.json_response(body, headers=headers)
+
+
+def _choice(job: Job, model: str, index: int, text: str, finish_reason: str | None, shaped: list[dict]) -> dict:
+    if job.chat:
+        merged = {"content": [t for part in shaped for t in part["content"]], "refusal": None} if shaped else None
+        return chat_body(job.request_id, model, text, finish_reason, None, logprobs=merged, index=index)["choices"][0]
+    return completion_body(job.request_id, model, text, finish_reason, None,
+                           logprobs=merge_completion_logprobs(shaped), index=index)["choices"][0]
 
 
 class EventStream(web.StreamResponse):
@@ -126,8 +226,8 @@ class EventWriter:
     last piece goes out with the usage event, `[DONE]` and the end of the body: every write is a system
     call and a wake-up of the client, and on loopback those are most of what a token costs here."""
 
-    def __init__(self, job: Job, model: str) -> None:
-        self.job, self.model, self.created = job, model, int(time.time())
+    def __init__(self, job: Job, model: str, shaper: Shaper) -> None:
+        self.job, self.model, self.shaper, self.created = job, model, shaper, int(time.time())
         self.held: list[bytes] = []
 
     @property
@@ -141,23 +241,26 @@ class EventWriter:
         await response.prepare(request)
         self.job.response = response
         if self.job.chat:
-            self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
-                                 None, None, self.created))
+            for index in range(self.job.request.n):
+                self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
+                                     None, None, self.created, index=index))
         return response
 
-    async def piece(self, text: str, finish_reason: str | None) -> None:
-        final_usage = self.job.usage() if finish_reason is not None else None
+    async def piece(self, piece: Piece) -> None:
+        text, logprobs = self.shaper.text(piece), self.shaper.logprobs(piece)
         if self.job.chat:
             delta = {"content": text} if text else {}
-            body = chat_chunk(self.job.request_id, self.model, delta, finish_reason, final_usage, self.created)
+            body = chat_chunk(self.job.request_id, self.model, delta, piece.finish_reason, None, self.created,
+                              logprobs=logprobs, index=piece.index)
         else:
-            body = completion_body(self.job.request_id, self.model, text, finish_reason, final_usage, self.created)
+            body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
+                                   logprobs=logprobs, index=piece.index)
         self.hold(body)
-        if finish_reason is None:
+        if piece.finish_reason is None:
             await self.response.write(self.take())
 
-    async def close(self, include_usage: bool) -> None:
-        if include_usage:  # OpenAI's extra last chunk: no choices, the usage
+    async def close(self) -> None:
+        if self.job.request.include_usage:  # OpenAI's extra last chunk: no choices, the usage
             shape: Callable[..., dict] = chat_chunk if self.job.chat else completion_body
             empty = {} if self.job.chat else ""
             body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
@@ -170,6 +273,8 @@ class EventWriter:
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     def hold(self, body: dict) -> None:
+        if self.job.request.include_usage and "choices" in body:  # OpenAI: usage null on all chunks but the last
+            body.setdefault("usage", None)
         self.held.append(b"data: " + json.dumps(body).encode() + b"\n\n")
 
     def take(self) -> bytes:
@@ -177,22 +282,21 @@ class EventWriter:
         return held
 
 
-async def stream(request: web.Request, job: Job, pairs: AsyncIterator[tuple[str, str | None]], model: str,
-                 headers: dict) -> web.StreamResponse:
+async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
+                 shaper: Shaper) -> web.StreamResponse:
     """Relay the pieces as SSE. The headers go out with the first piece, so a request that fails before its
     first token (an instance refused it, the engine failed) still gets its HTTP status; an error after
     that becomes an error event."""
-    writer = EventWriter(job, model)
+    writer = EventWriter(job, model, shaper)
     try:
-        async for piece, finish_reason in pairs:
+        async for piece in pieces:
             if job.response is None:
                 await writer.open(request, headers)
-            if piece or finish_reason is not None:
-                await writer.piece(piece, finish_reason)
+            await writer.piece(piece)
     except ApiError as exc:
         if job.response is None:
             raise
         await writer.error(exc)
         return writer.response
-    await writer.close(job.request.include_usage)
+    await writer.close()
     return writer.response

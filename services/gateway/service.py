@@ -70,6 +70,7 @@ class GatewayService(Service):
         self.running: dict[int, relay.Job] = {}
         """The requests being served, to end their token streams when the bus connection drops."""
         self.bus.on_disconnect.append(self.end_streams)
+        self.token_texts: dict[int, str] = {}
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
         self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
@@ -150,7 +151,8 @@ class GatewayService(Service):
         return web.json_response(self.card())
 
     async def openapi(self, request: web.Request) -> web.Response:
-        return web.json_response(openapi_document(self.model_name))
+        return web.json_response(openapi_document(self.config.served_names, self.model.max_position,
+                                                  self.model.vocab_size, bool(self.config.api_key)))
 
     # ---------------------------------------------------------------- completions
 
@@ -193,9 +195,16 @@ class GatewayService(Service):
             raise ApiError(400, f"unknown charset {request.charset!r} in Content-Type: send UTF-8 JSON") from None
         except RecursionError:
             raise ApiError(400, "the JSON body is nested too deeply") from None
+        try:
+            return self.job_of(body, chat, started)
+        except UnicodeEncodeError:
+            raise ApiError(400, "the text is not valid Unicode (it holds a lone surrogate escape)") from None
+
+    def job_of(self, body, chat: bool, started: float) -> relay.Job:
+        """The validated, tokenized request."""
         context = self.model.max_position
         if chat:
-            parsed = parse_chat(body, self.config.served_names, context)
+            parsed = parse_chat(body, self.config.served_names, context, self.model.vocab_size)
             token_ids = self.tokenizer.encode_chat(parsed.messages)
             if parsed.max_tokens_defaulted:
                 sampling = msgspec.structs.replace(parsed.sampling, max_tokens=max(1, context - len(token_ids)))
@@ -211,16 +220,18 @@ class GatewayService(Service):
         """Place, relay and answer; returns the response and the outcome label of the request."""
         job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
         self.running[id(job)] = job
+        shaper = relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 placement = job.placement = await self.place(job)
-                text = TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pairs = relay.pieces(job, self.token_chunks(job.output), text, self.tbt.observe)
+                def new_text() -> TextStream:
+                    return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
+                pieces = relay.pieces(job, self.token_chunks(job.output), new_text, self.tbt.observe)
                 headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
-                    response = await relay.stream(request, job, pairs, self.model_name, headers)
+                    response = await relay.stream(request, job, pieces, self.model_name, headers, shaper)
                 else:
-                    response = await relay.collect(job, pairs, self.model_name, headers)
+                    response = await relay.collect(job, pieces, self.model_name, headers, shaper)
                 return response, job.finish_reason or "500"
         except ApiError as exc:
             return error_response(exc), str(exc.status)
@@ -228,7 +239,7 @@ class GatewayService(Service):
             error = ApiError(504, f"the request did not finish in {self.config.request_timeout_s} s "
                                   f"(--request-timeout-s)", kind="timeout")
             if job.response is not None:  # the stream had started: the error goes into it
-                await relay.EventWriter(job, self.model_name).error(error)
+                await relay.EventWriter(job, self.model_name, shaper).error(error)
                 return job.response, "504"
             return error_response(error), "504"
         except ConnectionResetError:
@@ -246,6 +257,16 @@ class GatewayService(Service):
         for job in list(self.running.values()):
             with contextlib.suppress(nats.errors.Error):
                 await job.output.unsubscribe()
+
+    def token_text(self, token_id: int) -> str:
+        """What stands for a token in a logprobs answer: its text on its own (remembered)."""
+        text = self.token_texts.get(token_id)
+        if text is None:
+            text = self.token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def prompt_text(self, job: relay.Job) -> str:
+        return job.request.prompt if job.request.prompt is not None else self.tokenizer.decode(job.token_ids)
 
     async def ask(self, subject: str, message, kind):
         """One request/reply; while nobody is subscribed it asks again for up to --bus-timeout-s (nothing was
@@ -332,7 +353,7 @@ class GatewayService(Service):
             raise ApiError(503, why, kind="service_unavailable")
 
     async def token_chunks(self, subscription):
-        """The request's TokenChunks in order, ending with the one that carries finish_reason."""
+        """The request's TokenChunks in order (the reader stops once every choice has ended)."""
         async for msg in subscription.messages:
             try:
                 chunk = decode(msg.data, TokenChunk)
@@ -341,10 +362,8 @@ class GatewayService(Service):
                 self.log.warning("dropped a token chunk: %s", exc)
                 continue
             yield chunk
-            if chunk.finish_reason is not None:
-                return
         raise ApiError(503, "the gateway lost its NATS connection while the request ran (its tokens may be lost); "
-                            "retry", kind="service_unavailable", headers={"Retry-After": "1"})
+                            "retry", kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
     # ---------------------------------------------------------------- the end of a request
 

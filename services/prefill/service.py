@@ -141,7 +141,7 @@ class PrefillService(EngineService):
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})
             if chunk.last:
-                push.finish(token)
+                push.finish(token, work.first_token_extras())
                 await push.task
                 self.end_push(work)
         except asyncio.CancelledError:

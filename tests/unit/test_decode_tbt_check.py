@@ -14,6 +14,9 @@ import pytest
 from factories import decode_job, make_pool, make_runner
 from kvc_decode.service import TBT_REJECTIONS, CheckedDecodeSink
 from kvc_gateway.relay import Job, pieces
+from kvc_gateway.textstream import TextStream
+from kvcentric.core.openai_api import parse_completion
+from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.config import ConfigError
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.config import EngineConfig
@@ -159,7 +162,7 @@ def make_sink(tbt_slo_s: float):
 def test_the_sink_rejects_after_prefill_with_429_counts_it_and_frees_the_blocks():
     sink, engine, intake, emitted = make_sink(tbt_slo_s=0.5)  # even a batch of one is over
     arrived(engine, "r")
-    sink.commit("r", types.SimpleNamespace(first_token=5))
+    sink.commit("r", types.SimpleNamespace(first_token=5, extras=b""))
     [chunk] = emitted
     assert chunk.finish_reason == "error" and chunk.error_status == 429 and chunk.token_ids == []
     assert intake.counters[TBT_REJECTIONS] == 1 and TBT_REJECTIONS == 'rejections_total{reason="tbt"}'
@@ -169,7 +172,7 @@ def test_the_sink_rejects_after_prefill_with_429_counts_it_and_frees_the_blocks(
 def test_the_sink_lets_a_request_within_the_slo_join_the_batch():
     sink, engine, intake, emitted = make_sink(tbt_slo_s=1.5)
     arrived(engine, "r")
-    sink.commit("r", types.SimpleNamespace(first_token=5))
+    sink.commit("r", types.SimpleNamespace(first_token=5, extras=b""))
     assert [c.token_ids for c in emitted] == [[5]] and emitted[0].finish_reason is None
     assert engine.requests["r"].state == "running" and not intake.counters[TBT_REJECTIONS]
 
@@ -222,8 +225,8 @@ def test_an_engine_error_chunk_becomes_the_api_error_of_its_status(status, kind)
         yield TokenChunk.failed("r", "rejected by decode for TBT", prompt_tokens=4, status=status)
 
     async def relay():
-        job = Job("r", None, [1, 2, 3, 4], False, 0.0)
-        async for _ in pieces(job, chunks(), None, lambda gap: None):
+        job = Job("r", parse_completion({"prompt": [1, 2, 3, 4]}, "tiny", 258), [1, 2, 3, 4], False, 0.0)
+        async for _ in pieces(job, chunks(), lambda: TextStream(ByteTokenizer().stream_decoder()), lambda gap: None):
             pass
 
     with pytest.raises(ApiError) as raised:

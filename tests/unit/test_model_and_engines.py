@@ -195,7 +195,7 @@ def test_cancel_frees_a_running_request_at_once():
 
 
 def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
-    from kvcentric.engine.runner import sample
+    from kvcentric.engine.sampling import sample
     logits = torch.randn(258, generator=torch.Generator().manual_seed(0))
     top1 = SamplingParams(temperature=1.5, top_k=1, seed=3)
     assert sample(logits, top1, 0) == int(torch.argmax(logits))

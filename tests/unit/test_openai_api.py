@@ -29,7 +29,7 @@ def test_token_id_prompts_and_a_batch_of_one_are_accepted():
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "temperature": 3}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "seed": 1.5}, "seed"),
     ({"prompt": "x", "model": "gpt-4"}, "model"),
@@ -127,3 +127,63 @@ def test_priority_is_vllms_extension_validated():
         with pytest.raises(ApiError) as raised:
             chat(messages=[{"role": "user", "content": "x"}], priority=bad)
         assert raised.value.status == 400 and raised.value.body()["error"]["param"] == "priority"
+
+
+# ---------------------------------------------------------------- logprobs, echo, penalties, strict fields
+
+
+def test_completion_logprobs_with_echo_ask_for_prompt_logprobs_and_allow_max_tokens_zero():
+    request = parse(prompt="x", logprobs=2, echo=True, max_tokens=0)
+    assert request.sampling.logprobs == request.sampling.prompt_logprobs == 2
+    assert request.echo and request.discard_output and request.sampling.max_tokens == 1
+    assert parse(prompt="x", logprobs=0).sampling.prompt_logprobs is None
+    with pytest.raises(ApiError, match="0 only with echo"):
+        parse(prompt="x", max_tokens=0)
+
+
+def test_chat_logprobs_take_top_logprobs_only_with_logprobs_true():
+    message = [{"role": "user", "content": "x"}]
+    assert chat(messages=message, logprobs=True, top_logprobs=3).sampling.logprobs == 3
+    assert chat(messages=message, logprobs=True).sampling.logprobs == 0
+    assert chat(messages=message, logprobs=False).sampling.logprobs is None
+    with pytest.raises(ApiError) as caught:
+        chat(messages=message, top_logprobs=3)
+    assert caught.value.param == "top_logprobs"
+
+
+def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
+    sampling = parse(prompt="x", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
+                     min_tokens=3, logit_bias={"7": -100, "8": 2.5}, logprobs_mode="processed_logprobs").sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty) == (0.5, -1.0, 1.2)
+    assert sampling.min_tokens == 3 and sampling.logit_bias == {7: -100.0, 8: 2.5} and sampling.processed_logprobs
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"suffix": "s"}, "suffix"), ({"tools": []}, "tools"), ({"response_format": {"type": "text"}}, "response_format"),
+    ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"), ({"top_k": 2 ** 31}, "top_k"), ({"stream_options": {"include_usage": 1}},
+                                                                         "stream_options"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias"), ({"logprobs_mode": ""}, "logprobs_mode"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 99}, "min_tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"300": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logprobs_mode": "raw_logits"}, "logprobs_mode"), ({"priority": None}, "priority"), ({"echo": 1}, "echo"),
+])
+def test_unsupported_and_out_of_range_fields_are_400_naming_them(body, param):
+    with pytest.raises(ApiError) as caught:
+        parse(prompt="x", **body)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_null_optional_fields_are_absent_fields():
+    request = parse(prompt="x", suffix=None, tools=None, logprobs=None, n=None, logit_bias=None)
+    assert request.sampling.logprobs is None and request.sampling.logit_bias == {}
+
+
+def test_n_and_best_of_sample_best_of_sequences_and_rank_them_by_logprobs():
+    request = parse(prompt="x", n=2, best_of=4)
+    assert request.n == 2 and request.sampling.n == 4 and request.sampling.logprobs == 0
+    assert not request.show_logprobs
+    assert parse(prompt="x", n=3).sampling.n == 3 and parse(prompt="x", n=3).sampling.logprobs is None
+    with pytest.raises(ApiError, match="cannot be streamed"):
+        parse(prompt="x", n=1, best_of=2, stream=True)

@@ -1,18 +1,22 @@
 """The OpenAI-compatible surface, without I/O: validate request bodies, shape responses and errors.
 
 `parse_completion` and `parse_chat` turn a decoded JSON body into a `CompletionRequest` or raise
-`ApiError` (status, OpenAI error type, message, param); `*_body` and `*_chunk` shape the answers. The
-gateway service does the network part.
+`ApiError` (status, OpenAI error type, message, param): a field it does not support is refused by name,
+never dropped. `*_body` and `*_chunk` shape the answers (logprobs in `openai_logprobs`). The gateway
+service does the network part.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvcentric.core.protocol import SamplingParams
+import msgspec
+
+from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
 
 
 class ApiError(Exception):
@@ -33,6 +37,7 @@ SEED_MIN, SEED_MAX = -(2 ** 63), 2 ** 63 - 1
 GREEDY_BELOW = 1e-5
 """Temperatures below this are taken as 0 (greedy), as vLLM does: dividing logits by less overflows."""
 MAX_PRIORITY = 1000
+MAX_TOP_K = 2 ** 31 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -54,6 +59,14 @@ class CompletionRequest:
     priority: int = 0
     """vLLM's extension, its convention: lower is more important. The conductor's classes run the other
     way (higher is more important, `--top-priority`), so it is asked with `-priority`."""
+    echo: bool = False
+    """Completions: the answer starts with the prompt (and its logprobs, when logprobs are asked for)."""
+    discard_output: bool = False
+    """max_tokens 0 with echo: the engines sample one token (the prefill must end in one) that is dropped."""
+    n: int = 1
+    """Choices answered; the engines sample `sampling.n` sequences (best_of), the likeliest n are kept."""
+    show_logprobs: bool = False
+    """The client asked for logprobs (best_of > n has the engines compute them to rank the sequences)."""
 
 
 def _check(condition: bool, message: str, param: str | None) -> None:
@@ -120,51 +133,128 @@ def _flag(body: dict, name: str) -> bool:
     return value
 
 
-def _max_tokens(body: dict) -> int | None:
+def _max_tokens(body: dict, allow_zero: bool = False) -> int | None:
     """The completion budget the body asks for, or None when it names none."""
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     value = body.get(name)
     if value is None:
         return None
-    _check(_is_int(value) and value >= 1, f"'{name}' must be an integer >= 1", name)
+    low = 0 if allow_zero else 1
+    _check(_is_int(value) and value >= low, f"'{name}' must be an integer >= {low}"
+           + ("" if allow_zero else " (0 only with echo)"), name)
     return value
 
 
-def _common(body: dict, served: str | Sequence[str], max_tokens: int) -> dict:
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+    "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias",
+    "ignore_eos", "top_k", "priority", "repetition_penalty", "min_tokens", "logprobs_mode"})
+"""What both endpoints take (the last six are vLLM's extensions); any other field that is not null is a 400
+naming it, so nothing a client asks for is silently dropped."""
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
+MAX_LOGIT_BIAS = 300
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
+LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
+"""vLLM's names for the distribution logprobs come from: the model's raw one (the default, as vLLM's), or the
+one sampled from after bias, penalties and temperature."""
+
+
+def _known_fields(body: dict, fields: frozenset[str]) -> None:
+    unknown = sorted(name for name, value in body.items() if name not in fields and value is not None)
+    _check(not unknown, f"'{unknown[0] if unknown else ''}' is not supported by this server",
+           unknown[0] if unknown else None)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    _check(_is_int(value) and low <= value <= high, f"'{name}' must be an integer in [{low}, {high}]", name)
+    return value
+
+
+def _logit_bias(body: dict, vocab_size: int) -> dict[int, float]:
+    """OpenAI's map of token id (a string) to a bias in [-100, 100]."""
+    bias = body.get("logit_bias")
+    bias = {} if bias is None else bias
+    _check(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS,
+           f"'logit_bias' must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    parsed = {}
+    for key, value in bias.items():
+        _check(isinstance(key, str) and TOKEN_ID.fullmatch(key) is not None and int(key) < vocab_size,
+               f"'logit_bias' keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias")
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool) and -100 <= value <= 100,
+               f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
+        parsed[int(key)] = float(value)
+    return parsed
+
+
+def _penalties(body: dict, vocab_size: int, max_tokens: int) -> dict:
+    """presence, frequency and repetition penalties, min_tokens, logit_bias, the logprobs mode."""
+    mode = body.get("logprobs_mode")
+    mode = "raw_logprobs" if mode is None else mode
+    _check(mode in LOGPROBS_MODES, f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
+    return {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+            "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+            "repetition_penalty": _positive(body, "repetition_penalty", 1.0, 2.0),
+            "min_tokens": _integer(body, "min_tokens", 0, 0, max_tokens),
+            "logit_bias": _logit_bias(body, vocab_size), "processed_logprobs": LOGPROBS_MODES[mode]}
+
+
+def _positive(body: dict, name: str, default: float, high: float) -> float:
+    value = _number(body, name, default, 0.0, high)
+    _check(value > 0, f"'{name}' must be above 0", name)
+    return value
+
+
+def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size: int) -> dict:
     """The fields /v1/completions and /v1/chat/completions share, validated."""
-    n = body.get("n", 1)
-    _check(n == 1 and _is_int(n), "only n=1 is supported", "n")
+    n = _integer(body, "n", 1, 1, MAX_SEQUENCES) or 1
     seed = body.get("seed")
     _check(seed is None or (_is_int(seed) and SEED_MIN <= seed <= SEED_MAX),
            f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit signed integer)", "seed")
     user = body.get("user")
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
-    options = body.get("stream_options") or {}
-    _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    include_usage = options.get("include_usage") if isinstance(options, dict) else None
+    _check(isinstance(options, dict) and (include_usage is None or isinstance(include_usage, bool)),
+           "'stream_options' must be an object whose include_usage is a boolean", "stream_options")
     priority = body.get("priority", 0)  # vLLM's extension
-    _check(priority is None or (_is_int(priority) and abs(priority) <= MAX_PRIORITY),
+    _check(_is_int(priority) and abs(priority) <= MAX_PRIORITY,
            f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
-    top_k = body.get("top_k", 0)  # vLLM's extension; -1 and 0 both mean no limit
-    _check(top_k is None or (_is_int(top_k) and top_k >= -1), "'top_k' must be an integer >= -1", "top_k")
+    top_k = _integer(body, "top_k", 0, -1, MAX_TOP_K)  # vLLM's extension; -1 and 0 both mean no limit
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     if temperature < GREEDY_BELOW:  # so small a temperature overflows the softmax: it means greedy
         temperature = 0.0
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
-                              ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0))
-    return {"model": _model(body, served), "sampling": sampling, "stream": _flag(body, "stream"),
-            "include_usage": bool(options.get("include_usage")), "stop": _stop(body), "user": user,
+                              ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0),
+                              n=n, **_penalties(body, vocab_size, max_tokens))
+    return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": _flag(body, "stream"),
+            "include_usage": bool(include_usage), "stop": _stop(body), "user": user,
             "priority": priority or 0}
 
 
 def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: int) -> CompletionRequest:
-    """Validate a /v1/completions body (OpenAI schema plus vLLM's `ignore_eos`); `served_model` is the
-    served name, or the names it answers to with the canonical one first."""
+    """Validate a /v1/completions body (OpenAI schema plus vLLM's extensions); `served_model` is the
+    served name, or the names it answers to with the canonical one first. `logprobs` with `echo` scores
+    the prompt too; `max_tokens` 0 is allowed with `echo` (the prompt alone is answered)."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    _known_fields(body, COMPLETION_FIELDS)
     prompt, token_ids = _prompt(body, vocab_size)
-    max_tokens = _max_tokens(body)
-    common = _common(body, served_model, 16 if max_tokens is None else max_tokens)
-    return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, **common)
+    echo = _flag(body, "echo")
+    max_tokens = _max_tokens(body, allow_zero=echo)
+    common = _common(body, served_model, 16 if max_tokens is None else max(1, max_tokens), vocab_size)
+    best_of = _integer(body, "best_of", common["n"], common["n"], MAX_SEQUENCES) or common["n"]
+    _check(best_of == common["n"] or not common["stream"], "'best_of' above 'n' cannot be streamed", "best_of")
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    ranked = 0 if best_of > common["n"] and logprobs is None else logprobs  # best_of ranks by logprobs
+    sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=ranked, n=best_of,
+                                       prompt_logprobs=logprobs if echo else None)
+    return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, sampling=sampling, echo=echo,
+                             discard_output=max_tokens == 0, show_logprobs=logprobs is not None, **common)
 
 
 def _content(message: dict, index: int) -> str:
@@ -194,15 +284,21 @@ def _messages(body: dict) -> list[dict]:
     return parsed
 
 
-def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int) -> CompletionRequest:
+def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
+               vocab_size: int = 1 << 31) -> CompletionRequest:
     """Validate a /v1/chat/completions body; max_tokens defaults to what is left of the context (the
     gateway caps it once the prompt is tokenized), as vLLM does."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    _known_fields(body, CHAT_FIELDS)
     messages = _messages(body)
     max_tokens = _max_tokens(body)
-    common = _common(body, served_model, max_tokens or context_len)
-    return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages,
-                             max_tokens_defaulted=max_tokens is None, **common)
+    common = _common(body, served_model, max_tokens or context_len, vocab_size)
+    wants = _flag(body, "logprobs")
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    _check(top is None or wants, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=(top or 0) if wants else None)
+    return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages, sampling=sampling,
+                             max_tokens_defaulted=max_tokens is None, show_logprobs=wants, **common)
 
 
 def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
@@ -215,30 +311,31 @@ def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:
 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None,
-                    usage: dict | None, created: int | None = None) -> dict:
+                    usage: dict | None, created: int | None = None, logprobs: dict | None = None,
+                    index: int = 0) -> dict:
     """A text_completion object (whole answer) or one SSE chunk of it."""
     body = {"id": request_id, "object": "text_completion", "created": created or int(time.time()),
             "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage is not None:
         body["usage"] = usage
     return body
 
 
 def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: dict | None,
-              created: int | None = None) -> dict:
+              created: int | None = None, logprobs: dict | None = None, index: int = 0) -> dict:
     """A chat.completion object (the whole answer)."""
     message = {"role": "assistant", "content": text}
     return {"id": request_id, "object": "chat.completion", "created": created or int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+            "choices": [{"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
             "usage": usage}
 
 
 def chat_chunk(request_id: str, model: str, delta: dict, finish_reason: str | None, usage: dict | None,
-               created: int) -> dict:
+               created: int, logprobs: dict | None = None, index: int = 0) -> dict:
     """One chat.completion.chunk SSE event; the first carries delta {"role": "assistant"}."""
     body = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if usage is not None:
         body["usage"] = usage
     return body

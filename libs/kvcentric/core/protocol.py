@@ -74,6 +74,23 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     ignore_eos: bool = False
     top_k: int = 0
     """Sample among the k most likely tokens only (0: no limit)."""
+    logprobs: int | None = None
+    """Return each generated token's logprob and the `logprobs` likeliest alternatives (None: none)."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of every prompt token after the first, and that many alternatives (None: none).
+    The prompt is then computed whole: a cached prefix has no logits."""
+    processed_logprobs: bool = False
+    """Logprobs of the distribution sampled from (after bias, penalties and temperature; vLLM's
+    `processed_logprobs`) instead of the model's raw one (vLLM's default `raw_logprobs`)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM's: logits of tokens seen in the prompt or the output are divided by it (multiplied when negative)."""
+    min_tokens: int = 0
+    """EOS and the stop tokens cannot be sampled before this many tokens."""
+    logit_bias: dict[int, float] = {}
+    n: int = 1
+    """Sequences to sample from the one prompt (parallel sampling: they share its KV blocks)."""
 
 
 # ---------------------------------------------------------------- conductor
@@ -257,6 +274,27 @@ class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- output
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True):
+    """One token's log-probability, its rank among all tokens (1: likeliest) and the likeliest tokens."""
+
+    token_id: int
+    logprob: float
+    rank: int = 1
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class FirstToken(msgspec.Struct, frozen=True, kw_only=True):
+    """What a prefill hands its decode instance with the first token when logprobs were asked for (it
+    travels msgpack-encoded in the KV commit's `extras`)."""
+
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] = []
+    siblings: list[int] = []
+    """With n > 1: the first tokens of sequences 1..n-1 (the commit's first_token is sequence 0's)."""
+    sibling_logprobs: list[TokenLogprob] = []
+
+
 class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     """Tokens of one request on `kvc.req.<id>.out`; `seq` orders chunks, the last has finish_reason."""
 
@@ -269,6 +307,12 @@ class TokenChunk(msgspec.Struct, frozen=True, kw_only=True):
     error: str = ""
     error_status: int = 500
     """With finish_reason "error": the HTTP status it means (503 when an instance refused the job)."""
+    logprobs: list[TokenLogprob] = []
+    """One per token of `token_ids` when the request asked for logprobs."""
+    prompt_logprobs: list[TokenLogprob] = []
+    """The first chunk, when asked for: prompt tokens 1.. (the first prompt token has none)."""
+    index: int = 0
+    """Which of the request's n sequences the tokens belong to (the choice index)."""
 
     @classmethod
     def final(cls, request_id: str, reason: Literal["stop", "length", "abort"], *, seq: int, token_ids: list[int],
@@ -345,6 +389,10 @@ _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[object, msgspec.msgpack.Decoder] = {}
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives a token's logprobs may list (OpenAI's bound for top_logprobs)."""
+MAX_SEQUENCES = 16
+"""The most sequences one request may sample in parallel (n, best_of)."""
 _SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
 
@@ -358,6 +406,13 @@ def job_problem(request_id: str, sampling: SamplingParams) -> str:
     if not 0.0 <= sampling.temperature <= 2.0 or not 0.0 < sampling.top_p <= 1.0 or sampling.top_k < 0:
         return (f"sampling out of range: temperature {sampling.temperature} (0..2), top_p {sampling.top_p} "
                 f"(0 exclusive..1), top_k {sampling.top_k} (>= 0)")
+    counts = [n for n in (sampling.logprobs, sampling.prompt_logprobs) if n is not None]
+    if any(not 0 <= n <= MAX_LOGPROBS for n in counts) or sampling.min_tokens < 0:
+        return f"logprobs and prompt_logprobs must be in 0..{MAX_LOGPROBS}, min_tokens >= 0"
+    if not 1 <= sampling.n <= MAX_SEQUENCES:
+        return f"n must be in 1..{MAX_SEQUENCES}, got {sampling.n}"
+    if not 0.0 < sampling.repetition_penalty <= 2.0:
+        return f"repetition_penalty must be in (0, 2], got {sampling.repetition_penalty}"
     return ""
 
 

@@ -80,4 +80,4 @@ class ColocatedEngine:
             return []
         self.pool.share(work.blocks)  # decode's reference; finish() drops prefill's
         self.prefill.finish(work)
-        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token)
+        return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token, work.first_token())

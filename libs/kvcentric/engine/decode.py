@@ -19,9 +19,10 @@ from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.runner import ModelRunner, sample
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.sampling import choose
 from kvcentric.core.stopping import finish_reason
-from kvcentric.core.protocol import DecodeJob, TokenChunk
+from kvcentric.core.protocol import DecodeJob, FirstToken, TokenChunk, TokenLogprob, decode
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
@@ -42,10 +43,19 @@ class DecodeRequest:
     seq: int = 0
     recompute: bool = False
     """Resumed after preemption: its KV must be recomputed before the next step."""
+    next_logprob: TokenLogprob | None = None
+    """The logprobs of the token the step in flight chose (when the request asked for them)."""
+    index: int = 0
+    """Which of the request's `sampling.n` sequences this is (its choice index)."""
 
     @property
     def request_id(self) -> str:
         return self.job.request_id
+
+    @property
+    def key(self) -> str:
+        """Its key among the engine's requests: the request id, and `<id>#<index>` for sequences after the first."""
+        return self.job.request_id if self.index == 0 else f"{self.job.request_id}#{self.index}"
 
     @property
     def position(self) -> int:
@@ -58,11 +68,13 @@ class DecodeRequest:
         return self.job.n_prompt_tokens + max(1, len(self.generated))
 
     def chunk(self, token_ids: list[int], reason: FinishReason | None = None, error: str = "",
-              error_status: int = 500) -> TokenChunk:
+              error_status: int = 500, logprobs: list[TokenLogprob] | None = None,
+              prompt_logprobs: list[TokenLogprob] | None = None) -> TokenChunk:
         self.seq += 1
         return TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=token_ids, finish_reason=reason,
                           prompt_tokens=self.job.n_prompt_tokens, completion_tokens=len(self.generated),
-                          error=error, error_status=error_status)
+                          error=error, error_status=error_status, logprobs=logprobs or [],
+                          prompt_logprobs=prompt_logprobs or [], index=self.index)
 
 
 class DecodeEngine:
@@ -80,7 +92,7 @@ class DecodeEngine:
         self.stats = {"kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
                       "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
                       "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0,
-                      "requests_rejected_tbt": 0}
+                      "requests_rejected_tbt": 0, "sequences_forked": 0}
 
     # ---------------------------------------------------------------- admission and KV arrival
 
@@ -133,12 +145,13 @@ class DecodeEngine:
         self.stats["requests_rejected_tbt"] += 1
         return request.chunk([], "error", verdict.reason, error_status=429)
 
-    def commit_kv(self, request_id: str, first_token: int) -> list[TokenChunk]:
-        """All layers are in: emit the prefill's first token and join the batch (or finish)."""
+    def commit_kv(self, request_id: str, first_token: int, extras: bytes = b"") -> list[TokenChunk]:
+        """All layers are in: emit the prefill's first token (with the logprobs in `extras`, a msgpack
+        FirstToken, when asked for) and join the batch (or finish)."""
         request = self._complete(request_id)
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
-        return [self._emit(request, first_token)]
+        return self._start(request, first_token, decode(extras, FirstToken) if extras else None)
 
     def reset_kv(self, request_id: str) -> None:
         """Drop what arrived of a request's KV and wait for it again (the sender will resend)."""
@@ -147,29 +160,62 @@ class DecodeEngine:
             self.pool.free(request.blocks)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
-    def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int) -> list[TokenChunk]:
+    def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int,
+              first: FirstToken | None = None) -> list[TokenChunk]:
         """Take over a request prefilled in this process (colocated): its blocks hold the prompt's KV."""
         request = DecodeRequest(job, deadline=0.0, state="running", blocks=blocks, prompt=list(prompt))
         self.requests[job.request_id] = request
-        return [self._emit(request, first_token)]
+        return self._start(request, first_token, first)
+
+    # ---------------------------------------------------------------- parallel sampling
+
+    def _start(self, request: DecodeRequest, first_token: int, first: FirstToken | None) -> list[TokenChunk]:
+        """Emit the first token of each of the request's n sequences: the others fork from the first before
+        it may finish and free its blocks."""
+        siblings = [self._fork(request, index) for index in range(1, request.job.sampling.n)]
+        chunks = [self._emit(request, first_token, first)]
+        for sibling, token, logprob in zip(siblings, first.siblings if first else [], _padded(first)):
+            chunks.append(self._emit(sibling, token, FirstToken(logprob=logprob)))
+        return chunks
+
+    def _fork(self, parent: DecodeRequest, index: int) -> DecodeRequest:
+        """Sequence `index` of a request: the prompt's full blocks shared with the first sequence (their
+        reference counts), the block it writes next its own (a copy of the prompt's partial last block). With
+        no room it starts preempted and recomputes its KV when blocks free up."""
+        sibling = DecodeRequest(parent.job, deadline=0.0, state="running", prompt=parent.prompt, index=index)
+        self.requests[sibling.key] = sibling
+        full = parent.job.n_prompt_tokens // self.pool.block_size
+        own = len(parent.blocks) - full
+        if not self.pool.can_allocate(own):
+            sibling.state = "preempted"
+            self.preempted.append(sibling.key)
+            return sibling
+        shared = parent.blocks[:full]
+        self.pool.share(shared)
+        sibling.blocks = shared + self.pool.allocate(own)
+        if parent.job.n_prompt_tokens % self.pool.block_size:
+            self.runner.copy_block(parent.blocks[full], sibling.blocks[full])
+        self.stats["sequences_forked"] += 1
+        return sibling
 
     # ---------------------------------------------------------------- ending
 
     def abort(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk | None:
-        """End a request and free its blocks; None when it is not here (already ended)."""
-        if request_id not in self.requests:
-            return None
-        return self._end(request_id, reason, error)
+        """End a request (each of its sequences) and free its blocks; the first sequence's last chunk, or None
+        when it is not here (already ended)."""
+        keys = [key for key, r in self.requests.items() if r.request_id == request_id]
+        chunks = [self._end(key, reason, error) for key in keys]
+        return chunks[0] if chunks else None
 
-    def _end(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk:
-        request = self.requests.pop(request_id)
+    def _end(self, key: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk:
+        request = self.requests.pop(key)
         self._release(request)
         self.stats["requests_aborted"] += 1
         return request.chunk([], reason, error)
 
     def expire(self, now: float) -> list[TokenChunk]:
         """Fail requests whose KV did not arrive in time."""
-        late = [r.request_id for r in self.requests.values()
+        late = [r.key for r in self.requests.values()
                 if r.state in ("waiting_kv", "receiving") and now > r.deadline]
         return [self._end(rid, "error", "KV did not arrive in time") for rid in late]
 
@@ -188,21 +234,26 @@ class DecodeEngine:
                     continue
                 request.blocks += self.pool.allocate(1)
             batch.append(request)
-        self._in_step = {r.request_id for r in batch}
+        self._in_step = {r.key for r in batch}
         return batch, failed
 
     def execute(self, batch: list[DecodeRequest]) -> list[int]:
         self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
-        return [sample(logits[i], r.job.sampling, len(r.generated)) for i, r in enumerate(batch)]
+        return [self._choose(logits[i], r) for i, r in enumerate(batch)]
+
+    def _choose(self, logits, request: DecodeRequest) -> int:
+        token, request.next_logprob = choose(logits, request.job.sampling, len(request.generated), request.prompt,
+                                             request.generated, self.runner.config.eos_token_ids, request.index)
+        return token
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""
         self._in_step = set()
         self.pool.free(self._deferred_free)
         self._deferred_free = []
-        return [self._end(r.request_id, "error", error) for r in batch if r.request_id in self.requests]
+        return [self._end(r.key, "error", error) for r in batch if r.key in self.requests]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
         self.stats["decode_steps"] += 1
@@ -210,7 +261,7 @@ class DecodeEngine:
         self._in_step = set()
         self.pool.free(self._deferred_free)
         self._deferred_free = []
-        return [self._emit(r, t) for r, t in zip(batch, tokens) if r.request_id in self.requests]
+        return [self._emit(r, t) for r, t in zip(batch, tokens) if r.key in self.requests]
 
     @property
     def has_work(self) -> bool:
@@ -231,7 +282,7 @@ class DecodeEngine:
     def _preempt(self, request: DecodeRequest) -> None:
         self.pool.free(request.blocks)
         request.blocks, request.state = [], "preempted"
-        self.preempted.append(request.request_id)
+        self.preempted.append(request.key)
         self.stats["preemptions"] += 1
 
     def _resume_preempted(self) -> list[TokenChunk]:
@@ -245,7 +296,7 @@ class DecodeEngine:
             needed = self.pool.blocks_for(request.position + 1)
             if needed > self.pool.num_blocks:
                 self.preempted.popleft()
-                failed.append(self._end(request.request_id, "error", "sequence outgrew the KV cache"))
+                failed.append(self._end(request.key, "error", "sequence outgrew the KV cache"))
                 continue
             if not self.pool.can_allocate(needed):
                 break
@@ -262,19 +313,23 @@ class DecodeEngine:
 
     # ---------------------------------------------------------------- helpers
 
-    def _emit(self, request: DecodeRequest, token: int) -> TokenChunk:
+    def _emit(self, request: DecodeRequest, token: int, first: FirstToken | None = None) -> TokenChunk:
+        """Record a generated token; the chunk carries its logprobs (the step's, or the prefill's in `first`)."""
+        logprob = first.logprob if first is not None else request.next_logprob
+        request.next_logprob = None
         request.generated.append(token)
         self.stats["tokens_generated"] += 1
         reason = finish_reason(token, len(request.generated), request.job.sampling,
                                self.runner.config.eos_token_ids)
         if reason is not None:
-            del self.requests[request.request_id]
+            del self.requests[request.key]
             self._release(request)
             self.stats["requests_finished"] += 1
-        return request.chunk([token], reason)
+        return request.chunk([token], reason, logprobs=None if logprob is None else [logprob],
+                             prompt_logprobs=first.prompt_logprobs if first is not None else None)
 
     def _release(self, request: DecodeRequest) -> None:
-        if request.request_id in self._in_step:  # the step in flight still reads and writes its blocks
+        if request.key in self._in_step:  # the step in flight still reads and writes its blocks
             self._deferred_free += request.blocks
             return
         self.pool.free(request.blocks)
@@ -295,3 +350,10 @@ class DecodeEngine:
         if request.state != state:
             raise KVRejected(f"request {request_id} is {request.state}, not {state}")
         return request
+
+
+def _padded(first: FirstToken | None) -> list[TokenLogprob | None]:
+    """The siblings' first-token logprobs, None for each when none were asked for."""
+    if first is None:
+        return []
+    return [*first.sibling_logprobs, *[None] * (len(first.siblings) - len(first.sibling_logprobs))]

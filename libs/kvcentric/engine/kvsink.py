@@ -72,7 +72,7 @@ class DecodeSink:
     def commit(self, request_id: str, commit) -> None:
         self.spans.end(request_id, "decode.queue")
         self.spans.start(request_id, "decode.generate").add_event("first_token", {"kvc.token": commit.first_token})
-        self.emit(self.engine.commit_kv(request_id, commit.first_token))
+        self.emit(self.engine.commit_kv(request_id, commit.first_token, commit.extras))
         self.wake.set()
 
     def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:

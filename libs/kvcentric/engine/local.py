@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.runner import ModelRunner, sample
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.sampling import sample
 from kvcentric.core.stopping import finish_reason
 from kvcentric.core.protocol import SamplingParams
 

@@ -12,11 +12,12 @@ import collections
 import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.runner import ModelRunner, sample
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.llama import LayerHook
-from kvcentric.core.protocol import PrefillJob
+from kvcentric.core.protocol import FirstToken, PrefillJob, TokenLogprob, encode
 
 
 class PrefillRejected(ValueError):
@@ -33,10 +34,29 @@ class PrefillWork:
     done: int = 0
     """Prompt tokens whose KV is in the cache (cached prefix plus chunks computed so far)."""
     cancelled: bool = False
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    """Asked for (`sampling.prompt_logprobs`): prompt tokens 1..done scored so far."""
+    first_logprob: TokenLogprob | None = None
+    """Asked for (`sampling.logprobs`): the first generated token's, once the last chunk is computed."""
+    siblings: list[tuple[int, TokenLogprob | None]] = dataclasses.field(default_factory=list)
+    """With n > 1: the first token (and its logprobs) of sequences 1..n-1."""
 
     @property
     def request_id(self) -> str:
         return self.job.request_id
+
+    def first_token_extras(self) -> bytes:
+        """What goes to decode with the first token: the logprobs asked for (msgpack FirstToken), or b""."""
+        sampling = self.job.sampling
+        if sampling.logprobs is None and sampling.prompt_logprobs is None and sampling.n == 1:
+            return b""
+        return encode(self.first_token())
+
+    def first_token(self) -> FirstToken:
+        """The logprobs asked for and the other sequences' first tokens, for decode."""
+        logprobs = [logprob for _, logprob in self.siblings if logprob is not None]
+        return FirstToken(logprob=self.first_logprob, prompt_logprobs=self.prompt_logprobs,
+                          siblings=[token for token, _ in self.siblings], sibling_logprobs=logprobs)
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +142,8 @@ class PrefillEngine:
         hashes = self.hashes(job.token_ids)
         cached = self.pool.cached_prefix(hashes)
         from_host = self.host.prefix(hashes[len(cached):]) if self.host is not None else 0
+        if job.sampling.prompt_logprobs is not None:  # a cached prefix has no logits to score it with
+            cached, from_host = [], 0
         usable = (len(job.token_ids) - 1) // self.pool.block_size  # compute at least one token: its logits
         cached, from_host = cached[:usable], max(0, min(from_host, usable - len(cached)))
         needed = self.pool.blocks_for(len(job.token_ids)) - len(cached)
@@ -157,9 +179,20 @@ class PrefillEngine:
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
-        work = chunk.work
-        logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer)
-        return sample(logits, work.job.sampling, 0) if chunk.last else None
+        work, sampling = chunk.work, chunk.work.job.sampling
+        scored = sampling.prompt_logprobs is not None
+        logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, scored)
+        if scored:
+            following = work.job.token_ids[chunk.start + 1:chunk.end + 1]
+            work.prompt_logprobs += prompt_logprobs(logits, following, sampling.prompt_logprobs or 0)
+            logits = logits[-1]
+        if not chunk.last:
+            return None
+        eos = self.runner.config.eos_token_ids
+        token, work.first_logprob = choose(logits, sampling, 0, work.job.token_ids, (), eos)
+        work.siblings = [choose(logits, sampling, 0, work.job.token_ids, (), eos, index)
+                         for index in range(1, sampling.n)]
+        return token
 
     def update(self, chunk: PrefillChunk) -> None:
         """Record a computed chunk."""

@@ -1,6 +1,6 @@
-"""The only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
+"""With `sampling`, the only engine part that touches torch: builds the model, owns the KV cache tensors, runs steps.
 
-It turns block tables into slot ids, runs prefill chunks and batched decode steps, samples, and copies
+It turns block tables into slot ids, runs prefill chunks and batched decode steps, and copies
 one layer's KV of a request out of or into the cache as bytes. It does not decide what to run or
 allocate blocks.
 """
@@ -13,7 +13,6 @@ import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
 from kvcentric.engine.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
-from kvcentric.core.protocol import SamplingParams
 from kvcentric.runtime.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,13 +59,17 @@ class ModelRunner:
         return slots_of(block_table, start, end, self.block_size).to(self.device)
 
     def prefill(self, token_ids: list[int], block_table: list[int], start: int, end: int | None = None,
-                on_layer: LayerHook | None = None) -> torch.Tensor:
-        """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; logits of the last."""
+                on_layer: LayerHook | None = None, every_row: bool = False) -> torch.Tensor:
+        """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; the logits of the
+        last position, or of every position ([end - start, vocab]) with `every_row`."""
         end = len(token_ids) if end is None else end
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
         batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
         ids = torch.tensor(token_ids[start:end], device=self.device)
+        if every_row:
+            rows = torch.arange(end - start, device=self.device)
+            return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)
         rows = torch.tensor([end - start - 1], device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)[0]
 
@@ -106,6 +109,13 @@ class ModelRunner:
         both = torch.stack([self.k_cache[:, slots], self.v_cache[:, slots]], dim=1)  # [L, 2, n*bs, H, D]
         shape = (self.config.num_layers, 2, len(blocks), self.block_size, *both.shape[-2:])
         return both.view(shape).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
+
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one cache block's KV, every layer, into another (a sequence forked from a partial block)."""
+        slots = block_slots([source, target], self.block_size).to(self.device)
+        half = self.block_size
+        self.k_cache[:, slots[half:]] = self.k_cache[:, slots[:half]]
+        self.v_cache[:, slots[half:]] = self.v_cache[:, slots[:half]]
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""
@@ -151,23 +161,3 @@ def kv_payload(keys: torch.Tensor, values: torch.Tensor) -> tuple[bytes, bytes, 
 def raw_bytes(tensor: torch.Tensor) -> bytes:
     """The tensor's memory as bytes, in C order, copied to the host once."""
     return tensor.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    """Greedy at temperature 0; else temperature, top-k and top-p, seeded per (seed, step)."""
-    if params.temperature <= 0.0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if params.top_k > 0:
-        keep[params.top_k:] = False
-    if params.top_p < 1.0:
-        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
-    generator = torch.Generator(device=probs.device)
-    if params.seed is not None:
-        generator.manual_seed(params.seed * 1_000_003 + step)
-    else:
-        generator.seed()
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -38,6 +38,7 @@ class RequestPush:
         self.loop = asyncio.get_running_loop()
         self.layers: asyncio.Queue = asyncio.Queue()
         self.first_token: asyncio.Future = self.loop.create_future()
+        self.extras = b""
         self.span = tracing.start_span("messenger.transfer", trace_context, tracing.SpanKind.CLIENT,
                                        {"kvc.request_id": work.request_id, "kvc.peer": work.job.decode_kv_addr})
         self.started = time.monotonic()
@@ -89,8 +90,9 @@ class RequestPush:
         for chunk in chunks:
             self.layers.put_nowait(chunk)
 
-    def finish(self, first_token: int) -> None:
-        """Every chunk is computed: close the stream with the first token."""
+    def finish(self, first_token: int, extras: bytes = b"") -> None:
+        """Every chunk is computed: close the stream with the first token (and its logprobs in `extras`)."""
+        self.extras = extras
         self.layers.put_nowait(first_token)
         self.first_token.set_result(first_token)
 
@@ -119,7 +121,7 @@ class RequestPush:
         while not isinstance(item := await self.layers.get(), int):
             total += item.nbytes
             yield item
-        yield kv_pb2.KVCommit(first_token=item, total_bytes=total)
+        yield kv_pb2.KVCommit(first_token=item, total_bytes=total, extras=self.extras)
 
     async def _resend(self):
         token = await asyncio.shield(self.first_token)
@@ -129,4 +131,4 @@ class RequestPush:
             chunk = self._read(layer, 0, self.work.num_tokens)
             total += chunk.nbytes
             yield chunk
-        yield kv_pb2.KVCommit(first_token=token, total_bytes=total)
+        yield kv_pb2.KVCommit(first_token=token, total_bytes=total, extras=self.extras)

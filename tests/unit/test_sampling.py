@@ -1,0 +1,71 @@
+"""The sampler: vLLM's penalties, min_tokens and logit_bias on the logits, and logprobs raw or processed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcentric.core.protocol import SamplingParams
+from kvcentric.engine.sampling import adjust, choose, prompt_logprobs
+
+LOGITS = torch.tensor([2.0, -1.0, 0.5, 1.0, -3.0])
+
+
+def adjusted(prompt=(), generated=(), stop_ids=(), **params) -> list[float]:
+    return adjust(LOGITS.clone(), SamplingParams(**params), prompt, generated, stop_ids).tolist()
+
+
+def test_nothing_asked_leaves_the_logits_alone():
+    assert adjusted(generated=[0, 0]) == LOGITS.tolist()
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    assert adjusted(prompt=[0], generated=[1], repetition_penalty=2.0) == [1.0, -2.0, 0.5, 1.0, -3.0]
+
+
+def test_frequency_and_presence_penalties_count_the_output_only():
+    got = adjusted(prompt=[2], generated=[0, 0, 3], frequency_penalty=0.5, presence_penalty=0.25)
+    assert got == pytest.approx([2.0 - 1.0 - 0.25, -1.0, 0.5, 1.0 - 0.5 - 0.25, -3.0])
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
+    held = adjusted(generated=[1], stop_ids={0}, min_tokens=2, stop_token_ids=[3])
+    assert held[0] == held[3] == float("-inf") and held[2] == 0.5
+    assert adjusted(generated=[1, 1], stop_ids={0}, min_tokens=2) == LOGITS.tolist()
+    assert adjusted(generated=[1], stop_ids={0}, min_tokens=2, ignore_eos=True) == LOGITS.tolist()
+
+
+def test_logit_bias_adds_and_ignores_ids_beyond_the_vocabulary():
+    assert adjusted(logit_bias={4: 10.0, 99: 5.0}) == [2.0, -1.0, 0.5, 1.0, 7.0]
+
+
+def test_greedy_picks_the_biased_token_and_logprobs_are_raw_unless_processed_is_asked():
+    params = SamplingParams(temperature=0.0, logit_bias={4: 10.0}, logprobs=2)
+    token, raw = choose(LOGITS, params, 0)
+    assert token == 4 and raw is not None
+    assert raw.logprob == pytest.approx(float(torch.log_softmax(LOGITS, -1)[4])) and raw.rank == 5
+    assert raw.top_ids == [0, 3]
+    _, processed = choose(LOGITS, SamplingParams(temperature=0.0, logit_bias={4: 10.0}, logprobs=0,
+                                                 processed_logprobs=True), 0)
+    assert processed is not None and processed.rank == 1 and processed.top_ids == []
+
+
+def test_processed_logprobs_apply_the_temperature():
+    params = SamplingParams(temperature=0.5, seed=1, logprobs=1, processed_logprobs=True)
+    token, entry = choose(LOGITS, params, 0)
+    assert entry is not None
+    assert entry.logprob == pytest.approx(float(torch.log_softmax(LOGITS / 0.5, -1)[token]))
+
+
+def test_a_seed_makes_penalised_sampling_repeat():
+    params = SamplingParams(temperature=1.0, seed=5, frequency_penalty=1.0, repetition_penalty=1.3)
+    draws = [choose(LOGITS, params, step, [1], [0, 2][:step])[0] for step in range(3)]
+    assert draws == [choose(LOGITS, params, step, [1], [0, 2][:step])[0] for step in range(3)]
+
+
+def test_prompt_logprobs_score_each_next_token_from_the_row_before():
+    rows = torch.stack([LOGITS, LOGITS.flip(0)])
+    entries = prompt_logprobs(rows, [3, 4], 1)
+    table = torch.log_softmax(rows, -1)
+    assert [e.logprob for e in entries] == pytest.approx([float(table[0, 3]), float(table[1, 4])])
+    assert [e.top_ids for e in entries] == [[0], [4]] and [e.rank for e in entries] == [2, 1]
