@@ -43,11 +43,11 @@ class Tally(dict[str, float]):
 
 class Conductor:
     def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
-                 clusters: ClusterSetup | None = None) -> None:
+                 stuck_after_s: float = math.inf, clusters: ClusterSetup | None = None) -> None:
         self.config = config
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
-        self.registry = InstanceRegistry(self.estimator, stale_after_s)
+        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s)
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
