@@ -128,18 +128,18 @@ async def test_an_engine_whose_event_loop_is_held_stays_alive_in_the_conductors_
     """The loop held for 3 s (as by a long copy or serialization on it): without a heartbeat thread of
     its own the prefill would miss two --stale-after-s windows."""
     conductor, port = spawn_service("conductor", own_nats, "--stale-after-s", "1.0")
-    service = PrefillService(EngineConfig(nats_url=own_nats, model="tiny", num_kv_blocks=64))
     health_url = f"http://127.0.0.1:{port}/health"
     try:
-        await service.open()
-        await asyncio.to_thread(wait_prefill_alive, health_url, True)
-        watch = AliveWatch(health_url)
-        time.sleep(3.0)  # holds this event loop, the service's
-        counts = watch.stop()
-        assert counts and min(counts) == 1, f"prefill dead in {counts.count(0)} of {len(counts)} polls"
-    finally:
-        await service.close()
-    try:
+        service = PrefillService(EngineConfig(nats_url=own_nats, model="tiny", num_kv_blocks=64))
+        try:
+            await service.open()
+            await asyncio.to_thread(wait_prefill_alive, health_url, True)
+            watch = AliveWatch(health_url)
+            time.sleep(3.0)  # holds this event loop, the service's
+            counts = watch.stop()
+            assert counts and min(counts) == 1, f"prefill dead in {counts.count(0)} of {len(counts)} polls"
+        finally:
+            await service.close()
         assert await asyncio.to_thread(wait_prefill_alive, health_url, False) < 3.0
     finally:
         conductor.terminate()
