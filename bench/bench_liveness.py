@@ -30,6 +30,7 @@ import nats
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
 from checkpoints import build_checkpoint  # noqa: E402
 from harness import UpProcess  # noqa: E402
+from kvcentric.core.protocol import LoadReport, decode  # noqa: E402
 from kvcentric.tools.processes import get_json  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "liveness.json"
@@ -52,6 +53,9 @@ class ReportListener:
 
     def __init__(self, nats_url: str) -> None:
         self.arrivals: list[float] = []
+        self.repeats = 0
+        """Reports that only said the prefill lives (its event loop computed no new load)."""
+        self.oldest_load_s = 0.0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=asyncio.run, args=(self._listen(nats_url),), daemon=True)
         self.thread.start()
@@ -65,6 +69,9 @@ class ReportListener:
 
     async def _arrived(self, message) -> None:
         self.arrivals.append(time.monotonic())
+        report = decode(message.data, LoadReport)
+        self.repeats += report.repeat
+        self.oldest_load_s = max(self.oldest_load_s, report.load_age_s)
 
     def gaps(self, start: float, end: float) -> list[float]:
         times = [t for t in self.arrivals if start <= t <= end]
@@ -111,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
                 done.set()
                 statuses = [f.result() for f in short]
                 gaps = listener.gaps(started, ended)
+                repeats, oldest_load_s = listener.repeats, listener.oldest_load_s
         finally:
             listener.stop.set()
             up.stop()
@@ -119,7 +127,8 @@ def run(args: argparse.Namespace) -> dict:
             "long_request_s": round(ended - started, 2),
             "long_status": long_status[0], "reports": len(gaps) + 1,
             "max_report_gap_s": round(max(gaps, default=0.0), 3),
-            "gaps_over_0_5_s": sum(g > 0.5 for g in gaps), "conductor_no_prefill_s": round(dead.result(), 2),
+            "gaps_over_0_5_s": sum(g > 0.5 for g in gaps), "repeats": repeats,
+            "oldest_load_s": round(oldest_load_s, 3), "conductor_no_prefill_s": round(dead.result(), 2),
             "short_requests": len(statuses), "short_ok": sum(s == 200 for s, _ in statuses),
             "short_errors": sorted({f"{s} {m}" for s, m in statuses if s != 200})}
 
