@@ -64,8 +64,11 @@ class Conductor:
     # ---------------------------------------------------------------- inputs
 
     def observe(self, report: LoadReport, now: float) -> None:
-        """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator)."""
+        """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator); a `repeat`
+        only says it lives: its old numbers teach nothing about egress, links or the decode batch."""
         state = self.registry.observe(report, now)
+        if report.repeat:
+            return
         if self.router is not None:
             self.router.observe(report, now)
         if report.link_bandwidth:
