@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
                                       num_hidden_layers=args.layers, num_attention_heads=args.kv_heads,
                                       num_key_value_heads=args.kv_heads, head_dim=args.head_dim)
         env = {"KVC_KV_RATE_LIMIT_GBPS": str(args.rate_gbps), "KVC_NUM_KV_BLOCKS": str(args.tokens // 16 + 512)}
-        up = UpProcess(os.path.join(tmp, "logs"), "--model", str(checkpoint), "--num-kv-blocks",
+        up = UpProcess(args.log_dir or os.path.join(tmp, "logs"), "--model", str(checkpoint), "--num-kv-blocks",
                        str(args.tokens // 16 + 512), env=env)
         try:
             listener = ReportListener(up.manifest["nats_url"])
@@ -141,6 +141,7 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2, help="also the attention heads")
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--short-every-s", type=float, default=0.5)
+    parser.add_argument("--log-dir", default="", help="keep the services' logs here")
     parser.add_argument("--label", default="", help="name of this run in the results file")
     args = parser.parse_args()
     result = {"machine": platform.machine(), "cpus": os.cpu_count(), **run(args)}
