@@ -80,3 +80,12 @@ def test_a_colocated_instances_two_roles_share_each_tick_number():
     reports = reporter_.due_reports(0.0)
     assert sorted(s for s, _ in reports) == ["kvc.load.decode.p0", "kvc.load.prefill.p0"]
     assert {r.seq for _, r in reports} == {1}
+
+
+def test_a_repeat_teaches_the_conductor_nothing_about_links():
+    conductor = make_conductor(0, 1)
+    report = msgspec.structs.replace(load_report("p0", "prefill"), link_bandwidth={"peer:1": 5e9})
+    conductor.observe(beat(report, 1, repeat=True), 0.0)
+    assert conductor.links.bytes_per_s("p0", "peer:1") != 5e9
+    conductor.observe(beat(report, 2), 0.1)
+    assert conductor.links.bytes_per_s("p0", "peer:1") == 5e9
