@@ -23,7 +23,11 @@ PrefixIndex = Literal["local", "kvs-meta"]
 
 @dataclasses.dataclass(frozen=True)
 class ConductorConfig(BusConfig, SchedulerConfig):
-    stale_after_s: float = setting(1.5, "an instance with no load report for this long is out of placement")
+    stale_after_s: float = setting(1.5, "an instance with no load report for this long is dead: out of placement "
+                                        "(engines report from a heartbeat thread, busy or not)")
+    stuck_after_s: float = setting(10.0, "an instance whose event loop has computed no load for this long (its "
+                                         "heartbeat alone still beats) is out of placement too: a loop held "
+                                         "that long would not take a job within --submit-timeout-s either")
     profile: str = setting("", "cost model JSON written by `kvcentric profile` (default: a roofline of "
                                "--model on --hardware)")
     model: str = setting("tiny", "model (preset or checkpoint directory) of the roofline cost model when no "
@@ -70,6 +74,7 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         BusConfig.__post_init__(self)
         SchedulerConfig.__post_init__(self)
         require(self.stale_after_s > 0, "stale_after_s", "must be positive")
+        require(self.stuck_after_s > 0, "stuck_after_s", "must be positive")
         if not self.profile:
             try:
                 load_model_config(self.model)

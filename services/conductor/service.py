@@ -68,7 +68,7 @@ class ConductorService(Service):
         self.config: ConductorConfig = config
         prfaas_cost = CostModel.load(config.prfaas_profile) if config.prfaas_profile else None
         self.core = Conductor(config.scheduler, config.cost_model(), stale_after_s=config.stale_after_s,
-                              clusters=config.clusters(prfaas_cost))
+                              stuck_after_s=config.stuck_after_s, clusters=config.clusters(prfaas_cost))
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
         self.local_index = config.prefix_index == "local"
@@ -331,7 +331,9 @@ class ConductorService(Service):
                   "pulled_blocks_total": float(stats["pulled_blocks"]),
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
-                  "ttft_outcomes_total": float(outcomes)}
+                  "ttft_outcomes_total": float(outcomes),
+                  "heartbeats_missed_total": float(self.registry.missed_beats),
+                  "liveness_only_reports_total": float(self.registry.repeats)}
         if self.local_index:
             gauges.update({"prefix_index_blocks": float(len(self.index)),
                            "prefix_index_nodes": float(self.index.nodes), "prefix_index_seeded": float(self.seeded),

@@ -171,6 +171,8 @@ class InstanceInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_addr: str
     load: float
     age_s: float
+    busy_s: float = 0.0
+    """Seconds since its event loop last computed its load (its heartbeat kept it alive meanwhile)."""
 
 
 class RequestOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -260,6 +262,14 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """KV bytes its messenger has pushed since it started (the conductor's measure of PrfaaS egress use)."""
     draining: bool = False
     """It finishes what it has and takes nothing new in this role (a role change is under way)."""
+    seq: int = 0
+    """The engine's heartbeat tick (from 1; 0: a sender without a heartbeat thread). Reports come from a
+    thread that no compute, copy or gRPC stream waits on, so a busy engine keeps sending them."""
+    repeat: bool = False
+    """The load numbers were sent before: the engine's event loop has computed none since (it is busy);
+    this report says the process lives, not what it holds."""
+    load_age_s: float = 0.0
+    """Seconds since the engine's event loop computed these load numbers."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,8 +9,11 @@ given tokens; it does not schedule, allocate blocks or sample. The cache is one 
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
+import zlib
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TypeGuard, cast
 
 import torch
@@ -65,10 +68,24 @@ class Rotary(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        angles = torch.outer(torch.arange(config.max_position, dtype=torch.float32), rope_inverse_frequencies(config))
-        angles = torch.cat([angles, angles], dim=-1)
+        self.config = config
+        angles = self.angles()
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def angles(self) -> torch.Tensor:
+        """[max_position, head_dim] rotation angles, in fp32 on the current default device."""
+        angles = torch.outer(torch.arange(self.config.max_position, dtype=torch.float32),
+                             rope_inverse_frequencies(self.config))
+        return torch.cat([angles, angles], dim=-1)
+
+    def compute_tables(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Fill cos and sin on `device` in `dtype` (a model built on the meta device has none): computed
+        in fp32 on the CPU, so every device gets the same tables."""
+        with torch.device("cpu"):
+            angles = self.angles()
+        self.cos = angles.cos().to(device, dtype)
+        self.sin = angles.sin().to(device, dtype)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [tokens, heads, head_dim]."""
@@ -216,9 +233,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie()
         self.rotary = Rotary(config)
+
+    def tie(self) -> None:
+        """The output projection is the embedding table when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def fuse(self) -> LlamaModel:
         """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
@@ -239,9 +260,34 @@ class LlamaModel(nn.Module):
         return self.lm_head(self.norm(x[logit_rows])).float()
 
 
+def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
+    """The model with its weights allocated, uninitialised, on `device` in `dtype`: built on the meta device
+    (no host copy, no default init, no fp32 temporary), then given memory where it runs; rotary tables filled."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie()  # moving off the meta device gave the two modules a parameter each
+    model.rotary.compute_tables(torch.device(device), dtype)
+    return model
+
+
+DRAW_CHUNK = 1 << 22
+"""Elements drawn from one generator: a weight is drawn in chunks of this many, each from a generator of
+its own, so the chunks can be drawn in parallel and the weights depend on nothing but seed and name."""
+
+
+def chunk_seed(seed: int, name: str, chunk: int) -> int:
+    """The seed of one chunk's generator, from the model's seed, the parameter's name and the chunk's index
+    (not the order of the parameters, their shapes, or how many threads draw)."""
+    return (seed * 1_000_003 + zlib.crc32(f"{name}:{chunk}".encode())) % (1 << 63)
+
+
 def random_init(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
-    """Seeded random weights ("dummy" model): the same seed gives the same model in any process."""
-    generator = torch.Generator().manual_seed(seed)
+    """Seeded random weights ("dummy" model), drawn in place where the weights are and in their dtype (no
+    fp32 temporary), chunk by chunk (`DRAW_CHUNK`), on the CPU by torch's threads in parallel. The same seed
+    gives the same model in any process on the same kind of device and dtype (CUDA's generator is not the
+    CPU's, so a CPU and a GPU model differ)."""
+    draws: list[tuple[torch.Tensor, int]] = []
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -249,31 +295,43 @@ def random_init(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
             elif name.endswith(".bias"):
                 param.zero_()
             else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                flat = param.detach().view(-1)
+                draws += [(flat[start:start + DRAW_CHUNK], chunk_seed(seed, name, start // DRAW_CHUNK))
+                          for start in range(0, flat.numel(), DRAW_CHUNK)]
+
+    def draw(chunk: tuple[torch.Tensor, int]) -> None:
+        values, chunk_seed_ = chunk
+        values.normal_(0.0, std, generator=torch.Generator(device=values.device).manual_seed(chunk_seed_))
+
+    on_cpu = bool(draws) and draws[0][0].device.type == "cpu"
+    with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()) if on_cpu else 1) as pool:
+        list(pool.map(draw, draws))
     return model
 
 
 def load_checkpoint(model: LlamaModel, directory: str) -> LlamaModel:
-    """Copy a Hugging Face checkpoint's safetensors into the model by name; missing or extra tensors fail."""
-    from pathlib import Path
-
-    from safetensors.torch import load_file
+    """Copy a Hugging Face checkpoint's safetensors into the model by name, each tensor read straight to
+    the model's device (safetensors' `safe_open`) and converted to its dtype there, one at a time; missing
+    or extra tensors fail."""
+    from safetensors import safe_open
 
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{directory} has no *.safetensors files")
     params = dict(model.named_parameters())
+    device = str(next(iter(params.values())).device)
     loaded = set()
     with torch.no_grad():
         for file in files:
-            for name, tensor in load_file(str(file)).items():
-                name = name.removeprefix("model.")
-                if name not in params:
-                    if "rotary_emb" in name:
-                        continue
-                    raise ValueError(f"{file.name}: unexpected tensor {name}")
-                params[name].copy_(tensor.to(params[name].dtype))
-                loaded.add(name)
+            with safe_open(str(file), framework="pt", device=device) as tensors:
+                for stored in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    name = stored.removeprefix("model.")
+                    if name not in params:
+                        if "rotary_emb" in name:
+                            continue
+                        raise ValueError(f"{file.name}: unexpected tensor {name}")
+                    params[name].copy_(tensors.get_tensor(stored))
+                    loaded.add(name)
     missing = set(params) - loaded - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     if missing:
         raise ValueError(f"{directory}: tensors missing from the checkpoint: {sorted(missing)[:5]}")

@@ -1,18 +1,28 @@
 """What an engine tells the rest of the cluster: its load on kvc.load.<role>.<id> (the conductor places by
-it) and the blocks that entered or left its prefix cache on kvc.kv.events.<id> (kvs-meta indexes them).
+it, and counts the instance alive while it comes) and the blocks that entered or left its prefix cache on
+kvc.kv.events.<id> (kvs-meta indexes them).
 
-It reports; the numbers of a load come from the role, which knows its queues.
+Load reports go out through the instance's heartbeat thread: the event loop computes the numbers, the
+heartbeat sends each new one at once and, while the loop computes none (it is busy), sends the last one
+again marked `repeat`, so a busy engine never looks dead. It reports; the numbers of a load come from the
+role, which knows its queues.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import math
 import time
 from typing import NamedTuple
+
+import msgspec
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Role, Subjects
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.runtime.bus import Bus
+from kvcentric.runtime.heartbeat import Heartbeat
 from kvcentric.runtime.transfer import KVPusher
 
 
@@ -27,11 +37,20 @@ class Reporter:
     """Load reports and KV cache events of one instance, built from its pools and its KV pusher."""
 
     def __init__(self, bus: Bus, instance_id: str, cluster: str, pool: BlockPool, host: HostBlockPool | None,
-                 pusher: KVPusher) -> None:
+                 pusher: KVPusher, heartbeat_every_s: float = 0.0) -> None:
+        """`heartbeat_every_s`: the longest the heartbeat goes without sending a role's load (0: no
+        heartbeat thread; each report is published on `bus` by the event loop, as in unit tests)."""
         self.bus, self.instance_id, self.cluster = bus, instance_id, cluster
         self.pool, self.host, self.pusher = pool, host, pusher
+        self.heartbeat_every_s = heartbeat_every_s
+        self.heartbeat: Heartbeat | None = None
         self.reports_sent = 0
         """Load reports published; the first is how the conductor learns of this instance."""
+        self.latest: dict[str, tuple[LoadReport, float]] = {}
+        """Role -> the last report the event loop computed and when (time.monotonic())."""
+        self.sent_at: dict[str, tuple[LoadReport, float]] = {}
+        """Role -> the report the heartbeat last sent (fresh or repeated) and when; heartbeat thread only."""
+        self.ticks = 0
 
     def readiness(self, draining: bool) -> str:
         """Why the engine cannot take work ("" when it can): not yet announced to the conductor, or draining."""
@@ -46,9 +65,51 @@ class Reporter:
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
 
+    async def start_heartbeat(self, nats_url: str) -> None:
+        """Start the heartbeat thread (its own NATS connection); load reports go through it from now on."""
+        if self.heartbeat_every_s > 0:
+            self.heartbeat = Heartbeat(nats_url, self.instance_id, self.heartbeat_every_s, self.due_reports,
+                                       logging.getLogger("kvcentric.heartbeat"))
+            await self.heartbeat.start()
+
+    async def stop_heartbeat(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+
     async def publish_load(self, role: Role, load: Load, kv_addr: str, draining: bool = False) -> None:
-        await self.bus.publish(Subjects.load(role, self.instance_id), self.load_report(role, load, kv_addr, draining))
-        self.reports_sent += 1
+        """Send this load now; returns once it is out (a heartbeat late by a second gives up waiting)."""
+        report = self.load_report(role, load, kv_addr, draining)
+        if self.heartbeat is None:
+            await self.bus.publish(Subjects.load(role, self.instance_id), report)
+            self.reports_sent += 1
+            return
+        self.latest[role] = (report, time.monotonic())
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self.heartbeat.beat()), 1.0)
+        except TimeoutError:
+            pass
+
+    def due_reports(self, now: float) -> list[tuple[str, LoadReport]]:
+        """In the heartbeat thread: each role's new load once, and its last one again (`repeat`) when the
+        event loop has computed none for `heartbeat_every_s`; all stamped with this tick's number."""
+        due = []
+        for role, (report, computed_at) in list(self.latest.items()):
+            last_report, last_sent = self.sent_at.get(role, (None, -math.inf))
+            repeat = last_report is report
+            if repeat and now - last_sent < self.heartbeat_every_s * 0.9:
+                continue
+            due.append((role, report, computed_at, repeat))
+        if not due:
+            return []
+        self.ticks += 1
+        out = []
+        for role, report, computed_at, repeat in due:
+            self.sent_at[role] = (report, now)
+            stamped = msgspec.structs.replace(report, seq=self.ticks, repeat=repeat, ts=time.time(),
+                                              load_age_s=round(now - computed_at, 4))
+            out.append((Subjects.load(role, self.instance_id), stamped))
+        self.reports_sent += len(out)
+        return out
 
     async def publish_cache_changes(self) -> None:
         """Announce the blocks that entered or left the device and host pools since the last call."""
@@ -73,8 +134,11 @@ class Reporter:
             await self.bus.publish(Subjects.kv_events(self.instance_id), KVEventBatch(events=events))
 
     def stats(self) -> dict:
-        """The pools' and the pusher's counters, for /health and /metrics."""
+        """The pools', the pusher's and the heartbeat's counters, for /health and /metrics."""
         host = {**self.host.stats, "host_blocks": len(self.host), "host_blocks_capacity": self.host.capacity} \
             if self.host is not None else {}
         pushed = {f"push_{key}": value for key, value in self.pusher.stats.items()}
-        return {**host, **pushed, "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
+        beats = {"heartbeats_total": self.heartbeat.beats,
+                 "heartbeat_longest_gap_s": round(self.heartbeat.longest_gap_s, 4)} if self.heartbeat else {}
+        return {**host, **pushed, **beats, "kv_blocks_free": self.pool.num_free,
+                "kv_blocks_total": self.pool.num_blocks}

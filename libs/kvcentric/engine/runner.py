@@ -12,7 +12,8 @@ import warnings
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
+from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, SequenceSlice, empty_model, load_checkpoint,
+                                    random_init)
 from kvcentric.runtime.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -26,10 +27,11 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
 
 
 def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """The checkpoint's weights when the config has a path, else seeded random weights."""
-    model = LlamaModel(config)
+    """The checkpoint's weights when the config has a path, else seeded random weights; either way made
+    on `device` in `dtype` (never a full fp32 copy on the host first)."""
+    model = empty_model(config, dtype, device)
     model = load_checkpoint(model, config.path) if config.path else random_init(model, seed)
-    return model.to(device, dtype).eval().fuse()
+    return model.eval().fuse()
 
 
 class ModelRunner:

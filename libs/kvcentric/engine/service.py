@@ -1,8 +1,8 @@
 """What the prefill, decode and colocated services share, once: their parts built from the engine config
 (model runner, device pool, model thread, wake-up, spans, token outbox, job intake, KV pusher, in-process
-messenger, load reporter, role change), starting and stopping them, and the health and readiness they
-report. Each role adds its engine, its sink for pushed KV, its jobs and its work loop; this class decides
-nothing about a request.
+messenger, load reporter with its heartbeat thread, role change), starting and stopping them, and the
+health and readiness they report. Each role adds its engine, its sink for pushed KV, its jobs and its
+work loop; this class decides nothing about a request.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class EngineService(Service):
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
         self.messenger = Messenger(sink, self.host, self.runner)
-        self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher)
+        self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher,
+                                 heartbeat_every_s=2 * self.config.load_interval_s)
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
                                       self.reporter.publish_cache_forgotten)
 
@@ -71,6 +72,7 @@ class EngineService(Service):
     # ---------------------------------------------------------------- lifecycle, health
 
     async def start(self) -> None:
+        await self.reporter.start_heartbeat(self.config.nats_url)
         await self.messenger.start(self.config)
         await self.intake.take_cancels(self.bus, self.on_cancel)
         await self.role_change.listen(self.bus, self.instance_id)
@@ -80,6 +82,7 @@ class EngineService(Service):
         await self.take_jobs()
 
     async def stop(self) -> None:
+        await self.reporter.stop_heartbeat()
         await self.messenger.stop()
         self.model.close()
         await self.pusher.close()

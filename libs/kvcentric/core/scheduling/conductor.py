@@ -43,11 +43,11 @@ class Tally(dict[str, float]):
 
 class Conductor:
     def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
-                 clusters: ClusterSetup | None = None) -> None:
+                 stuck_after_s: float = math.inf, clusters: ClusterSetup | None = None) -> None:
         self.config = config
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
-        self.registry = InstanceRegistry(self.estimator, stale_after_s)
+        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s)
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
@@ -64,8 +64,11 @@ class Conductor:
     # ---------------------------------------------------------------- inputs
 
     def observe(self, report: LoadReport, now: float) -> None:
-        """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator)."""
+        """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator); a `repeat`
+        only says it lives: its old numbers teach nothing about egress, links or the decode batch."""
         state = self.registry.observe(report, now)
+        if report.repeat:
+            return
         if self.router is not None:
             self.router.observe(report, now)
         if report.link_bandwidth:

@@ -4,6 +4,12 @@
 Pure: time is passed in. An instance is alive while its last report is younger than `stale_after_s` and
 does not say it is draining (a role change under way: it finishes its work but takes no new). A colocated
 instance (prefill and decode in one) appears in both roles under the same id.
+
+Busy is not dead: an engine's reports come from a heartbeat thread that nothing it computes or sends waits
+on; while its event loop is busy the heartbeat repeats the last load (`repeat`), which keeps the instance
+alive and placeable without resetting what was placed there since (it stays ranked by that load). One whose
+reports stop is dead after `stale_after_s`; one whose loop has computed no load for `stuck_after_s` (its
+heartbeat alone still beats) is out of placement too.
 """
 
 from __future__ import annotations
@@ -30,6 +36,10 @@ class PrefillState:
     dispatched_tokens: int = 0
     """Uncached tokens placed there since its last report."""
     draining: bool = False
+    seq: int = 0
+    """The heartbeat tick of its last report (0: a sender without one)."""
+    load_age_s: float = 0.0
+    """How old the load numbers of its last report were when sent."""
 
     def queue_s(self, now: float) -> float:
         """T_queue: seconds before a request placed now would start its prefill."""
@@ -57,22 +67,46 @@ class DecodeState:
     """Context tokens its KV cache can hold."""
     forecast: DecodeForecast = dataclasses.field(default_factory=DecodeForecast)
     draining: bool = False
+    seq: int = 0
+    load_age_s: float = 0.0
 
 
 class InstanceRegistry:
-    def __init__(self, estimator: Estimator, stale_after_s: float = 1.5) -> None:
+    def __init__(self, estimator: Estimator, stale_after_s: float = 1.5, stuck_after_s: float = math.inf) -> None:
         self.estimator = estimator
         self.stale_after_s = stale_after_s
+        self.stuck_after_s = stuck_after_s
         self.prefill: dict[str, PrefillState] = {}
         self.decode: dict[str, DecodeState] = {}
+        self.missed_beats = 0
+        """Heartbeat ticks that never arrived (gaps in the reports' `seq`), over every instance."""
+        self.repeats = 0
+        """Reports that only said an instance lives (its loop was busy)."""
+
+    def _heard(self, state: PrefillState | DecodeState, report: LoadReport, now: float) -> bool:
+        """Note that the instance lives; True when the report carries new load numbers to take."""
+        if report.seq and state.seq and report.seq > state.seq:
+            self.missed_beats += report.seq - state.seq - 1
+        state.seq, state.seen_at, state.load_age_s = report.seq, now, report.load_age_s
+        if report.repeat:
+            self.repeats += 1
+            return False
+        return True
+
+    def _placeable(self, state: PrefillState | DecodeState, now: float) -> bool:
+        return state.seen_at >= now - self.stale_after_s and not state.draining \
+            and state.load_age_s <= self.stuck_after_s
 
     def observe(self, report: LoadReport, now: float) -> PrefillState | DecodeState:
-        """Take a load report: it replaces what was estimated since the previous one."""
+        """Take a load report: it replaces what was estimated since the previous one (a `repeat` only
+        says the instance lives)."""
         if report.role == "prefill":
             state = self.prefill.get(report.instance_id)
             if state is None:
                 state = self.prefill[report.instance_id] = PrefillState(report.instance_id, report.kv_addr, now)
-            state.kv_addr, state.seen_at, state.cluster = report.kv_addr, now, report.cluster
+            if not self._heard(state, report, now):
+                return state
+            state.kv_addr, state.cluster = report.kv_addr, report.cluster
             state.draining = report.draining
             state.queue_end = now + self.estimator.report_queue_s(report)
             state.pending_tokens = report.queued_tokens
@@ -81,8 +115,10 @@ class InstanceRegistry:
         decoder = self.decode.get(report.instance_id)
         if decoder is None:
             decoder = self.decode[report.instance_id] = DecodeState(report.instance_id, report.kv_addr, now)
+        if not self._heard(decoder, report, now):
+            return decoder
         block = self.estimator.block_tokens
-        decoder.kv_addr, decoder.seen_at, decoder.cluster = report.kv_addr, now, report.cluster
+        decoder.kv_addr, decoder.cluster = report.kv_addr, report.cluster
         decoder.draining = report.draining
         decoder.running, decoder.waiting = report.running, report.queued_requests
         decoder.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
@@ -90,12 +126,10 @@ class InstanceRegistry:
         return decoder
 
     def alive_prefill(self, now: float) -> list[PrefillState]:
-        limit = now - self.stale_after_s
-        return [s for s in self.prefill.values() if s.seen_at >= limit and not s.draining]
+        return [s for s in self.prefill.values() if self._placeable(s, now)]
 
     def alive_decode(self, now: float) -> list[DecodeState]:
-        limit = now - self.stale_after_s
-        return [s for s in self.decode.values() if s.seen_at >= limit and not s.draining]
+        return [s for s in self.decode.values() if self._placeable(s, now)]
 
     def alive(self, role: str, now: float) -> list[PrefillState] | list[DecodeState]:
         return self.alive_prefill(now) if role == "prefill" else self.alive_decode(now)
@@ -103,9 +137,7 @@ class InstanceRegistry:
     def serving_decode(self, instance_id: str, now: float) -> DecodeState | None:
         """The instance's decode side if it is alive and not draining (a colocated instance has one)."""
         state = self.decode.get(instance_id)
-        if state is None or state.draining or state.seen_at < now - self.stale_after_s:
-            return None
-        return state
+        return state if state is not None and self._placeable(state, now) else None
 
     def forget_stale(self, now: float, after_s: float = 60.0) -> None:
         for states in (self.prefill, self.decode):
@@ -115,9 +147,11 @@ class InstanceRegistry:
     def snapshot(self, now: float) -> list[InstanceInfo]:
         """Alive instances; load is queued prefill seconds, or the decode batch size."""
         prefill = [InstanceInfo(instance_id=s.instance_id, role="prefill", cluster=s.cluster, kv_addr=s.kv_addr,
-                                load=round(s.queue_s(now), 4), age_s=round(now - s.seen_at, 3))
+                                load=round(s.queue_s(now), 4), age_s=round(now - s.seen_at, 3),
+                                busy_s=round(s.load_age_s, 3))
                    for s in self.alive_prefill(now)]
         decode = [InstanceInfo(instance_id=s.instance_id, role="decode", cluster=s.cluster, kv_addr=s.kv_addr,
-                               load=float(s.running), age_s=round(now - s.seen_at, 3))
+                               load=float(s.running), age_s=round(now - s.seen_at, 3),
+                               busy_s=round(s.load_age_s, 3))
                   for s in self.alive_decode(now)]
         return prefill + decode
