@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(1.0)
             done = threading.Event()
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
-                dead = pool.submit(watch_conductor, up.manifest["services"]["conductor"]["health_url"], done)
+                dead = pool.submit(watch_conductor, up.manifest["services"]["conductor-0"]["health_url"], done)
                 started = time.monotonic()
                 long = pool.submit(complete, up.url, {"prompt": [3 + i % 250 for i in range(args.tokens)],
                                                       "max_tokens": 1})

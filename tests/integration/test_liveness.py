@@ -89,7 +89,7 @@ def slow_link_cluster(tmp_path_factory):
 def test_a_prefill_pushing_16k_tokens_to_a_slow_decode_stays_alive_and_requests_meanwhile_are_placed(
         slow_link_cluster):
     up = slow_link_cluster
-    watch = AliveWatch(up.manifest["services"]["conductor"]["health_url"])
+    watch = AliveWatch(up.manifest["services"]["conductor-0"]["health_url"])
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         started = time.monotonic()
         long = pool.submit(complete, up.url, {"prompt": [3 + i % 250 for i in range(PROMPT_TOKENS)],
@@ -111,7 +111,7 @@ def test_a_prefill_pushing_16k_tokens_to_a_slow_decode_stays_alive_and_requests_
 
 def test_a_stopped_prefill_is_dead_after_stale_after_s_and_alive_again_once_it_goes_on(slow_link_cluster):
     up = slow_link_cluster
-    health_url = up.manifest["services"]["conductor"]["health_url"]
+    health_url = up.manifest["services"]["conductor-0"]["health_url"]
     prefill = next(s for name, s in up.manifest["services"].items() if name.startswith("prefill"))
     os.kill(prefill["pid"], signal.SIGSTOP)
     try:
