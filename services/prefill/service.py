@@ -101,7 +101,8 @@ class PrefillService(EngineService):
 
     def idle(self) -> bool:
         """Nothing queued, running, in transfer or still to send (a drain waits for this)."""
-        busy = self.engine.queue or self.engine.running or self.pushes or self.pulling
+        writing = self.engine.writer is not None and self.engine.writer.busy
+        busy = self.engine.queue or self.engine.running or self.pushes or self.pulling or writing
         return not busy and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
@@ -113,6 +114,7 @@ class PrefillService(EngineService):
         while not self.stopping.is_set():
             chunk = self.engine.schedule()
             if chunk is None:
+                await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
             await self.prefill_chunk(chunk)

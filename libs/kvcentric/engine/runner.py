@@ -107,6 +107,47 @@ class ModelRunner:
         shape = (self.config.num_layers, 2, len(blocks), self.block_size, *both.shape[-2:])
         return both.view(shape).permute(2, 0, 1, 3, 4, 5).contiguous().cpu()
 
+    def copy_point(self) -> torch.cuda.Event | None:
+        """A mark after the work queued so far on the compute stream (CUDA; None on CPU): a copy that
+        starts from it sees every layer already computed."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy_blocks_to_host(self, blocks: list[int], dests: list[torch.Tensor],
+                            ready: torch.cuda.Event | None = None) -> None:
+        """Copy cache blocks into host tensors of `block_bytes` each (host pool layout), returning once the
+        bytes are there. Runs in a worker thread beside the model: on CUDA on a side stream that starts at
+        `ready` (`copy_point`), into pinned memory. The blocks must stay referenced until it returns."""
+        shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        if self.device.type != "cuda":
+            for block, dest in zip(blocks, dests):
+                view = dest.view(self.dtype).view(shape)
+                span = slice(block * self.block_size, (block + 1) * self.block_size)
+                view[:, 0].copy_(self.k_cache[:, span])
+                view[:, 1].copy_(self.v_cache[:, span])
+            return
+        stream = self._side_stream("host_write")
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            for block, dest in zip(blocks, dests):
+                span = slice(block * self.block_size, (block + 1) * self.block_size)
+                staged = torch.stack([self.k_cache[:, span], self.v_cache[:, span]], dim=1)  # device, contiguous
+                dest.view(self.dtype).view(shape).copy_(staged, non_blocking=True)  # DMA into pinned memory
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+
+    def _side_stream(self, name: str) -> torch.cuda.Stream:
+        """A CUDA stream of its own for one kind of copy, made on first use."""
+        streams = self.__dict__.setdefault("_streams", {})
+        if name not in streams:
+            streams[name] = torch.cuda.Stream(self.device)
+        return streams[name]
+
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""
         shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
