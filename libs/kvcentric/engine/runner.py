@@ -14,6 +14,7 @@ import torch
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
 from kvcentric.engine.llama import AttentionBatch, LayerHook, LlamaModel, SequenceSlice, load_checkpoint, random_init
 from kvcentric.core.protocol import SamplingParams
+from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -63,6 +64,7 @@ class ModelRunner:
                 on_layer: LayerHook | None = None) -> torch.Tensor:
         """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; logits of the last."""
         end = len(token_ids) if end is None else end
+        self._wait_for_received_kv()
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
         batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
@@ -72,6 +74,7 @@ class ModelRunner:
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
+        self._wait_for_received_kv()
         count = max(p // self.block_size + 1 for p in positions)
         blocks = torch.zeros((len(positions), count), dtype=torch.long)
         for row, (position, table) in enumerate(zip(positions, block_tables)):
@@ -148,6 +151,19 @@ class ModelRunner:
             streams[name] = torch.cuda.Stream(self.device)
         return streams[name]
 
+    @property
+    def staging(self) -> LayerStaging:
+        """The pinned staging buffers a layer's KV leaves the GPU through (`engine/staging.py`); CUDA only."""
+        if "_staging" not in self.__dict__:
+            self.__dict__["_staging"] = LayerStaging(self.device)
+        return self.__dict__["_staging"]
+
+    def _wait_for_received_kv(self) -> None:
+        """Steps on the compute stream start after every received layer's copy into the cache (CUDA)."""
+        received = self.__dict__.get("_streams", {}).get("kv_in")
+        if received is not None:
+            torch.cuda.current_stream(self.device).wait_stream(received)
+
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""
         shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -164,9 +180,21 @@ class ModelRunner:
         if len(key) != expected or len(value) != expected:
             raise ValueError(f"layer {layer}: expected {expected} bytes each for key and value, "
                              f"got {len(key)} and {len(value)}")
+        if self.device.type == "cuda":  # on a stream of its own; the next step waits for it
+            with torch.cuda.stream(self._side_stream("kv_in")):
+                self._write_slots(layer, block_table, start, end, key, value, shape)
+            return
+        self._write_slots(layer, block_table, start, end, key, value, shape)
+
+    def _write_slots(self, layer: int, block_table: list[int], start: int, end: int, key, value, shape) -> None:
+        """Received bytes into the cache: on CUDA through pinned memory (the caching host allocator keeps a
+        pinned block until the copy that reads it is done) and a copy that does not block this thread."""
         slots = self._slots(block_table, start, end)
-        self.k_cache[layer].index_copy_(0, slots, _tensor(key, self.dtype, shape).to(self.device))
-        self.v_cache[layer].index_copy_(0, slots, _tensor(value, self.dtype, shape).to(self.device))
+        for cache, data in ((self.k_cache, key), (self.v_cache, value)):
+            host = _tensor(data, self.dtype, shape)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            cache[layer].index_copy_(0, slots, host.to(self.device, non_blocking=True))
 
 
 def _tensor(data: bytes | memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
