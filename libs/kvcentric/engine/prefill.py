@@ -74,6 +74,8 @@ class PrefillEngine:
         self.writer = HostWriter(runner, pool, host) if host is not None else None
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
+        self.sending: dict[str, PrefillWork] = {}
+        """Prompts computed whose KV is still on its way out (`complete`): blocks held until `finish`."""
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
                       "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0}
 
@@ -88,7 +90,7 @@ class PrefillEngine:
 
     def check(self, job: PrefillJob) -> None:
         """Raise PrefillRejected for a job this engine would not queue."""
-        if job.request_id in self.running or any(q.request_id == job.request_id for q in self.queue):
+        if self.holds(job.request_id) or any(q.request_id == job.request_id for q in self.queue):
             raise PrefillRejected(f"request {job.request_id} is already here")
         if not 0 < len(job.token_ids) < self.runner.config.max_position:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens; this model takes 1.."
@@ -105,7 +107,7 @@ class PrefillEngine:
                 self.queue.remove(job)
                 self.stats["requests_cancelled"] += 1
                 return True
-        work = self.running.get(request_id)
+        work = self.running.get(request_id) or self.sending.get(request_id)
         if work is not None:
             work.cancelled = True
         return work is not None
@@ -176,11 +178,26 @@ class PrefillEngine:
         self.stats["prefill_tokens_computed"] += chunk.end - chunk.start
         self.stats["prefill_chunks"] += 1
 
-    def finish(self, work: PrefillWork) -> None:
-        """Release the prompt's blocks; its computed full blocks stay findable by hash."""
-        del self.running[work.request_id]
+    def holds(self, request_id: str) -> bool:
+        """The request's blocks are held here: being computed, or computed and still being sent."""
+        return request_id in self.running or request_id in self.sending
+
+    def complete(self, work: PrefillWork) -> None:
+        """The prompt is computed but its KV is still being sent: the next prompt may start, and share its
+        full blocks (findable by hash from now on), which stay held until `finish`."""
+        self.sending[work.request_id] = self.running.pop(work.request_id)
+        self._cache_computed(work)
+
+    def _cache_computed(self, work: PrefillWork) -> int:
         computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
         self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+        return computed_blocks
+
+    def finish(self, work: PrefillWork) -> None:
+        """Release the prompt's blocks; its computed full blocks stay findable by hash."""
+        if self.running.pop(work.request_id, None) is None:
+            del self.sending[work.request_id]
+        computed_blocks = self._cache_computed(work)
         if self.writer is not None:  # every computed full block enters the host pool (Mooncake §3), behind
             self.writer.submit(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         if work.done == work.num_tokens:

@@ -32,6 +32,20 @@ CHANNEL_OPTIONS = [
 ]
 
 
+DRAIN_FLOOR_S = 10.0
+"""The least time a computed request's push is given to finish: above the 5 s a receiver may wait for the
+request's job before it takes the KV (`engine/kvsink.py`)."""
+DRAIN_PRIOR_BYTES_S = 100e6
+"""The bandwidth assumed of a peer not measured yet."""
+
+
+def drain_deadline_s(kv_bytes: int, bandwidth_bytes_s: float | None, slack: float = 4.0) -> float:
+    """How long a push of `kv_bytes` may take to finish once its request is computed: `slack` times what the
+    peer's measured bandwidth (or the prior) says, never under DRAIN_FLOOR_S. The measured figure is a lower
+    bound (it counts a push from its first layer, so during the prefill too): the deadline errs long."""
+    return DRAIN_FLOOR_S + slack * kv_bytes / (bandwidth_bytes_s or DRAIN_PRIOR_BYTES_S)
+
+
 class TransferError(RuntimeError):
     """A push that did not complete; the message says why. `retryable`: the receiver asks for a resend."""
 
