@@ -5,14 +5,15 @@ Usage:
     .venv/bin/python bench/bench_same_host.py [--total-mib 256] [--layer-mib 2 8] [--rounds 3]
         [--out bench/results/same_host.json]
 
-Both paths start from the same source buffer (the sender's KV) and end with every byte copied into a
+Every path starts from the same source buffer (the sender's KV) and ends with every byte copied into a
 destination buffer in the receiving process (the receiver's paged cache), with a CRC-32C computed on each
 side as the messenger does:
-- grpc: `KVPusher` streams header, layers (key, value, checksum) and commit over loopback TCP to a
-  `KVTransferServicer` in another process, whose sink copies each layer into the destination.
-- shm: the sender creates a `multiprocessing.shared_memory` segment of the request's size, copies each layer
-  into it and names its offset to the receiver over a pipe; the receiver copies it out into the destination;
-  the segment is unlinked after the receiver's done. Segment creation and first touch are timed.
+- grpc: `KVPusher(shared_memory=False)` streams header, layers (key, value, checksum) and commit over
+  loopback TCP to a `KVTransferServicer` in another process, whose sink copies each layer into the destination.
+- grpc+shm: the same, with `KVPusher`'s default for a peer on this host: the layers' bytes go through a
+  reused shared-memory segment and the gRPC stream carries only where they lie (what the engines do).
+- shm: the least a shared-memory handoff costs here: one segment (made once, reused), each layer copied into
+  it and its offset named over a pipe, the receiver copying it out.
 - memcpy: one `numpy.copyto` of the same bytes in one process (the ceiling of any handoff here).
 Rounds interleave the paths; the JSON keeps every round, and the summary the best and the median.
 """
@@ -45,6 +46,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 class CopySink:
     """The receiver's sink: every layer copied into one destination buffer, as into a paged cache."""
 
+    copies_bytes = True
+
     def __init__(self, total: int) -> None:
         self.dest = np.zeros(total, dtype=np.uint8)
         self.offset = 0
@@ -72,8 +75,9 @@ def grpc_receiver(total: int, ready) -> None:
 
 async def grpc_push(pusher: KVPusher, addr: str, source: np.ndarray, layer_bytes: int) -> float:
     async def items():
-        yield kv_pb2.KVHeader(request_id="bench", num_layers=1, num_tokens=1, dtype="float32")
-        half = layer_bytes // 2
+        half = layer_bytes // 2  # the header announces the bytes that follow (the segment's size)
+        yield kv_pb2.KVHeader(request_id="bench", num_layers=source.size // layer_bytes, num_tokens=1,
+                              num_kv_heads=1, head_dim=half // 4, dtype="float32")
         for index, offset in enumerate(range(0, source.size, layer_bytes)):
             key = source[offset:offset + half].tobytes()
             value = source[offset + half:offset + layer_bytes].tobytes()
@@ -86,34 +90,29 @@ async def grpc_push(pusher: KVPusher, addr: str, source: np.ndarray, layer_bytes
 
 def shm_receiver(total: int, conn) -> None:
     dest = np.zeros(total, dtype=np.uint8)
-    while (message := conn.recv()) is not None:
-        segment = shared_memory.SharedMemory(name=message)
-        view = np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
+    segment = shared_memory.SharedMemory(name=conn.recv())
+    view = np.ndarray((segment.size,), dtype=np.uint8, buffer=segment.buf)
+    while conn.recv() is not None:
         while (layer := conn.recv()) != "commit":
             offset, nbytes, crc = layer
             if checksum(segment.buf[offset:offset + nbytes]) != crc:
                 raise ValueError("checksum mismatch")
             dest[offset:offset + nbytes] = view[offset:offset + nbytes]
-        del view
-        segment.close()
         conn.send("done")
+    del view
+    segment.close()
 
 
-def shm_push(conn, source: np.ndarray, layer_bytes: int) -> float:
+def shm_push(conn, segment, source: np.ndarray, layer_bytes: int) -> float:
     started = time.perf_counter()
-    segment = shared_memory.SharedMemory(create=True, size=source.size)
     view = np.ndarray((source.size,), dtype=np.uint8, buffer=segment.buf)
-    conn.send(segment.name)
+    conn.send("push")
     for offset in range(0, source.size, layer_bytes):
         view[offset:offset + layer_bytes] = source[offset:offset + layer_bytes]
         conn.send((offset, layer_bytes, checksum(segment.buf[offset:offset + layer_bytes])))
     conn.send("commit")
     assert conn.recv() == "done"
-    elapsed = time.perf_counter() - started
-    del view
-    segment.close()
-    segment.unlink()
-    return elapsed
+    return time.perf_counter() - started
 
 
 def memcpy_seconds(source: np.ndarray) -> float:
@@ -140,13 +139,17 @@ def main() -> int:
     grpc_process.start()
     shm_process.start()
     addr = f"127.0.0.1:{ready_recv.recv()}"
+    segment = shared_memory.SharedMemory(create=True, size=total)
+    ours.send(segment.name)
     rounds: dict[str, dict[str, list[float]]] = {}
     try:
-        rounds = asyncio.run(measure(args, addr, ours, source))
+        rounds = asyncio.run(measure(args, addr, ours, segment, source))
     finally:
         ours.send(None)
         grpc_process.terminate()
         shm_process.join(5)
+        segment.close()
+        segment.unlink()
     report = {"config": vars(args), "machine": machine(), "bytes": total, "rounds_gb_s": rounds,
               "summary": summarize(rounds)}
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
@@ -156,22 +159,26 @@ def main() -> int:
     return 0
 
 
-async def measure(args, addr: str, conn, source: np.ndarray) -> dict[str, dict[str, list[float]]]:
-    pusher = KVPusher()
+async def measure(args, addr: str, conn, segment, source: np.ndarray) -> dict[str, dict[str, list[float]]]:
+    inline, shared = KVPusher(shared_memory=False), KVPusher()
     rounds: dict[str, dict[str, list[float]]] = {}
     gb = source.size / 1e9
     for layer_mib in args.layer_mib:
         layer_bytes = layer_mib << 20
-        await grpc_push(pusher, addr, source, layer_bytes)  # warm-up: connection, first touch
-        shm_push(conn, source, layer_bytes)
-        row: dict[str, list[float]] = {"grpc": [], "shm": [], "memcpy": []}
+        await grpc_push(inline, addr, source, layer_bytes)  # warm-up: connection, first touch
+        await grpc_push(shared, addr, source, layer_bytes)
+        shm_push(conn, segment, source, layer_bytes)
+        row: dict[str, list[float]] = {"grpc": [], "grpc+shm": [], "shm": [], "memcpy": []}
         for _ in range(args.rounds):
-            row["grpc"].append(gb / await grpc_push(pusher, addr, source, layer_bytes))
-            row["shm"].append(gb / shm_push(conn, source, layer_bytes))
+            row["grpc"].append(gb / await grpc_push(inline, addr, source, layer_bytes))
+            row["grpc+shm"].append(gb / await grpc_push(shared, addr, source, layer_bytes))
+            row["shm"].append(gb / shm_push(conn, segment, source, layer_bytes))
             row["memcpy"].append(gb / memcpy_seconds(source))
             log(f"{layer_mib} MiB layers: " + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in row.items()))
         rounds[f"{layer_mib}MiB"] = row
-    await pusher.close()
+    assert shared.stats["shm_bytes_sent"] > 0 and inline.stats.get("shm_bytes_sent", 0) == 0
+    await inline.close()
+    await shared.close()
     return rounds
 
 
@@ -180,10 +187,11 @@ def summarize(rounds: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, 
     for size, row in rounds.items():
         best = {k: max(v) for k, v in row.items()}
         median = {k: statistics.median(v) for k, v in row.items()}
-        out[size] = {"grpc_best": best["grpc"], "shm_best": best["shm"], "memcpy_best": best["memcpy"],
+        out[size] = {**{f"{k}_best": v for k, v in best.items()}, **{f"{k}_median": v for k, v in median.items()},
+                     "grpc+shm/grpc_median": median["grpc+shm"] / median["grpc"],
                      "shm/grpc_median": median["shm"] / median["grpc"],
                      "grpc/memcpy_median": median["grpc"] / median["memcpy"],
-                     "shm/memcpy_median": median["shm"] / median["memcpy"]}
+                     "grpc+shm/memcpy_median": median["grpc+shm"] / median["memcpy"]}
     return out
 
 
