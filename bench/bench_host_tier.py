@@ -10,6 +10,8 @@ Two parts, both on this machine's CPU (the JSON names it):
    first token out of `update`. Three variants on the same prompts, interleaved: no host pool; the host pool
    written behind the compute (`HostWriter`, what the engines do); and the blocks copied before the first
    token goes out (the write-behind waited for inside the step: what `finish` did before the write-behind).
+   Also timed: how long `finish` holds the engine's thread in each (what the host tier puts on the first
+   token's path, free of the VM's drift, which swamps a few milliseconds in TTFTs of seconds).
 2. Four `kvcentric up` clusters alive at once: colocated and 1P+1D, each with the default 256 MiB host pool
    and with `KVC_HOST_POOL_MB=0`. Requests go one at a time, round-robin over the four, so the VM's drift
    hits every mode alike; each prompt is new to every cluster (random ids, no prefix hits). TTFT is
@@ -83,6 +85,17 @@ def engine_ttft(engine: ColocatedEngine, prompt: list[int], name: str) -> float:
     return ttft
 
 
+def time_finish(engine: ColocatedEngine, spent: list[float]) -> None:
+    """Record how long each `finish` holds the engine's thread: what the host tier adds to the first token."""
+    finish = engine.prefill.finish
+
+    def timed(work) -> None:
+        started = time.perf_counter()
+        finish(work)
+        spent.append(time.perf_counter() - started)
+    engine.prefill.finish = timed  # type: ignore[method-assign]
+
+
 def copy_before_first_token(engine: ColocatedEngine) -> None:
     """The pre-write-behind path: `finish` returns only once the blocks are in the host pool."""
     finish = engine.prefill.finish
@@ -106,7 +119,11 @@ def bench_engine(args, prompts: dict[int, list[list[int]]]) -> dict:
         engines[variant] = ColocatedEngine(runner, BlockPool(blocks, block_size), BlockHasher(block_size=block_size),
                                            512, 8, host)
     copy_before_first_token(engines["before"])
+    finishes: dict[str, list[float]] = {v: [] for v in engines}
+    for variant, engine in engines.items():
+        time_finish(engine, finishes[variant])
     samples: dict[str, dict[int, list[float]]] = {v: {n: [] for n in prompts} for v in engines}
+    finish_ms: dict[str, float] = {}
     for n, batch in prompts.items():
         for i, prompt in enumerate(batch):
             for variant, engine in engines.items():
@@ -114,9 +131,12 @@ def bench_engine(args, prompts: dict[int, list[list[int]]]) -> dict:
                 if i > 0:  # the first of each length warms up
                     samples[variant][n].append(ttft)
         p50 = {v: statistics.median(samples[v][n]) * 1e3 for v in engines}
+        held = {v: statistics.median(finishes[v][-len(batch):]) * 1e3 for v in engines}
+        finish_ms.update({f"{v}/{n}": held[v] for v in engines})
         log(f"engine {n:>5} tokens: TTFT p50 off {p50['off']:.1f} ms, write-behind {p50['behind']:.1f} ms, "
-            f"copy before the first token {p50['before']:.1f} ms")
-    return summarize(samples, [("behind", "off"), ("before", "off")])
+            f"copy before the first token {p50['before']:.1f} ms; finish() holds the thread "
+            f"{held['off']:.2f} / {held['behind']:.2f} / {held['before']:.2f} ms")
+    return {**summarize(samples, [("behind", "off"), ("before", "off")]), "finish_ms_p50": finish_ms}
 
 
 # ---------------------------------------------------------------- clusters
