@@ -67,7 +67,7 @@ class HostWriter:
 
     def _copy(self, blocks: list[int], slots: list[int], ready) -> None:
         try:
-            self.runner.copy_blocks_to_host(blocks, [self.host.buffer[slot] for slot in slots], ready)
+            self.runner.copy_blocks_to_host(blocks, self.host.buffer, slots, ready)
         finally:
             if self.on_done is not None:
                 self.on_done()

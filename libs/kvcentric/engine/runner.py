@@ -119,30 +119,38 @@ class ModelRunner:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
-    def copy_blocks_to_host(self, blocks: list[int], dests: list[torch.Tensor],
+    def copy_blocks_to_host(self, blocks: list[int], host: torch.Tensor, slots: list[int],
                             ready: torch.cuda.Event | None = None) -> None:
-        """Copy cache blocks into host tensors of `block_bytes` each (host pool layout), returning once the
-        bytes are there. Runs in a worker thread beside the model: on CUDA on a side stream that starts at
-        `ready` (`copy_point`), into pinned memory. The blocks must stay referenced until it returns."""
-        shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        """Copy cache blocks into rows `slots` of `host` ([rows, block_bytes] bytes, host pool layout),
+        returning once the bytes are there. Runs in a worker thread beside the model, in a few whole-batch
+        ops (each lets go of the GIL: a loop per block would hold it from the model thread): on CUDA on a side
+        stream that starts at `ready` (`copy_point`), through pinned memory. The blocks must stay referenced
+        until it returns."""
+        config = self.config
+        rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
+                                          config.head_dim)
+        index = torch.tensor(slots, dtype=torch.long)
         if self.device.type != "cuda":
-            for block, dest in zip(blocks, dests):
-                view = dest.view(self.dtype).view(shape)
-                span = slice(block * self.block_size, (block + 1) * self.block_size)
-                view[:, 0].copy_(self.k_cache[:, span])
-                view[:, 1].copy_(self.v_cache[:, span])
+            for which, cache in enumerate((self.k_cache, self.v_cache)):
+                rows[index, :, which] = self._gather_blocks(cache, blocks).transpose(0, 1)
             return
         stream = self._side_stream("host_write")
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
-            for block, dest in zip(blocks, dests):
-                span = slice(block * self.block_size, (block + 1) * self.block_size)
-                staged = torch.stack([self.k_cache[:, span], self.v_cache[:, span]], dim=1)  # device, contiguous
-                dest.view(self.dtype).view(shape).copy_(staged, non_blocking=True)  # DMA into pinned memory
+            staged = torch.stack([self._gather_blocks(c, blocks) for c in (self.k_cache, self.v_cache)], dim=2)
+            staged = staged.transpose(0, 1).contiguous()  # [blocks, layers, 2, block_size, heads, dim]
+            pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            pinned.copy_(staged, non_blocking=True)  # one DMA
             done = torch.cuda.Event()
             done.record(stream)
         done.synchronize()
+        rows[index] = pinned
+
+    def _gather_blocks(self, cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """[layers, len(blocks), block_size, heads, dim]: the blocks' slots of every layer (a copy)."""
+        by_block = cache.view(cache.shape[0], -1, self.block_size, *cache.shape[2:])
+        return by_block[:, torch.tensor(blocks, dtype=torch.long, device=cache.device)]
 
     def _side_stream(self, name: str) -> torch.cuda.Stream:
         """A CUDA stream of its own for one kind of copy, made on first use."""
