@@ -2,7 +2,7 @@
 
 Usage:
     .venv/bin/python bench/bench_host_tier.py [--model small] [--lengths 1024 2048 4000] [--requests 5]
-        [--engine-only] [--out bench/results/host_tier.json]
+        [--engine-only | --live-only] [--out bench/results/host_tier.json]
 
 Two parts, both on this machine's CPU (the JSON names it):
 
@@ -63,6 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-tokens", type=int, default=4, help="tokens generated per request")
     parser.add_argument("--host-pool-mb", type=int, default=256, help="host pool of the engine-level part")
     parser.add_argument("--engine-only", action="store_true", help="skip the clusters")
+    parser.add_argument("--live-only", action="store_true", help="skip the one-process part")
     parser.add_argument("--out", default=str(RESULTS / "host_tier.json"), help="JSON output path")
     return parser.parse_args()
 
@@ -177,7 +178,8 @@ def main() -> int:
     args = parse_args()
     prompts = make_prompts(args.lengths, args.requests + 1, seed=1)
     report: dict = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "machine": machine()}
-    report["engine"] = bench_engine(args, prompts)
+    if not args.live_only:
+        report["engine"] = bench_engine(args, prompts)
     if not args.engine_only:
         report["live"] = bench_clusters(args, prompts)
     out = Path(args.out)
