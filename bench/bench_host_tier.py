@@ -13,9 +13,9 @@ Two parts, both on this machine's CPU (the JSON names it):
    Also timed: how long `finish` holds the engine's thread in each (what the host tier puts on the first
    token's path, free of the VM's drift, which swamps a few milliseconds in TTFTs of seconds).
 2. Four `kvcentric up` clusters alive at once: colocated and 1P+1D, each with the default 256 MiB host pool
-   and with `KVC_HOST_POOL_MB=0`. Requests go one at a time, round-robin over the four, so the VM's drift
-   hits every mode alike; each prompt is new to every cluster (random ids, no prefix hits). TTFT is
-   request sent -> first SSE token chunk.
+   and with `KVC_HOST_POOL_MB=0`. Requests go one at a time, round-robin over the four (each round starting
+   with the next mode), so the VM's drift hits every mode alike; each prompt is new to every cluster (random
+   ids, no prefix hits). TTFT is request sent -> first SSE token chunk.
 
 Writes bench/results/host_tier.json (machine, per-mode samples, p50s and the ratios on/off and PD/colocated).
 """
@@ -152,7 +152,8 @@ def bench_clusters(args, prompts: dict[int, list[list[int]]]) -> dict:
         samples: dict[str, dict[int, list[float]]] = {m: {n: [] for n in prompts} for m in clusters}
         for n, batch in prompts.items():
             for i, prompt in enumerate(batch):
-                for mode, cluster in clusters.items():
+                order = list(clusters.items())
+                for mode, cluster in order[i % len(order):] + order[:i % len(order)]:  # each goes first in turn
                     ttft = stream_request(cluster.port, prompt, args.output_tokens)["ttft_s"]
                     if i > 0:
                         samples[mode][n].append(ttft)
