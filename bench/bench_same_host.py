@@ -161,6 +161,14 @@ def main() -> int:
 
 async def measure(args, addr: str, conn, segment, source: np.ndarray) -> dict[str, dict[str, list[float]]]:
     inline, shared = KVPusher(shared_memory=False), KVPusher()
+    try:
+        return await measure_with(args, addr, conn, segment, source, inline, shared)
+    finally:  # unlink the pusher's segments even on a failed run
+        await inline.close()
+        await shared.close()
+
+
+async def measure_with(args, addr, conn, segment, source, inline, shared) -> dict[str, dict[str, list[float]]]:
     rounds: dict[str, dict[str, list[float]]] = {}
     gb = source.size / 1e9
     for layer_mib in args.layer_mib:
@@ -177,8 +185,6 @@ async def measure(args, addr: str, conn, segment, source: np.ndarray) -> dict[st
             log(f"{layer_mib} MiB layers: " + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in row.items()))
         rounds[f"{layer_mib}MiB"] = row
     assert shared.stats["shm_bytes_sent"] > 0 and inline.stats.get("shm_bytes_sent", 0) == 0
-    await inline.close()
-    await shared.close()
     return rounds
 
 

@@ -115,7 +115,8 @@ class AttachedSegments:
         except (OSError, ValueError) as exc:
             raise SharedMemoryUnavailable(f"{UNAVAILABLE}: cannot open segment {name}: {exc}") from exc
         if name not in _MADE_HERE:  # Python < 3.13 tracks an attached segment as if this process made it (and
-            # would unlink it at exit): the sender owns it
+            # would unlink it at exit): the sender owns it. (Two multiprocessing children of one parent share
+            # a tracker: there this also drops the sender's entry, and a sender that crashes leaks its segment.)
             resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
         self.open[name] = segment
         while len(self.open) > self.keep:
