@@ -152,7 +152,7 @@ class Messenger:
 
 
 async def bulk(total: int, stripes: int, messenger: Messenger, index: int) -> float:
-    pusher = KVPusher(stripes=stripes)
+    pusher = KVPusher(stripes=stripes, shared_memory=False)  # the gRPC transport, as between hosts
     try:
         await pusher.push(messenger.addr, layer_chunks(f"warm-{stripes}-{index}", 8 * CHUNK))
         started = time.perf_counter()
@@ -216,7 +216,7 @@ async def bench_overlap(lengths: list[int]) -> list[dict]:
     """One torch thread: the other core stands for the decode node, which would be another machine."""
     torch.set_num_threads(1)
     messenger = Messenger(capacity_mb=2048)
-    pusher = KVPusher()
+    pusher = KVPusher(shared_memory=False)  # the gRPC transport, as between hosts
     rows = []
     try:
         for tokens in lengths:

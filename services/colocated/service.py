@@ -85,6 +85,7 @@ class ColocatedService(EngineService):
             chunk, batch, failed = self.engine.schedule()
             self.outbox.emit(failed)
             if chunk is None and not batch:
+                await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
             try:

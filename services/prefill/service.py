@@ -1,6 +1,7 @@
 """The prefill service's asyncio shell: takes jobs from NATS, runs the prefill engine chunk by chunk in
 the model thread, and pushes each layer's KV to the decode instance's messenger over gRPC as soon as
-that layer of the chunk is computed, so the transfer overlaps the remaining layers and chunks.
+that layer of the chunk is computed, so the transfer overlaps the remaining layers and chunks. A computed
+request's push finishes beside the next jobs, so a slow or stopped receiver delays no one else.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.service import EngineService
-from kvcentric.runtime.transfer import pull_blocks
+from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks
 
 
 class RefusingSink:
@@ -106,7 +107,9 @@ class PrefillService(EngineService):
 
     def idle(self) -> bool:
         """Nothing queued, running, in transfer or still to send (a drain waits for this)."""
-        busy = self.engine.queue or self.engine.running or self.pushes or self.pulling
+        writing = self.engine.writer is not None and self.engine.writer.busy
+        busy = self.engine.queue or self.engine.running or self.engine.sending or self.pushes or self.pulling or \
+            writing
         return not busy and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
@@ -119,6 +122,7 @@ class PrefillService(EngineService):
         while not self.stopping.is_set():
             chunk = self.engine.schedule()
             if chunk is None:
+                await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
             await self.prefill_chunk(chunk)
@@ -142,8 +146,8 @@ class PrefillService(EngineService):
                                                                                 "kvc.end": chunk.end})
             if chunk.last:
                 push.finish(token, work.first_token_extras())
-                await push.task
-                self.end_push(work)
+                self.engine.complete(work)
+                self.tasks.spawn(self.drain_push(work, push), f"push-{work.request_id}")
         except asyncio.CancelledError:
             if not work.cancelled:
                 raise
@@ -151,6 +155,30 @@ class PrefillService(EngineService):
         except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
             self.end_push(work, str(exc))
             self.fail(work, exc)
+
+    async def drain_push(self, work: PrefillWork, push: RequestPush) -> None:
+        """The rest of a computed request's push, beside the next jobs (no head-of-line blocking): a receiver
+        that has not taken it all within a deadline set from its bytes and the peer's measured bandwidth is
+        given up on, and only this request fails. Its blocks stay held until then (a resend reads them)."""
+        kv_bytes = work.num_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
+        deadline_s = drain_deadline_s(kv_bytes, self.pusher.bandwidth.get(work.job.decode_kv_addr))
+        try:
+            async with asyncio.timeout(deadline_s):
+                await push.task
+        except TimeoutError:
+            self.counters["pushes_given_up_total"] += 1
+            error = TransferError(f"KV push to {work.job.decode_kv_addr} not taken within {deadline_s:.1f} s")
+            self.end_push(work, str(error))
+            self.fail(work, error)
+        except asyncio.CancelledError:
+            if not work.cancelled:
+                raise
+            self.end_push(work)
+        except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
+            self.end_push(work, str(exc))
+            self.fail(work, exc)
+        else:
+            self.end_push(work)
 
     def open_push(self, work: PrefillWork) -> None:
         """Start the request's span and its KV push to the decode instance."""
@@ -165,7 +193,7 @@ class PrefillService(EngineService):
         push = self.pushes.pop(work.request_id, None)
         if push is not None:
             push.cancel()
-        if work.request_id in self.engine.running:
+        if self.engine.holds(work.request_id):
             self.engine.finish(work)
 
     def fail(self, work: PrefillWork, exc: BaseException) -> None:

@@ -1,6 +1,7 @@
 """The colocated role (the baseline Mooncake compares against, as vLLM runs): one instance prefills and
 decodes, sharing one KV pool. Each step runs one prefill chunk, then one decode step of the continuous
-batch; a finished prompt hands its blocks straight to decode, so no KV moves. No I/O, no clock.
+batch; a finished prompt hands its blocks straight to decode, so no KV moves (its full blocks enter the host
+pool behind the compute, `engine/hostwrite.py`, never before its first token). No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class ColocatedEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.prefill.queue or self.prefill.running) or self.decode.has_work
+        writing = self.prefill.writer is not None and self.prefill.writer.busy
+        return bool(self.prefill.queue or self.prefill.running) or writing or self.decode.has_work
 
     def schedule(self) -> tuple[PrefillChunk | None, list[DecodeRequest], list[TokenChunk]]:
         chunk = self.prefill.schedule()

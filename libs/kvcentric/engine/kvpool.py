@@ -3,7 +3,9 @@ fixed-size blocks indexed by prefix hash, evicting by the same policy classes th
 (`lru`, `lfu`, `length_aware`), never holding more than its capacity.
 
 It stores and hands out block bytes and reports what entered and left; it does not move bytes between
-nodes (`kvcentric.runtime.transfer`) or decide what to keep beyond its eviction policy.
+nodes (`kvcentric.runtime.transfer`) or decide what to keep beyond its eviction policy. A block written
+behind the compute (`engine/hostwrite.py`) takes a slot with `reserve`, which is neither found nor
+announced nor evicted until `commit` says its bytes are there (`release` gives the slot back).
 A block's bytes are [num_layers, 2 (key, value), block_size, num_kv_heads, head_dim] in C order.
 """
 
@@ -17,15 +19,19 @@ from kvcentric.core.scheduling.eviction import make_policy
 
 
 class HostBlockPool:
-    def __init__(self, capacity_blocks: int, block_bytes: int, policy: str = "lru") -> None:
+    def __init__(self, capacity_blocks: int, block_bytes: int, policy: str = "lru", pin_memory: bool = False) -> None:
+        """`pin_memory`: page-locked (for a CUDA engine: its side stream copies into the pool asynchronously)."""
         if capacity_blocks < 1 or block_bytes < 1:
             raise ValueError("capacity_blocks and block_bytes must be positive")
         self.capacity, self.block_bytes = capacity_blocks, block_bytes
         self.policy = make_policy(policy)
         # Preallocated and touched once: no request pays for first-touch page faults.
-        self.buffer = torch.zeros((capacity_blocks, block_bytes), dtype=torch.uint8)
+        self.buffer = torch.zeros((capacity_blocks, block_bytes), dtype=torch.uint8, pin_memory=pin_memory)
         self.slot_of: dict[str, int] = {}
         self.hash_of: dict[int, str] = {}
+        self.reserved: dict[int, tuple[str, int]] = {}
+        """Slot -> (hash, depth) of blocks being written: not found, not announced, not evicted."""
+        self._reserved_hashes: set[str] = set()
         self.free_slots = list(range(capacity_blocks - 1, -1, -1))
         self.pins: dict[str, int] = {}
         self._stored: list[str] = []
@@ -47,8 +53,9 @@ class HostBlockPool:
 
     def put(self, block_hash: str, depth: int, data: torch.Tensor | bytes) -> bool:
         """Store one block (`depth`: its index in its request); False when every slot is pinned."""
-        if block_hash in self.slot_of:
-            self.policy.on_access(block_hash, depth)
+        if block_hash in self.slot_of or block_hash in self._reserved_hashes:
+            if block_hash in self.slot_of:
+                self.policy.on_access(block_hash, depth)
             return True
         slot = self._free_slot()
         if slot is None:
@@ -59,11 +66,41 @@ class HostBlockPool:
             self.free_slots.append(slot)
             raise ValueError(f"a block is {self.block_bytes} bytes, got {flat.numel()}")
         self.buffer[slot].copy_(flat)
+        self._index(slot, block_hash, depth)
+        return True
+
+    def wanted(self, block_hash: str) -> bool:
+        """Neither held nor being written."""
+        return block_hash not in self.slot_of and block_hash not in self._reserved_hashes
+
+    def reserve(self, block_hash: str, depth: int) -> int | None:
+        """A slot for a block about to be written into `buffer[slot]`, evicting if need be; None when every
+        slot is pinned or reserved. Until `commit`, the block is neither found nor announced."""
+        if not self.wanted(block_hash):
+            raise ValueError(f"block {block_hash} is held or being written already")
+        slot = self._free_slot()
+        if slot is not None:
+            self.reserved[slot] = (block_hash, depth)
+            self._reserved_hashes.add(block_hash)
+        return slot
+
+    def commit(self, slot: int) -> None:
+        """The reserved slot's bytes are there: the block is found and announced from now on."""
+        block_hash, depth = self.reserved.pop(slot)
+        self._reserved_hashes.discard(block_hash)
+        self._index(slot, block_hash, depth)
+
+    def release(self, slot: int) -> None:
+        """Give a reserved slot back unwritten (its copy failed)."""
+        block_hash, _ = self.reserved.pop(slot)
+        self._reserved_hashes.discard(block_hash)
+        self.free_slots.append(slot)
+
+    def _index(self, slot: int, block_hash: str, depth: int) -> None:
         self.slot_of[block_hash], self.hash_of[slot] = slot, block_hash
         self.policy.on_insert(block_hash, depth)
         self._stored.append(block_hash)
         self.stats["host_blocks_stored"] += 1
-        return True
 
     def view(self, block_hash: str, depth: int = 0) -> torch.Tensor:
         """The block's bytes in the pool (a view: copy or pin before the pool can evict it)."""

@@ -26,6 +26,9 @@ class DecodeSink:
     """KV into `engine`; `recent_cancels` holds the requests cancelled lately, `emit` takes the token chunks a
     commit or an abort produces, `wake` wakes the work loop."""
 
+    copies_bytes = True
+    """`write` copies a layer into the paged cache before it returns (views of a sender's memory will do)."""
+
     def __init__(self, engine: DecodeEngine, counters: collections.Counter[str], recent_cancels: Container[str],
                  spans: RequestSpans, emit: Callable[[Sequence[TokenChunk | None]], None], wake: Wakeup) -> None:
         self.engine, self.counters, self.recent_cancels = engine, counters, recent_cancels

@@ -49,3 +49,4 @@ class Messenger:
     async def stop(self) -> None:
         if self._server is not None:
             await self._server.stop(grace=1.0)
+        self.transfer.segments.close()

@@ -26,9 +26,11 @@ def load_runner(config: EngineConfig, runner: ModelRunner | None = None) -> Mode
 
 
 def host_pool(config: EngineConfig, block_bytes: int) -> HostBlockPool | None:
-    """The host-memory block pool of --host-pool-mb (None when that is too small for one block)."""
+    """The host-memory block pool of --host-pool-mb (None when that is too small for one block); page-locked
+    on a CUDA engine, whose side stream copies blocks into it behind the compute."""
     host_blocks = (config.host_pool_mb << 20) // block_bytes
-    return HostBlockPool(host_blocks, block_bytes, config.host_pool_policy) if host_blocks else None
+    pinned = config.device.startswith("cuda")
+    return HostBlockPool(host_blocks, block_bytes, config.host_pool_policy, pinned) if host_blocks else None
 
 
 class ModelThread:

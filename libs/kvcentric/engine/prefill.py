@@ -2,8 +2,9 @@
 
 `submit` queues a job; `schedule` returns the next chunk of work, pinning a prompt's blocks when it
 starts (cached prefix shared, the rest allocated); `execute` runs one chunk (torch, may run in a worker
-thread) with a hook after each layer; `finish` caches the prompt's full blocks and drops the references.
-No I/O; time is not needed.
+thread) with a hook after each layer; `finish` caches the prompt's full blocks, hands those the host pool
+lacks to the write-behind worker (`HostWriter`: they enter the host pool behind the compute) and drops the
+prompt's references. No I/O; time is not needed.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.engine.hostwrite import HostWriter
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.llama import LayerHook
 from kvcentric.core.protocol import FirstToken, PrefillJob, TokenLogprob, encode
@@ -88,9 +90,12 @@ class PrefillEngine:
         self.runner, self.pool, self.hasher, self.chunk_tokens = runner, pool, hasher, chunk_tokens
         self.host = host
         """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
-        computed full block is offloaded to it."""
+        computed full block is written to it behind the compute (`writer`)."""
+        self.writer = HostWriter(runner, pool, host) if host is not None else None
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
+        self.sending: dict[str, PrefillWork] = {}
+        """Prompts computed whose KV is still on its way out (`complete`): blocks held until `finish`."""
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
                       "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0}
 
@@ -105,7 +110,7 @@ class PrefillEngine:
 
     def check(self, job: PrefillJob) -> None:
         """Raise PrefillRejected for a job this engine would not queue."""
-        if job.request_id in self.running or any(q.request_id == job.request_id for q in self.queue):
+        if self.holds(job.request_id) or any(q.request_id == job.request_id for q in self.queue):
             raise PrefillRejected(f"request {job.request_id} is already here")
         if not 0 < len(job.token_ids) < self.runner.config.max_position:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens; this model takes 1.."
@@ -122,13 +127,15 @@ class PrefillEngine:
                 self.queue.remove(job)
                 self.stats["requests_cancelled"] += 1
                 return True
-        work = self.running.get(request_id)
+        work = self.running.get(request_id) or self.sending.get(request_id)
         if work is not None:
             work.cancelled = True
         return work is not None
 
     def schedule(self) -> PrefillChunk | None:
         """The next chunk: of the prompt in progress, else of the next queued one whose blocks fit."""
+        if self.writer is not None:
+            self.writer.collect()
         work = next(iter(self.running.values()), None) or self._start_next()
         if work is None:
             return None
@@ -147,7 +154,7 @@ class PrefillEngine:
         usable = (len(job.token_ids) - 1) // self.pool.block_size  # compute at least one token: its logits
         cached, from_host = cached[:usable], max(0, min(from_host, usable - len(cached)))
         needed = self.pool.blocks_for(len(job.token_ids)) - len(cached)
-        if not self.pool.can_allocate(needed):
+        if not self._fits(cached, needed):
             return None
         self.pool.share(cached)
         self.queue.popleft()
@@ -157,6 +164,18 @@ class PrefillEngine:
         work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached)
         self.running[job.request_id] = work
         return work
+
+    def _fits(self, cached: list[int], needed: int) -> bool:
+        """Whether `needed` new blocks can be allocated once the unreferenced `cached` ones are taken off the
+        free list; while they cannot, blocks still being written to the host pool are waited for (they
+        must not be reused before their bytes are there)."""
+        while True:
+            reclaimed = sum(self.pool.ref_counts[block] == 0 for block in cached)
+            if self.pool.can_allocate(needed + reclaimed):
+                return True
+            if self.writer is None or not self.writer.busy:
+                return False
+            self.writer.wait_oldest()
 
     def hashes(self, token_ids: list[int]) -> list[str]:
         return [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
@@ -168,14 +187,6 @@ class PrefillEngine:
             self.runner.write_block(blocks[index], self.host.view(hashes[index], index))
         self.pool.cache(blocks[first:first + count], hashes[first:first + count])
         self.stats["prefill_tokens_from_host"] += count * self.pool.block_size
-
-    def _offload_to_host(self, host: HostBlockPool, blocks: list[int], hashes: list[str]) -> None:
-        """Every computed full block enters the node's host pool (Mooncake §3: the KVCache pool)."""
-        missing = [i for i, h in enumerate(hashes) if h not in host]
-        if missing:
-            data = self.runner.read_blocks([blocks[i] for i in missing])
-            for row, index in enumerate(missing):
-                host.put(hashes[index], index, data[row])
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
@@ -200,13 +211,28 @@ class PrefillEngine:
         self.stats["prefill_tokens_computed"] += chunk.end - chunk.start
         self.stats["prefill_chunks"] += 1
 
-    def finish(self, work: PrefillWork) -> None:
-        """Release the prompt's blocks; its computed full blocks stay findable by hash."""
-        del self.running[work.request_id]
+    def holds(self, request_id: str) -> bool:
+        """The request's blocks are held here: being computed, or computed and still being sent."""
+        return request_id in self.running or request_id in self.sending
+
+    def complete(self, work: PrefillWork) -> None:
+        """The prompt is computed but its KV is still being sent: the next prompt may start, and share its
+        full blocks (findable by hash from now on), which stay held until `finish`."""
+        self.sending[work.request_id] = self.running.pop(work.request_id)
+        self._cache_computed(work)
+
+    def _cache_computed(self, work: PrefillWork) -> int:
         computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
         self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
-        if self.host is not None:
-            self._offload_to_host(self.host, work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+        return computed_blocks
+
+    def finish(self, work: PrefillWork) -> None:
+        """Release the prompt's blocks; its computed full blocks stay findable by hash."""
+        if self.running.pop(work.request_id, None) is None:
+            del self.sending[work.request_id]
+        computed_blocks = self._cache_computed(work)
+        if self.writer is not None:  # every computed full block enters the host pool (Mooncake §3), behind
+            self.writer.submit(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         if work.done == work.num_tokens:
             self.stats["prefill_tokens_cached"] += work.num_cached
             self.stats["requests_prefilled"] += 1

@@ -14,6 +14,7 @@ import torch
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
 from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, SequenceSlice, empty_model, load_checkpoint,
                                     random_init)
+from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,6 +66,7 @@ class ModelRunner:
         """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; the logits of the
         last position, or of every position ([end - start, vocab]) with `every_row`."""
         end = len(token_ids) if end is None else end
+        self._wait_for_received_kv()
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
         batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
@@ -77,6 +79,7 @@ class ModelRunner:
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
+        self._wait_for_received_kv()
         count = max(p // self.block_size + 1 for p in positions)
         blocks = torch.zeros((len(positions), count), dtype=torch.long)
         for row, (position, table) in enumerate(zip(positions, block_tables)):
@@ -119,6 +122,68 @@ class ModelRunner:
         self.k_cache[:, slots[half:]] = self.k_cache[:, slots[:half]]
         self.v_cache[:, slots[half:]] = self.v_cache[:, slots[:half]]
 
+    def copy_point(self) -> torch.cuda.Event | None:
+        """A mark after the work queued so far on the compute stream (CUDA; None on CPU): a copy that
+        starts from it sees every layer already computed."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy_blocks_to_host(self, blocks: list[int], host: torch.Tensor, slots: list[int],
+                            ready: torch.cuda.Event | None = None) -> None:
+        """Copy cache blocks into rows `slots` of `host` ([rows, block_bytes] bytes, host pool layout),
+        returning once the bytes are there. Runs in a worker thread beside the model, in a few whole-batch
+        ops (each lets go of the GIL: a loop per block would hold it from the model thread): on CUDA on a side
+        stream that starts at `ready` (`copy_point`), through pinned memory. The blocks must stay referenced
+        until it returns."""
+        config = self.config
+        rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
+                                          config.head_dim)
+        index = torch.tensor(slots, dtype=torch.long)
+        if self.device.type != "cuda":
+            for which, cache in enumerate((self.k_cache, self.v_cache)):
+                rows[index, :, which] = self._gather_blocks(cache, blocks).transpose(0, 1)
+            return
+        stream = self._side_stream("host_write")
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            staged = torch.stack([self._gather_blocks(c, blocks) for c in (self.k_cache, self.v_cache)], dim=2)
+            staged = staged.transpose(0, 1).contiguous()  # [blocks, layers, 2, block_size, heads, dim]
+            pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            pinned.copy_(staged, non_blocking=True)  # one DMA
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        rows[index] = pinned
+
+    def _gather_blocks(self, cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """[layers, len(blocks), block_size, heads, dim]: the blocks' slots of every layer (a copy)."""
+        by_block = cache.view(cache.shape[0], -1, self.block_size, *cache.shape[2:])
+        return by_block[:, torch.tensor(blocks, dtype=torch.long, device=cache.device)]
+
+    def _side_stream(self, name: str) -> torch.cuda.Stream:
+        """A CUDA stream of its own for one kind of copy, made on first use."""
+        streams = self.__dict__.setdefault("_streams", {})
+        if name not in streams:
+            streams[name] = torch.cuda.Stream(self.device)
+        return streams[name]
+
+    @property
+    def staging(self) -> LayerStaging:
+        """The pinned staging buffers a layer's KV leaves the GPU through (`engine/staging.py`); CUDA only."""
+        if "_staging" not in self.__dict__:
+            self.__dict__["_staging"] = LayerStaging(self.device)
+        return self.__dict__["_staging"]
+
+    def _wait_for_received_kv(self) -> None:
+        """Steps on the compute stream start after every received layer's copy into the cache (CUDA)."""
+        received = self.__dict__.get("_streams", {}).get("kv_in")
+        if received is not None:
+            torch.cuda.current_stream(self.device).wait_stream(received)
+
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""
         shape = (self.config.num_layers, 2, self.block_size, self.config.num_kv_heads, self.config.head_dim)
@@ -135,9 +200,21 @@ class ModelRunner:
         if len(key) != expected or len(value) != expected:
             raise ValueError(f"layer {layer}: expected {expected} bytes each for key and value, "
                              f"got {len(key)} and {len(value)}")
+        if self.device.type == "cuda":  # on a stream of its own; the next step waits for it
+            with torch.cuda.stream(self._side_stream("kv_in")):
+                self._write_slots(layer, block_table, start, end, key, value, shape)
+            return
+        self._write_slots(layer, block_table, start, end, key, value, shape)
+
+    def _write_slots(self, layer: int, block_table: list[int], start: int, end: int, key, value, shape) -> None:
+        """Received bytes into the cache: on CUDA through pinned memory (the caching host allocator keeps a
+        pinned block until the copy that reads it is done) and a copy that does not block this thread."""
         slots = self._slots(block_table, start, end)
-        self.k_cache[layer].index_copy_(0, slots, _tensor(key, self.dtype, shape).to(self.device))
-        self.v_cache[layer].index_copy_(0, slots, _tensor(value, self.dtype, shape).to(self.device))
+        for cache, data in ((self.k_cache, key), (self.v_cache, value)):
+            host = _tensor(data, self.dtype, shape)
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            cache[layer].index_copy_(0, slots, host.to(self.device, non_blocking=True))
 
 
 def _tensor(data: bytes | memoryview, dtype: torch.dtype, shape: tuple) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The KV push of one prefilled request to its decode instance: the layers of each chunk go out while the
 model thread computes the later ones (Mooncake §5.2, layer-wise transfer; small layers are handed over
 together, see HANDOFF_BYTES), the commit carries the first token, and a receiver that asks for a resend
-(a checksum failure) gets the whole KV again, read from the cache.
+(a checksum failure) gets the whole KV again, read from the cache. On CUDA a layer leaves the device on a
+side stream into pinned staging buffers (`engine/staging.py`) while the next layer computes; on CPU the
+hook copies it out itself.
 
 It moves bytes for one request; it does not schedule prefill or decide where the KV goes.
 """
@@ -70,6 +72,8 @@ class RequestPush:
     def hook(self, start: int):
         """The layer hook for a chunk starting at `start`; runs in the model thread. Layers go to the event
         loop once `handoff_bytes` of them are pending, and the rest after the chunk's last layer."""
+        if self.runner.device.type == "cuda":
+            return self._staged_hook(start)
         pending: list[LayerData] = []
         pending_bytes = 0
         last = self.runner.config.num_layers - 1
@@ -86,15 +90,37 @@ class RequestPush:
                 pending_bytes = 0
         return on_layer
 
+    def _staged_hook(self, start: int):
+        """CUDA: each layer is queued for a copy into pinned memory behind its compute and handed to the
+        event loop once its bytes are on the host, while the model thread goes on with the next layer."""
+        def on_layer(layer: int, keys, values) -> None:
+            end = start + keys.shape[0]
+
+            def deliver(key: bytes, value: bytes, crc: int) -> None:
+                self.loop.call_soon_threadsafe(self._hand_over, [LayerData(layer, start, end, key, value, crc)])
+            self.runner.staging.stage(keys, values, deliver, self._failed_threadsafe)
+        return on_layer
+
+    def _failed_threadsafe(self, exc: BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.layers.put_nowait, exc)
+
     def _hand_over(self, chunks: list[LayerData]) -> None:
         for chunk in chunks:
             self.layers.put_nowait(chunk)
 
     def finish(self, first_token: int, extras: bytes = b"") -> None:
-        """Every chunk is computed: close the stream with the first token (and its logprobs in `extras`)."""
+        """Every chunk is computed: close the stream with the first token (and its logprobs in `extras`); on
+        CUDA once the staged layers are handed over, so the commit never overtakes a layer."""
         self.extras = extras
+        if self.runner.device.type == "cuda":
+            self.runner.staging.after(lambda: self.loop.call_soon_threadsafe(self._close, first_token))
+        else:
+            self._close(first_token)
+
+    def _close(self, first_token: int) -> None:
         self.layers.put_nowait(first_token)
-        self.first_token.set_result(first_token)
+        if not self.first_token.done():
+            self.first_token.set_result(first_token)
 
     def cancel(self) -> None:
         self.task.cancel()
@@ -119,6 +145,8 @@ class RequestPush:
         yield self._header()
         total = 0
         while not isinstance(item := await self.layers.get(), int):
+            if isinstance(item, BaseException):
+                raise item
             total += item.nbytes
             yield item
         yield kv_pb2.KVCommit(first_token=item, total_bytes=total, extras=self.extras)

@@ -18,7 +18,8 @@ HEADER, LAYER, COMMIT = 1, 2, 3  # KVChunk's oneof field numbers
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerData:
-    """One LayerChunk: KV of tokens token_start..token_end-1 of one layer."""
+    """One LayerChunk: KV of tokens token_start..token_end-1 of one layer. In a same-host push the bytes are
+    in the push's shared-memory segment instead (`shm_bytes` of key at `shm_offset`, the value after it)."""
 
     layer: int
     token_start: int
@@ -26,10 +27,12 @@ class LayerData:
     key: bytes | memoryview
     value: bytes | memoryview
     checksum: int
+    shm_offset: int = 0
+    shm_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
-        return len(self.key) + len(self.value)
+        return len(self.key) + len(self.value) + 2 * self.shm_bytes
 
 
 Item: TypeAlias = "kv_pb2.KVHeader | LayerData | kv_pb2.KVCommit"
@@ -70,7 +73,7 @@ def encode(item: Item | kv_pb2.KVChunk) -> bytes:
     if isinstance(item, LayerData):
         body = [_int_field(1, item.layer), _int_field(2, item.token_start), _int_field(3, item.token_end),
                 *(_field(4, item.key) if len(item.key) else []), *(_field(5, item.value) if len(item.value) else []),
-                _int_field(6, item.checksum)]
+                _int_field(6, item.checksum), _int_field(7, item.shm_offset), _int_field(8, item.shm_bytes)]
         inner_len = sum(len(part) for part in body)
         return b"".join([_varint(LAYER << 3 | 2), _varint(inner_len), *body])
     number = HEADER if isinstance(item, kv_pb2.KVHeader) else COMMIT
@@ -115,7 +118,7 @@ def _decode_layer(view: memoryview) -> LayerData:
         raise ValueError("truncated LayerChunk") from None
     empty = memoryview(b"")
     return LayerData(numbers.get(1, 0), numbers.get(2, 0), numbers.get(3, 0), payloads.get(4, empty),
-                     payloads.get(5, empty), numbers.get(6, 0))
+                     payloads.get(5, empty), numbers.get(6, 0), numbers.get(7, 0), numbers.get(8, 0))
 
 
 def normalize(item: Item | kv_pb2.KVChunk) -> Item:
@@ -125,5 +128,6 @@ def normalize(item: Item | kv_pb2.KVChunk) -> Item:
     kind = item.WhichOneof("kind")
     if kind == "layer":
         layer = item.layer
-        return LayerData(layer.layer, layer.token_start, layer.token_end, layer.key, layer.value, layer.checksum)
+        return LayerData(layer.layer, layer.token_start, layer.token_end, layer.key, layer.value, layer.checksum,
+                         layer.shm_offset, layer.shm_bytes)
     return item.header if kind == "header" else item.commit

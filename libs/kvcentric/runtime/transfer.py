@@ -1,6 +1,8 @@
 """KV bytes between nodes over gRPC (grpcio, C core): the servicer that receives pushes into a sink and
 serves block pulls from a source, and the client that pushes a request's layers as they are produced,
-optionally striped over several connections and held to a per-peer rate (to emulate a slow link).
+optionally striped over several connections and held to a per-peer rate (to emulate a slow link). A peer
+on this host gets the layers' bytes through a shared-memory segment (`runtime/shm.py`), the stream
+carrying only where they lie; a peer that cannot open it is pushed to inline from then on.
 
 The contract is `kvcentric/proto/kv.proto`; what a receiver does with the bytes (write into a decode
 engine's paged cache, keep in a host pool) is the sink's business, not this module's.
@@ -19,6 +21,8 @@ import grpc
 
 from kvcentric.runtime import kvwire
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
+from kvcentric.runtime.shm import (UNAVAILABLE, AttachedSegments, SegmentPool, SegmentWriter,
+                                   SharedMemoryUnavailable, push_bytes, same_host)
 
 MAX_MESSAGE_BYTES = 1 << 30
 OFFLOAD_CHECKSUM_BYTES = 8 << 20
@@ -26,6 +30,20 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+DRAIN_FLOOR_S = 10.0
+"""The least time a computed request's push is given to finish: above the 5 s a receiver may wait for the
+request's job before it takes the KV (`engine/kvsink.py`)."""
+DRAIN_PRIOR_BYTES_S = 100e6
+"""The bandwidth assumed of a peer not measured yet."""
+
+
+def drain_deadline_s(kv_bytes: int, bandwidth_bytes_s: float | None, slack: float = 4.0) -> float:
+    """How long a push of `kv_bytes` may take to finish once its request is computed: `slack` times what the
+    peer's measured bandwidth (or the prior) says, never under DRAIN_FLOOR_S. The measured figure is a lower
+    bound (it counts a push from its first layer, so during the prefill too): the deadline errs long."""
+    return DRAIN_FLOOR_S + slack * kv_bytes / (bandwidth_bytes_s or DRAIN_PRIOR_BYTES_S)
 
 
 class TransferError(RuntimeError):
@@ -44,7 +62,10 @@ class KVSink(Protocol):
     """Where a receiving messenger puts a pushed request's KV. Raise to refuse; abort frees.
 
     `begin` may be called once per stripe of the same request; it must accept the later ones. It is a
-    coroutine so that a sink may wait a moment for the request it is told about elsewhere."""
+    coroutine so that a sink may wait a moment for the request it is told about elsewhere. A sink whose
+    `write` copies the chunk's bytes before returning sets `copies_bytes = True`: it is then handed views
+    of a same-host sender's shared memory, which the sender reuses once the push is acknowledged; any
+    other sink gets bytes of its own."""
 
     async def begin(self, header: kv_pb2.KVHeader) -> None: ...
     def write(self, request_id: str, chunk: kvwire.LayerData) -> None: ...
@@ -72,6 +93,8 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
     def __init__(self, sink: KVSink, source: BlockSource | None = None) -> None:
         self.sink, self.source = sink, source
         self.stats: collections.Counter[str] = collections.Counter()
+        self.segments = AttachedSegments()
+        """Same-host senders' shared memory, mapped here."""
 
     async def PushKV(self, request_iterator, context) -> kv_pb2.PushAck:
         """Takes raw serialized KVChunks (see `add_servicer`): layers are parsed without copying."""
@@ -82,11 +105,15 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 if isinstance(item, kv_pb2.KVHeader):
                     if header is not None:
                         raise ValueError("second header in one stream")
+                    if item.shm_segment:
+                        self.segments.attach(item.shm_segment)
                     header = item  # from here on a failure aborts the request
                     await self.sink.begin(header)
                 elif header is None:
                     raise ValueError(f"{type(item).__name__} before the header")
                 elif isinstance(item, kvwire.LayerData):
+                    if item.shm_bytes:
+                        item = self._from_segment(header, item)
                     await self._verify(header.request_id, item)
                     self.sink.write(header.request_id, item)
                     received += item.nbytes
@@ -100,6 +127,11 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             self.stats["bytes_received"] += received
             self.stats["streams_received"] += 1
             return kv_pb2.PushAck(ok=True, bytes_received=received)
+        except SharedMemoryUnavailable as exc:  # the sender pushes again, inline
+            self.stats["shm_refused"] += 1
+            self._abort(header, str(exc), retryable=True)
+            header = None
+            return kv_pb2.PushAck(ok=False, error=str(exc), bytes_received=received, retryable=True)
         except ChecksumMismatch as exc:
             self.stats["checksum_failures"] += 1
             self._abort(header, str(exc), retryable=True)
@@ -110,6 +142,18 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         finally:
             if not done:
                 self._abort(header, "push did not complete")
+
+    def _from_segment(self, header: kv_pb2.KVHeader, layer: kvwire.LayerData) -> kvwire.LayerData:
+        """A layer whose bytes lie in the sender's segment: views of them for a sink that copies at once,
+        else a copy of its own."""
+        if not header.shm_segment:
+            raise ValueError(f"layer {layer.layer} is in shared memory but the push names no segment")
+        layer = self.segments.resolve(header.shm_segment, layer)
+        self.stats["shm_bytes_received"] += layer.nbytes
+        if getattr(self.sink, "copies_bytes", False):
+            return layer
+        return kvwire.LayerData(layer.layer, layer.token_start, layer.token_end, bytes(layer.key),
+                                bytes(layer.value), layer.checksum)
 
     async def _verify(self, request_id: str, layer: kvwire.LayerData) -> None:
         """The checksum of a big layer runs in a thread (crc32c drops the GIL), so gRPC keeps receiving meanwhile."""
@@ -205,8 +249,13 @@ class KVPusher:
     """Client side: channels per peer reused across requests, optional striping over `stripes`
     connections, an optional per-peer rate limit, and the bandwidth each peer was measured at."""
 
-    def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0) -> None:
+    def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0, shared_memory: bool = True) -> None:
+        """`shared_memory`: push to peers on this host through shared memory (unstriped, unlimited pushes)."""
         self.stripes, self.rate_limit = max(1, stripes), rate_limit_bytes_s
+        self.shared_memory = shared_memory and self.stripes == 1 and not rate_limit_bytes_s
+        self.segments = SegmentPool()
+        self.inline_peers: set[str] = set()
+        """Same-host peers that could not open a segment: pushed to inline."""
         self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self.bandwidth: dict[str, float] = {}
@@ -254,12 +303,44 @@ class KVPusher:
         round-robin over concurrent streams."""
         chunks = _normalized(chunks)
         started = time.monotonic()
-        if self.stripes == 1:
+        if self.shared_memory and same_host(addr) and addr not in self.inline_peers:
+            total = await self._push_shared(addr, chunks, timeout_s, metadata)
+        elif self.stripes == 1:
             total = await self._call(addr, 0, chunks, timeout_s, metadata)
         else:
             total = await self._push_striped(addr, chunks, timeout_s, metadata)
         self._measured(addr, total, time.monotonic() - started)
         return total
+
+    async def _push_shared(self, addr: str, chunks: AsyncIterator[kvwire.Item], timeout_s: float,
+                           metadata: list | None) -> int:
+        """One stream whose layers' bytes go through a shared-memory segment, reused once acknowledged (or
+        once the push failed: a receiver that gave up reads nothing more that matters)."""
+        writers: list[SegmentWriter] = []
+
+        async def placed() -> AsyncIterator[kvwire.Item]:
+            async for item in chunks:
+                if isinstance(item, kv_pb2.KVHeader):
+                    writers.append(SegmentWriter(self.segments.acquire(push_bytes(item))))
+                    header = kv_pb2.KVHeader()
+                    header.CopyFrom(item)
+                    header.shm_segment = writers[-1].segment.name
+                    yield header
+                elif isinstance(item, kvwire.LayerData) and writers:
+                    item = writers[-1].put(item)
+                    self.stats["shm_bytes_sent"] += 2 * item.shm_bytes
+                    yield item
+                else:
+                    yield item
+        try:
+            return await self._call(addr, 0, placed(), timeout_s, metadata)
+        except TransferError as exc:
+            if UNAVAILABLE in str(exc):
+                self.inline_peers.add(addr)
+            raise
+        finally:
+            for writer in writers:
+                self.segments.release(writer.segment)
 
     async def _push_striped(self, addr: str, chunks: AsyncIterator[kvwire.Item], timeout_s: float,
                             metadata: list | None) -> int:
@@ -296,6 +377,7 @@ class KVPusher:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
+        self.segments.close()
 
 
 async def _normalized(chunks: AsyncIterator) -> AsyncIterator[kvwire.Item]:
