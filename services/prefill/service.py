@@ -130,7 +130,8 @@ class PrefillService(EngineService):
                 raise asyncio.CancelledError
             if push.failed_early:  # the receiver gave up already: surface its error now, not after the prompt
                 await push.task
-            token = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
+            token, seconds = await self.model.run(self.speed.timed, self.engine.execute, chunk, push.hook(chunk.start))
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, seconds)
             self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})

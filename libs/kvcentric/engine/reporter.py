@@ -12,6 +12,7 @@ from typing import NamedTuple
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Role, Subjects
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.transfer import KVPusher
 
@@ -32,6 +33,8 @@ class Reporter:
         self.pool, self.host, self.pusher = pool, host, pusher
         self.reports_sent = 0
         """Load reports published; the first is how the conductor learns of this instance."""
+        self.speed: SpeedMeter | None = None
+        """The engine's measured cost model, carried by the load reports when it changed (and now and then)."""
 
     def readiness(self, draining: bool) -> str:
         """Why the engine cannot take work ("" when it can): not yet announced to the conductor, or draining."""
@@ -44,7 +47,8 @@ class Reporter:
                           queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
                           kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
                           link_bandwidth=dict(self.pusher.bandwidth),
-                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
+                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
+                          cost=self.speed.for_report() if self.speed is not None else None)
 
     async def publish_load(self, role: Role, load: Load, kv_addr: str, draining: bool = False) -> None:
         await self.bus.publish(Subjects.load(role, self.instance_id), self.load_report(role, load, kv_addr, draining))

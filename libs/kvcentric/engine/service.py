@@ -19,6 +19,7 @@ from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
 
@@ -42,6 +43,8 @@ class EngineService(Service):
         self.intake = JobIntake(self.counters)
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
+        self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk)
+        """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
 
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
@@ -49,6 +52,7 @@ class EngineService(Service):
         self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher)
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
                                       self.reporter.publish_cache_forgotten)
+        self.reporter.speed = self.speed
 
     # ---------------------------------------------------------------- what a role fills in
 
@@ -68,9 +72,23 @@ class EngineService(Service):
         """Nothing queued, running or still to send (a drain waits for this)."""
         return True
 
+    def on_refit(self) -> None:
+        """The measured cost model changed (a role that predicts with it takes it here)."""
+
+    async def calibrate(self) -> None:
+        """Time a few shapes of the work this role does, so the first load report carries a measured model
+        (--no-calibrate: learn from serving alone)."""
+        if not self.config.calibrate:
+            return
+        timed = await self.model.run(self.speed.calibrate, self.pool, self.role != "decode",
+                                     self.role != "prefill", self.config.max_batch)
+        self.on_refit()
+        self.log.info("calibrated %d shapes: %s", timed, self.speed.measured())
+
     # ---------------------------------------------------------------- lifecycle, health
 
     async def start(self) -> None:
+        await self.calibrate()
         await self.messenger.start(self.config)
         await self.intake.take_cancels(self.bus, self.on_cancel)
         await self.role_change.listen(self.bus, self.instance_id)
