@@ -112,7 +112,7 @@ def test_refits_come_every_few_samples_and_bump_the_version():
         fit.add_decode(1 + i, 100 * (i + 1), 0.01 + 0.001 * i)
     assert fit.decode.fit is not None and fit.version == 1  # the first fit as soon as there are enough
     versions = []
-    for i in range(10):
+    for _ in range(10):
         fit.add_decode(2, 300, 0.012)
         versions.append(fit.version)
     assert versions == [1, 1, 1, 1, 2, 2, 2, 2, 2, 3]
