@@ -103,7 +103,16 @@ def test_one_batch_size_gives_a_model_without_a_per_sequence_term():
     for k in (100, 400, 900, 1600) * 3:
         fit.add_decode(1, k, TRUE.t_decode(1, k))
     d0, d1, d2 = fit.decode.fit.coefficients
-    assert (d0 == 0.0) != (d1 == 0.0) and d2 > 0  # fixed and per-sequence costs are one column here
+    assert d0 > 0 and d1 == 0.0 and d2 > 0  # fixed and per-sequence costs are one column here: the fixed kept
+
+
+def test_one_prompt_length_gives_a_per_token_model_not_a_quadratic_one():
+    fit = OnlineCostFit()
+    for cached in (0, 256, 0, 256):  # n_new, n_new**2 and the fixed cost cannot be told apart
+        fit.add_prefill(64, cached, TRUE.t_prefill(64, cached))
+    fit.refit()
+    p0, p1, p2, p3 = fit.prefill.fit.coefficients
+    assert p1 > 0 and p2 > 0 and p0 == p3 == 0.0
 
 
 def test_refits_come_every_few_samples_and_bump_the_version():

@@ -26,6 +26,13 @@ Sample = tuple[float, float, float]
 """(first dimension, second dimension, seconds): (n_new, n_cached, s) or (batch, kv_tokens, s)."""
 
 
+PREFILL_PREFERENCE = (1, 0, 2, 3)
+"""Which prefill term to keep first when the data cannot tell two apart (lower first): per token, then fixed,
+then attention over the prefix, then among the new tokens."""
+DECODE_PREFERENCE = (0, 2, 1)
+"""Likewise for a decode step: the fixed cost (reading the weights), then per context token, then per sequence."""
+
+
 def prefill_terms(n_new: np.ndarray, n_cached: np.ndarray) -> np.ndarray:
     """Columns of T_prefill = p0 + p1*n_new + p2*n_new*n_cached + p3*n_new**2."""
     return np.column_stack([np.ones_like(n_new), n_new, n_new * n_cached, n_new * n_new])
@@ -78,11 +85,12 @@ class ShapeWindow:
 class PartFitter:
     """The online fit of one part (prefill or decode): a window of samples and its latest fit."""
 
-    def __init__(self, terms: Callable[[np.ndarray, np.ndarray], np.ndarray], n_terms: int, *, per_shape: int = 8,
-                 max_shapes: int = 32, refit_every: int = 8, trim: float = 3.0, min_samples: int = 3) -> None:
+    def __init__(self, terms: Callable[[np.ndarray, np.ndarray], np.ndarray], preference: tuple[int, ...], *,
+                 per_shape: int = 8, max_shapes: int = 32, refit_every: int = 8, trim: float = 3.0,
+                 min_samples: int = 3) -> None:
         if refit_every < 1 or trim <= 0 or min_samples < 1:
             raise ValueError("refit_every and min_samples must be at least 1, trim positive")
-        self.terms, self.n_terms = terms, n_terms
+        self.terms, self.preference = terms, preference
         self.window = ShapeWindow(per_shape, max_shapes)
         self.refit_every, self.trim, self.min_samples = refit_every, trim, min_samples
         self.fit: PartFit | None = None
@@ -108,7 +116,7 @@ class PartFitter:
         if len(rows) < self.min_samples:
             return False
         x, y = self.terms(rows[:, 0], rows[:, 1]), rows[:, 2]
-        coefficients, kept = robust_fit(x, y, self.trim)
+        coefficients, kept = robust_fit(x, y, self.trim, self.preference)
         relative = np.abs(x @ coefficients - y) / y
         self.fit = PartFit(tuple(float(c) for c in coefficients), float(relative[kept].mean()), len(rows),
                            int((~kept).sum()))
@@ -120,9 +128,9 @@ class OnlineCostFit:
     """Both parts of one instance's cost model, fitted online; `model` lays the fitted parts over a prior."""
 
     def __init__(self, *, per_shape: int = 8, max_shapes: int = 32, refit_every: int = 8, trim: float = 3.0) -> None:
-        self.prefill = PartFitter(prefill_terms, 4, per_shape=per_shape, max_shapes=max_shapes,
+        self.prefill = PartFitter(prefill_terms, PREFILL_PREFERENCE, per_shape=per_shape, max_shapes=max_shapes,
                                   refit_every=refit_every, trim=trim)
-        self.decode = PartFitter(decode_terms, 3, per_shape=per_shape, max_shapes=max_shapes,
+        self.decode = PartFitter(decode_terms, DECODE_PREFERENCE, per_shape=per_shape, max_shapes=max_shapes,
                                  refit_every=refit_every, trim=trim)
         self.version = 0
         """Bumped at every refit: whoever publishes the model sends it again when this moved."""
@@ -149,11 +157,12 @@ class OnlineCostFit:
         return dataclasses.replace(prior, prefill=(p[0], p[1], p[2], p[3]), decode=(d[0], d[1], d[2]), source=source)
 
 
-def robust_fit(x: np.ndarray, y: np.ndarray, trim: float, rounds: int = 4) -> tuple[np.ndarray, np.ndarray]:
+def robust_fit(x: np.ndarray, y: np.ndarray, trim: float, preference: tuple[int, ...] = (),
+               rounds: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """Coefficients >= 0 minimising the relative error, refitted without the outliers of the previous round;
     returns them and the mask of samples kept."""
     kept = np.ones(len(y), dtype=bool)
-    coefficients = sparse_relative_nnls(x, y)
+    coefficients = sparse_relative_nnls(x, y, preference)
     for _ in range(rounds):
         relative = (x @ coefficients - y) / y
         scale = max(1.4826 * float(np.median(np.abs(relative[kept]))), 0.01)
@@ -161,30 +170,33 @@ def robust_fit(x: np.ndarray, y: np.ndarray, trim: float, rounds: int = 4) -> tu
         if inside.sum() < min(len(y), x.shape[1] + 1) or np.array_equal(inside, kept):
             break
         kept = inside
-        coefficients = sparse_relative_nnls(x[kept], y[kept])
+        coefficients = sparse_relative_nnls(x[kept], y[kept], preference)
     return coefficients, kept
 
 
-def sparse_relative_nnls(x: np.ndarray, y: np.ndarray, slack: float = 0.05, floor: float = 0.002) -> np.ndarray:
+def sparse_relative_nnls(x: np.ndarray, y: np.ndarray, preference: tuple[int, ...] = (), slack: float = 0.05,
+                         floor: float = 0.002) -> np.ndarray:
     """min ||(x b - y)/y|| with b >= 0, preferring fewer non-zero terms: the smallest subset of columns whose
-    root-mean-square relative error is at most (1 + `slack`) times the best subset's plus `floor`."""
+    root-mean-square relative error is at most (1 + `slack`) times the best subset's plus `floor`; between
+    subsets of one size, the one whose columns come first in `preference` (rank per column; default: in order)."""
+    rank = preference or tuple(range(x.shape[1]))
     weighted = x / y[:, None]
     scale = np.linalg.norm(weighted, axis=0)
     usable = [i for i in range(x.shape[1]) if scale[i] > 0]
     scale[scale == 0] = 1.0
     a, ones = weighted / scale, np.ones_like(y)
-    fits: list[tuple[int, float, tuple[int, ...], np.ndarray]] = []
+    fits: list[tuple[tuple[int, ...], float, tuple[int, ...], np.ndarray]] = []
     for size in range(1, len(usable) + 1):
         for columns in itertools.combinations(usable, size):
             coef = np.linalg.lstsq(a[:, columns], ones, rcond=None)[0]
             if (coef >= 0).all():
                 rms = float(np.sqrt(np.mean((a[:, columns] @ coef - ones) ** 2)))
-                fits.append((size, rms, columns, coef))
+                fits.append((tuple(sorted(rank[c] for c in columns)), rms, columns, coef))
     result = np.zeros(x.shape[1])
     if not fits:
         return result
     best = min(rms for _, rms, _, _ in fits)
     good_enough = best * (1 + slack) + floor
-    size, _, columns, coef = min((f for f in fits if f[1] <= good_enough), key=lambda f: (f[0], f[1]))
+    _, _, columns, coef = min((f for f in fits if f[1] <= good_enough), key=lambda f: (len(f[0]), f[0], f[1]))
     result[list(columns)] = coef
     return result / scale

@@ -5,6 +5,7 @@ short calibration of a few shapes at start, and the online fit of both (`kvcentr
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,12 @@ from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import MeasuredCost
 from kvcentric.engine.runner import ModelRunner
 
-CALIBRATION_BUDGET_S = 5.0
+CALIBRATION_BUDGET_S = 3.0
 """Calibration stops after the shape that takes it past this many seconds."""
+CALIBRATION_TOKENS = 256
+"""The longest prefill chunk (and cached prefix) calibrated; serving teaches the rest."""
 REPEAT = 2
-"""Timings per calibrated shape, after one untimed warm-up run."""
+"""Timings per calibrated shape (the first shape of each part runs once more before, untimed)."""
 RESEND_EVERY = 20
 """A load report carries the model at least once in this many, so a conductor that starts later learns it."""
 
@@ -58,52 +61,57 @@ class SpeedMeter:
         """Time a few prefill and decode shapes with the pool's free blocks, then fit; returns the shapes timed.
         Stops early past CALIBRATION_BUDGET_S (a slow model on a slow machine learns the rest by serving)."""
         deadline = time.perf_counter() + CALIBRATION_BUDGET_S
-        shapes = [("prefill", shape) for shape in self.prefill_shapes(pool)] if prefill else []
-        shapes += [("decode", shape) for shape in self.decode_shapes(pool, max_batch)] if decode else []
+        prefills = [("prefill", shape) for shape in self.prefill_shapes(pool)] if prefill else []
+        decodes = [("decode", shape) for shape in self.decode_shapes(pool, max_batch)] if decode else []
+        shapes = [s for pair in itertools.zip_longest(prefills, decodes) for s in pair if s is not None]
         timed = 0
-        for kind, (a, b) in shapes:
+        for kind, (a, b) in shapes:  # small shapes of both parts first, so a short budget still covers both
             if time.perf_counter() > deadline:
                 break
             if kind == "prefill":
-                self._time_prefill(pool, a, b)
+                self._time_prefill(pool, a, b, warm_up=timed < 2)
             else:
-                self._time_decode(pool, a, b)
+                self._time_decode(pool, a, b, warm_up=timed < 2)
             timed += 1
         self.fit.refit()
         return timed
 
     def prefill_shapes(self, pool: BlockPool) -> list[tuple[int, int]]:
-        """(new, cached) from a small chunk to a full one, with no prefix and with a chunk-long one."""
-        limit = min(self.prefill_chunk, (self.runner.config.max_position - 1) // 2,
+        """(new, cached) from a small chunk to a full one, with no prefix and with a chunk-long one, cheapest
+        first."""
+        limit = min(self.prefill_chunk, CALIBRATION_TOKENS, (self.runner.config.max_position - 1) // 2,
                     pool.num_free * pool.block_size // 2)
         sizes = sorted({max(1, limit // 8), max(1, limit // 2), limit})
-        return [(new, cached) for cached in (0, limit) for new in sizes if limit >= 16]
+        shapes = [(new, cached) for cached in (0, limit) for new in sizes if limit >= 16]
+        return sorted(shapes, key=lambda shape: shape[0] * (shape[0] + shape[1]))
 
     def decode_shapes(self, pool: BlockPool, max_batch: int) -> list[tuple[int, int]]:
-        """(batch, context per sequence) over a few batch sizes and contexts that fit in the free blocks."""
+        """(batch, context per sequence) over a few batch sizes and contexts that fit in the free blocks, cheapest
+        first."""
         contexts = [c for c in (64, 256) if c < self.runner.config.max_position]
         batches = sorted({1, min(4, max_batch), min(16, max_batch)})
-        return [(b, c) for c in contexts for b in batches if b * pool.blocks_for(c + 1) <= pool.num_free]
+        shapes = [(b, c) for c in contexts for b in batches if b * pool.blocks_for(c + 1) <= pool.num_free]
+        return sorted(shapes, key=lambda shape: shape[0] * shape[1])
 
-    def _time_prefill(self, pool: BlockPool, new: int, cached: int) -> None:
+    def _time_prefill(self, pool: BlockPool, new: int, cached: int, warm_up: bool) -> None:
         table = pool.allocate(pool.blocks_for(new + cached))
         try:
             tokens = torch.randint(0, self.runner.config.vocab_size, (new + cached,)).tolist()
             if cached:
                 self.runner.prefill(tokens, table, 0, cached)
-            for run in range(REPEAT + 1):
+            for run in range(REPEAT + warm_up):
                 _, seconds = self.timed(self.runner.prefill, tokens, table, cached)
-                if run:
+                if run or not warm_up:
                     self.prefill(new, cached, seconds)
         finally:
             pool.free(table)
 
-    def _time_decode(self, pool: BlockPool, batch: int, context: int) -> None:
+    def _time_decode(self, pool: BlockPool, batch: int, context: int, warm_up: bool) -> None:
         tables = [pool.allocate(pool.blocks_for(context + 1)) for _ in range(batch)]
         try:
-            for run in range(REPEAT + 1):
+            for run in range(REPEAT + warm_up):
                 _, seconds = self.timed(self.runner.decode, [1] * batch, [context] * batch, tables)
-                if run:
+                if run or not warm_up:
                     self.decode(batch, batch * (context + 1), seconds)
         finally:
             for table in tables:
