@@ -15,6 +15,13 @@ from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import LoadReport, MeasuredCost
 
 
+def as_measured(cost: CostModel, model: str = "", device: str = "") -> MeasuredCost:
+    """A cost model as an instance would announce it (the simulator's instances with their own profile)."""
+    return MeasuredCost(prefill=list(cost.prefill), decode=list(cost.decode), prefill_error=0.0, decode_error=0.0,
+                        prefill_chunk=cost.prefill_chunk, kv_bytes_per_token=cost.kv_bytes_per_token,
+                        model=model or cost.source, device=device)
+
+
 def measured_model(prior: CostModel, measured: MeasuredCost) -> CostModel:
     """`prior` with the parts `measured` holds (chunked prefill as the engine runs it)."""
     p = measured.prefill if len(measured.prefill) == 4 else prior.prefill
