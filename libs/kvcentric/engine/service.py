@@ -7,6 +7,8 @@ nothing about a request.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import Cancel, Role
 from kvcentric.engine.config import EngineConfig
@@ -115,6 +117,7 @@ class EngineService(Service):
     def health(self) -> dict:
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,
-                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges(),
+                "measured_cost": msgspec.to_builtins(self.speed.measured())}
 
 
