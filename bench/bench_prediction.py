@@ -1,7 +1,8 @@
 """How well the conductor predicts TTFT and TBT, from the roofline prior against from the engines' own measured
 models: the conversation trace replayed live (`kvcentric bench replay`) against `kvcentric up --prefill 1
 --decode 1 --model small`, once with `--cost-source prior` (the roofline of --model on --hardware, as before
-the engines measured themselves) and once with the default `--cost-source measured`.
+the engines measured themselves) and once with the default `--cost-source measured`; `--rejection never`
+in both, so that both place the same requests (with the measured models this CPU's TBT exceeds the 0.1 s SLO).
 
 The figure is the mean absolute relative error |predicted - measured| / measured of TTFT over the completed
 requests after the first --skip (the goal: at most 25% with the measured models), from the replay's
@@ -60,7 +61,7 @@ def replay(args: argparse.Namespace, source: str, out: Path) -> dict:
     """One replay against a fresh cluster whose conductor predicts from `source`."""
     with tempfile.TemporaryDirectory(prefix="kvc-up-") as log_dir:
         up = UpProcess(log_dir, "--model", args.model, "--prefill", "1", "--decode", "1", timeout_s=300,
-                       env={"KVC_COST_SOURCE": source})
+                       env={"KVC_COST_SOURCE": source, "KVC_REJECTION": "never"})
         try:
             subprocess.run([sys.executable, "-m", "kvcentric", "bench", "replay", args.trace, "--url", up.url,
                             "--limit", args.limit, "--speed", args.speed, "--scale", args.scale, "--output-scale",

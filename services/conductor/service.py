@@ -104,7 +104,8 @@ class ConductorService(Service):
 
     async def on_load(self, report: LoadReport) -> None:
         now = time.monotonic()
-        if report.cost is not None and report.instance_id not in self.core.models.models:
+        models = self.core.models
+        if report.cost is not None and models.use_measured and report.instance_id not in models.models:
             self.log.info("%s measured its cost model: %s", report.instance_id, report.cost)
         self.core.observe(report, now)
         if self.local_index:
