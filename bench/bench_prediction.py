@@ -10,7 +10,7 @@ per-request rows (the prediction comes back in the x-kvcentric-predicted-ttft-s 
 TTFT and TBT error gauges and its /health view of each instance are kept beside it.
 
 Usage:
-    .venv/bin/python bench/bench_prediction.py [--model small] [--limit 150] [--speed 0.25] [--scale 32]
+    .venv/bin/python bench/bench_prediction.py [--model small] [--limit 110] [--speed 0.12] [--scale 64]
         [--skip 50] [--out bench/results/prediction.json]
 """
 
@@ -40,9 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small")
     parser.add_argument("--trace", default=str(TRACE if TRACE.exists() else Path("/work/shared/traces") / TRACE.name))
-    parser.add_argument("--limit", default="150")
-    parser.add_argument("--speed", default="0.25")
-    parser.add_argument("--scale", default="32")
+    parser.add_argument("--limit", default="110")
+    parser.add_argument("--speed", default="0.12")
+    parser.add_argument("--scale", default="64")
     parser.add_argument("--skip", type=int, default=50, help="requests left out of the figure (the fit's warm-up)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "prediction.json"))
     return parser.parse_args()

@@ -106,17 +106,19 @@ class DecodeService(EngineService):
             if not self.engine.has_work:
                 await self.wake.sleep(0.1)
                 continue
+            started = time.perf_counter()  # the step's whole turn, as the tokens' gaps see it
             batch, failed = self.engine.schedule()
             self.outbox.emit(failed)
             if not batch:  # everything left is preempted and waiting for blocks
                 await self.wake.sleep(0.05)
                 continue
             try:
-                tokens, seconds = await self.model.run(self.speed.timed, self.engine.execute, batch)
+                tokens = await self.model.run(self.engine.execute, batch)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("decode step failed")
                 self.outbox.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
                 continue
-            if self.speed.decode(len(batch), sum(r.context_tokens for r in batch), seconds):
-                self.on_refit()
+            kv_tokens = sum(r.context_tokens for r in batch)
             self.outbox.emit(self.engine.update(batch, tokens))
+            if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
+                self.on_refit()

@@ -6,6 +6,7 @@ that layer of the chunk is computed, so the transfer overlaps the remaining laye
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
@@ -115,8 +116,10 @@ class PrefillService(EngineService):
             if chunk is None:
                 await self.wake.sleep(0.05)
                 continue
+            started = time.perf_counter()  # the chunk's whole turn, as the queue behind it sees it
             await self.prefill_chunk(chunk)
             await self.reporter.publish_cache_changes()
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, time.perf_counter() - started)
 
     async def prefill_chunk(self, chunk: PrefillChunk) -> None:
         """Compute one chunk while its layers stream to decode; the first chunk opens the push, the
@@ -130,8 +133,7 @@ class PrefillService(EngineService):
                 raise asyncio.CancelledError
             if push.failed_early:  # the receiver gave up already: surface its error now, not after the prompt
                 await push.task
-            token, seconds = await self.model.run(self.speed.timed, self.engine.execute, chunk, push.hook(chunk.start))
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, seconds)
+            token = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})

@@ -61,7 +61,7 @@ def test_with_only_the_terrible_prior_the_request_is_rejected(tmp_path, terrible
     try:
         status, body = post(up.url)
         assert status == 429 and "decode load" in body["error"]["message"], body
-        assert models(up)["decode-0"]["model_source"] == {"decode": "profile"}
+        assert models(up)["decode-0"]["model_source"] == {"decode": "prior"}
     finally:
         up.stop()
 
@@ -92,8 +92,8 @@ def test_without_calibration_the_prior_only_ranks_until_the_engines_have_measure
     up = UpProcess(str(tmp_path), env={"KVC_CALIBRATE": "0"})
     try:
         before = models(up)
-        assert before["decode-0"] == {"model_source": {"decode": "prior"}}
-        assert before["prefill-0"] == {"model_source": {"prefill": "prior"}}
+        assert before["decode-0"] == {"model_source": {"decode": "guess"}}
+        assert before["prefill-0"] == {"model_source": {"prefill": "guess"}}
         for _ in range(4):
             status, body = post(up.url, max_tokens=6)
             assert status == 200, body

@@ -123,8 +123,8 @@ def test_the_health_view_compares_the_latest_timings_with_the_model_and_the_prio
     step = view["decode_step"]
     assert step["shape"] == [4, 2000] and step["measured_s"] == 0.0065 and step["prior_s"] == 10.0
     assert step["predicted_s"] == pytest.approx(0.005 + 4e-4 + 2e-3)
-    assert models.view("p9", ["prefill"]) == {"model_source": {"prefill": "prior"}}
-    assert InstanceModels(TERRIBLE, prior_trusted=True).source("p9", "prefill") == "profile"
+    assert models.view("p9", ["prefill"]) == {"model_source": {"prefill": "guess"}}
+    assert InstanceModels(TERRIBLE, prior_trusted=True).source("p9", "prefill") == "prior"
 
 
 def test_a_measured_part_lies_over_the_prior_and_keeps_the_rest():

@@ -63,9 +63,10 @@ class InstanceModels:
         self.models.pop(instance_id, None)
 
     def source(self, instance_id: str, role: str) -> str:
-        """"measured", "profile" (a trusted prior) or "prior" (ranks only)."""
+        """"measured", "prior" (trusted to reject: a profile, or --cost-source prior) or "guess" (a roofline
+        prior that only ranks)."""
         model, trusted = self.model_of(instance_id, role)
-        return "measured" if model is not self.prior else "profile" if trusted else "prior"
+        return "measured" if model is not self.prior else "prior" if trusted else "guess"
 
     def view(self, instance_id: str, roles: list[str]) -> dict:
         """What /health shows of one instance: where its model comes from, the fit's error and samples, and
