@@ -12,9 +12,9 @@ from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import KVRejected
+from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.prefill import PrefillRejected
+from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.service import EngineService
 
@@ -89,10 +89,24 @@ class ColocatedService(EngineService):
                 await self.wake.sleep(0.05)
                 continue
             try:
-                first, tokens = await self.model.run(self.engine.execute, chunk, batch)
+                first, tokens, prefill_s, decode_s = await self.model.run(self.execute, chunk, batch)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("colocated step failed")
                 self.outbox.emit(self.engine.fail_step(chunk, batch, f"step failed: {exc}"))
                 continue
+            self.time_step(chunk, batch, prefill_s, decode_s)
             self.outbox.emit(self.engine.update(chunk, first, batch, tokens))
             await self.reporter.publish_cache_changes()
+
+    def execute(self, chunk: PrefillChunk | None, batch: list[DecodeRequest]):
+        """The engine's step in the model thread, its prefill chunk and its decode batch timed apart."""
+        first, prefill_s = self.speed.timed(self.engine.prefill.execute, chunk) if chunk else (None, 0.0)
+        tokens, decode_s = self.speed.timed(self.engine.decode.execute, batch) if batch else ([], 0.0)
+        return first, tokens, prefill_s, decode_s
+
+    def time_step(self, chunk: PrefillChunk | None, batch: list[DecodeRequest], prefill_s: float,
+                  decode_s: float) -> None:
+        if chunk is not None:
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, prefill_s)
+        if batch:
+            self.speed.decode(len(batch), sum(r.context_tokens for r in batch), decode_s)

@@ -19,6 +19,8 @@ from kvcentric.core.scheduling.config import SchedulerConfig
 
 PrefixIndex = Literal["local", "kvs-meta"]
 """Where prefix hits come from (`--prefix-index`)."""
+CostSource = Literal["measured", "prior"]
+"""What predicts each instance's times (`--cost-source`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,11 +30,16 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     stuck_after_s: float = setting(10.0, "an instance whose event loop has computed no load for this long (its "
                                          "heartbeat alone still beats) is out of placement too: a loop held "
                                          "that long would not take a job within --submit-timeout-s either")
-    profile: str = setting("", "cost model JSON written by `kvcentric profile` (default: a roofline of "
-                               "--model on --hardware)")
+    profile: str = setting("", "cost model JSON written by `kvcentric profile`: the prior of every instance "
+                               "until it reports its own measured model, trusted to reject (default: a roofline "
+                               "of --model on --hardware, which only ranks)")
     model: str = setting("tiny", "model (preset or checkpoint directory) of the roofline cost model when no "
                                  "--profile is given")
     hardware: str = setting("cpu-2core", f"hardware preset for the roofline: {', '.join(HARDWARE)}")
+    cost_source: CostSource = setting(
+        "measured", "measured: each instance's times are predicted by the cost model it measured of itself (sent "
+                    "with its load reports), the --profile or roofline until then; prior: by the --profile or "
+                    "roofline always, trusted to reject (measurements ignored)")
     kvs_retry_times: int = setting(5, "consecutive failed kvs-meta lookups that mark it down")
     kvs_retry_interval_ms: int = setting(100, "pause between two attempts of one lookup")
     kvs_timeout_s: float = setting(0.2, "how long one kvs-meta lookup may take")
@@ -81,6 +88,8 @@ class ConductorConfig(BusConfig, SchedulerConfig):
             except ValueError as exc:
                 raise ConfigError(f"--model: {exc}") from None
         require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
+        require(self.cost_source in get_args(CostSource), "cost_source",
+                f"choose {' or '.join(get_args(CostSource))}, got {self.cost_source!r}")
         require(self.kvs_retry_times >= 1, "kvs_retry_times", "must be at least 1")
         require(self.kvs_retry_interval_ms >= 0, "kvs_retry_interval_ms", "must be >= 0")
         require(self.kvs_timeout_s > 0, "kvs_timeout_s", "must be positive")
@@ -122,6 +131,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
         """What predicts prefill and decode times: the --profile file, else the roofline of --model on
         --hardware."""
         return load_cost_model(self.profile, self.model, self.hardware)
+
+    @property
+    def prior_trusted(self) -> bool:
+        """Whether the prior may reject: it is a profile someone made, or the operator chose it over measurement."""
+        return bool(self.profile) or self.cost_source == "prior"
 
     @property
     def scheduler(self) -> SchedulerConfig:

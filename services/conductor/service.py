@@ -68,7 +68,8 @@ class ConductorService(Service):
         self.config: ConductorConfig = config
         prfaas_cost = CostModel.load(config.prfaas_profile) if config.prfaas_profile else None
         self.core = Conductor(config.scheduler, config.cost_model(), stale_after_s=config.stale_after_s,
-                              stuck_after_s=config.stuck_after_s, clusters=config.clusters(prfaas_cost))
+                              stuck_after_s=config.stuck_after_s, clusters=config.clusters(prfaas_cost),
+                              prior_trusted=config.prior_trusted, use_measured=config.cost_source == "measured")
         self.registry = self.core.registry
         self.gate = KVSGate(config.kvs_retry_times, config.kvs_retry_interval_ms / 1000, config.kvs_down_duration_s)
         self.local_index = config.prefix_index == "local"
@@ -112,8 +113,9 @@ class ConductorService(Service):
         self.log_setup()
 
     def log_setup(self) -> None:
-        self.log.info("policy %s, rejection %s, cost model %s, prefix index %s", self.config.policy,
-                      self.config.rejection, self.core.estimator.cost.source, self.config.prefix_index)
+        self.log.info("policy %s, rejection %s, cost model %s (%s), prefix index %s", self.config.policy,
+                      self.config.rejection, self.core.estimator.cost.source,
+                      "trusted" if self.config.prior_trusted else "ranks only until measured", self.config.prefix_index)
         if self.core.router is not None:
             router = self.core.router
             self.log.info("PrfaaS routing: local PD cluster %s, prfaas clusters %s, t = %d uncached tokens",
@@ -121,6 +123,9 @@ class ConductorService(Service):
 
     async def on_load(self, report: LoadReport) -> None:
         now = time.monotonic()
+        models = self.core.models
+        if report.cost is not None and models.use_measured and report.instance_id not in models.models:
+            self.log.info("%s measured its cost model: %s", report.instance_id, report.cost)
         self.core.observe(report, now)
         if self.local_index:
             self.index.renew(report.instance_id, now)
@@ -320,7 +325,16 @@ class ConductorService(Service):
                    if self.local_index else {}),
                 **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
                    if self.core.router is not None else {}),
-                **({"replan": self.replan.status()} if self.replan is not None else {})}
+                **({"replan": self.replan.status()} if self.replan is not None else {}),
+                "instances": self.cost_view(now)}
+
+    def cost_view(self, now: float) -> dict[str, dict]:
+        """Per alive instance: where its cost model comes from, its fit error, and its latest timed prefill chunk
+        and decode step against what its model and the prior predict."""
+        roles: dict[str, list[str]] = {}
+        for info in self.registry.snapshot(now):
+            roles.setdefault(info.instance_id, []).append(info.role)
+        return {instance_id: self.core.models.view(instance_id, names) for instance_id, names in roles.items()}
 
     def gauges(self) -> dict[str, float]:
         stats, outcomes = self.core.stats, self.core.stats["outcomes"]
@@ -344,6 +358,18 @@ class ConductorService(Service):
             gauges["ttft_prediction_error_mean_s"] = stats["ttft_error_sum_s"] / outcomes
             gauges["ttft_prediction_abs_error_mean_s"] = stats["ttft_abs_error_sum_s"] / outcomes
             gauges["ttft_prediction_rel_error_mean"] = stats["ttft_rel_error_sum"] / outcomes
+        gauges.update(self.tbt_gauges())
+        return gauges
+
+    def tbt_gauges(self) -> dict[str, float]:
+        """Predicted decode step at placement against each request's mean time between tokens, and how many
+        placements no trusted model judged."""
+        stats, outcomes = self.core.stats, self.core.stats["tbt_outcomes"]
+        gauges = {"tbt_outcomes_total": float(outcomes), "placements_unjudged_total": float(stats["placed_unjudged"])}
+        if outcomes:
+            gauges["tbt_prediction_error_mean_s"] = stats["tbt_error_sum_s"] / outcomes
+            gauges["tbt_prediction_abs_error_mean_s"] = stats["tbt_abs_error_sum_s"] / outcomes
+            gauges["tbt_prediction_rel_error_mean"] = stats["tbt_rel_error_sum"] / outcomes
         return gauges
 
     def prfaas_gauges(self, router: ClusterRouter) -> dict[str, float]:

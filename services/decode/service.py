@@ -48,15 +48,17 @@ class DecodeService(EngineService):
         super().__init__(config, runner, with_host_pool=False)
         cost = config.cost_model() if config.tbt_slo_s > 0 else None
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
+        if not config.profile:  # the double-check predicts with this instance's own model, once measured
+            self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
         self.attach(self.sink)
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
-        if self.engine.cost is not None:
+        if self.engine.tbt_slo_s > 0:
             self.log.info("TBT double-check on: SLO %g s, steps predicted by %s", self.engine.tbt_slo_s,
-                          self.engine.cost.source)
+                          self.engine.cost.source if self.engine.cost else "the measured model (none yet)")
 
     # ---------------------------------------------------------------- jobs and cancels
 
@@ -88,6 +90,11 @@ class DecodeService(EngineService):
         running = states["running"]
         return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
 
+    def on_refit(self) -> None:
+        """Without --profile, the TBT double-check predicts steps with the decode model measured here."""
+        if self.engine.tbt_slo_s > 0 and not self.config.profile and self.speed.fit.decode.fit is not None:
+            self.engine.cost = self.speed.cost_model(self.config.cost_model())
+
     def idle(self) -> bool:
         """Nothing waiting for KV, generating or still to send (a drain waits for this)."""
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
@@ -103,6 +110,7 @@ class DecodeService(EngineService):
             if not self.engine.has_work:
                 await self.wake.sleep(0.1)
                 continue
+            started = time.perf_counter()  # the step's whole turn, as the tokens' gaps see it
             batch, failed = self.engine.schedule()
             self.outbox.emit(failed)
             if not batch:  # everything left is preempted and waiting for blocks
@@ -114,4 +122,7 @@ class DecodeService(EngineService):
                 self.log.exception("decode step failed")
                 self.outbox.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
                 continue
+            kv_tokens = sum(r.context_tokens for r in batch)
             self.outbox.emit(self.engine.update(batch, tokens))
+            if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
+                self.on_refit()

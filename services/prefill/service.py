@@ -7,6 +7,7 @@ request's push finishes beside the next jobs, so a slow or stopped receiver dela
 from __future__ import annotations
 
 import asyncio
+import time
 
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
@@ -125,8 +126,10 @@ class PrefillService(EngineService):
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
+            started = time.perf_counter()  # the chunk's whole turn, as the queue behind it sees it
             await self.prefill_chunk(chunk)
             await self.reporter.publish_cache_changes()
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, time.perf_counter() - started)
 
     async def prefill_chunk(self, chunk: PrefillChunk) -> None:
         """Compute one chunk while its layers stream to decode; the first chunk opens the push, the

@@ -102,7 +102,7 @@ async def test_with_kvs_meta_down_the_conductor_places_by_load_only(own_nats):
 
 
 async def test_an_overloaded_cluster_gets_a_rejection_that_names_the_stage(own_nats):
-    conductor = await start_conductor(own_nats, ttft_slo_s=1e-9, rejection="early")
+    conductor = await start_conductor(own_nats, ttft_slo_s=1e-9, rejection="early", cost_source="prior")
     nc = await nats.connect(own_nats)
     try:
         await announce(nc, conductor, prefills=("p0",))

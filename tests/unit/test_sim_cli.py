@@ -137,3 +137,23 @@ def test_lower_priority_is_rejected_first_at_cluster_scale():
                      ClusterSpec(prefill=1, decode=1, link_bytes_per_s=1e12))
     shares = summarize(sim.run(requests, sample_s=0), 5.0, 0.1)["rejected_share_by_priority"]
     assert shares["-1"] > shares["0"] + 0.1
+
+
+def test_sim_runs_a_mixed_fleet_with_a_slower_decode_pool(trace, tmp_path):
+    slow = tmp_path / "slow_decode.json"
+    slow.write_text(json.dumps({"cost_model": {"prefill": [0.01, 1e-4, 0, 0], "decode": [0.08, 0, 0],
+                                               "kv_bytes_per_token": 65536, "source": "slow"}}))
+    out = tmp_path / "out"
+    result = kvcentric("sim", "--trace", str(trace), "--prefill", "1", "--decode", "1", "--decode-profile",
+                       str(slow), "--rejection", "never", "--out", str(out), "--no-plots", "--no-progress")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["pool_cost_models"]["decode"]["source"] == "slow" and "prefill" not in summary["pool_cost_models"]
+    rows = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    assert all(0.079 < r["tbt_s"] < 0.1 for r in rows if "tbt_s" in r and r["output_len"] > 1)  # the slow pool's steps
+
+
+def test_sim_names_a_bad_pool_profile(trace, tmp_path):
+    result = kvcentric("sim", "--trace", str(trace), "--prefill-profile", str(tmp_path / "none.json"),
+                       "--out", str(tmp_path))
+    assert result.returncode == 2 and "--prefill-profile" in result.stderr

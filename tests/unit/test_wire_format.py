@@ -4,9 +4,9 @@ import pytest
 
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, Cancel, DecodeJob, Dispatch, InstanceInfo,
                                      InstancesQuery, InstancesReply, KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery,
-                                     KVSReply, LoadReport, Placement, PrefillJob, Rejection, RequestOutcome,
-                                     RoleSwitch, SamplingParams, ScheduleRequest, SubmitAck, TokenChunk, decode,
-                                     encode)
+                                     KVSReply, LoadReport, MeasuredCost, Placement, PrefillJob, Rejection,
+                                     RequestOutcome, RoleSwitch, SamplingParams, ScheduleRequest, SubmitAck, TokenChunk,
+                                     decode, encode)
 
 S = SamplingParams(max_tokens=4, temperature=0.5, seed=7, stop_token_ids=[2])
 MESSAGES = {
@@ -29,6 +29,8 @@ MESSAGES = {
     "load_report": LoadReport(instance_id="p0", role="prefill", cluster="dc1", kv_addr="a:1", queued_requests=1,
                               queued_tokens=100, running=2, kv_blocks_total=10, kv_blocks_free=5, ts=12.5,
                               link_bandwidth={"b:2": 1e9}, draining=True),
+    "measured_cost": MeasuredCost(decode=[0.005, 0.0, 1e-06], decode_error=0.03, decode_samples=40, model="tiny",
+                                  device="cpu", dtype="float32", version=3),
     "role_switch": RoleSwitch(role="decode", reason="replan"),
     "token_chunk": TokenChunk(request_id="r1", seq=3, token_ids=[104, 105]),
     "token_chunk_error": TokenChunk(request_id="r1", seq=0, token_ids=[], finish_reason="error", prompt_tokens=5,
@@ -98,12 +100,18 @@ PINNED = {
         "01a96b765f776169745f73cb403e000000000000"),
     "submit_ack": "82a26f6bc2a56572726f72aa6e6f204b5620726f6f6d",
     "load_report": (
-        "de0011ab696e7374616e63655f6964a27030a4726f6c65a770726566696c6ca7636c7573746572a3646331a76b765f61"
+        "de0012ab696e7374616e63655f6964a27030a4726f6c65a770726566696c6ca7636c7573746572a3646331a76b765f61"
         "646472a3613a31af7175657565645f726571756573747301ad7175657565645f746f6b656e7364a772756e6e696e6702"
         "af6b765f626c6f636b735f746f74616c0aae6b765f626c6f636b735f6672656505a27473cb4029000000000000ab6573"
         "745f71756575655f73cbbff0000000000000ae6c696e6b5f62616e64776964746881a3623a32cb41cdcd6500000000ad"
         "6b765f62797465735f73656e7400a8647261696e696e67c3a373657100a6726570656174c2aa6c6f61645f6167655f73"
-        "cb0000000000000000"),
+        "cb0000000000000000a4636f7374c0"),
+    "measured_cost": (
+        "8ea770726566696c6c90a66465636f646593cb3f747ae147ae147bcb0000000000000000cb3eb0c6f7a0b5ed8dad7072"
+        "6566696c6c5f6572726f72cbbff0000000000000ac6465636f64655f6572726f72cb3f9eb851eb851eb8af7072656669"
+        "6c6c5f73616d706c657300ae6465636f64655f73616d706c657328ac6c6173745f70726566696c6c90ab6c6173745f64"
+        "65636f646590ad70726566696c6c5f6368756e6b00b26b765f62797465735f7065725f746f6b656e00a56d6f64656ca4"
+        "74696e79a6646576696365a3637075a56474797065a7666c6f61743332a776657273696f6e03"),
     "role_switch": "82a4726f6c65a66465636f6465a6726561736f6ea67265706c616e",
     "token_chunk": (
         "8baa726571756573745f6964a27231a373657103a9746f6b656e5f696473926869ad66696e6973685f726561736f6ec0"

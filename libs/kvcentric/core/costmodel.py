@@ -85,10 +85,26 @@ class CostModel:
     kv_bytes_fixed: int = 0
     """KV bytes of a request whatever its length: the fixed-size state of a hybrid model's linear-attention
     layers (PrfaaS Table 5: 190.8 MiB at 1K tokens, 2316 MiB at 128K, i.e. about 174 MiB + 17 KB/token)."""
+    prefill_chunk: int = 0
+    """Tokens the instance computes per prefill step (chunked prefill), when the coefficients were fitted to
+    chunks: a longer prompt then costs the sum of its chunks (p0 once per chunk). 0: one pass per prompt."""
 
     def t_prefill(self, n_new: int, n_cached: int = 0) -> float:
         p0, p1, p2, p3 = self.prefill
-        return p0 + n_new * (p1 + p2 * n_cached + p3 * n_new)
+        chunk = self.prefill_chunk
+        if chunk <= 0 or n_new <= chunk:
+            return p0 + n_new * (p1 + p2 * n_cached + p3 * n_new)
+        return self._chunked(n_new, n_cached, chunk)
+
+    def _chunked(self, n_new: int, n_cached: int, chunk: int) -> float:
+        """Sum over the chunks of n_new: k-1 full ones and a last of `rest`, each attending over the cached
+        prefix and the chunks before it."""
+        p0, p1, p2, p3 = self.prefill
+        k = -(-n_new // chunk)
+        rest = n_new - (k - 1) * chunk
+        squares = (k - 1) * chunk * chunk + rest * rest
+        earlier = chunk * chunk * (k - 1) * (k - 2) / 2 + rest * (k - 1) * chunk
+        return k * p0 + p1 * n_new + p2 * (n_new * n_cached + earlier) + p3 * squares
 
     def t_decode(self, batch: float, kv_tokens: float) -> float:
         d0, d1, d2 = self.decode
@@ -101,6 +117,7 @@ class CostModel:
 
     def to_dict(self) -> dict:
         fixed = {"kv_bytes_fixed": self.kv_bytes_fixed} if self.kv_bytes_fixed else {}
+        fixed |= {"prefill_chunk": self.prefill_chunk} if self.prefill_chunk else {}
         return {"prefill": list(self.prefill), "decode": list(self.decode),
                 "kv_bytes_per_token": self.kv_bytes_per_token, "source": self.source, **fixed}
 
@@ -113,13 +130,14 @@ class CostModel:
             decode = tuple(float(x) for x in data["decode"])
             per_token, source = int(data["kv_bytes_per_token"]), str(data.get("source", ""))
             fixed = int(data.get("kv_bytes_fixed", 0))
+            chunk = int(data.get("prefill_chunk", 0))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc!r}") from None
         if len(prefill) != 4 or len(decode) != 3:
             raise ValueError("a cost model has 4 prefill and 3 decode coefficients")
         p0, p1, p2, p3 = prefill
         d0, d1, d2 = decode
-        return cls((p0, p1, p2, p3), (d0, d1, d2), per_token, source, fixed)
+        return cls((p0, p1, p2, p3), (d0, d1, d2), per_token, source, fixed, chunk)
 
     def save(self, path: str | Path, **extra) -> None:
         """Write {"cost_model": {...}, **extra} as JSON (extra: samples, fit errors, hardware...)."""

@@ -241,6 +241,34 @@ class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
         return cls(ok=False, error=error)
 
 
+class MeasuredCost(msgspec.Struct, frozen=True, kw_only=True):
+    """An engine's own cost model, fitted online to the prefill chunks and decode steps it timed
+    (`kvcentric.core.costfit`); a part it has not measured yet is empty."""
+
+    prefill: list[float] = []
+    """(p0, p1, p2, p3) of T_prefill(n_new, n_cached) in seconds, per chunk (`kvcentric.core.costmodel`)."""
+    decode: list[float] = []
+    """(d0, d1, d2) of T_decode_step(batch, kv_tokens) in seconds."""
+    prefill_error: float = -1.0
+    """Mean relative error of the prefill fit over the samples it kept (-1: no fit)."""
+    decode_error: float = -1.0
+    prefill_samples: int = 0
+    """Prefill chunks timed since the engine started (calibration included)."""
+    decode_samples: int = 0
+    last_prefill: list[float] = []
+    """The latest prefill chunk timed: (n_new, n_cached, seconds)."""
+    last_decode: list[float] = []
+    """The latest decode step timed: (batch, kv_tokens, seconds)."""
+    prefill_chunk: int = 0
+    """Tokens per prefill chunk (a longer prompt costs the sum of its chunks)."""
+    kv_bytes_per_token: int = 0
+    model: str = ""
+    device: str = ""
+    dtype: str = ""
+    version: int = 0
+    """Bumped at every refit."""
+
+
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Published by every engine about 10 times a second on `kvc.load.<role>.<id>`."""
 
@@ -270,6 +298,8 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     this report says the process lives, not what it holds."""
     load_age_s: float = 0.0
     """Seconds since the engine's event loop computed these load numbers."""
+    cost: MeasuredCost | None = None
+    """Its own measured cost model; sent when refitted and every few reports, absent in the others."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

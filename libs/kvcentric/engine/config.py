@@ -45,9 +45,13 @@ class EngineConfig(BusConfig):
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
                                     "batch exceeds this (Mooncake's double-check; 0: off)")
     profile: str = setting("", "decode with --tbt-slo-s: cost model JSON written by `kvcentric profile` that "
-                               "predicts the step time (default: a roofline of --model on --hardware)")
-    hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline cost model "
-                                         f"when no --profile is given: {', '.join(HARDWARE)}")
+                               "predicts the step time instead of this instance's own measured model (default: "
+                               "the measured model; until there is one, no request is rejected)")
+    hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline that the "
+                                         f"measured decode model is laid over: {', '.join(HARDWARE)}")
+    calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
+                                    "carries this instance's measured cost model (--no-calibrate: it is learned "
+                                    "from the work served)")
     kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job "
                                      "fails ('KV did not arrive in time'; the job's own limit if shorter)")
 

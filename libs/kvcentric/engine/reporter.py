@@ -21,6 +21,7 @@ import msgspec
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Role, Subjects
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.heartbeat import Heartbeat
 from kvcentric.runtime.transfer import KVPusher
@@ -51,6 +52,8 @@ class Reporter:
         self.sent_at: dict[str, tuple[LoadReport, float]] = {}
         """Role -> the report the heartbeat last sent (fresh or repeated) and when; heartbeat thread only."""
         self.ticks = 0
+        self.speed: SpeedMeter | None = None
+        """The engine's measured cost model, carried by the load reports when it changed (and now and then)."""
 
     def readiness(self, draining: bool) -> str:
         """Why the engine cannot take work ("" when it can): not yet announced to the conductor, or draining."""
@@ -63,7 +66,8 @@ class Reporter:
                           queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
                           kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
                           link_bandwidth=dict(self.pusher.bandwidth),
-                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining)
+                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
+                          cost=self.speed.for_report() if self.speed is not None else None)
 
     async def start_heartbeat(self, nats_url: str) -> None:
         """Start the heartbeat thread (its own NATS connection); load reports go through it from now on."""

@@ -7,6 +7,8 @@ work loop; this class decides nothing about a request.
 
 from __future__ import annotations
 
+import msgspec
+
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import Cancel, Role
 from kvcentric.engine.config import EngineConfig
@@ -19,6 +21,7 @@ from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
 
@@ -42,6 +45,8 @@ class EngineService(Service):
         self.intake = JobIntake(self.counters)
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
+        self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk)
+        """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
 
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
@@ -50,6 +55,7 @@ class EngineService(Service):
                                  heartbeat_every_s=2 * self.config.load_interval_s)
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
                                       self.reporter.publish_cache_forgotten)
+        self.reporter.speed = self.speed
 
     # ---------------------------------------------------------------- what a role fills in
 
@@ -69,9 +75,23 @@ class EngineService(Service):
         """Nothing queued, running or still to send (a drain waits for this)."""
         return True
 
+    def on_refit(self) -> None:
+        """The measured cost model changed (a role that predicts with it takes it here)."""
+
+    async def calibrate(self) -> None:
+        """Time a few shapes of the work this role does, so the first load report carries a measured model
+        (--no-calibrate: learn from serving alone)."""
+        if not self.config.calibrate:
+            return
+        timed = await self.model.run(self.speed.calibrate, self.pool, self.role != "decode",
+                                     self.role != "prefill", self.config.max_batch)
+        self.on_refit()
+        self.log.info("calibrated %d shapes: %s", timed, self.speed.measured())
+
     # ---------------------------------------------------------------- lifecycle, health
 
     async def start(self) -> None:
+        await self.calibrate()
         await self.reporter.start_heartbeat(self.config.nats_url)
         await self.messenger.start(self.config)
         await self.intake.take_cancels(self.bus, self.on_cancel)
@@ -100,6 +120,7 @@ class EngineService(Service):
     def health(self) -> dict:
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,
-                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges()}
+                "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges(),
+                "measured_cost": msgspec.to_builtins(self.speed.measured())}
 
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Literal
 
 from kvcentric.config import ConfigError, add_arguments, from_namespace, require, setting
-from kvcentric.core.costmodel import HARDWARE, decode_capacity_tokens, hardware, host_cache_blocks, load_cost_model
+from kvcentric.core.costmodel import (HARDWARE, CostModel, decode_capacity_tokens, hardware, host_cache_blocks,
+                                      load_cost_model)
 from kvcentric.model.config import PRESETS, preset
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName, parse_capacity
@@ -63,6 +64,10 @@ class SimConfig(SchedulerConfig):
     model: str = setting("llama2-70b", "model preset (shapes for the roofline and memory sizes)")
     hardware: str = setting("8xA800-800gbps", f"hardware preset: {', '.join(HARDWARE)}")
     profile: str = setting("", "cost model JSON from `kvcentric profile` (default: roofline of --model on --hardware)")
+    prefill_profile: str = setting("", "disaggregated: cost model JSON of the prefill pool, which then differs from "
+                                       "the rest (a mixed fleet); its instances announce it, and the conductor "
+                                       "predicts each instance with its own model (default: as --profile)")
+    decode_profile: str = setting("", "disaggregated: cost model JSON of the decode pool (default: as --profile)")
     decode_kv_tokens: int = setting(0, "KV tokens a decode instance holds (0: from --hardware memory)")
     noise: float = setting(0.0, "lognormal sigma of execution-time noise (0: exact cost model)")
     low_priority_share: float = setting(0.0, "this share of requests (seeded draw) gets priority -1, the rest 0")
@@ -84,6 +89,12 @@ class SimConfig(SchedulerConfig):
         require(0 <= self.low_priority_share <= 1, "low_priority_share", "must be in [0, 1]")
         require(self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
         require(self.hardware in HARDWARE, "hardware", f"choose one of {', '.join(HARDWARE)}")
+        for name in ("prefill_profile", "decode_profile"):
+            if getattr(self, name):
+                try:
+                    CostModel.load(getattr(self, name))
+                except (OSError, ValueError) as exc:
+                    require(False, name, str(exc))
 
     @property
     def scheduler(self) -> SchedulerConfig:
@@ -102,7 +113,10 @@ def build(config: SimConfig) -> tuple[Simulation, dict]:
                           config.link_bytes_per_s, model.num_layers, config.noise, config.seed)
     about = {"cost_model": cost.to_dict(), "cache_blocks_per_instance": blocks,
              "decode_capacity_tokens": capacity, "config": dataclasses.asdict(config)}
-    return Simulation(config.scheduler, cost, cluster), about
+    pools = {role: CostModel.load(path) for role, path in (("prefill", config.prefill_profile),
+                                                           ("decode", config.decode_profile)) if path}
+    about["pool_cost_models"] = {role: pool.to_dict() for role, pool in pools.items()}
+    return Simulation(config.scheduler, cost, cluster, pool_costs=pools), about
 
 
 def workload(config: SimConfig):

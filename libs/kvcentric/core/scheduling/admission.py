@@ -13,6 +13,9 @@ instance; decode load = predicted TBT / TBT_SLO. Modes:
   decode (now + predicted TTFT), every request decoding for a uniform t_d, averaged over the decode
   pool ("the average TBT ratio of all decoding instances to l_tbt").
 
+An instance whose model is only the prior's guess (no measurement, no profile) is never the reason for a
+rejection: its predictions still rank instances, but its load counts as 0 (`DecodeState.trusted`).
+
 Priorities: a request of priority p is admitted while load <= 1 - priority_step * (top_priority - p)
 (never below 0.05), so under overload lower classes are rejected first; priorities at or above
 `top_priority` are held to the SLO itself.
@@ -76,10 +79,11 @@ class Admission:
         still in prefill count for the choice (so a burst spreads out) but not for the load judged."""
         if self.mode == "predictive":
             return self._choose_predicted(request, decodes, arrival, t_d)
-        d0, d1, d2 = self.estimator.cost.decode
+        prior = self.estimator.cost.decode
         n = request.n_tokens
         best, best_tbt = decodes[0], math.inf
         for instance in decodes:  # hot loop, kept flat: t_decode of its batch plus what is in flight
+            d0, d1, d2 = instance.cost.decode if instance.cost is not None else prior
             forecast = instance.forecast
             batch, tokens = instance.running + 1, instance.kv_tokens + n
             if forecast.starts and forecast.starts[-1] > now:
@@ -93,30 +97,33 @@ class Admission:
         return self.judge_current(request, best)
 
     def judge_current(self, request: ScheduleRequest, instance: DecodeState) -> DecodeChoice:
-        """The decode load of `instance` now, with this request added."""
+        """The decode load of `instance` now, with this request added (0 where its model is only a guess)."""
         tbt = self.estimator.tbt(instance.running + 1, instance.kv_tokens + request.n_tokens,
-                                 instance.capacity_tokens)
-        return DecodeChoice(instance, tbt, tbt / self.tbt_slo_s if self.mode == "early" else 0.0)
+                                 instance.capacity_tokens, instance.cost)
+        judged = self.mode == "early" and instance.trusted
+        return DecodeChoice(instance, tbt, tbt / self.tbt_slo_s if judged else 0.0)
 
     def _choose_predicted(self, request, decodes, arrival, t_d) -> DecodeChoice:
-        d0, d1, d2 = self.estimator.cost.decode
+        prior = self.estimator.cost.decode
         n, slo, limit = request.n_tokens, self.tbt_slo_s, MAX_RATIO * self.tbt_slo_s
-        best, best_tbt, total = decodes[0], math.inf, 0.0
+        best, best_tbt, total, judged = decodes[0], math.inf, 0.0, 0
         for instance in decodes:  # hot loop, kept flat
+            d0, d1, d2 = instance.cost.decode if instance.cost is not None else prior
             batch, tokens = instance.forecast.at(arrival, t_d)
             tokens += n
             tbt = d0 + d1 * (batch + 1) + d2 * tokens if tokens <= instance.capacity_tokens else math.inf
-            total += tbt if tbt < limit else limit
+            if instance.trusted:  # the pool's load averages the instances whose model is more than a guess
+                total += tbt if tbt < limit else limit
+                judged += 1
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
-        ratios = total / slo
-        return DecodeChoice(best, best_tbt, ratios / len(decodes))
+        return DecodeChoice(best, best_tbt, total / slo / judged if judged else 0.0)
 
     def judge_predicted(self, request, instance: DecodeState, arrival: float, t_d: float) -> DecodeChoice:
         """Predictive load of one given decode instance (colocated placement has no choice)."""
         batch, tokens = instance.forecast.at(arrival, t_d)
-        tbt = self.estimator.tbt(batch + 1, tokens + request.n_tokens, instance.capacity_tokens)
-        return DecodeChoice(instance, tbt, min(MAX_RATIO, tbt / self.tbt_slo_s))
+        tbt = self.estimator.tbt(batch + 1, tokens + request.n_tokens, instance.capacity_tokens, instance.cost)
+        return DecodeChoice(instance, tbt, min(MAX_RATIO, tbt / self.tbt_slo_s) if instance.trusted else 0.0)
 
     # ---------------------------------------------------------------- admission
 

@@ -21,6 +21,7 @@ from kvcentric.core.scheduling.admission import Admission, DecodeChoice
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
 
@@ -32,6 +33,7 @@ MAX_PENDING = 100_000
 class Pending:
     predicted_ttft_s: float
     decode_id: str
+    predicted_tbt_s: float = -1.0
 
 
 class Tally(dict[str, float]):
@@ -43,11 +45,15 @@ class Tally(dict[str, float]):
 
 class Conductor:
     def __init__(self, config: SchedulerConfig, cost: CostModel, *, stale_after_s: float = 1.5,
-                 stuck_after_s: float = math.inf, clusters: ClusterSetup | None = None) -> None:
+                 stuck_after_s: float = math.inf, clusters: ClusterSetup | None = None, prior_trusted: bool = True,
+                 use_measured: bool = True) -> None:
+        """`cost` is the prior; each instance's own measured model replaces it once reported (`use_measured`).
+        `prior_trusted`: the prior may reject requests (a profile, the simulator); else it only ranks."""
         self.config = config
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
-        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s)
+        self.models = InstanceModels(cost, prior_trusted, use_measured)
+        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s, self.models)
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
@@ -86,7 +92,7 @@ class Conductor:
                 self.links.set_bandwidth(report.instance_id, by_addr.get(addr, addr), bytes_per_s)
 
     def on_outcome(self, outcome: RequestOutcome, now: float) -> None:
-        """A request ended: compare predicted with actual TTFT and learn the decode duration t_d."""
+        """A request ended: compare predicted with actual TTFT and TBT, and learn the decode duration t_d."""
         pending = self.pending.pop(outcome.request_id, None)
         if pending is None:
             return
@@ -98,8 +104,19 @@ class Conductor:
             self.stats["ttft_abs_error_sum_s"] += abs(error)
             self.stats["ttft_rel_error_sum"] += abs(error) / outcome.ttft_s
             decode_s = outcome.e2e_s - outcome.ttft_s
+            if outcome.completion_tokens > 1 and decode_s > 0:
+                self._count_tbt(pending.predicted_tbt_s, decode_s / (outcome.completion_tokens - 1))
             if self.config.adapt_decode_time and outcome.completion_tokens > 1 and decode_s > 0:
                 self.t_d += 0.05 * (decode_s - self.t_d)
+
+    def _count_tbt(self, predicted_s: float, tbt_s: float) -> None:
+        """The predicted decode step at placement against the request's mean time between tokens."""
+        if predicted_s > 0:
+            error = predicted_s - tbt_s
+            self.stats["tbt_outcomes"] += 1
+            self.stats["tbt_error_sum_s"] += error
+            self.stats["tbt_abs_error_sum_s"] += abs(error)
+            self.stats["tbt_rel_error_sum"] += abs(error) / tbt_s
 
     def forget(self, request_id: str) -> None:
         """A placed request ended without an outcome worth learning from (rejected after prefill, failed)."""
@@ -126,7 +143,8 @@ class Conductor:
         if choice is None:
             return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
-        verdict = self.admission.verdict(request, choice.ttft_s, decode, self.t_d)
+        judged_ttft_s = choice.ttft_s if choice.instance.trusted else 0.0  # never rejected on the prior's guess
+        verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d)
         if verdict is not None:
             self.stats[f"rejected_{verdict.stage}"] += 1
             return Rejection.overloaded(request.request_id, verdict.message, retry_after_s=verdict.retry_after_s,
@@ -173,8 +191,10 @@ class Conductor:
         decode.instance.forecast.add(request.request_id, now + choice.ttft_s, request.n_tokens)
         if len(self.pending) >= MAX_PENDING:
             self.pending.pop(next(iter(self.pending)))
-        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id)
+        tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
+        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, tbt)
         self.stats["placed"] += 1
+        self.stats["placed_unjudged"] += not (choice.instance.trusted and decode.instance.trusted)
 
     def _placement(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice) -> Placement:
         source = choice.source

@@ -29,25 +29,27 @@ class Estimator:
         """Tokens reused from `prefix_blocks` cached blocks; the last prompt token is always computed."""
         return max(0, min(prefix_blocks * self.block_tokens, n_tokens - 1))
 
-    def t_prefill(self, n_tokens: int, prefix_blocks: int) -> float:
+    def t_prefill(self, n_tokens: int, prefix_blocks: int, cost: CostModel | None = None) -> float:
+        """Seconds to prefill on an instance whose own model is `cost` (None: this estimator's)."""
         cached = self.cached_tokens(n_tokens, prefix_blocks)
-        return self.cost.t_prefill(n_tokens - cached, cached)
+        return (cost or self.cost).t_prefill(n_tokens - cached, cached)
 
     def block_bytes(self, blocks: int) -> int:
         return blocks * self.block_tokens * self.cost.kv_bytes_per_token
 
-    def tbt(self, batch: float, kv_tokens: float, capacity_tokens: float = math.inf) -> float:
+    def tbt(self, batch: float, kv_tokens: float, capacity_tokens: float = math.inf,
+            cost: CostModel | None = None) -> float:
         """Decode step seconds for `batch` sequences holding `kv_tokens`; inf when they do not fit."""
         if kv_tokens > capacity_tokens:
             return math.inf
-        return self.cost.t_decode(batch, kv_tokens)
+        return (cost or self.cost).t_decode(batch, kv_tokens)
 
-    def report_queue_s(self, report: LoadReport) -> float:
+    def report_queue_s(self, report: LoadReport, cost: CostModel | None = None) -> float:
         """Seconds of prefill work a load report says is waiting: its own estimate when it sends one,
         else the linear part of T_prefill over its queued tokens (no prefix or quadratic term known)."""
         if report.est_queue_s >= 0:
             return report.est_queue_s
-        p0, p1, _, _ = self.cost.prefill
+        p0, p1, _, _ = (cost or self.cost).prefill
         requests = report.queued_requests + report.running
         return requests * p0 + report.queued_tokens * p1 if requests or report.queued_tokens else 0.0
 

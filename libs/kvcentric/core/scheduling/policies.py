@@ -69,7 +69,7 @@ class _Policy:
               now: float) -> PrefillChoice:
         """The choice of `instance` reusing only its own prefix."""
         prefix = hits.get(instance.instance_id, 0)
-        prefill_s = self.estimator.t_prefill(request.n_tokens, prefix)
+        prefill_s = self.estimator.t_prefill(request.n_tokens, prefix, instance.cost)
         return PrefillChoice(instance, instance.queue_s(now) + prefill_s, prefill_s, prefix, None, prefix)
 
 
@@ -102,13 +102,14 @@ class CacheAwarePolicy(_Policy):
 
     def choose(self, request, prefills, hits, now):
         estimator, n = self.estimator, request.n_tokens
-        memo: dict[int, float] = {}
+        memo: dict[object, float] = {}
         best, best_ttft = prefills[0], math.inf
         for instance in prefills:
-            prefix = hits.get(instance.instance_id, 0)
-            prefill_s = memo.get(prefix)
+            prefix, cost = hits.get(instance.instance_id, 0), instance.cost
+            key = prefix if cost is None else (id(cost), prefix)
+            prefill_s = memo.get(key)
             if prefill_s is None:
-                prefill_s = memo[prefix] = estimator.t_prefill(n, prefix)
+                prefill_s = memo[key] = estimator.t_prefill(n, prefix, cost)
             ttft = instance.queue_s(now) + prefill_s
             if ttft < best_ttft:
                 best, best_ttft = instance, ttft
@@ -132,15 +133,16 @@ class KVCentricPolicy(_Policy):
     def choose(self, request, prefills, hits, now):
         estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
         source, best_prefix = best_holder(prefills, hits) if hits else (None, 0)
-        memo: dict[int, float] = {}
+        memo: dict[object, float] = {}
         best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
         for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
-            prefix = get(instance.instance_id, 0)
+            prefix, cost = get(instance.instance_id, 0), instance.cost
             pull = best_prefix > prefix * threshold
             reused = best_prefix if pull else prefix
-            prefill_s = memo.get(reused)
+            key = reused if cost is None else (id(cost), reused)  # an instance with its own model: its own entry
+            prefill_s = memo.get(key)
             if prefill_s is None:
-                prefill_s = memo[reused] = estimator.t_prefill(n, reused)
+                prefill_s = memo[key] = estimator.t_prefill(n, reused, cost)
             queue = instance.queue_end - now
             ttft = (queue if queue > 0.0 else 0.0) + instance.dispatched_s + prefill_s
             if pull:
@@ -151,7 +153,8 @@ class KVCentricPolicy(_Policy):
                 best, best_ttft, best_pull = instance, ttft, pull
         prefix = get(best.instance_id, 0)
         reused = best_prefix if best_pull else prefix
-        return PrefillChoice(best, best_ttft, memo[reused], reused, source if best_pull else None, prefix)
+        key = reused if best.cost is None else (id(best.cost), reused)
+        return PrefillChoice(best, best_ttft, memo[key], reused, source if best_pull else None, prefix)
 
 
 class LlumnixPolicy(_Policy):

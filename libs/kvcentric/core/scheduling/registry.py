@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import InstanceInfo, LoadReport
 from kvcentric.core.scheduling.estimators import DecodeForecast, Estimator
+from kvcentric.core.scheduling.models import InstanceModels
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,6 +42,10 @@ class PrefillState:
     """The heartbeat tick of its last report (0: a sender without one)."""
     load_age_s: float = 0.0
     """How old the load numbers of its last report were when sent."""
+    cost: CostModel | None = None
+    """Its own measured cost model (None: the estimator's prior predicts for it)."""
+    trusted: bool = True
+    """Whether its predictions may reject a request (a measured model, or a prior from a profile)."""
 
     def queue_s(self, now: float) -> float:
         """T_queue: seconds before a request placed now would start its prefill."""
@@ -69,11 +75,18 @@ class DecodeState:
     draining: bool = False
     seq: int = 0
     load_age_s: float = 0.0
+    cost: CostModel | None = None
+    """Its own measured cost model (None: the estimator's prior predicts for it)."""
+    trusted: bool = True
+    """Whether its predictions may reject a request (a measured model, or a prior from a profile)."""
 
 
 class InstanceRegistry:
-    def __init__(self, estimator: Estimator, stale_after_s: float = 1.5, stuck_after_s: float = math.inf) -> None:
+    def __init__(self, estimator: Estimator, stale_after_s: float = 1.5, stuck_after_s: float = math.inf,
+                 models: InstanceModels | None = None) -> None:
         self.estimator = estimator
+        self.models = models or InstanceModels(estimator.cost)
+        """Each instance's measured cost model, when it sent one."""
         self.stale_after_s = stale_after_s
         self.stuck_after_s = stuck_after_s
         self.prefill: dict[str, PrefillState] = {}
@@ -100,6 +113,9 @@ class InstanceRegistry:
     def observe(self, report: LoadReport, now: float) -> PrefillState | DecodeState:
         """Take a load report: it replaces what was estimated since the previous one (a `repeat` only
         says the instance lives)."""
+        self.models.learn(report)
+        cost, trusted = self.models.model_of(report.instance_id, report.role)
+        own = cost if cost is not self.models.prior else None
         if report.role == "prefill":
             state = self.prefill.get(report.instance_id)
             if state is None:
@@ -107,8 +123,8 @@ class InstanceRegistry:
             if not self._heard(state, report, now):
                 return state
             state.kv_addr, state.cluster = report.kv_addr, report.cluster
-            state.draining = report.draining
-            state.queue_end = now + self.estimator.report_queue_s(report)
+            state.draining, state.cost, state.trusted = report.draining, own, trusted
+            state.queue_end = now + self.estimator.report_queue_s(report, own)
             state.pending_tokens = report.queued_tokens
             state.dispatched_s, state.dispatched_tokens = 0.0, 0
             return state
@@ -119,7 +135,7 @@ class InstanceRegistry:
             return decoder
         block = self.estimator.block_tokens
         decoder.kv_addr, decoder.cluster = report.kv_addr, report.cluster
-        decoder.draining = report.draining
+        decoder.draining, decoder.cost, decoder.trusted = report.draining, own, trusted
         decoder.running, decoder.waiting = report.running, report.queued_requests
         decoder.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
         decoder.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
@@ -143,6 +159,8 @@ class InstanceRegistry:
         for states in (self.prefill, self.decode):
             for instance_id in [k for k, s in states.items() if now - s.seen_at > after_s]:
                 del states[instance_id]
+                if instance_id not in self.prefill and instance_id not in self.decode:
+                    self.models.forget(instance_id)
 
     def snapshot(self, now: float) -> list[InstanceInfo]:
         """Alive instances; load is queued prefill seconds, or the decode batch size."""

@@ -17,7 +17,7 @@ import heapq
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvcentric.core.costmodel import CostModel, decode_tbt_check
 from kvcentric.core.protocol import LoadReport, Rejection, RequestOutcome, ScheduleRequest
@@ -61,8 +61,12 @@ class ClusterSpec:
 
 class Simulation:
     def __init__(self, scheduler: SchedulerConfig, cost: CostModel, spec: ClusterSpec,
-                 clusters: ClusterSetup | None = None) -> None:
+                 clusters: ClusterSetup | None = None, pool_costs: Mapping[str, CostModel] | None = None) -> None:
+        """`pool_costs`: the cost model of the "prefill" or "decode" pool where it is not `cost` (a mixed
+        fleet); those instances run by it and announce it in their load reports, as live engines announce
+        what they measured, so the conductor predicts each with its own."""
         self.scheduler, self.cost, self.spec, self.clusters = scheduler, cost, spec, clusters
+        self.pool_costs = dict(pool_costs or {})
         self.conductor = Conductor(scheduler, cost, stale_after_s=math.inf, clusters=clusters)
         self.conductor.links.default = spec.link_bytes_per_s
         self.estimator = self.conductor.estimator
@@ -95,11 +99,12 @@ class Simulation:
             local = self.clusters.local if self.clusters else "sim"
             for i in range(spec.prefill):
                 self.prefills[f"p{i}"] = PrefillInstance(self, f"p{i}", BlockCache(spec.cache_blocks, spec.eviction),
-                                                         local)
+                                                         local, self.pool_costs.get("prefill"))
             self._build_prfaas()
             for i in range(spec.decode):
                 self.decodes[f"d{i}"] = BatchInstance(self, f"d{i}", spec.decode_capacity_tokens, cluster=local,
-                                                      max_batch=spec.decode_max_batch)
+                                                      max_batch=spec.decode_max_batch,
+                                                      cost=self.pool_costs.get("decode"))
         for prefill in self.prefills.values():
             self.index.slot(prefill.instance_id)
             self.report_instance(prefill, 0.0)
@@ -270,7 +275,7 @@ class Simulation:
             record.reason = "decode_kv_full"
             return False
         kv = instance.kv_now(now) + sum(r.request.input_len + 1 for r in instance.joining)
-        verdict = decode_tbt_check(self.cost, instance.batch_size(), kv, request.input_len + 1,
+        verdict = decode_tbt_check(instance.batch.cost, instance.batch_size(), kv, request.input_len + 1,
                                    self.scheduler.tbt_slo_s)
         if not verdict.accepted:
             record.reason = "decode_tbt"

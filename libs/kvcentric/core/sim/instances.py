@@ -17,7 +17,8 @@ import collections
 from typing import TYPE_CHECKING
 
 from kvcentric.core.costmodel import CostModel
-from kvcentric.core.protocol import LoadReport
+from kvcentric.core.protocol import LoadReport, MeasuredCost
+from kvcentric.core.scheduling.models import as_measured
 from kvcentric.core.scheduling.eviction import BlockCache
 from kvcentric.core.sim.batch import DecodeBatch
 from kvcentric.core.sim.metrics import Record
@@ -32,6 +33,8 @@ class PrefillInstance:
         self.sim, self.instance_id, self.cache = sim, instance_id, cache
         # remote: a PrfaaS instance, whose KV crosses the inter-cluster link to decode
         self.cluster, self.cost, self.remote = cluster, cost or sim.cost, remote
+        self.announce: MeasuredCost | None = as_measured(cost, instance_id) if cost is not None and not remote else None
+        """Its own model, in its first load report (an instance of a pool with its own profile)."""
         self.queue: collections.deque[Record] = collections.deque()
         self.current: Record | None = None
         self.busy_until = 0.0
@@ -70,7 +73,11 @@ class PrefillInstance:
         return LoadReport(instance_id=self.instance_id, role="prefill", cluster=self.cluster, kv_addr=self.instance_id,
                           queued_requests=len(self.queue), queued_tokens=queued,
                           running=int(self.current is not None), kv_blocks_total=0, kv_blocks_free=0, ts=now,
-                          est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent)
+                          est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent, cost=self._announced())
+
+    def _announced(self) -> MeasuredCost | None:
+        announce, self.announce = self.announce, None
+        return announce
 
 
 class BatchInstance:
@@ -78,13 +85,15 @@ class BatchInstance:
 
     def __init__(self, sim: Simulation, instance_id: str, capacity_tokens: float, *, colocated: bool = False,
                  cache: BlockCache | None = None, chunk_tokens: int = 0, cluster: str = "sim",
-                 max_batch: int = 0) -> None:
+                 max_batch: int = 0, cost: CostModel | None = None) -> None:
         self.sim, self.instance_id, self.cluster = sim, instance_id, cluster
         self.capacity_tokens = capacity_tokens
         self.max_batch = max_batch
         """Most sequences decoding at once (0: only the KV capacity limits the batch)."""
         self.colocated, self.cache, self.chunk_tokens = colocated, cache, chunk_tokens
-        self.batch: DecodeBatch[Record] = DecodeBatch(sim.cost)
+        self.batch: DecodeBatch[Record] = DecodeBatch(cost or sim.cost)
+        self.announce: MeasuredCost | None = as_measured(cost, instance_id) if cost is not None else None
+        """Its own model, in its first load report (an instance of a pool with its own profile)."""
         self.joining: collections.deque[Record] = collections.deque()
         """KV arrived (or prefill done here): joins at the next step boundary, capacity permitting."""
         self.waiting: collections.deque[Record] = collections.deque()
@@ -267,14 +276,15 @@ class BatchInstance:
         return sum(r.predicted_prefill_s for r in self.waiting)
 
     def step_s(self, now: float) -> float:
-        return self.sim.cost.t_decode(len(self.batch), self.kv_now(now)) if len(self.batch) else 0.0
+        return self.batch.cost.t_decode(len(self.batch), self.kv_now(now)) if len(self.batch) else 0.0
 
     def load_reports(self, now: float, block: int) -> list[LoadReport]:
         total = int(self.capacity_tokens // block) if self.capacity_tokens != float("inf") else 0
         used = min(total, -(-self.kv_now(now) // block)) if total else 0
         decode = LoadReport(instance_id=self.instance_id, role="decode", cluster=self.cluster, kv_addr=self.instance_id,
                             queued_requests=0, queued_tokens=0, running=self.batch_size(), kv_blocks_total=total,
-                            kv_blocks_free=total - used, ts=now)
+                            kv_blocks_free=total - used, ts=now, cost=self.announce)
+        self.announce = None
         if not self.colocated:
             return [decode]
         queued = sum(r.request.input_len for r in self.waiting)

@@ -1,0 +1,98 @@
+"""Which cost model predicts for each instance: the one it measured of itself (`MeasuredCost` in its load
+reports), else the prior (`--profile`, else a roofline of `--model` on `--hardware`); whether early rejection
+may trust it; and the view of predicted against measured times that the conductor's /health shows. Pure; it
+predicts nothing itself and rejects nothing.
+
+A measured model, or a prior that came from an explicit profile, is trusted. A roofline prior only ranks
+instances: the Conductor places on an instance with no measured model by load, and never rejects on its guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvcentric.core.costmodel import CostModel
+from kvcentric.core.protocol import LoadReport, MeasuredCost
+
+
+def as_measured(cost: CostModel, model: str = "", device: str = "") -> MeasuredCost:
+    """A cost model as an instance would announce it (the simulator's instances with their own profile)."""
+    return MeasuredCost(prefill=list(cost.prefill), decode=list(cost.decode), prefill_error=0.0, decode_error=0.0,
+                        prefill_chunk=cost.prefill_chunk, kv_bytes_per_token=cost.kv_bytes_per_token,
+                        model=model or cost.source, device=device)
+
+
+def measured_model(prior: CostModel, measured: MeasuredCost) -> CostModel:
+    """`prior` with the parts `measured` holds (chunked prefill as the engine runs it)."""
+    p = measured.prefill if len(measured.prefill) == 4 else prior.prefill
+    d = measured.decode if len(measured.decode) == 3 else prior.decode
+    return dataclasses.replace(
+        prior, prefill=(p[0], p[1], p[2], p[3]), decode=(d[0], d[1], d[2]),
+        kv_bytes_per_token=measured.kv_bytes_per_token or prior.kv_bytes_per_token,
+        prefill_chunk=measured.prefill_chunk if len(measured.prefill) == 4 else prior.prefill_chunk,
+        source=f"measured:{measured.model}@{measured.device}/{measured.dtype}")
+
+
+class InstanceModels:
+    """The cost model of every instance that reported one, over a shared prior."""
+
+    def __init__(self, prior: CostModel, prior_trusted: bool = True, use_measured: bool = True) -> None:
+        """`prior_trusted`: the prior may reject (an explicit profile, or measurements switched off)."""
+        self.prior, self.prior_trusted, self.use_measured = prior, prior_trusted, use_measured
+        self.measured: dict[str, MeasuredCost] = {}
+        self.models: dict[str, CostModel] = {}
+
+    def learn(self, report: LoadReport) -> bool:
+        """Take the measured model a report carries; True when it is this instance's first."""
+        if report.cost is None or not self.use_measured:
+            return False
+        first = report.instance_id not in self.models
+        self.measured[report.instance_id] = report.cost
+        self.models[report.instance_id] = measured_model(self.prior, report.cost)
+        return first
+
+    def model_of(self, instance_id: str, role: str) -> tuple[CostModel, bool]:
+        """The model predicting `role`'s work on the instance, and whether rejection may trust it."""
+        measured = self.measured.get(instance_id)
+        if measured is None or not (measured.prefill if role == "prefill" else measured.decode):
+            return self.prior, self.prior_trusted
+        return self.models[instance_id], True
+
+    def forget(self, instance_id: str) -> None:
+        self.measured.pop(instance_id, None)
+        self.models.pop(instance_id, None)
+
+    def source(self, instance_id: str, role: str) -> str:
+        """"measured", "prior" (trusted to reject: a profile, or --cost-source prior) or "guess" (a roofline
+        prior that only ranks)."""
+        model, trusted = self.model_of(instance_id, role)
+        return "measured" if model is not self.prior else "prior" if trusted else "guess"
+
+    def view(self, instance_id: str, roles: list[str]) -> dict:
+        """What /health shows of one instance: where its model comes from, the fit's error and samples, and
+        the latest prefill chunk and decode step it timed against what its model and the prior predict."""
+        measured = self.measured.get(instance_id)
+        shown: dict = {role: self.source(instance_id, role) for role in roles}
+        shown = {"model_source": shown}
+        if measured is None:
+            return shown
+        model = self.models[instance_id]
+        shown.update(model=measured.model, device=measured.device, dtype=measured.dtype, version=measured.version,
+                     fit_error={"prefill": measured.prefill_error, "decode": measured.decode_error},
+                     samples={"prefill": measured.prefill_samples, "decode": measured.decode_samples})
+        if len(measured.last_prefill) == 3:
+            n_new, n_cached, seconds = measured.last_prefill
+            shown["prefill_chunk"] = _compare([int(n_new), int(n_cached)], seconds,
+                                              model.t_prefill(int(n_new), int(n_cached)),
+                                              self.prior.t_prefill(int(n_new), int(n_cached)))
+        if len(measured.last_decode) == 3:
+            batch, kv_tokens, seconds = measured.last_decode
+            shown["decode_step"] = _compare([int(batch), int(kv_tokens)], seconds, model.t_decode(batch, kv_tokens),
+                                            self.prior.t_decode(batch, kv_tokens))
+        return shown
+
+
+def _compare(shape: list[int], measured_s: float, predicted_s: float, prior_s: float) -> dict:
+    return {"shape": shape, "measured_s": round(measured_s, 6), "predicted_s": round(predicted_s, 6),
+            "prior_s": round(prior_s, 6),
+            "rel_error": round(abs(predicted_s - measured_s) / measured_s, 4) if measured_s > 0 else None}
