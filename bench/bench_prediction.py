@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def conductor_gauges(up: UpProcess) -> dict[str, float]:
-    url = up.manifest["services"]["conductor"]["health_url"].replace("/health", "/metrics")
+    url = up.manifest["services"]["conductor-0"]["health_url"].replace("/health", "/metrics")
     with urllib.request.urlopen(url, timeout=5) as response:
         lines = response.read().decode().splitlines()
     values = {line.split("{")[0].split()[0].removeprefix("kvc_"): float(line.split()[-1]) for line in lines
@@ -60,13 +60,13 @@ def conductor_gauges(up: UpProcess) -> dict[str, float]:
 def replay(args: argparse.Namespace, source: str, out: Path) -> dict:
     """One replay against a fresh cluster whose conductor predicts from `source`."""
     with tempfile.TemporaryDirectory(prefix="kvc-up-") as log_dir:
-        up = UpProcess(log_dir, "--model", args.model, "--prefill", "1", "--decode", "1", timeout_s=300,
-                       env={"KVC_COST_SOURCE": source, "KVC_REJECTION": "never"})
+        up = UpProcess(log_dir, "--model", args.model, "--prefill", "1", "--decode", "1", "--conductors", "1",
+                       timeout_s=300, env={"KVC_COST_SOURCE": source, "KVC_REJECTION": "never"})
         try:
             subprocess.run([sys.executable, "-m", "kvcentric", "bench", "replay", args.trace, "--url", up.url,
                             "--limit", args.limit, "--speed", args.speed, "--scale", args.scale, "--output-scale",
                             args.scale, "--label", source, "--out", str(out), "--no-plots"], check=True)
-            return {"gauges": conductor_gauges(up), "instances": up.health("conductor")["instances"]}
+            return {"gauges": conductor_gauges(up), "instances": up.health("conductor-0")["instances"]}
         finally:
             up.stop()
 

@@ -42,11 +42,11 @@ def metrics(up: UpProcess, service: str) -> dict[str, float]:
 
 
 def conductor_metric(up: UpProcess, suffix: str) -> float:
-    return next((v for k, v in metrics(up, "conductor").items() if k.endswith(suffix)), -1.0)
+    return next((v for k, v in metrics(up, "conductor-0").items() if k.endswith(suffix)), -1.0)
 
 
 def models(up: UpProcess) -> dict[str, dict]:
-    return up.health("conductor")["instances"]
+    return up.health("conductor-0")["instances"]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def terrible_profile(tmp_path_factory):
 
 
 def test_with_only_the_terrible_prior_the_request_is_rejected(tmp_path, terrible_profile):
-    up = UpProcess(str(tmp_path), "--profile", terrible_profile, env={"KVC_COST_SOURCE": "prior"})
+    up = UpProcess(str(tmp_path), "--conductors", "1", "--profile", terrible_profile, env={"KVC_COST_SOURCE": "prior"})
     try:
         status, body = post(up.url)
         assert status == 429 and "decode load" in body["error"]["message"], body
@@ -67,7 +67,7 @@ def test_with_only_the_terrible_prior_the_request_is_rejected(tmp_path, terrible
 
 
 def test_the_measured_models_replace_the_prior_and_the_request_is_placed(tmp_path, terrible_profile):
-    up = UpProcess(str(tmp_path), "--profile", terrible_profile)
+    up = UpProcess(str(tmp_path), "--conductors", "1", "--profile", terrible_profile)
     try:
         view = eventually(lambda: models(up), "both engines' measured models reached the conductor",
                           until=lambda v: all("fit_error" in v.get(i, {}) for i in ("prefill-0", "decode-0")))
@@ -89,7 +89,7 @@ def test_the_measured_models_replace_the_prior_and_the_request_is_placed(tmp_pat
 
 
 def test_without_calibration_the_prior_only_ranks_until_the_engines_have_measured(tmp_path):
-    up = UpProcess(str(tmp_path), env={"KVC_CALIBRATE": "0"})
+    up = UpProcess(str(tmp_path), "--conductors", "1", env={"KVC_CALIBRATE": "0"})
     try:
         before = models(up)
         assert before["decode-0"] == {"model_source": {"decode": "guess"}}

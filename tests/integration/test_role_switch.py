@@ -134,7 +134,7 @@ def test_the_conductor_switches_an_idle_prefill_instance_when_decode_is_the_bott
                           until=lambda seen: len(seen["prefill"]) == 1 and len(seen["decode"]) == 2, timeout_s=30,
                           every_s=0.2)
         assert len(seen["prefill"]) == 1 and seen["decode"] >= {"decode-0"}, seen
-        replan = up.health("conductor")["replan"]
+        replan = up.health("conductor-0")["replan"]  # the leader (lowest id) decides switches
         assert replan["switches"] and replan["switches"][0]["to"] == "decode" and replan["switches"][0]["ok"]
         assert "decode is the bottleneck" in replan["switches"][0]["reason"]
         _, text = complete(up.url)  # and the new split serves
