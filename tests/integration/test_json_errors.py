@@ -77,9 +77,9 @@ async def test_a_request_in_flight_while_the_gateway_drains_nats_gets_json(nats_
                                                                  body)))
     try:
         client.start()
-        await asyncio.wait_for(asked.wait(), 30)
+        await asyncio.wait_for(asked.wait(), 60)
         process.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(client.join, 30)
+        await asyncio.to_thread(client.join, 60)
     finally:
         stop(process)
         await nc.close()
