@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
+import os
+import signal
+import time
+import urllib.request
 import uuid
 
 import nats
@@ -16,14 +21,15 @@ import nats.errors
 import pytest
 
 from conftest import start_server, stop
+from harness import UpProcess
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.core.protocol import KVSQuery, KVSReply, Subjects, decode, encode
+from kvcentric.core.protocol import KVSDump, KVSDumpQuery, KVSQuery, KVSReply, Subjects, decode, encode
 from kvcentric.engine.reporter import Reporter
 from kvcentric.runtime.bus import Bus
 from kvcentric.tools.processes import free_port, redis_server_argv
-from waiting import eventually_async
+from waiting import eventually, eventually_async
 
 HEAL_S = 10.0
 """How long the index may take to match the engines again (it takes well under a second when idle)."""
@@ -173,3 +179,60 @@ async def test_a_restarted_kvs_meta_heals_lost_events_and_purges_no_live_engine(
         for engine in live:
             await engine.close()
         await kvs.close()
+
+
+# ---------------------------------------------------------------- a whole `kvcentric up`
+
+
+def complete(url: str, prompt: str) -> int:
+    body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status
+
+
+async def whole_index(nats_url: str) -> set[tuple[str, str, str]]:
+    """Every (node, tier, block) in kvs-meta's index, paged in through kvc.kvs.dump."""
+    nc = await nats.connect(nats_url)
+    try:
+        held, cursor = set(), 0
+        while True:
+            reply = await nc.request(Subjects.KVS_DUMP, encode(KVSDumpQuery(cursor=cursor)), timeout=2)
+            page = decode(reply.data, KVSDump)
+            held |= {(event.node_id, event.tier, h) for event in page.events for h in event.block_hashes}
+            cursor = page.cursor
+            if not cursor:
+                return held
+    finally:
+        await nc.close()
+
+
+def settled_index(nats_url: str) -> set[tuple[str, str, str]]:
+    """The index once two dumps a second apart agree."""
+    seen = [asyncio.run(whole_index(nats_url))]
+
+    def again() -> bool:
+        time.sleep(1.0)
+        seen.append(asyncio.run(whole_index(nats_url)))
+        return seen[-1] == seen[-2]
+    eventually(again, "the index stopped changing", timeout_s=30)
+    return seen[-1]
+
+
+def test_under_kvcentric_up_a_restarted_empty_redis_gets_the_engines_blocks_back(tmp_path):
+    up = UpProcess(str(tmp_path), "--prefill", "1", "--decode", "1")
+    try:
+        for i in range(4):  # byte tokens: each prompt fills a few 16-token blocks of its own
+            assert complete(up.url, f"prompt {i}: " + "the index heals itself " * 6) == 200
+        nats_url = up.reload()["nats_url"]
+        before = settled_index(nats_url)  # the host pool's write-behind announces its blocks a little later
+        assert {node for node, _, _ in before} == {"prefill-0"} and len(before) >= 12
+        said = len(up.said)
+        os.kill(up.reload()["services"]["redis-server"]["pid"], signal.SIGKILL)
+        up.wait_said(r"redis-server restarted \(pid \d+\)", after=said)
+        # no request since: what prefill-0 holds is what the index held before; the new Redis starts empty
+        eventually(lambda: asyncio.run(whole_index(nats_url)), "the index holds prefill-0's blocks again",
+                   until=lambda held: held == before, timeout_s=30, every_s=0.5,
+                   ignoring=(nats.errors.NoRespondersError, nats.errors.TimeoutError))
+    finally:
+        up.stop()
