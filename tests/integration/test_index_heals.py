@@ -22,6 +22,7 @@ import pytest
 
 from conftest import start_server, stop
 from harness import UpProcess
+from test_conductor_service import start_conductor
 from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.core.block_pool import BlockPool
@@ -179,6 +180,22 @@ async def test_a_restarted_kvs_meta_heals_lost_events_and_purges_no_live_engine(
         for engine in live:
             await engine.close()
         await kvs.close()
+
+
+async def test_a_conductor_that_could_not_seed_its_index_gets_every_engines_blocks_again(own_nats):
+    engines = await started_engines(own_nats, "p0", "p1")  # announced before the conductor existed
+    conductor = await start_conductor(own_nats, policy="cache_aware", prefix_index="local",
+                                      prefix_seed_patience_s=0.5)  # no kvs-meta on this NATS: it goes unseeded
+    try:
+        await eventually_async(lambda: conductor.seeding.live, "the conductor went live unseeded")
+        assert not conductor.seeded
+        await eventually_async(lambda: {engine.name: conductor.index.match(engine.holds()).get(engine.name, 0)
+                                        for engine in engines}, "the engines announced all their blocks again",
+                               until=lambda matched: matched == {"p0": 40, "p1": 40})
+    finally:
+        await conductor.close()
+        for engine in engines:
+            await engine.close()
 
 
 # ---------------------------------------------------------------- a whole `kvcentric up`

@@ -453,6 +453,9 @@ class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
 
 class KVResync(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
+    full: bool = False
+    """Re-announce every held block as BlockStored events on kvc.kv.events.<id> instead of a digest (a
+    conductor whose local index could not be seeded from kvs-meta asks for this)."""
 
 
 class KVSnapshotQuery(msgspec.Struct, frozen=True, kw_only=True):

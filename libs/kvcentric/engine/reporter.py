@@ -29,6 +29,10 @@ from kvcentric.runtime.heartbeat import Heartbeat
 from kvcentric.runtime.transfer import KVPusher
 
 
+REANNOUNCE_BATCH = 4096
+"""Most block hashes in one re-announced BlockStored event (about 270 kB: under NATS's 1 MB payload)."""
+
+
 class Load(NamedTuple):
     """How busy a role is: requests waiting (and their prompt tokens), and requests running."""
     queued_requests: int
@@ -159,10 +163,20 @@ class Reporter:
         wanted = {tier: hashes for tier, hashes in held.items() if not query.tiers or tier in query.tiers}
         return KVSnapshot(node_id=self.instance_id, tiers=wanted)
 
+    async def publish_cache_held(self) -> None:
+        """Announce every held block again as BlockStored events, in batches of at most REANNOUNCE_BATCH."""
+        if not self.announces:
+            return
+        for tier, hashes in self.block_sets().items():
+            for start in range(0, len(hashes), REANNOUNCE_BATCH):
+                part = hashes[start:start + REANNOUNCE_BATCH]
+                await self._publish_events([BlockStored(node_id=self.instance_id, block_hashes=part, tier=tier)])
+
     async def listen_for_resync(self) -> None:
-        """Answer kvs-meta's requests for this instance's blocks, and send the digest on a KV_RESYNC."""
-        async def on_resync(_: KVResync) -> None:
-            await self.publish_digest()
+        """Answer kvs-meta's requests for this instance's blocks; on a KV_RESYNC send the digest (or, when
+        it asks for it all, every held block)."""
+        async def on_resync(resync: KVResync) -> None:
+            await (self.publish_cache_held() if resync.full else self.publish_digest())
         await self.bus.subscribe(Subjects.KV_RESYNC, KVResync, on_resync)
         await self.bus.subscribe(Subjects.kv_snapshot(self.instance_id), KVSnapshotQuery, self.snapshot)
 
