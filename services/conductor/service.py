@@ -30,8 +30,8 @@ from kvc_conductor.replanning import ReplanLoop
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.dispatch import Submit, bad_dispatch, jobs
 from kvcentric.core.protocol import (BadMessage, Cancel, ConductorAlive, Dispatch, InstancesQuery, InstancesReply,
-                                     KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Placement,
-                                     Rejection, RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
+                                     KVEventBatch, KVResync, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport,
+                                     Placement, Rejection, RequestOutcome, ScheduleRequest, Subjects, TokenChunk)
 from kvcentric.core.scheduling.clusters import ClusterRouter
 from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.kvs_gate import KVSGate
@@ -252,7 +252,8 @@ class ConductorService(Service):
 
     async def seed(self) -> None:
         """Apply kvs-meta's dump, then the events buffered meanwhile, then go live. When kvs-meta does not
-        answer for --prefix-seed-patience-s, go live from the events alone."""
+        answer for --prefix-seed-patience-s, go live from the events alone, and ask every engine to announce
+        all the blocks it holds again (kvc.kv.resync, full)."""
         self.seeding.begin(time.monotonic())
         while not await self.load_dump():
             if self.seeding.out_of_patience(time.monotonic()):
@@ -260,6 +261,7 @@ class ConductorService(Service):
                 self.log.warning("kvs-meta did not answer kvc.kvs.dump for %g s: the local block index starts "
                                  "from the KV events alone", self.config.prefix_seed_patience_s)
                 self.go_live(seeded=False)
+                await self.bus.publish(Subjects.KV_RESYNC, KVResync(reason="a conductor's index unseeded", full=True))
                 return
             await asyncio.sleep(self.gate.retry_interval_s)
         self.go_live(seeded=True)

@@ -13,6 +13,11 @@ class KVSMetaConfig(BusConfig):
     max_query_keys: int = setting(4096, "most keys one batch query may ask for")
     lease_ttl_s: float = setting(5.0, "a node whose load reports (its heartbeat) stop for this long is purged "
                                       "from every block it held")
+    startup_grace_s: float = setting(10.0, "no node is purged in this many seconds after kvs-meta starts or its "
+                                           "Redis comes back (their leases lapsed while nobody renewed them; the "
+                                           "live ones renew theirs meanwhile)")
+    snapshot_timeout_s: float = setting(2.0, "how long to wait for an engine's block lists when its digest "
+                                             "differs from the index")
 
 
     def __post_init__(self) -> None:
@@ -21,3 +26,5 @@ class KVSMetaConfig(BusConfig):
                 f"expected redis://host:port/db, got {self.redis_url!r}")
         require(self.max_query_keys > 0, "max_query_keys", "must be positive")
         require(self.lease_ttl_s > 0, "lease_ttl_s", "must be positive")
+        require(self.startup_grace_s >= 0, "startup_grace_s", "must be >= 0")
+        require(self.snapshot_timeout_s > 0, "snapshot_timeout_s", "must be positive")

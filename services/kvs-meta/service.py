@@ -1,20 +1,29 @@
 """The kvs-meta service's asyncio shell: ingests kvc.kv.events.* into Redis, keeps a lease per node
 renewed by its load reports (the heartbeat) and purges nodes whose lease ran out, answers kvc.kvs.query
 over NATS and GET /batch_query_keys over HTTP, and pages through the whole index on kvc.kvs.dump (how a
-conductor seeds its local mirror). The storage logic is `kvcentric.runtime.kvs_store`.
+conductor seeds its local mirror). It heals the index: it compares each engine's digest (kvc.kv.digest.*)
+with what the index holds for it and, when they differ, asks the engine for its block lists and publishes
+the difference as the engine's KV events (so conductors' mirrors heal too); it asks every engine for its
+digest when it starts and when its Redis comes back, and purges nobody for a grace period then. The
+storage logic is `kvcentric.runtime.kvs_store`, the digests `kvcentric.core.kvdigest`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+
+import nats.errors
 
 from aiohttp import web
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from kvc_kvs_meta.config import KVSMetaConfig
+from kvcentric.core.kvdigest import digests, healed_blocks, healing_events, mismatched_tiers
 from kvcentric.core.openai_api import ApiError
-from kvcentric.core.protocol import KVEventBatch, KVSDump, KVSDumpQuery, KVSQuery, KVSReply, LoadReport, Subjects
+from kvcentric.core.protocol import (BadMessage, KVDigest, KVEventBatch, KVResync, KVSDump, KVSDumpQuery, KVSnapshot,
+                                     KVSnapshotQuery, KVSQuery, KVSReply, LoadReport, Subjects)
 from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
 from kvcentric.runtime.service import Service
 
@@ -32,6 +41,10 @@ class KVSMetaService(Service):
         self.redis = Redis.from_url(config.redis_url)
         self.store = KVMetaStore(self.redis, config.lease_ttl_s)
         self.heartbeats: set[str] = set()
+        self.grace_until = time.monotonic() + config.startup_grace_s
+        """No node is purged before this (time.monotonic()): kvs-meta started, or its Redis came back."""
+        self.redis_lost = False
+        """Whether the last Redis call failed: when one works again, every engine is asked for its digest."""
 
     async def start(self) -> None:
         await self.redis.ping()
@@ -40,7 +53,10 @@ class KVSMetaService(Service):
                                  bad_reply=lambda error: KVSReply(holders=[], error=error))
         await self.bus.subscribe(Subjects.KVS_DUMP, KVSDumpQuery, self.on_dump, queue="kvs-meta")
         await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_heartbeat)
+        await self.bus.subscribe(Subjects.KV_DIGEST_ALL, KVDigest, self.on_digest, queue="kvs-meta")
+        self.grace_until = time.monotonic() + self.config.startup_grace_s
         self.tasks.spawn(self.tasks.every(self.config.lease_ttl_s / 4, self.leases), "leases")
+        await self.ask_for_digests("kvs-meta started")
 
     async def stop(self) -> None:
         await self.redis.aclose()
@@ -56,8 +72,45 @@ class KVSMetaService(Service):
         app.router.add_get("/batch_query_keys", self.batch_query_keys)
 
     async def on_events(self, batch: KVEventBatch) -> None:
-        await self.store.apply(batch.events)
+        try:
+            await self.store.apply(batch.events)
+        except (RedisError, OSError):
+            self.counters["kv_events_dropped_total"] += len(batch.events)  # the next digests find them missing
+            self.redis_lost = True
+            return
         self.counters["kv_events_total"] += len(batch.events)
+
+    async def ask_for_digests(self, reason: str) -> None:
+        self.counters["resync_broadcasts_total"] += 1
+        self.log.info("asking every engine for the digest of its blocks: %s", reason)
+        await self.bus.publish(Subjects.KV_RESYNC, KVResync(reason=reason))
+
+    async def on_digest(self, digest: KVDigest) -> None:
+        """Compare an engine's digest with the index; on a difference, fetch its lists and heal."""
+        self.heartbeats.add(digest.node_id)
+        self.counters["kv_digests_total"] += 1
+        try:
+            indexed = await self.store.node_blocks(digest.node_id)
+        except (RedisError, OSError):
+            self.redis_lost = True  # the digest after Redis comes back heals this node
+            return
+        tiers = mismatched_tiers(digest.tiers, digests(indexed))
+        if not tiers:
+            return
+        try:
+            snapshot = await self.bus.request(Subjects.kv_snapshot(digest.node_id), KVSnapshotQuery(tiers=tiers),
+                                              KVSnapshot, timeout_s=self.config.snapshot_timeout_s)
+        except (nats.errors.Error, BadMessage) as exc:
+            self.counters["kv_snapshot_failures_total"] += 1
+            self.log.warning("%s's blocks differ from the index, and its lists did not come: %s",
+                             digest.node_id, exc)
+            return
+        events = healing_events(digest.node_id, snapshot.tiers, {tier: indexed.get(tier, set()) for tier in tiers})
+        if events:
+            await self.bus.publish(Subjects.kv_events(digest.node_id), KVEventBatch(events=events))
+        self.counters["kv_blocks_healed_total"] += healed_blocks(events)
+        self.log.info("the index differed from %s's blocks in %s: healed %d blocks", digest.node_id,
+                      ", ".join(tiers), healed_blocks(events))
 
     async def on_heartbeat(self, report: LoadReport) -> None:
         self.heartbeats.add(report.instance_id)
@@ -65,9 +118,22 @@ class KVSMetaService(Service):
     async def leases(self) -> None:
         """Renew the leases of nodes heard from since the last round; purge nodes whose lease ran out."""
         beating, self.heartbeats = sorted(self.heartbeats), set()
-        if beating:
-            await self.store.renew_leases(beating)
-        for node_id in await self.store.expired_nodes():
+        try:
+            if beating:
+                await self.store.renew_leases(beating)
+            expired = await self.store.expired_nodes()
+        except (RedisError, OSError) as exc:
+            if not self.redis_lost:
+                self.log.warning("Redis does not answer: %s", exc)
+            self.redis_lost = True
+            return
+        if self.redis_lost:
+            self.redis_lost = False
+            self.grace_until = time.monotonic() + self.config.startup_grace_s
+            await self.ask_for_digests("Redis came back")
+        if time.monotonic() < self.grace_until:
+            return
+        for node_id in expired:
             purged = await self.store.purge_node(node_id)
             self.counters["nodes_purged_total"] += 1
             self.log.info("lease of %s ran out: purged it from %d blocks", node_id, purged)

@@ -20,7 +20,8 @@ from waiting import eventually, eventually_async
 @pytest.fixture
 def kvs_meta(nats_url, redis_url):
     redis_db = redis_url.rsplit("/", 1)[0] + "/3"  # a database of its own: no other test's blocks
-    process, port = spawn_service("kvs-meta", nats_url, "--redis-url", redis_db, "--lease-ttl-s", "2.0")
+    process, port = spawn_service("kvs-meta", nats_url, "--redis-url", redis_db, "--lease-ttl-s", "2.0",
+                                  "--startup-grace-s", "0")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -35,6 +35,10 @@ class Subjects:
     KV_EVENTS_ALL = "kvc.kv.events.>"
     KVS_QUERY = "kvc.kvs.query"
     KVS_DUMP = "kvc.kvs.dump"
+    KV_DIGEST_ALL = "kvc.kv.digest.*"
+    KV_RESYNC = "kvc.kv.resync"
+    """Broadcast: every engine that announces its blocks publishes its digest now (kvs-meta started, its
+    Redis came back)."""
     CANCEL_ALL = "kvc.req.*.cancel"
 
     @staticmethod
@@ -48,6 +52,14 @@ class Subjects:
     @staticmethod
     def kv_events(node_id: str) -> str:
         return f"kvc.kv.events.{node_id}"
+
+    @staticmethod
+    def kv_digest(node_id: str) -> str:
+        return f"kvc.kv.digest.{node_id}"
+
+    @staticmethod
+    def kv_snapshot(node_id: str) -> str:
+        return f"kvc.kv.snapshot.{node_id}"
 
     @staticmethod
     def control(instance_id: str) -> str:
@@ -421,6 +433,42 @@ class KVSDump(msgspec.Struct, frozen=True, kw_only=True):
     """The page's blocks, one event per holder (node and tier)."""
     cursor: int
     """Where the next page starts; 0 when this was the last page."""
+
+
+class TierDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """A compact summary of a set of block hashes (kvcentric.core.kvdigest): equal sets, equal digests."""
+
+    count: int
+    xor: int
+    """XOR of each hash's 64-bit BLAKE2b fingerprint."""
+
+
+class KVDigest(msgspec.Struct, frozen=True, kw_only=True):
+    """What an engine holds, in short, per tier ("device", "dram"); sent now and then and on KV_RESYNC on
+    kvc.kv.digest.<node_id>. kvs-meta compares it with its index and asks for the full lists on a mismatch."""
+
+    node_id: str
+    tiers: dict[str, TierDigest]
+
+
+class KVResync(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str = ""
+    full: bool = False
+    """Re-announce every held block as BlockStored events on kvc.kv.events.<id> instead of a digest (a
+    conductor whose local index could not be seeded from kvs-meta asks for this)."""
+
+
+class KVSnapshotQuery(msgspec.Struct, frozen=True, kw_only=True):
+    """Asks one engine (kvc.kv.snapshot.<node_id>) for every block it holds."""
+
+    tiers: list[str] = []
+    """The tiers wanted (empty: all)."""
+
+
+class KVSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    tiers: dict[str, list[str]]
+    """Tier -> every block hash the engine holds there now."""
 
 
 # ---------------------------------------------------------------- codec

@@ -33,6 +33,8 @@ class EngineConfig(BusConfig):
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
     load_interval_s: float = setting(0.1, "seconds between load reports on kvc.load.<role>.<id>")
+    kv_digest_every_s: float = setting(10.0, "seconds between digests of the blocks this engine holds, on "
+                                             "kvc.kv.digest.<id> (kvs-meta heals its index when they differ)")
     max_batch: int = setting(64, "most sequences in one decode step")
     prefill_chunk: int = setting(512, "prompt tokens computed per prefill step (chunked prefill)")
     kv_stripes: int = setting(1, "concurrent gRPC connections one request's KV push is striped over")
@@ -74,6 +76,7 @@ class EngineConfig(BusConfig):
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
+        require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")
         require(self.kv_wait_s > 0, "kv_wait_s", "must be positive")
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")
         require(DEVICE.fullmatch(self.device) is not None, "device",

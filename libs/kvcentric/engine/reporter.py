@@ -19,12 +19,18 @@ from typing import NamedTuple
 import msgspec
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEventBatch, LoadReport, Role, Subjects
+from kvcentric.core.kvdigest import digests
+from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVDigest, KVEventBatch, KVResync, KVSnapshot,
+                                     KVSnapshotQuery, LoadReport, Role, Subjects)
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.heartbeat import Heartbeat
 from kvcentric.runtime.transfer import KVPusher
+
+
+REANNOUNCE_BATCH = 4096
+"""Most block hashes in one re-announced BlockStored event (about 270 kB: under NATS's 1 MB payload)."""
 
 
 class Load(NamedTuple):
@@ -54,6 +60,9 @@ class Reporter:
         self.ticks = 0
         self.speed: SpeedMeter | None = None
         """The engine's measured cost model, carried by the load reports when it changed (and now and then)."""
+        self.announces = False
+        """Whether this role announces its blocks (its first publish_cache_changes); only then does it send
+        digests and answer for its blocks, so a role that never announces never enters the index."""
 
     def readiness(self, draining: bool) -> str:
         """Why the engine cannot take work ("" when it can): not yet announced to the conductor, or draining."""
@@ -117,6 +126,7 @@ class Reporter:
 
     async def publish_cache_changes(self) -> None:
         """Announce the blocks that entered or left the device and host pools since the last call."""
+        self.announces = True
         events = []
         for tier, pool in (("device", self.pool), ("dram", self.host)):
             stored, evicted = pool.drain_events() if pool is not None else ([], [])
@@ -131,7 +141,44 @@ class Reporter:
                              ("dram", list(self.host.slot_of) if self.host is not None else [])):
             if hashes:
                 events.append(BlockEvicted(node_id=self.instance_id, block_hashes=hashes, tier=tier))
+        self.announces = False
         await self._publish_events(events)
+
+    # ---------------------------------------------------------------- re-announcing (the index heals)
+
+    def block_sets(self) -> dict[str, list[str]]:
+        """Every block hash held now, per tier."""
+        return {"device": list(self.pool.hash_to_block),
+                "dram": list(self.host.slot_of) if self.host is not None else []}
+
+    async def publish_digest(self) -> None:
+        """Send the digest of what this instance holds (kvs-meta asks for the lists when its index differs)."""
+        if self.announces:
+            message = KVDigest(node_id=self.instance_id, tiers=digests(self.block_sets()))
+            await self.bus.publish(Subjects.kv_digest(self.instance_id), message)
+
+    async def snapshot(self, query: KVSnapshotQuery) -> KVSnapshot:
+        """Every block held now, in the tiers asked for (none when this role does not announce blocks)."""
+        held = self.block_sets() if self.announces else {}
+        wanted = {tier: hashes for tier, hashes in held.items() if not query.tiers or tier in query.tiers}
+        return KVSnapshot(node_id=self.instance_id, tiers=wanted)
+
+    async def publish_cache_held(self) -> None:
+        """Announce every held block again as BlockStored events, in batches of at most REANNOUNCE_BATCH."""
+        if not self.announces:
+            return
+        for tier, hashes in self.block_sets().items():
+            for start in range(0, len(hashes), REANNOUNCE_BATCH):
+                part = hashes[start:start + REANNOUNCE_BATCH]
+                await self._publish_events([BlockStored(node_id=self.instance_id, block_hashes=part, tier=tier)])
+
+    async def listen_for_resync(self) -> None:
+        """Answer kvs-meta's requests for this instance's blocks; on a KV_RESYNC send the digest (or, when
+        it asks for it all, every held block)."""
+        async def on_resync(resync: KVResync) -> None:
+            await (self.publish_cache_held() if resync.full else self.publish_digest())
+        await self.bus.subscribe(Subjects.KV_RESYNC, KVResync, on_resync)
+        await self.bus.subscribe(Subjects.kv_snapshot(self.instance_id), KVSnapshotQuery, self.snapshot)
 
     async def _publish_events(self, events: list) -> None:
         if events:

@@ -83,6 +83,14 @@ class KVMetaStore:
             if not cursor or len(hashes) >= count or size >= max_bytes:
                 return dump_events(hashes, holders), int(cursor)
 
+    async def node_blocks(self, node_id: str) -> dict[str, set[str]]:
+        """What the index says `node_id` holds: tier -> block hashes (one round trip)."""
+        tiers: dict[str, set[str]] = {}
+        for member in await self.redis.smembers(NODE_PREFIX + node_id):
+            tier, _, block_hash = _text(member).partition(":")
+            tiers.setdefault(tier, set()).add(block_hash)
+        return tiers
+
     async def renew_leases(self, node_ids: list[str]) -> None:
         """Heartbeats: each node's lease lives `lease_ttl_s` more seconds (one round trip)."""
         pipe = self.redis.pipeline(transaction=False)
