@@ -321,7 +321,8 @@ class GatewayService(Service):
         from now on, so a late job of the old id can neither run nor mix into this stream."""
         await self.bus.publish(Subjects.cancel(job.request_id),
                                Cancel(request_id=job.request_id, reason="gateway: its conductor went silent"))
-        await job.output.unsubscribe()
+        with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams` when the bus dropped
+            await job.output.unsubscribe()
         self.counters["schedule_retries_total"] += 1
         job.request_id = f"{job.request_id.partition('-')[0]}-{uuid.uuid4().hex}"
         job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
