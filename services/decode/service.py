@@ -47,7 +47,8 @@ class DecodeService(EngineService):
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner, with_host_pool=False)
         cost = config.cost_model() if config.tbt_slo_s > 0 else None
-        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
+        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s,
+                                   config.kv_staging_mb << 20)
         if not config.profile:  # the double-check predicts with this instance's own model, once measured
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
