@@ -106,7 +106,8 @@ class DecodeEngine:
         self._in_step: set[str] = set()
         self._deferred_free: list[int] = []
         self.staging_bytes, self.staging_used = staging_bytes, 0
-        self.stats = {"kv_staged": 0, "kv_refused_no_room": 0, "kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
+        self.stats = {"kv_staged": 0, "kv_refused_no_room": 0, "kv_bytes_received": 0, "kv_streams_committed": 0,
+                      "prefill_tokens_computed": 0,
                       "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
                       "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0,
                       "requests_rejected_tbt": 0, "sequences_forked": 0}
