@@ -89,7 +89,8 @@ class DecodeService(EngineService):
         --max-batch); running: the requests generating (those still waiting for KV are neither)."""
         states = collections.Counter(r.state for r in self.engine.requests.values())
         running = states["running"]
-        return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
+        staging = (self.engine.staging_bytes - self.engine.staging_used) // self.runner.block_bytes
+        return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
 
     def on_refit(self) -> None:
         """Without --profile, the TBT double-check predicts steps with the decode model measured here."""
