@@ -102,7 +102,8 @@ class DecodeService(EngineService):
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(),
+                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes}
 
     # ---------------------------------------------------------------- the work loop
 
