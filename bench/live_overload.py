@@ -32,9 +32,10 @@ RESULTS = Path(__file__).parent / "results" / "live_overload.json"
 PROMPT = "Decode capacity is admission, not failure: KV waits in host memory until blocks free. "
 
 
-async def stream(session: aiohttp.ClientSession, url: str, index: int, max_tokens: int) -> tuple[int, str, str]:
+async def stream(session: aiohttp.ClientSession, url: str, index: int, max_tokens: int,
+                 repeat: int) -> tuple[int, str, str]:
     """(status, Retry-After, error message or "") of one streamed completion."""
-    body = {"model": "tiny", "prompt": f"{index} {PROMPT}", "max_tokens": max_tokens, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": f"{index} {PROMPT * repeat}", "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True}
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
@@ -47,11 +48,12 @@ async def stream(session: aiohttp.ClientSession, url: str, index: int, max_token
         return 0, "", f"{type(exc).__name__}: {exc}"
 
 
-async def burst(url: str, streams: int, max_tokens: int, timeout_s: float) -> list[tuple[int, str, str]]:
+async def burst(url: str, streams: int, max_tokens: int, repeat: int,
+                timeout_s: float) -> list[tuple[int, str, str]]:
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        return await asyncio.gather(*(stream(session, url, i, max_tokens) for i in range(streams)))
+        return await asyncio.gather(*(stream(session, url, i, max_tokens, repeat) for i in range(streams)))
 
 
 def summarize(results: list[tuple[int, str, str]], seconds: float) -> dict:
@@ -68,6 +70,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--prompt-repeat", type=int, default=1, help="the prompt is this many sentences (~90 "
+                        "tokens each)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("up_flags", nargs="*", help="more flags for `kvcentric up` (after --)")
     args = parser.parse_args()
@@ -75,7 +79,8 @@ def main() -> None:
         up = UpProcess(logs, *args.up_flags)
         try:
             started = time.monotonic()
-            results = asyncio.run(burst(up.url, args.streams, args.max_tokens, args.timeout_s))
+            results = asyncio.run(burst(up.url, args.streams, args.max_tokens, args.prompt_repeat,
+                                          args.timeout_s))
             summary = summarize(results, time.monotonic() - started)
             time.sleep(1.0)
             decode = {k: v for k, v in up.health("decode-0")["stats"].items()
@@ -84,7 +89,8 @@ def main() -> None:
             conductor = {k: v for k, v in up.health("conductor-0").get("stats", {}).items() if "reject" in k}
         finally:
             up.stop()
-    report = {"streams": args.streams, "max_tokens": args.max_tokens, "up_flags": args.up_flags,
+    report = {"streams": args.streams, "max_tokens": args.max_tokens, "prompt_repeat": args.prompt_repeat,
+              "up_flags": args.up_flags,
               "machine": f"{platform.machine()}, {os.cpu_count()} cpus", **summary,
               "decode_after": decode, "conductor": conductor}
     RESULTS.parent.mkdir(exist_ok=True)
