@@ -21,6 +21,7 @@ import platform
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -66,6 +67,20 @@ def summarize(results: list[tuple[int, str, str]], seconds: float) -> dict:
             "no_answer": statuses[0], "error_samples": samples}
 
 
+def rejections(up: UpProcess) -> dict[str, float]:
+    """The conductors' rejection counters (from /metrics), summed over the replicas."""
+    totals: dict[str, float] = collections.Counter()
+    for name, service in up.manifest["services"].items():
+        if not name.startswith("conductor") or not service.get("health_url"):
+            continue
+        with urllib.request.urlopen(service["health_url"].replace("/health", "/metrics"), timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("kvc_rejections_") and " " in line:
+                    key, value = line.rsplit(" ", 1)
+                    totals[key] += float(value)
+    return dict(totals)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=500)
@@ -86,7 +101,7 @@ def main() -> None:
             decode = {k: v for k, v in up.health("decode-0")["stats"].items()
                       if k.startswith(("kv_blocks", "kv_staging", "kv_staged", "kv_refused", "preemptions",
                                        "requests_"))}
-            conductor = {k: v for k, v in up.health("conductor-0").get("stats", {}).items() if "reject" in k}
+            conductor = rejections(up)
         finally:
             up.stop()
     report = {"streams": args.streams, "max_tokens": args.max_tokens, "prompt_repeat": args.prompt_repeat,
