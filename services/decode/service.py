@@ -47,7 +47,8 @@ class DecodeService(EngineService):
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner, with_host_pool=False)
         cost = config.cost_model() if config.tbt_slo_s > 0 else None
-        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s)
+        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s,
+                                   config.kv_staging_mb << 20)
         if not config.profile:  # the double-check predicts with this instance's own model, once measured
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
@@ -88,7 +89,8 @@ class DecodeService(EngineService):
         --max-batch); running: the requests generating (those still waiting for KV are neither)."""
         states = collections.Counter(r.state for r in self.engine.requests.values())
         running = states["running"]
-        return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running)
+        staging = (self.engine.staging_bytes - self.engine.staging_used) // self.runner.block_bytes
+        return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
 
     def on_refit(self) -> None:
         """Without --profile, the TBT double-check predicts steps with the decode model measured here."""
@@ -100,7 +102,8 @@ class DecodeService(EngineService):
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats()}
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(),
+                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes}
 
     # ---------------------------------------------------------------- the work loop
 

@@ -12,6 +12,7 @@ import time
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.decode import NO_ROOM
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
@@ -202,5 +203,6 @@ class PrefillService(EngineService):
     def fail(self, work: PrefillWork, exc: BaseException) -> None:
         self.counters["requests_failed_total"] += 1
         self.log.warning("prefill of %s failed: %s", work.request_id, exc)
+        status = 429 if NO_ROOM in str(exc) else 500  # the decode instance was full: overload, not failure
         self.outbox.emit([TokenChunk.failed(work.request_id, f"prefill failed: {exc}",
-                                            prompt_tokens=len(work.job.token_ids))])
+                                            prompt_tokens=len(work.job.token_ids), status=status)])

@@ -13,7 +13,7 @@ import pytest
 
 from factories import decode_job, make_pool, make_runner
 from kvcentric.engine import kvsink
-from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.decode import DecodeEngine, KVNoRoom, KVRejected
 from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.node import Wakeup
 from kvcentric.engine.outbox import TokenOutbox
@@ -83,3 +83,17 @@ def test_kv_waiting_for_a_job_gives_up_at_once_when_the_request_is_cancelled():
 
     asyncio.run(scenario())
     assert engine.pool.num_free == engine.pool.num_blocks and not sink.waiting and "r" not in engine.requests
+
+
+def test_kv_with_no_room_on_the_device_or_in_staging_ends_its_request_with_a_429():
+    runner = make_runner(num_blocks=2)
+    engine = DecodeEngine(runner, make_pool(runner))  # no host staging
+    emitted: list = []
+    sink = kvsink.DecodeSink(engine, collections.Counter(), set(), RequestSpans(), emitted.extend, Wakeup())
+    engine.add(decode_job("big", 12), time.monotonic())  # 12 tokens + 1 need 4 blocks of 4
+    with pytest.raises(KVNoRoom, match="decode instance full"):
+        asyncio.run(sink.begin(header("big", engine, num_tokens=12)))
+    assert [(c.finish_reason, c.error_status) for c in emitted] == [("error", 429)]
+    assert "big" not in engine.requests and engine.pool.num_free == engine.pool.num_blocks
+    sink.abort("big", "push did not complete")  # the servicer's abort after the refusal finds nothing left
+    assert emitted[1:] == [None]

@@ -1,5 +1,6 @@
 """Rejection modes and priorities on hand-built clusters (decode step = 10 ms + 1 ms per sequence)."""
 
+import msgspec
 import pytest
 
 from factories import decode_report, make_conductor, prefill_report, schedule_request
@@ -104,3 +105,35 @@ def test_decode_choice_counts_requests_in_flight_so_a_burst_spreads():
     conductor = make_conductor(2, 2, rejection="early")
     first, second = schedule(conductor, request_id="a"), schedule(conductor, request_id="b")
     assert {first.decode_id, second.decode_id} == {"d0", "d1"}
+
+
+def full_decode(conductor, instance_id="d0", staging_blocks=0):
+    """The instance's cache is full; its host staging can take `staging_blocks` blocks' worth of KV."""
+    report = msgspec.structs.replace(decode_report(instance_id, used_blocks=100, total_blocks=100),
+                                     kv_staging_blocks_free=staging_blocks)
+    conductor.observe(report, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["none", "early", "predictive"])
+def test_a_request_no_decode_has_room_for_is_rejected_before_its_prefill(mode):
+    conductor = make_conductor(1, 1, rejection=mode, ttft_slo_s=60.0, tbt_slo_s=10.0)
+    full_decode(conductor)
+    decision = schedule(conductor)
+    assert isinstance(decision, Rejection) and decision.stage == "decode"
+    assert "no decode instance has room" in decision.message and decision.retry_after_s == 1.0
+
+
+@pytest.mark.parametrize("mode", ["none", "early", "predictive"])
+def test_host_staging_counts_as_decode_room(mode):
+    conductor = make_conductor(1, 1, rejection=mode, ttft_slo_s=60.0, tbt_slo_s=10.0)
+    full_decode(conductor, staging_blocks=1000)
+    assert isinstance(schedule(conductor), Placement)
+
+
+def test_the_decode_with_room_is_chosen_over_a_full_one():
+    conductor = make_conductor(1, 2, rejection="early", ttft_slo_s=60.0, tbt_slo_s=10.0)
+    decodes = sorted(conductor.registry.decode)
+    full_decode(conductor, decodes[0])
+    conductor.observe(decode_report(decodes[1], running=30, used_blocks=10, total_blocks=1000), 0.0)
+    decision = schedule(conductor)
+    assert isinstance(decision, Placement) and decision.decode_id == decodes[1]

@@ -312,6 +312,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds since the engine's event loop computed these load numbers."""
     cost: MeasuredCost | None = None
     """Its own measured cost model; sent when refitted and every few reports, absent in the others."""
+    kv_staging_blocks_free: int = 0
+    """Decode: blocks' worth of KV its host staging can still take while its cache is full (arrivals wait
+    there for blocks; the conductor counts them as room)."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

@@ -41,6 +41,8 @@ class EngineConfig(BusConfig):
     kv_rate_limit_gbps: float = setting(0.0, "cap each peer's KV push bandwidth, Gbit/s (0: none); emulates "
                                              "a cross-datacenter link")
     host_pool_mb: int = setting(256, "host-memory KV block pool of this node (prefill, colocated), MiB; 0: none")
+    kv_staging_mb: int = setting(1024, "decode: host memory that KV arriving at a full KV cache waits in until "
+                                       "blocks free, MiB (0: refused at once, 429)")
     host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
     tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
@@ -66,6 +68,7 @@ class EngineConfig(BusConfig):
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
+        require(self.kv_staging_mb >= 0, "kv_staging_mb", "must be 0 (none) or positive")
         require(self.host_pool_mb >= 0, "host_pool_mb", "must be 0 (none) or positive")
         require(self.host_pool_policy in EVICTION_POLICIES, "host_pool_policy",
                 f"choose one of {', '.join(EVICTION_POLICIES)}")

@@ -6,7 +6,10 @@ per layer and token range -> `commit_kv` (every layer complete: first token out,
 Before `commit_kv` the shell may ask `check_tbt` whether the batch keeps its TBT SLO with the request
 (Mooncake §3 step 4) and, if not, `reject_kv` it: its blocks are freed and its prefill is wasted.
 When blocks run out the newest running request is preempted (blocks freed) and later recomputed from its
-tokens, as vLLM does, instead of failing. `abort` frees at any point. Time is passed in; no I/O. Only
+tokens, as vLLM does, instead of failing. KV that arrives when no blocks are free waits in a bounded host
+staging area and is loaded into blocks once they free up, like a preempted request (Mooncake §3: KV lands
+in the decode node's DRAM first); only when staging is full too is it refused, with `KVNoRoom` (a 429 to
+the client, retryable). `abort` frees at any point. Time is passed in; no I/O. Only
 `execute` touches torch (through the runner) and may run in a worker thread.
 """
 
@@ -31,6 +34,14 @@ class KVRejected(RuntimeError):
     """KV offered for a request this engine cannot take (unknown, duplicate, no room, bad shape)."""
 
 
+NO_ROOM = "decode instance full"
+"""Opens the message of every `KVNoRoom`: what a prefill finds in a refused push's error to answer 429."""
+
+
+class KVNoRoom(KVRejected):
+    """KV refused for want of room, neither device blocks nor host staging: overload, the client may retry."""
+
+
 @dataclasses.dataclass
 class DecodeRequest:
     job: DecodeJob
@@ -47,6 +58,10 @@ class DecodeRequest:
     """The logprobs of the token the step in flight chose (when the request asked for them)."""
     index: int = 0
     """Which of the request's `sampling.n` sequences this is (its choice index)."""
+    staged: list[tuple[int, int, int, bytes, bytes]] | None = None
+    """Its prompt KV in host memory (layer, start, end, key, value), waiting for blocks; None: on the device."""
+    staged_bytes: int = 0
+    """Host staging bytes reserved for it."""
 
     @property
     def request_id(self) -> str:
@@ -79,8 +94,9 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64, cost: CostModel | None = None,
-                 tbt_slo_s: float = 0.0) -> None:
-        """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s` (0: no check)."""
+                 tbt_slo_s: float = 0.0, staging_bytes: int = 0) -> None:
+        """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s` (0: no check); `staging_bytes`
+        bounds the host memory that KV arriving at a full cache may wait in (0: none, refused at once)."""
         if tbt_slo_s > 0 and cost is None:
             raise ValueError("a TBT SLO needs a cost model to predict decode steps with")
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
@@ -89,7 +105,9 @@ class DecodeEngine:
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
         self._deferred_free: list[int] = []
-        self.stats = {"kv_bytes_received": 0, "kv_streams_committed": 0, "prefill_tokens_computed": 0,
+        self.staging_bytes, self.staging_used = staging_bytes, 0
+        self.stats = {"kv_staged": 0, "kv_refused_no_room": 0, "kv_bytes_received": 0, "kv_streams_committed": 0,
+                      "prefill_tokens_computed": 0,
                       "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
                       "tokens_generated": 0, "requests_finished": 0, "requests_aborted": 0,
                       "requests_rejected_tbt": 0, "sequences_forked": 0}
@@ -111,18 +129,45 @@ class DecodeEngine:
             raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
                              f"expected {request.job.n_prompt_tokens} x {self.runner.config.num_layers}")
         needed = self.pool.blocks_for(num_tokens + 1)
-        if not self.pool.can_allocate(needed):
-            raise KVRejected(f"request {request_id}: no room for {needed} KV blocks ({self.pool.num_free} free)")
-        request.blocks = self.pool.allocate(needed)
+        if self.pool.can_allocate(needed) and not (self.preempted and self._stageable(request)):
+            request.blocks = self.pool.allocate(needed)  # (with requests waiting for blocks, it queues behind)
+        else:
+            self._stage(request, needed)
         request.prompt = list(prompt)
         request.layer_tokens = [0] * num_layers
         request.state = "receiving"
+
+    def _stage(self, request: DecodeRequest, needed: int) -> None:
+        """No blocks for the request now (or older requests wait for them): its KV waits in host memory,
+        if staging has room for it, else it is refused."""
+        if not self._stageable(request):
+            self.stats["kv_refused_no_room"] += 1
+            raise KVNoRoom(f"{NO_ROOM}: request {request.request_id} needs {needed} KV blocks "
+                           f"({self.pool.num_free} free) and host staging is full "
+                           f"({self.staging_used} of {self.staging_bytes} bytes used)")
+        request.staged, request.staged_bytes = [], self._staged_size(request)
+        self.staging_used += request.staged_bytes
+        self.stats["kv_staged"] += 1
+
+    def _stageable(self, request: DecodeRequest) -> bool:
+        """Host staging has room for the request's prompt KV (parallel sampling needs blocks to fork from)."""
+        return request.job.sampling.n == 1 and self.staging_used + self._staged_size(request) <= self.staging_bytes
+
+    def _staged_size(self, request: DecodeRequest) -> int:
+        return request.job.n_prompt_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
 
     def write_kv(self, request_id: str, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
         request = self._expect(request_id, "receiving")
         if not (0 <= layer < self.runner.config.num_layers and 0 <= start < end <= request.job.n_prompt_tokens):
             raise KVRejected(f"request {request_id}: layer {layer} tokens {start}..{end} out of range")
-        self.runner.write_layer(layer, request.blocks, start, end, key, value)
+        if request.staged is not None:  # the sender's bytes may be views of its memory: keep a copy
+            expected = (end - start) * self.runner.layer_token_bytes
+            if len(key) != expected or len(value) != expected:
+                raise KVRejected(f"request {request_id}: layer {layer}: expected {expected} bytes each for key "
+                                 f"and value, got {len(key)} and {len(value)}")
+            request.staged.append((layer, start, end, bytes(key), bytes(value)))
+        else:
+            self.runner.write_layer(layer, request.blocks, start, end, key, value)
         request.layer_tokens[layer] += end - start
         self.stats["kv_bytes_received"] += len(key) + len(value)
 
@@ -151,13 +196,18 @@ class DecodeEngine:
         request = self._complete(request_id)
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
-        return self._start(request, first_token, decode(extras, FirstToken) if extras else None)
+        chunks = self._start(request, first_token, decode(extras, FirstToken) if extras else None)
+        if request.staged is not None and request.key in self.requests:  # waits for blocks, as if preempted
+            request.state = "preempted"
+            self.preempted.append(request.key)
+        return chunks
 
     def reset_kv(self, request_id: str) -> None:
         """Drop what arrived of a request's KV and wait for it again (the sender will resend)."""
         request = self.requests.get(request_id)
         if request is not None and request.state == "receiving":
             self.pool.free(request.blocks)
+            self._unstage(request)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
     def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int,
@@ -200,18 +250,19 @@ class DecodeEngine:
 
     # ---------------------------------------------------------------- ending
 
-    def abort(self, request_id: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk | None:
-        """End a request (each of its sequences) and free its blocks; the first sequence's last chunk, or None
-        when it is not here (already ended)."""
+    def abort(self, request_id: str, reason: Literal["abort", "error"], error: str = "",
+              status: int = 500) -> TokenChunk | None:
+        """End a request (each of its sequences) and free its blocks; the first sequence's last chunk (an
+        error answered with HTTP `status`), or None when it is not here (already ended)."""
         keys = [key for key, r in self.requests.items() if r.request_id == request_id]
-        chunks = [self._end(key, reason, error) for key in keys]
+        chunks = [self._end(key, reason, error, status) for key in keys]
         return chunks[0] if chunks else None
 
-    def _end(self, key: str, reason: Literal["abort", "error"], error: str = "") -> TokenChunk:
+    def _end(self, key: str, reason: Literal["abort", "error"], error: str = "", status: int = 500) -> TokenChunk:
         request = self.requests.pop(key)
         self._release(request)
         self.stats["requests_aborted"] += 1
-        return request.chunk([], reason, error)
+        return request.chunk([], reason, error, error_status=status)
 
     def expire(self, now: float) -> list[TokenChunk]:
         """Fail requests whose KV did not arrive in time."""
@@ -301,8 +352,22 @@ class DecodeEngine:
             if not self.pool.can_allocate(needed):
                 break
             self.preempted.popleft()
-            request.blocks, request.state, request.recompute = self.pool.allocate(needed), "running", True
+            request.blocks, request.state = self.pool.allocate(needed), "running"
+            request.recompute = not self._load_staged(request)
         return failed
+
+    def _load_staged(self, request: DecodeRequest) -> bool:
+        """Copy a request's KV from host staging into its blocks; False when it has none staged."""
+        if request.staged is None:
+            return False
+        for layer, start, end, key, value in request.staged:
+            self.runner.write_layer(layer, request.blocks, start, end, key, value)
+        self._unstage(request)
+        return True
+
+    def _unstage(self, request: DecodeRequest) -> None:
+        self.staging_used -= request.staged_bytes
+        request.staged, request.staged_bytes = None, 0
 
     def _recompute(self, requests: list[DecodeRequest]) -> None:
         for request in requests:
@@ -329,6 +394,7 @@ class DecodeEngine:
                              prompt_logprobs=first.prompt_logprobs if first is not None else None)
 
     def _release(self, request: DecodeRequest) -> None:
+        self._unstage(request)
         if request.key in self._in_step:  # the step in flight still reads and writes its blocks
             self._deferred_free += request.blocks
             return

@@ -2,8 +2,9 @@
 cache, and the commit that closes a push lets the request join the batch.
 
 Pushed KV may overtake its request's DecodeJob (the jobs go to prefill and decode at once): the sink holds
-it until the job is in, and gives up after JOB_WAIT_S, or at once when the request is cancelled. It
-receives; it does not schedule decode steps.
+it until the job is in, and gives up after JOB_WAIT_S, or at once when the request is cancelled. KV the
+engine has no room for, on the device or in host staging, ends its request with a 429. It receives; it
+does not schedule decode steps.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import collections
 from collections.abc import Callable, Container, Sequence
 
 from kvcentric.core.protocol import TokenChunk
-from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.decode import DecodeEngine, KVNoRoom, KVRejected
 from kvcentric.engine.node import Wakeup
 from kvcentric.engine.spans import RequestSpans
 
@@ -52,8 +53,12 @@ class DecodeSink:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {dtype}")
         if header.request_id not in self.engine.requests:
             await self._job_of(header.request_id)
-        self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
-                             join=header.stripes > 1)
+        try:
+            self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
+                                 join=header.stripes > 1)
+        except KVNoRoom as exc:  # overload, not failure: the request ends with a 429 the client may retry
+            self.emit([self.engine.abort(header.request_id, "error", str(exc), status=429)])
+            raise
 
     async def _job_of(self, request_id: str) -> None:
         event = self.waiting.setdefault(request_id, asyncio.Event())

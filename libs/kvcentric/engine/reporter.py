@@ -38,6 +38,8 @@ class Load(NamedTuple):
     queued_requests: int
     queued_tokens: int
     running: int
+    staging_blocks_free: int = 0
+    """Decode: blocks' worth of room left in its host staging."""
 
 
 class Reporter:
@@ -74,6 +76,7 @@ class Reporter:
         return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
                           queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
                           kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
+                          kv_staging_blocks_free=load.staging_blocks_free,
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
                           cost=self.speed.for_report() if self.speed is not None else None)

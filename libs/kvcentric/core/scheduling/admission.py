@@ -13,6 +13,10 @@ instance; decode load = predicted TBT / TBT_SLO. Modes:
   decode (now + predicted TTFT), every request decoding for a uniform t_d, averaged over the decode
   pool ("the average TBT ratio of all decoding instances to l_tbt").
 
+Decode room (Mooncake §3): a request fits a decode instance when its KV fits the free blocks of the cache
+or, beyond them, its host staging (where it waits for blocks, out of the batch). When it fits none, every
+mode but `never` rejects it before a prefill is spent, whatever the loads.
+
 An instance whose model is only the prior's guess (no measurement, no profile) is never the reason for a
 rejection: its predictions still rank instances, but its load counts as 0 (`DecodeState.trusted`).
 
@@ -45,6 +49,8 @@ class DecodeChoice:
     """Predicted TBT on it: now (never/none/early) or when the request arrives (predictive)."""
     load: float
     """Decode load that admission judges (0 where the mode does not look at decode)."""
+    room: bool = True
+    """Whether the request's KV fits the instance, its cache or its host staging."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -89,7 +95,7 @@ class Admission:
             if forecast.starts and forecast.starts[-1] > now:
                 flying, flying_tokens = forecast.in_flight(now)
                 batch, tokens = batch + flying, tokens + flying_tokens
-            if tokens > instance.capacity_tokens:
+            if tokens > instance.capacity_tokens + instance.staging_tokens:
                 continue
             tbt = d0 + d1 * batch + d2 * tokens
             if tbt < best_tbt:
@@ -97,9 +103,14 @@ class Admission:
         return self.judge_current(request, best)
 
     def judge_current(self, request: ScheduleRequest, instance: DecodeState) -> DecodeChoice:
-        """The decode load of `instance` now, with this request added (0 where its model is only a guess)."""
-        tbt = self.estimator.tbt(instance.running + 1, instance.kv_tokens + request.n_tokens,
-                                 instance.capacity_tokens, instance.cost)
+        """The decode load of `instance` now, with this request added (0 where its model is only a guess).
+        A request that would wait in host staging does not join the batch judged."""
+        tokens = instance.kv_tokens + request.n_tokens
+        if tokens > instance.capacity_tokens + instance.staging_tokens:
+            return DecodeChoice(instance, math.inf, 0.0, room=False)
+        staged = tokens > instance.capacity_tokens
+        batch, tokens = (instance.running, instance.kv_tokens) if staged else (instance.running + 1, tokens)
+        tbt = self.estimator.tbt(batch, tokens, instance.capacity_tokens, instance.cost)
         judged = self.mode == "early" and instance.trusted
         return DecodeChoice(instance, tbt, tbt / self.tbt_slo_s if judged else 0.0)
 
@@ -111,13 +122,15 @@ class Admission:
             d0, d1, d2 = instance.cost.decode if instance.cost is not None else prior
             batch, tokens = instance.forecast.at(arrival, t_d)
             tokens += n
-            tbt = d0 + d1 * (batch + 1) + d2 * tokens if tokens <= instance.capacity_tokens else math.inf
+            room = instance.capacity_tokens + instance.staging_tokens  # what it reports and what will arrive
+            fits = tokens <= room and instance.kv_tokens + n <= room
+            tbt = d0 + d1 * (batch + 1) + d2 * min(tokens, instance.capacity_tokens) if fits else math.inf
             if instance.trusted:  # the pool's load averages the instances whose model is more than a guess
                 total += tbt if tbt < limit else limit
                 judged += 1
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
-        return DecodeChoice(best, best_tbt, total / slo / judged if judged else 0.0)
+        return DecodeChoice(best, best_tbt, total / slo / judged if judged else 0.0, room=math.isfinite(best_tbt))
 
     def judge_predicted(self, request, instance: DecodeState, arrival: float, t_d: float) -> DecodeChoice:
         """Predictive load of one given decode instance (colocated placement has no choice)."""
@@ -131,6 +144,9 @@ class Admission:
         """None to admit; else why not. Algorithm 1 line 25: TTFT > TTFT_SLO or TBT > TBT_SLO."""
         if self.mode == "never":
             return None
+        if not decode.room:
+            return Verdict("decode", MAX_RATIO, 1.0, f"no decode instance has room for the KV of {request.n_tokens} "
+                           "tokens (its cache or its host staging)", 1.0)
         threshold = self.threshold(request.priority)
         prefill_load = ttft_s / self.ttft_slo_s
         decode_load = decode.load if self.mode in ("early", "predictive") else 0.0

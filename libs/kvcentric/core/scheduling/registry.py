@@ -71,6 +71,8 @@ class DecodeState:
     """Context tokens those requests hold."""
     capacity_tokens: float = math.inf
     """Context tokens its KV cache can hold."""
+    staging_tokens: float = 0.0
+    """Tokens of KV its host staging can still take: room for requests beyond its cache, which wait there."""
     forecast: DecodeForecast = dataclasses.field(default_factory=DecodeForecast)
     draining: bool = False
     seq: int = 0
@@ -139,6 +141,7 @@ class InstanceRegistry:
         decoder.running, decoder.waiting = report.running, report.queued_requests
         decoder.kv_tokens = (report.kv_blocks_total - report.kv_blocks_free) * block
         decoder.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
+        decoder.staging_tokens = report.kv_staging_blocks_free * block
         return decoder
 
     def alive_prefill(self, now: float) -> list[PrefillState]:
