@@ -28,7 +28,8 @@ from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, pull_blocks
 
 def node(dtype: str) -> PrefillEngine:
     runner = ModelRunner(preset("tiny"), 16, 4, 0, dtype=dtype)
-    return PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), host=HostBlockPool(64, runner.block_bytes))
+    host = HostBlockPool(64, runner.block_bytes)
+    return PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), host=host)
 
 
 def prefill(engine: PrefillEngine, token_ids: list[int]) -> int | None:
@@ -73,11 +74,13 @@ def test_bf16_colocated_equals_one_process(tmp_path):
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
             text = json.load(response)["choices"][0]["text"]
-        stats = up.health("colocated-0")["stats"]
+        health = up.health("colocated-0")
     finally:
         up.stop()
     runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16")
     expected, _ = generate(runner, BlockPool(64, 16), ByteTokenizer().encode(prompt_text),
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     assert text == ByteTokenizer().decode(expected)
-    assert stats["kv_bytes_received"] == 0
+    assert health["stats"]["kv_bytes_received"] == 0
+    assert health["measured_cost"]["dtype"] == "bfloat16"  # tiny's tokens alone do not tell bf16 from fp32
+    assert health["measured_cost"]["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 2
