@@ -1,6 +1,7 @@
 """Half-precision KV across processes and sockets: prefix blocks pulled over real gRPC from a peer's host pool
 (hot-spot replication) arrive as the holder's raw bytes and let the puller compute only the rest, with the
-tokens of a run without any cache; `kvcentric up --colocated` in bfloat16 gives the tokens of one process."""
+tokens of a run without any cache; `kvcentric up --colocated` in bfloat16 gives the tokens of one process,
+and bfloat16 engines that switch roles serve the same tokens as before."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.runtime.host_store import HostKVStore
 from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, pull_blocks, start_server
+from test_role_switch import complete as complete_role_prompt, switch, wait_for_roles
 
 
 def node(dtype: str) -> PrefillEngine:
@@ -84,3 +86,21 @@ def test_bf16_colocated_equals_one_process(tmp_path):
     assert health["stats"]["kv_bytes_received"] == 0
     assert health["measured_cost"]["dtype"] == "bfloat16"  # tiny's tokens alone do not tell bf16 from fp32
     assert health["measured_cost"]["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 2
+
+
+def test_bf16_engines_switch_roles_and_serve_the_same_tokens(tmp_path):
+    up = UpProcess(str(tmp_path), "--prefill", "1", "--decode", "2", env={"KVC_DTYPE": "bfloat16"})
+    try:
+        nats_url = up.manifest["nats_url"]
+        wait_for_roles(nats_url, {"prefill-0"}, {"decode-0", "decode-1"})
+        _, reference = complete_role_prompt(up.url)
+        assert switch(nats_url, "decode-1", "prefill").returncode == 0
+        wait_for_roles(nats_url, {"prefill-0", "decode-1"}, {"decode-0"})
+        assert switch(nats_url, "prefill-0", "decode").returncode == 0
+        wait_for_roles(nats_url, {"decode-1"}, {"decode-0", "prefill-0"})
+        headers, text = complete_role_prompt(up.url)
+        switched = up.health("decode-1")["measured_cost"]
+    finally:
+        up.stop()
+    assert headers["x-kvcentric-prefill"] == "decode-1" and text == reference
+    assert switched["dtype"] == "bfloat16" and switched["kv_bytes_per_token"] == 4 * 2 * 2 * 16 * 2
