@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
 from harness import UpProcess  # noqa: E402
 
@@ -102,8 +104,10 @@ def concurrent_batch(url: str, args, texts: list[str]) -> dict:
 
 
 def run_in_process(args, texts: list[str]) -> dict:
-    """The colocated engine with the served engines' defaults, stepped here: every request submitted at once."""
+    """The colocated engine with the served engines' defaults and `kvcentric up --colocated 1`'s threads (every
+    core), stepped here with no host pool: every request submitted at once."""
     config = EngineConfig()
+    torch.set_num_threads(os.cpu_count() or 1)
     runner = ModelRunner(preset(args.model), config.num_kv_blocks, config.block_size, config.seed, args.dtype)
     engine = ColocatedEngine(runner, BlockPool(config.num_kv_blocks, config.block_size),
                              BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk, config.max_batch)
@@ -131,7 +135,7 @@ def drive(engine: ColocatedEngine, texts: list[str], output_len: int) -> dict:
 
 def main() -> None:
     args = parse_args()
-    texts = prompts(args.concurrency, args.input_len)
+    texts, load_before = prompts(args.concurrency, args.input_len), os.getloadavg()
     runs = {"one process": run_in_process(args, texts)}
     for label, flags in DEPLOYMENTS.items():
         print(f"== {label}", file=sys.stderr, flush=True)
@@ -140,9 +144,10 @@ def main() -> None:
     for run in runs.values():
         run["tokens_per_s_vs_one_process"] = run["output_tokens_per_s"] / base["output_tokens_per_s"]
         run["ttft_p50_vs_one_process"] = run["ttft_p50_s"] / base["ttft_p50_s"]
-    result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency,
-              "input_len": args.input_len, "output_len": args.output_len, "machine": platform.processor() or
-              platform.machine(), "cpus": os.cpu_count(), "load_average": os.getloadavg(), "runs": runs}
+    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+               "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "input_len": args.input_len,
+              "output_len": args.output_len, "machine": machine, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{'':12} {'tok/s':>8} {'x 1proc':>8} {'TTFT p50':>9} {'x 1proc':>8}")
