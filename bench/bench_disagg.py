@@ -4,7 +4,7 @@ on `kvcentric up --colocated 1`, and on the same colocated engine driven in this
 
 Usage:
     .venv/bin/python bench/bench_disagg.py [--model small] [--dtype float32] [--concurrency 8]
-        [--input-len 256] [--output-len 32]
+        [--input-len 256] [--output-len 32] [--threads 1]
 
 Writes bench/results/disagg.json and prints a table.
 """
@@ -50,6 +50,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (bytes: one token each)")
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine (`kvcentric "
+                        "up` gives each engine cores / engines: 1P+1D on 2 cores runs one thread each)")
     parser.add_argument("--out", default=str(RESULTS / "disagg.json"))
     return parser.parse_args()
 
@@ -104,10 +106,10 @@ def concurrent_batch(url: str, args, texts: list[str]) -> dict:
 
 
 def run_in_process(args, texts: list[str]) -> dict:
-    """The colocated engine with the served engines' defaults and `kvcentric up --colocated 1`'s threads (every
-    core), stepped here with no host pool: every request submitted at once."""
+    """The colocated engine with the served engines' defaults on `--threads` torch threads, stepped here with no
+    host pool: every request submitted at once."""
     config = EngineConfig()
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     runner = ModelRunner(preset(args.model), config.num_kv_blocks, config.block_size, config.seed, args.dtype)
     engine = ColocatedEngine(runner, BlockPool(config.num_kv_blocks, config.block_size),
                              BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk, config.max_batch)
@@ -147,7 +149,7 @@ def main() -> None:
     machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
                "load_average_before": load_before, "load_average_after": os.getloadavg()}
     result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "input_len": args.input_len,
-              "output_len": args.output_len, "machine": machine, "runs": runs}
+              "output_len": args.output_len, "in_process_threads": args.threads, "machine": machine, "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"{'':12} {'tok/s':>8} {'x 1proc':>8} {'TTFT p50':>9} {'x 1proc':>8}")
