@@ -1,0 +1,162 @@
+"""Disaggregated vs single process: N concurrent greedy requests on `kvcentric up --prefill 1 --decode 1`,
+on `kvcentric up --colocated 1`, and on the same colocated engine driven in this process with no services
+(no gateway, NATS, gRPC or KV push); output tokens/s and TTFT side by side, as ratios to the in-process run.
+
+Usage:
+    .venv/bin/python bench/bench_disagg.py [--model small] [--dtype float32] [--concurrency 8]
+        [--input-len 256] [--output-len 32] [--threads 1]
+
+Writes bench/results/disagg.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import statistics
+import string
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
+from harness import UpProcess  # noqa: E402
+
+from kvcentric.core.block_pool import BlockPool  # noqa: E402
+from kvcentric.core.hashing import BlockHasher  # noqa: E402
+from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams  # noqa: E402
+from kvcentric.engine.colocated import ColocatedEngine  # noqa: E402
+from kvcentric.engine.config import EngineConfig  # noqa: E402
+from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.model.config import preset  # noqa: E402
+from kvcentric.model.tokenizer import ByteTokenizer  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DEPLOYMENTS = {"1P+1D": ["--prefill", "1", "--decode", "1"], "colocated": ["--colocated", "1"]}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens (bytes: one token each)")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine (`kvcentric "
+                        "up` gives each engine cores / engines: 1P+1D on 2 cores runs one thread each)")
+    parser.add_argument("--out", default=str(RESULTS / "disagg.json"))
+    return parser.parse_args()
+
+
+def prompts(count: int, length: int, seed: int = 0) -> list[str]:
+    """Distinct random prompts (no shared prefix, so no request reuses another's cache)."""
+    rng = random.Random(seed)
+    return ["".join(rng.choice(string.ascii_lowercase + " ") for _ in range(length)) for _ in range(count)]
+
+
+def summary(ttfts: list[float], wall_s: float, output_tokens: int) -> dict:
+    return {"output_tokens_per_s": output_tokens / wall_s, "ttft_p50_s": statistics.median(ttfts),
+            "ttft_max_s": max(ttfts), "wall_s": wall_s}
+
+
+def stream_one(url: str, model: str, prompt: str, output_len: int, start: float) -> tuple[float, int]:
+    """(TTFT, tokens) of one streamed completion; TTFT from the batch's common start."""
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    ttft, tokens = None, 0
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if ttft is None and event.get("choices"):
+                ttft = time.perf_counter() - start
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    assert ttft is not None and tokens == output_len, (ttft, tokens)
+    return ttft, tokens
+
+
+def run_served(args, flags: list[str], texts: list[str]) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvc-up-") as log_dir:
+        up = UpProcess(log_dir, "--model", args.model, *flags, timeout_s=300, env={"KVC_DTYPE": args.dtype})
+        try:
+            concurrent_batch(up.url, args, prompts(len(texts), args.input_len, seed=1))  # warm-up
+            return concurrent_batch(up.url, args, texts)
+        finally:
+            up.stop()
+
+
+def concurrent_batch(url: str, args, texts: list[str]) -> dict:
+    with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+        start = time.perf_counter()
+        results = list(pool.map(lambda text: stream_one(url, args.model, text, args.output_len, start), texts))
+        wall = time.perf_counter() - start
+    return summary([r[0] for r in results], wall, sum(r[1] for r in results))
+
+
+def run_in_process(args, texts: list[str]) -> dict:
+    """The colocated engine with the served engines' defaults on `--threads` torch threads, stepped here with no
+    host pool: every request submitted at once."""
+    config = EngineConfig()
+    torch.set_num_threads(args.threads)
+    runner = ModelRunner(preset(args.model), config.num_kv_blocks, config.block_size, config.seed, args.dtype)
+    engine = ColocatedEngine(runner, BlockPool(config.num_kv_blocks, config.block_size),
+                             BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk, config.max_batch)
+    drive(engine, prompts(len(texts), args.input_len, seed=1), args.output_len)  # warm-up, as the served runs
+    return drive(engine, texts, args.output_len)
+
+
+def drive(engine: ColocatedEngine, texts: list[str], output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start, ttft, generated = time.perf_counter(), {}, 0
+    for index, text in enumerate(texts):
+        token_ids, request_id = ByteTokenizer().encode(text), f"r{index}-{start}"
+        engine.submit(PrefillJob(request_id=request_id, token_ids=token_ids, sampling=params, decode_id="",
+                                 decode_kv_addr=""),
+                      DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=params))
+    while engine.has_work:
+        for chunk in engine.step():
+            if chunk.token_ids:
+                ttft.setdefault(chunk.request_id, time.perf_counter() - start)
+            generated += len(chunk.token_ids)
+    wall = time.perf_counter() - start
+    assert generated == len(texts) * output_len, generated
+    return summary(list(ttft.values()), wall, generated)
+
+
+def main() -> None:
+    args = parse_args()
+    texts, load_before = prompts(args.concurrency, args.input_len), os.getloadavg()
+    runs = {"one process": run_in_process(args, texts)}
+    for label, flags in DEPLOYMENTS.items():
+        print(f"== {label}", file=sys.stderr, flush=True)
+        runs[label] = run_served(args, flags, texts)
+    base = runs["one process"]
+    for run in runs.values():
+        run["tokens_per_s_vs_one_process"] = run["output_tokens_per_s"] / base["output_tokens_per_s"]
+        run["ttft_p50_vs_one_process"] = run["ttft_p50_s"] / base["ttft_p50_s"]
+    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+               "load_average_before": load_before, "load_average_after": os.getloadavg()}
+    result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "input_len": args.input_len,
+              "output_len": args.output_len, "in_process_threads": args.threads, "machine": machine, "runs": runs}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"{'':12} {'tok/s':>8} {'x 1proc':>8} {'TTFT p50':>9} {'x 1proc':>8}")
+    for label, run in runs.items():
+        print(f"{label:12} {run['output_tokens_per_s']:8.1f} {run['tokens_per_s_vs_one_process']:8.2f} "
+              f"{run['ttft_p50_s']:9.3f} {run['ttft_p50_vs_one_process']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
