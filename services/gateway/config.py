@@ -29,6 +29,11 @@ class GatewayConfig(BusConfig):
     header_timeout_s: float = setting(15.0, "a connection that has not sent a whole request head this long after "
                                             "it opened or after its last answer is closed")
     body_timeout_s: float = setting(30.0, "a request body not all arrived this long after its head gets 408")
+    max_migrations: int = setting(2, "times one request may be migrated when an instance serving it goes silent "
+                                     "or fails it (re-placed with the tokens already streamed kept); 0: never, "
+                                     "such a request ends with a 503")
+    silent_after_s: float = setting(1.5, "an engine with no load report for this long is taken for dead by the "
+                                         "gateway: the requests waiting on it are migrated")
     max_connections: int = setting(4096, "most client connections open at once (at most the open-file limit "
                                          "less 128): the oldest idle one is closed to make room, else a 503")
 
@@ -44,6 +49,8 @@ class GatewayConfig(BusConfig):
         require(self.bus_timeout_s > 0, "bus_timeout_s", "must be positive")
         require(self.header_timeout_s > 0, "header_timeout_s", "must be positive")
         require(self.body_timeout_s > 0, "body_timeout_s", "must be positive")
+        require(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: never migrate)")
+        require(self.silent_after_s > 0, "silent_after_s", "must be positive")
         require(self.max_connections >= 1, "max_connections", "must be at least 1")
 
     @property

@@ -21,6 +21,7 @@ from kvc_gateway.textstream import TextStream
 from kvcentric.core.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
                                        usage)
 from kvcentric.core.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from kvcentric.core.migration import Failure
 from kvcentric.core.protocol import Placement, TokenChunk, TokenLogprob
 
 
@@ -54,14 +55,30 @@ class Job:
     """The NATS subscription to the request's kvc.req.<id>.out (a new one when the id is renewed)."""
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     """Echo with logprobs: the prompt's tokens 1.. as the prefill scored them (from the first chunk)."""
+    bus_id: str = ""
+    """The request's id on the bus (`kvc.req.<id>.*`, the jobs): its request_id, with a suffix for each
+    migration so that the instances it left can neither mix into its stream nor be cancelled with it."""
+    received: list[int] = dataclasses.field(default_factory=list)
+    """The tokens of its first sequence that reached the gateway (what a migration goes on after)."""
+    migrations: int = 0
+    failure: Failure | None = None
+    """Set when its placement cannot finish it (an instance went silent or failed it): it is migrating."""
+    avoid: list[str] = dataclasses.field(default_factory=list)
+    """Instances that failed it (a migration is not placed on them)."""
+    stalled_at: float | None = None
+    """time.perf_counter() of the last token before a migration, until a token comes after it."""
+    cached_tokens: int | None = None
+    """Prompt tokens found cached at its first placement (the usage's `cached_tokens`)."""
+
+    def __post_init__(self) -> None:
+        self.bus_id = self.bus_id or self.request_id
 
     @property
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else self.first_token_at - self.started
 
     def usage(self) -> dict:
-        cached = self.placement.cached_tokens if self.placement is not None else 0
-        return usage(len(self.token_ids), self.completion_tokens, cached)
+        return usage(len(self.token_ids), self.completion_tokens, self.cached_tokens or 0)
 
     def record_tokens(self, count: int, now: float, on_gap: Callable[[float], None]) -> None:
         """Count tokens that just arrived; report the time per token since the previous ones (TBT)."""

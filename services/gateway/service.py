@@ -24,16 +24,18 @@ from aiohttp import web
 
 from kvc_gateway import relay
 from kvc_gateway.config import GatewayConfig
+from kvc_gateway.migrating import Migrations
 from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.dispatch import jobs
 from kvcentric.core.errors import rejection_error
 from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.core.migration import MigrationPolicy, chunk_failure
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
 from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
-                                     Rejection, RequestOutcome, ScheduleReply, ScheduleRequest, Subjects,
-                                     TokenChunk, decode, encode)
+                                     Rejection, RequestOutcome, SamplingParams, ScheduleReply, ScheduleRequest,
+                                     Subjects, TokenChunk, decode, encode)
 from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.http import BUS_DOWN, RETRY_AFTER_S, error_response
@@ -70,6 +72,8 @@ class GatewayService(Service):
         self.running: dict[int, relay.Job] = {}
         """The requests being served, to end their token streams when the bus connection drops."""
         self.bus.on_disconnect.append(self.end_streams)
+        self.migrations = Migrations(self.bus, self.metrics, self.running, MigrationPolicy(config.max_migrations),
+                                     config.silent_after_s)
         self.token_texts: dict[int, str] = {}
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
@@ -83,6 +87,9 @@ class GatewayService(Service):
     def count_error(self, status: int) -> None:
         """An error the HTTP layer answered (no such path, a body too large or too slow, a failure)."""
         self.counters[labelled("requests_total", outcome=str(status))] += 1
+
+    async def start(self) -> None:
+        await self.migrations.start(self.tasks.spawn, self.tasks.every)
 
     def add_routes(self, app: web.Application) -> None:
         app.middlewares.append(self.check_api_key)
@@ -218,15 +225,15 @@ class GatewayService(Service):
 
     async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
         """Place, relay and answer; returns the response and the outcome label of the request."""
-        job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
+        job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         self.running[id(job)] = job
         shaper = relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                placement = job.placement = await self.place(job)
+                placement = await self.place(job, job.token_ids, job.request.sampling)
                 def new_text() -> TextStream:
                     return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pieces = relay.pieces(job, self.token_chunks(job.output), new_text, self.tbt.observe)
+                pieces = relay.pieces(job, self.token_chunks(job), new_text, self.tbt.observe)
                 headers = self.response_headers(client_request_id(request) or job.request_id, placement)
                 if job.request.stream:
                     response = await relay.stream(request, job, pieces, self.model_name, headers, shaper)
@@ -297,10 +304,11 @@ class GatewayService(Service):
         return ApiError(400, f"the prompt is too large for the bus (NATS max_payload {self.bus.max_payload} bytes): "
                              f"shorten it or raise the server's max_payload", code="request_too_large")
 
-    async def place(self, job: relay.Job) -> Placement:
-        """Ask the conductor for a placement. With --dispatch conductor it hands the jobs to the engines as it
-        answers; with --dispatch gateway they are sent from here, to prefill and decode at once."""
-        ask = self.schedule_request(job)
+    async def place(self, job: relay.Job, token_ids: list[int], sampling: SamplingParams) -> Placement:
+        """Ask the conductor to place `token_ids` (the prompt, or a migrated request's continuation). With
+        --dispatch conductor it hands the jobs to the engines as it answers; with --dispatch gateway they
+        are sent from here, to prefill and decode at once."""
+        ask = self.schedule_request(job, token_ids, sampling)
         job.dispatch_pending = ask.dispatch is not None
         try:
             decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
@@ -311,58 +319,75 @@ class GatewayService(Service):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1
             raise rejection_error(decision)
         job.placement = decision
+        if job.cached_tokens is None:
+            job.cached_tokens = decision.cached_tokens
+        self.migrations.placed(job)
         if not decision.dispatched:  # asked not to, or a conductor from before dispatching
-            await self.send_jobs(job, decision)
+            await self.send_jobs(job, decision, token_ids, sampling)
         return decision
 
     async def renew(self, job: relay.Job, ask: ScheduleRequest) -> ScheduleRequest:
         """After a conductor went silent holding `ask` (another replica of the queue group answers next): cancel
         it on any engine it was handed to, and ask again under a new request id, whose output is listened to
         from now on, so a late job of the old id can neither run nor mix into this stream."""
-        await self.bus.publish(Subjects.cancel(job.request_id),
-                               Cancel(request_id=job.request_id, reason="gateway: its conductor went silent"))
+        await self.bus.publish(Subjects.cancel(job.bus_id),
+                               Cancel(request_id=job.bus_id, reason="gateway: its conductor went silent"))
         with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams` when the bus dropped
             await job.output.unsubscribe()
         self.counters["schedule_retries_total"] += 1
-        job.request_id = f"{job.request_id.partition('-')[0]}-{uuid.uuid4().hex}"
-        job.output = await self.bus.subscribe_raw(Subjects.out(job.request_id))
-        return msgspec.structs.replace(ask, request_id=job.request_id)
+        job.bus_id = f"{job.bus_id.partition('-')[0]}-{uuid.uuid4().hex}"
+        if not job.received:  # nothing reached the client yet: it hears the new id too
+            job.request_id = job.bus_id
+        job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
+        return msgspec.structs.replace(ask, request_id=job.bus_id)
 
-    def schedule_request(self, job: relay.Job) -> ScheduleRequest:
+    def schedule_request(self, job: relay.Job, token_ids: list[int], sampling: SamplingParams) -> ScheduleRequest:
         """What the conductor is asked; with --dispatch conductor it carries the jobs' tokens too, unless
         that would not fit in one NATS message (then they go straight to prefill from here)."""
-        hashes = [to_hex(h) for h in self.hasher.hash_blocks(job.token_ids)]
-        sampling = job.request.sampling
-        ask = ScheduleRequest(request_id=job.request_id, n_tokens=len(job.token_ids), block_hashes=hashes,
-                              max_tokens=sampling.max_tokens, priority=-job.request.priority)
+        hashes = [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
+        ask = ScheduleRequest(request_id=job.bus_id, n_tokens=len(token_ids), block_hashes=hashes,
+                              max_tokens=sampling.max_tokens, priority=-job.request.priority, avoid=job.avoid)
         if self.config.dispatch != "conductor":
             return ask
-        with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(token_ids=job.token_ids, sampling=sampling))
+        with_jobs = msgspec.structs.replace(ask, dispatch=Dispatch(token_ids=token_ids, sampling=sampling))
         if len(encode(with_jobs)) <= self.bus.max_payload:
             return with_jobs
         self.counters["dispatch_too_large_total"] += 1
         return ask
 
-    async def send_jobs(self, job: relay.Job, placement: Placement) -> None:
+    async def send_jobs(self, job: relay.Job, placement: Placement, token_ids: list[int],
+                        sampling: SamplingParams) -> None:
         """Hand the jobs to the placed engines; 503 when one did not take its job."""
         try:
-            why = await dispatch.submit(self.bus, jobs(job.request_id, placement, job.token_ids,
-                                                       job.request.sampling), self.config.bus_timeout_s)
+            why = await dispatch.submit(self.bus, jobs(job.bus_id, placement, token_ids, sampling),
+                                        self.config.bus_timeout_s)
         except nats.errors.MaxPayloadError:
             raise self.too_large() from None
         if why:
             raise ApiError(503, why, kind="service_unavailable")
 
-    async def token_chunks(self, subscription):
-        """The request's TokenChunks in order (the reader stops once every choice has ended)."""
-        async for msg in subscription.messages:
-            try:
-                chunk = decode(msg.data, TokenChunk)
-            except BadMessage as exc:
-                self.counters["bus_drops_total"] += 1
-                self.log.warning("dropped a token chunk: %s", exc)
-                continue
-            yield chunk
+    async def token_chunks(self, job: relay.Job):
+        """The request's TokenChunks in order (the reader stops once every choice has ended), across its
+        migrations: when an instance it waits on goes silent or fails it, it goes on from live instances
+        after the tokens already received (`kvc_gateway.migrating`)."""
+        while True:
+            async for msg in job.output.messages:
+                try:
+                    chunk = decode(msg.data, TokenChunk)
+                except BadMessage as exc:
+                    self.counters["bus_drops_total"] += 1
+                    self.log.warning("dropped a token chunk: %s", exc)
+                    continue
+                job.failure = job.failure or chunk_failure(chunk)
+                if job.failure is not None:
+                    break
+                if chunk.index == 0:
+                    job.received += chunk.token_ids
+                self.migrations.received(job, len(chunk.token_ids))
+                yield chunk
+            if job.failure is None:
+                break
+            await self.migrations.migrate(job, self.place)
         raise ApiError(503, "the gateway lost its NATS connection while the request ran (its tokens may be lost); "
                             "retry", kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
@@ -388,8 +413,8 @@ class GatewayService(Service):
         if job.engine_finished or (job.placement is None and not job.dispatch_pending):
             return
         self.counters[labelled("cancels_sent_total", outcome=outcome)] += 1
-        await self.bus.publish(Subjects.cancel(job.request_id),
-                               Cancel(request_id=job.request_id, reason=f"gateway: {outcome}"))
+        await self.bus.publish(Subjects.cancel(job.bus_id),
+                               Cancel(request_id=job.bus_id, reason=f"gateway: {outcome}"))
 
     async def report_outcome(self, job: relay.Job, outcome: str) -> None:
         """Observe the request's latencies and publish its RequestOutcome (the conductor learns from it)."""
@@ -404,7 +429,7 @@ class GatewayService(Service):
         if outcome in ("stop", "length"):
             self.e2e.observe(e2e)
         await self.bus.publish(Subjects.OUTCOME, RequestOutcome(
-            request_id=job.request_id, prefill_id=job.placement.prefill_id, decode_id=job.placement.decode_id,
+            request_id=job.bus_id, prefill_id=job.placement.prefill_id, decode_id=job.placement.decode_id,
             finish_reason=job.finish_reason or outcome, ttft_s=-1.0 if ttft is None else ttft, e2e_s=e2e,
             prompt_tokens=len(job.token_ids), completion_tokens=job.completion_tokens,
             predicted_ttft_s=job.placement.predicted_ttft_s))

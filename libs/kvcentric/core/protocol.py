@@ -103,6 +103,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     n: int = 1
     """Sequences to sample from the one prompt (parallel sampling: they share its KV blocks)."""
+    resumed_tokens: int = 0
+    """A migrated request's continuation (`kvcentric.core.migration`): its prompt's last this many tokens
+    were generated before the move, and penalties, min_tokens and seeded draws count them as output."""
 
 
 # ---------------------------------------------------------------- conductor
@@ -125,6 +128,8 @@ class ScheduleRequest(msgspec.Struct, frozen=True, kw_only=True):
     """Set: the conductor sends the prefill and decode jobs itself as soon as it has placed the request and
     answers without waiting for their acks (a refused job comes back as an error chunk on
     `kvc.req.<id>.out`). None: it only answers, and the asker sends the jobs."""
+    avoid: list[str] = []
+    """A migrated request's continuation: instances that failed it, not to be placed on again."""
 
 
 class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):

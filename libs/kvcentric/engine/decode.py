@@ -22,6 +22,7 @@ from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.migration import history
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose
 from kvcentric.core.stopping import finish_reason
@@ -295,8 +296,10 @@ class DecodeEngine:
         return [self._choose(logits[i], r) for i, r in enumerate(batch)]
 
     def _choose(self, logits, request: DecodeRequest) -> int:
-        token, request.next_logprob = choose(logits, request.job.sampling, len(request.generated), request.prompt,
-                                             request.generated, self.runner.config.eos_token_ids, request.index)
+        sampling = request.job.sampling
+        prompt, output = history(sampling, request.prompt, request.generated)
+        token, request.next_logprob = choose(logits, sampling, len(output), prompt, output,
+                                             self.runner.config.eos_token_ids, request.index)
         return token
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:

@@ -16,6 +16,7 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.core.migration import history
 from kvcentric.engine.hostwrite import HostWriter
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.llama import LayerHook
@@ -200,8 +201,9 @@ class PrefillEngine:
         if not chunk.last:
             return None
         eos = self.runner.config.eos_token_ids
-        token, work.first_logprob = choose(logits, sampling, 0, work.job.token_ids, (), eos)
-        work.siblings = [choose(logits, sampling, 0, work.job.token_ids, (), eos, index)
+        prompt, output = history(sampling, work.job.token_ids, ())
+        token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos)
+        work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index)
                          for index in range(1, sampling.n)]
         return token
 

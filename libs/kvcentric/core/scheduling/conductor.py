@@ -133,8 +133,8 @@ class Conductor:
 
     def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
-        prefills = self.registry.alive_prefill(now)
-        decodes = self.registry.alive_decode(now)
+        prefills = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
+        decodes = [s for s in self.registry.alive_decode(now) if s.instance_id not in request.avoid]
         if self.router is not None:
             decodes = self.router.in_scope(decodes, self.router.pd)
         if not prefills or not decodes:

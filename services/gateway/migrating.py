@@ -1,0 +1,130 @@
+"""The gateway's side of request migration: it hears every engine's load reports, ends the wait of a
+request whose prefill or decode instance went silent, and places the request's continuation on live
+instances. What to decide is `kvcentric.core.migration`'s; the relay goes on reading the new placement's
+tokens (`GatewayService.token_chunks`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+
+import nats.errors
+
+from kvc_gateway import relay
+from kvcentric.core.metrics import LATENCY_BUCKETS_S, labelled
+from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, continuation, silent_failure,
+                                      waited_on)
+from kvcentric.core.openai_api import ApiError
+from kvcentric.core.protocol import Cancel, Placement, RequestOutcome, SamplingParams, Subjects
+from kvcentric.runtime.bus import Bus
+from kvcentric.runtime.http import RETRY_AFTER_S, Metrics
+
+WATCH_PERIOD_S = 0.1
+"""How often the requests being served are checked against the instances heard from."""
+
+Place = Callable[[relay.Job, list[int], SamplingParams], Awaitable[Placement]]
+
+
+class Migrations:
+    """Watches the instances of the requests in `running` and migrates those they fail."""
+
+    def __init__(self, bus: Bus, metrics: Metrics, running: Mapping[int, relay.Job], policy: MigrationPolicy,
+                 silent_after_s: float) -> None:
+        self.bus, self.counters, self.running, self.policy = bus, metrics.counters, running, policy
+        self.watch = InstanceWatch(silent_after_s)
+        self.detect = metrics.histogram("migration_detect_seconds", LATENCY_BUCKETS_S,
+                                        help="an instance's last load report to its requests' migration")
+        self.gap = metrics.histogram("migration_gap_seconds", LATENCY_BUCKETS_S,
+                                     help="a migrated request's last token before the failure to its next token")
+
+    async def start(self, spawn: Callable[[Awaitable, str], object],
+                    every: Callable[[float, Callable[[], Awaitable[None]]], Awaitable[None]]) -> None:
+        await self.bus.subscribe_raw(Subjects.LOAD_ALL, cb=self.on_report)
+        spawn(every(WATCH_PERIOD_S, self.check), "migration-watch")
+
+    async def on_report(self, msg) -> None:
+        """Any load report says its instance lives (`kvc.load.<role>.<id>`: the subject names it)."""
+        self.watch.heard_from(msg.subject.rpartition(".")[2], time.monotonic())
+
+    def placed(self, job: relay.Job) -> None:
+        """The request was placed: its instances are watched from now on."""
+        assert job.placement is not None
+        now = time.monotonic()
+        for instance_id in waited_on(job.placement, 0):
+            self.watch.expect(instance_id, now)
+
+    def received(self, job: relay.Job, tokens: int) -> None:
+        """Tokens came: a migrated request's stall is over."""
+        if tokens and job.stalled_at is not None:
+            self.gap.observe(time.perf_counter() - job.stalled_at)
+            job.stalled_at = None
+
+    async def check(self) -> None:
+        """End the wait of every request whose instance went silent (its token reader then migrates it)."""
+        now = time.monotonic()
+        for job in list(self.running.values()):
+            if job.failure is not None or job.placement is None or job.output is None:
+                continue
+            failure = silent_failure(job.placement, len(job.received), self.watch, now)
+            if failure is not None:
+                job.failure = failure
+                self.detect.observe(failure.silence_s)
+                with contextlib.suppress(nats.errors.Error):
+                    await job.output.unsubscribe()
+
+    async def migrate(self, job: relay.Job, place: Place) -> None:
+        """Place the continuation of `job`, whose placement failed it (`job.failure`), and listen to its
+        tokens; an ApiError 503 with Retry-After when it cannot be migrated or placed."""
+        failure = await self.blame(job, job.failure or Failure("engine_error", "the request failed"))
+        await self.leave(job, failure)
+        refusal = self.policy.refusal(job.request.sampling, job.migrations, len(job.received))
+        if refusal:
+            raise self.failed(failure, f"not migrated: {refusal}")
+        job.migrations += 1
+        self.counters[labelled("migrations_total", reason=failure.reason)] += 1
+        if failure.instance_id:
+            job.avoid.append(failure.instance_id)
+        if job.stalled_at is None:
+            job.stalled_at = job.last_token_at or job.started
+        job.bus_id = f"{job.request_id}-m{job.migrations}"
+        job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
+        prompt, sampling = continuation(job.token_ids, job.received, job.request.sampling)
+        try:
+            await place(job, prompt, sampling)
+        except ApiError as exc:
+            raise self.failed(failure, f"its migration was not placed: {exc.message}") from None
+        job.failure = None
+
+    async def blame(self, job: relay.Job, failure: Failure) -> Failure:
+        """An engine's error chunk does not say which instance failed: the one of the request's instances
+        that goes silent within about a detection time, if any (it is not placed on again)."""
+        if failure.instance_id or job.placement is None:
+            return failure
+        deadline = time.monotonic() + 1.5 * self.watch.silent_after_s
+        while time.monotonic() < deadline:
+            silent = silent_failure(job.placement, len(job.received), self.watch, time.monotonic())
+            if silent is not None:
+                return Failure(failure.reason, f"{failure.message} ({silent.message})", silent.instance_id)
+            await asyncio.sleep(WATCH_PERIOD_S)
+        return failure
+
+    async def leave(self, job: relay.Job, failure: Failure) -> None:
+        """Drop the failed placement: stop listening, cancel it where it may still run, and tell the
+        conductor it ended (its accounting forgets it)."""
+        with contextlib.suppress(nats.errors.Error):
+            await job.output.unsubscribe()
+        placement, bus_id = job.placement, job.bus_id
+        await self.bus.publish(Subjects.cancel(bus_id), Cancel(request_id=bus_id, reason=f"gateway: {failure.message}"))
+        if placement is not None:
+            await self.bus.publish(Subjects.OUTCOME, RequestOutcome(
+                request_id=bus_id, prefill_id=placement.prefill_id, decode_id=placement.decode_id,
+                finish_reason="migrated", ttft_s=-1.0, e2e_s=time.perf_counter() - job.started,
+                prompt_tokens=len(job.token_ids), completion_tokens=len(job.received)))
+
+    def failed(self, failure: Failure, why: str) -> ApiError:
+        self.counters[labelled("migrations_failed_total", reason=failure.reason)] += 1
+        return ApiError(503, f"{failure.message}; {why}", kind="service_unavailable",
+                        headers={"Retry-After": RETRY_AFTER_S})

@@ -1,0 +1,127 @@
+"""Request migration's decisions: which instances a request waits on, when one is silent, which error chunks
+migrate, how many times, and the continuation that goes on after the tokens already streamed."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation, history,
+                                      silent_failure, waited_on)
+from kvcentric.core.protocol import Placement, SamplingParams, ScheduleRequest, TokenChunk
+
+PLACED = Placement(request_id="r1", prefill_id="p0", decode_id="d0", decode_kv_addr="a:1")
+
+
+def watch_with(*heard: tuple[str, float], silent_after_s: float = 1.5) -> InstanceWatch:
+    watch = InstanceWatch(silent_after_s)
+    for instance_id, at in heard:
+        watch.heard_from(instance_id, at)
+    return watch
+
+
+def test_a_request_waits_on_prefill_and_decode_before_its_first_token_and_on_decode_after():
+    assert waited_on(PLACED, 0) == ("p0", "d0")
+    assert waited_on(PLACED, 3) == ("d0",)
+
+
+def test_a_colocated_placement_waits_on_its_one_instance_once():
+    colocated = Placement(request_id="r1", prefill_id="c0", decode_id="c0", decode_kv_addr="a:1")
+    assert waited_on(colocated, 0) == ("c0",)
+
+
+def test_an_instance_not_heard_for_silent_after_s_while_others_are_is_silent():
+    watch = watch_with(("d0", 10.0), ("p0", 12.0))
+    assert not watch.silent("d0", 11.4)
+    assert watch.silent("d0", 12.0)
+    assert watch.silence_s("d0", 12.0) == pytest.approx(2.0)
+
+
+def test_nobody_heard_is_not_silence_until_three_times_as_long():
+    """A gateway whose loop stalled or that lost the bus hears nobody: that alone kills no instance."""
+    watch = watch_with(("d0", 10.0), ("p0", 10.0))
+    assert not watch.silent("d0", 13.0)
+    assert watch.silent("d0", 14.6)
+
+
+def test_an_instance_placed_on_but_never_heard_has_silent_after_s_from_its_placement():
+    watch = watch_with(("p0", 10.0))
+    watch.expect("d9", 10.0)
+    watch.heard_from("p0", 11.0)
+    assert not watch.silent("d9", 11.0)
+    watch.heard_from("p0", 12.0)
+    assert watch.silent("d9", 12.0)
+    assert not watch.silent("never-placed", 100.0)
+
+
+def test_a_silent_decode_fails_its_requests_and_a_silent_prefill_only_those_without_a_token():
+    watch = watch_with(("p0", 10.0), ("d0", 10.0), ("p1", 12.0))
+    failure = silent_failure(PLACED, 5, watch, 12.0)
+    assert failure is not None and failure.reason == "decode_silent" and failure.instance_id == "d0"
+    watch.heard_from("d0", 12.0)
+    assert silent_failure(PLACED, 5, watch, 12.0) is None
+    prefill_gone = silent_failure(PLACED, 0, watch, 12.0)
+    assert prefill_gone is not None and prefill_gone.reason == "prefill_silent"
+    assert prefill_gone.silence_s == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("status, migrates", [(500, True), (503, True), (429, False)])
+def test_error_chunks_of_failed_instances_migrate_and_overload_does_not(status, migrates):
+    chunk = TokenChunk.failed("r1", "KV transfer failed: push did not complete", prompt_tokens=5, status=status)
+    failure = chunk_failure(chunk)
+    assert (failure is not None) == migrates
+    if failure is not None:
+        assert failure.reason == "engine_error" and "KV transfer failed" in failure.message
+
+
+def test_tokens_and_the_final_chunk_are_no_failure():
+    assert chunk_failure(TokenChunk(request_id="r1", seq=1, token_ids=[7])) is None
+    assert chunk_failure(TokenChunk.final("r1", "length", seq=2, token_ids=[8], prompt_tokens=3,
+                                          completion_tokens=2)) is None
+
+
+def test_a_request_is_migrated_at_most_max_migrations_times():
+    policy = MigrationPolicy(max_migrations=2)
+    sampling = SamplingParams(max_tokens=10)
+    assert policy.refusal(sampling, 0, 3) == ""
+    assert policy.refusal(sampling, 1, 3) == ""
+    assert "--max-migrations 2" in policy.refusal(sampling, 2, 3)
+    assert MigrationPolicy(max_migrations=0).refusal(sampling, 0, 0) != ""
+
+
+def test_parallel_sampling_is_not_migrated():
+    assert "n or best_of" in MigrationPolicy().refusal(SamplingParams(max_tokens=10, n=2), 0, 3)
+
+
+def test_the_continuation_is_the_prompt_and_the_tokens_received_with_the_rest_of_max_tokens():
+    sampling = SamplingParams(max_tokens=10, seed=3, presence_penalty=0.5, min_tokens=6, prompt_logprobs=1)
+    prompt, resumed = continuation([1, 2, 3], [7, 8, 9, 7], sampling)
+    assert prompt == [1, 2, 3, 7, 8, 9, 7]
+    assert resumed.max_tokens == 6 and resumed.resumed_tokens == 4
+    assert resumed.seed == 3 and resumed.min_tokens == 6 and resumed.presence_penalty == 0.5
+    assert resumed.prompt_logprobs is None  # sent with the first token already
+
+
+def test_a_continuation_before_any_token_is_the_request_itself():
+    sampling = SamplingParams(max_tokens=10, prompt_logprobs=1)
+    assert continuation([1, 2, 3], [], sampling) == ([1, 2, 3], sampling)
+
+
+def test_a_second_migration_counts_every_token_received_since_the_start():
+    sampling = SamplingParams(max_tokens=10)
+    _, once = continuation([1, 2], [5, 6], sampling)
+    prompt, twice = continuation([1, 2], [5, 6, 7, 8, 9], sampling)
+    assert prompt == [1, 2, 5, 6, 7, 8, 9] and twice.max_tokens == 5 and twice.resumed_tokens == 5
+    assert once.max_tokens + 2 == sampling.max_tokens
+
+
+def test_the_engines_see_the_original_prompt_and_output_of_a_continuation():
+    sampling = SamplingParams(max_tokens=10)
+    prompt, resumed = continuation([1, 2, 3], [7, 8], sampling)
+    assert history(resumed, prompt, [9]) == ([1, 2, 3], [7, 8, 9])
+    assert history(sampling, [1, 2, 3], [7]) == ([1, 2, 3], [7])
+
+
+def test_a_continuation_asks_the_conductor_to_avoid_the_instances_that_failed_it():
+    request = ScheduleRequest(request_id="r1-m1", n_tokens=5, block_hashes=[], max_tokens=4, avoid=["d0"])
+    assert request.avoid == ["d0"]
+    assert Failure("decode_silent", "gone", "d0").instance_id == "d0"
