@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -32,8 +33,8 @@ class Migrations:
     """Watches the instances of the requests in `running` and migrates those they fail."""
 
     def __init__(self, bus: Bus, metrics: Metrics, running: Mapping[int, relay.Job], policy: MigrationPolicy,
-                 silent_after_s: float) -> None:
-        self.bus, self.counters, self.running, self.policy = bus, metrics.counters, running, policy
+                 silent_after_s: float, log: logging.Logger) -> None:
+        self.bus, self.counters, self.running, self.policy, self.log = bus, metrics.counters, running, policy, log
         self.watch = InstanceWatch(silent_after_s)
         self.detect = metrics.histogram("migration_detect_seconds", LATENCY_BUCKETS_S,
                                         help="an instance's last load report to its requests' migration")
@@ -82,9 +83,11 @@ class Migrations:
         await self.leave(job, failure)
         refusal = self.policy.refusal(job.request.sampling, job.migrations, len(job.received))
         if refusal:
-            raise self.failed(failure, f"not migrated: {refusal}")
+            raise self.failed(job, failure, f"not migrated: {refusal}")
         job.migrations += 1
         self.counters[labelled("migrations_total", reason=failure.reason)] += 1
+        self.log.warning("request %s: %s; migrating it (%d of at most %d) after %d tokens", job.request_id,
+                         failure.message, job.migrations, self.policy.max_migrations, len(job.received))
         if failure.instance_id:
             job.avoid.append(failure.instance_id)
         if job.stalled_at is None:
@@ -95,7 +98,7 @@ class Migrations:
         try:
             await place(job, prompt, sampling)
         except ApiError as exc:
-            raise self.failed(failure, f"its migration was not placed: {exc.message}") from None
+            raise self.failed(job, failure, f"its migration was not placed: {exc.message}") from None
         job.failure = None
 
     async def blame(self, job: relay.Job, failure: Failure) -> Failure:
@@ -124,7 +127,8 @@ class Migrations:
                 finish_reason="migrated", ttft_s=-1.0, e2e_s=time.perf_counter() - job.started,
                 prompt_tokens=len(job.token_ids), completion_tokens=len(job.received)))
 
-    def failed(self, failure: Failure, why: str) -> ApiError:
+    def failed(self, job: relay.Job, failure: Failure, why: str) -> ApiError:
         self.counters[labelled("migrations_failed_total", reason=failure.reason)] += 1
+        self.log.warning("request %s: %s; %s", job.request_id, failure.message, why)
         return ApiError(503, f"{failure.message}; {why}", kind="service_unavailable",
                         headers={"Retry-After": RETRY_AFTER_S})

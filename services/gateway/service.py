@@ -73,7 +73,7 @@ class GatewayService(Service):
         """The requests being served, to end their token streams when the bus connection drops."""
         self.bus.on_disconnect.append(self.end_streams)
         self.migrations = Migrations(self.bus, self.metrics, self.running, MigrationPolicy(config.max_migrations),
-                                     config.silent_after_s)
+                                     config.silent_after_s, self.log)
         self.token_texts: dict[int, str] = {}
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")

@@ -1,0 +1,167 @@
+"""Request migration on a real cluster (`kvcentric up --prefill 2 --decode 2`, fp32, greedy): a decode
+instance killed with SIGKILL mid-stream, or a prefill instance killed during a long prefill, and the client
+still gets one uninterrupted stream of exactly max_tokens tokens, the same text as an undisturbed run."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from harness import UpProcess
+from kvcentric.tools.processes import get_json
+from waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+MAX_TOKENS = 1200
+DETECTION_BOUND_S = 1.5 * 3 + 5.0
+"""The gateway's --silent-after-s at its worst (nobody heard at all) plus the 5 s a migration may take."""
+ALIVE_ERRORS = (OSError, ValueError, KeyError)
+
+
+class Stream:
+    """One streaming completion read event by event: the text, the usage, when each event arrived."""
+
+    def __init__(self, port: int, body: dict) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        self.connection.request("POST", "/v1/completions", json.dumps(payload),
+                                {"Content-Type": "application/json"})
+        self.response = self.connection.getresponse()
+        self.text, self.usage, self.errors, self.times = "", None, [], []
+
+    @property
+    def decode_id(self) -> str:
+        return self.response.getheader("x-kvcentric-decode", "")
+
+    def events(self):
+        """Each event's JSON as it comes (after its arrival time is noted), until [DONE]."""
+        while True:
+            line = self.response.readline()
+            if not line:
+                return
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):].strip()
+            if data == b"[DONE]":
+                return
+            self.times.append(time.monotonic())
+            event = json.loads(data)
+            self.take(event)
+            yield event
+
+    def take(self, event: dict) -> None:
+        if "error" in event:
+            self.errors.append(event["error"])
+        for choice in event.get("choices", []):
+            self.text += choice.get("text", "")
+        if event.get("usage"):
+            self.usage = event["usage"]
+
+    def finish(self) -> Stream:
+        for _ in self.events():
+            pass
+        self.connection.close()
+        return self
+
+
+def request(prompt: list[int]) -> dict:
+    return {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+def metric(up: UpProcess, name: str, **labels: str) -> float:
+    """A counter of the gateway's /metrics, summed over the series that carry `labels`."""
+    with urllib.request.urlopen(f"{up.url}/metrics", timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(float(line.split()[-1]) for line in lines
+               if line.split("{")[0].split(" ")[0] == name and all(label in line for label in wanted))
+
+
+def engines_alive(up: UpProcess) -> bool:
+    conductor = up.reload()["services"]["conductor-0"]["health_url"]
+    health = get_json(conductor)[1]
+    return health.get("prefill_alive") == 2 and health.get("decode_alive") == 2
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    """2 prefill + 2 decode instances of the tiny model in fp32; KV pushes capped at 0.005 Gbit/s, so a
+    1,500-token prompt's KV takes seconds to reach its decode instance (a prefill can be killed mid-way)."""
+    cluster = UpProcess(str(tmp_path_factory.mktemp("up-migration")), "--prefill", "2", "--decode", "2",
+                        "--model", "tiny", "--prefill-chunk", "64",
+                        env={"KVC_KV_RATE_LIMIT_GBPS": "0.005", "KVC_HOST_POOL_MB": "0"})
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def kill(up: UpProcess, name: str) -> float:
+    os.kill(up.reload()["services"][name]["pid"], signal.SIGKILL)
+    return time.monotonic()
+
+
+def test_a_stream_whose_decode_instance_is_killed_goes_on_elsewhere_with_the_same_tokens(up):
+    prompt = [3 + (i * 7) % 250 for i in range(100)]
+    reference = Stream(up.port, request(prompt)).finish()
+    assert reference.errors == [] and reference.usage["completion_tokens"] == MAX_TOKENS
+    before = metric(up, "kvc_migrations_total", reason="decode_silent")
+
+    stream = Stream(up.port, request(prompt))
+    events = stream.events()
+    next(events)  # the first token is out: the decode instance is generating
+    killed_at = kill(up, stream.decode_id)
+    for _ in events:
+        pass
+    stream.connection.close()
+
+    assert stream.errors == []
+    assert stream.usage["completion_tokens"] == MAX_TOKENS
+    assert stream.text == reference.text
+    assert metric(up, "kvc_migrations_total", reason="decode_silent") == before + 1
+    after_kill = [t for t in stream.times if t > killed_at]
+    resumed_s = after_kill[0] - killed_at
+    print(f"decode killed: next token {resumed_s:.2f} s later (detection + migration)")
+    assert resumed_s < DETECTION_BOUND_S
+    eventually(lambda: engines_alive(up), "the killed decode instance restarted", timeout_s=60, ignoring=ALIVE_ERRORS)
+
+
+def test_a_request_whose_prefill_instance_is_killed_mid_prefill_is_prefilled_again_elsewhere(up):
+    eventually(lambda: engines_alive(up), "every engine alive", timeout_s=60, ignoring=ALIVE_ERRORS)
+    prompt = [5 + (i * 13) % 240 for i in range(1500)]
+    body = {**request(prompt), "max_tokens": 64}
+    reference = Stream(up.port, body).finish()
+    assert reference.errors == [] and reference.usage["completion_tokens"] == 64
+    before = metric(up, "kvc_migrations_total")
+    before_decode = metric(up, "kvc_migrations_total", reason="decode_silent")
+    chunks = {name: up.health(name)["stats"]["prefill_chunks"] for name in ("prefill-0", "prefill-1")}
+
+    other = [3 + (i * 11) % 250 for i in range(1500)]  # uncached: computed whole, then its KV pushed slowly
+    started = time.monotonic()
+    stream_box: list[Stream] = []
+    opener = threading.Thread(target=lambda: stream_box.append(Stream(up.port, {**request(other), "max_tokens": 64})))
+    opener.start()
+    busy = eventually(lambda: next((name for name in chunks if up.health(name)["stats"]["prefill_chunks"] >
+                                    chunks[name]), None), "a prefill instance took the request", timeout_s=30,
+                      every_s=0.02)
+    killed_at = kill(up, busy)
+    opener.join(60)
+    stream = stream_box[0].finish()
+
+    assert stream.errors == [], stream.errors
+    assert stream.usage["completion_tokens"] == 64
+    assert metric(up, "kvc_migrations_total") == before + 1
+    assert metric(up, "kvc_migrations_total", reason="decode_silent") == before_decode
+    print(f"prefill killed {killed_at - started:.2f} s into the request; first token "
+          f"{stream.times[0] - killed_at:.2f} s after the kill")
+    assert stream.times[0] - killed_at < DETECTION_BOUND_S + 10  # the whole prompt is computed and pushed again
+    undisturbed = Stream(up.port, {**request(other), "max_tokens": 64}).finish()
+    assert stream.text == undisturbed.text
