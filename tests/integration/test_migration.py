@@ -36,6 +36,8 @@ class Stream:
                                 {"Content-Type": "application/json"})
         self.response = self.connection.getresponse()
         self.text, self.usage, self.errors, self.times = "", None, [], []
+        if self.response.status != 200:  # failed before its stream opened: an error object, no events
+            self.errors.append(json.loads(self.response.read() or b"{}").get("error", self.response.status))
 
     @property
     def decode_id(self) -> str:
