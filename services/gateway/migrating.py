@@ -53,6 +53,7 @@ class Migrations:
     def placed(self, job: relay.Job) -> None:
         """The request was placed: its instances are watched from now on."""
         assert job.placement is not None
+        job.received_before = len(job.received)
         now = time.monotonic()
         for instance_id in waited_on(job.placement, 0):
             self.watch.expect(instance_id, now)
@@ -63,13 +64,18 @@ class Migrations:
             self.gap.observe(time.perf_counter() - job.stalled_at)
             job.stalled_at = None
 
+    @staticmethod
+    def since_placed(job: relay.Job) -> int:
+        """Tokens its current placement sent (none yet: it still waits on its prefill instance too)."""
+        return len(job.received) - job.received_before
+
     async def check(self) -> None:
         """End the wait of every request whose instance went silent (its token reader then migrates it)."""
         now = time.monotonic()
         for job in list(self.running.values()):
             if job.failure is not None or job.placement is None or job.output is None:
                 continue
-            failure = silent_failure(job.placement, len(job.received), self.watch, now)
+            failure = silent_failure(job.placement, self.since_placed(job), self.watch, now)
             if failure is not None:
                 job.failure = failure
                 self.detect.observe(failure.silence_s)
@@ -108,7 +114,7 @@ class Migrations:
             return failure
         deadline = time.monotonic() + 1.5 * self.watch.silent_after_s
         while time.monotonic() < deadline:
-            silent = silent_failure(job.placement, len(job.received), self.watch, time.monotonic())
+            silent = silent_failure(job.placement, self.since_placed(job), self.watch, time.monotonic())
             if silent is not None:
                 return Failure(failure.reason, f"{failure.message} ({silent.message})", silent.instance_id)
             await asyncio.sleep(WATCH_PERIOD_S)

@@ -60,6 +60,8 @@ class Job:
     migration so that the instances it left can neither mix into its stream nor be cancelled with it."""
     received: list[int] = dataclasses.field(default_factory=list)
     """The tokens of its first sequence that reached the gateway (what a migration goes on after)."""
+    received_before: int = 0
+    """Of `received`, the tokens that came before its current placement (a migration's continuation)."""
     migrations: int = 0
     failure: Failure | None = None
     """Set when its placement cannot finish it (an instance went silent or failed it): it is migrating."""

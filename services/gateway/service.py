@@ -336,7 +336,7 @@ class GatewayService(Service):
             await job.output.unsubscribe()
         self.counters["schedule_retries_total"] += 1
         job.bus_id = f"{job.bus_id.partition('-')[0]}-{uuid.uuid4().hex}"
-        if not job.received:  # nothing reached the client yet: it hears the new id too
+        if job.placement is None:  # its first placement: the client hears the new id too
             job.request_id = job.bus_id
         job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         return msgspec.structs.replace(ask, request_id=job.bus_id)

@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from harness import UpProcess
+from harness import UpProcess, spawn_service
 from kvcentric.tools.processes import get_json
 from waiting import eventually
 
@@ -136,27 +136,37 @@ def test_a_stream_whose_decode_instance_is_killed_goes_on_elsewhere_with_the_sam
     eventually(lambda: engines_alive(up), "the killed decode instance restarted", timeout_s=60, ignoring=ALIVE_ERRORS)
 
 
+def start_in_background(port: int, body: dict) -> tuple[threading.Thread, list[Stream]]:
+    """A streaming request opened in a thread (its response comes with its first token)."""
+    opened: list[Stream] = []
+    opener = threading.Thread(target=lambda: opened.append(Stream(port, body)))
+    opener.start()
+    return opener, opened
+
+
+def prefill_chunks(up: UpProcess) -> dict[str, int]:
+    return {name: up.health(name)["stats"]["prefill_chunks"] for name in ("prefill-0", "prefill-1")}
+
+
+def kill_busy_prefill(up: UpProcess, before: dict[str, int]) -> float:
+    """SIGKILL the prefill instance that has computed a chunk since `before`; when."""
+    busy = eventually(lambda: next((name for name, chunks in prefill_chunks(up).items() if chunks > before[name]),
+                                   None), "a prefill instance took the request", timeout_s=30, every_s=0.02)
+    return kill(up, busy)
+
+
 def test_a_request_whose_prefill_instance_is_killed_mid_prefill_is_prefilled_again_elsewhere(up):
     eventually(lambda: engines_alive(up), "every engine alive", timeout_s=60, ignoring=ALIVE_ERRORS)
-    prompt = [5 + (i * 13) % 240 for i in range(1500)]
-    body = {**request(prompt), "max_tokens": 64}
-    reference = Stream(up.port, body).finish()
-    assert reference.errors == [] and reference.usage["completion_tokens"] == 64
     before = metric(up, "kvc_migrations_total")
     before_decode = metric(up, "kvc_migrations_total", reason="decode_silent")
-    chunks = {name: up.health(name)["stats"]["prefill_chunks"] for name in ("prefill-0", "prefill-1")}
+    chunks = prefill_chunks(up)
+    body = {**request([3 + (i * 11) % 250 for i in range(1500)]), "max_tokens": 64}  # uncached: computed whole
 
-    other = [3 + (i * 11) % 250 for i in range(1500)]  # uncached: computed whole, then its KV pushed slowly
     started = time.monotonic()
-    stream_box: list[Stream] = []
-    opener = threading.Thread(target=lambda: stream_box.append(Stream(up.port, {**request(other), "max_tokens": 64})))
-    opener.start()
-    busy = eventually(lambda: next((name for name in chunks if up.health(name)["stats"]["prefill_chunks"] >
-                                    chunks[name]), None), "a prefill instance took the request", timeout_s=30,
-                      every_s=0.02)
-    killed_at = kill(up, busy)
+    opener, opened = start_in_background(up.port, body)
+    killed_at = kill_busy_prefill(up, chunks)
     opener.join(60)
-    stream = stream_box[0].finish()
+    stream = opened[0].finish()
 
     assert stream.errors == [], stream.errors
     assert stream.usage["completion_tokens"] == 64
@@ -165,5 +175,27 @@ def test_a_request_whose_prefill_instance_is_killed_mid_prefill_is_prefilled_aga
     print(f"prefill killed {killed_at - started:.2f} s into the request; first token "
           f"{stream.times[0] - killed_at:.2f} s after the kill")
     assert stream.times[0] - killed_at < DETECTION_BOUND_S + 10  # the whole prompt is computed and pushed again
-    undisturbed = Stream(up.port, {**request(other), "max_tokens": 64}).finish()
+    undisturbed = Stream(up.port, body).finish()
     assert stream.text == undisturbed.text
+
+
+def test_a_request_that_may_not_be_migrated_ends_soon_with_a_503_and_retry_after(up):
+    """A gateway of its own with --max-migrations 0 on the same cluster: the request whose prefill dies gets
+    its 503 within the detection bound instead of waiting for --request-timeout-s."""
+    eventually(lambda: engines_alive(up), "every engine alive", timeout_s=60, ignoring=ALIVE_ERRORS)
+    gateway, port = spawn_service("gateway", up.manifest["nats_url"], "--max-migrations", "0")
+    try:
+        chunks = prefill_chunks(up)
+        opener, opened = start_in_background(port, {**request([7 + (i * 5) % 240 for i in range(1500)]),
+                                                    "max_tokens": 64})
+        killed_at = kill_busy_prefill(up, chunks)
+        opener.join(60)
+        answered_s = time.monotonic() - killed_at
+        response = opened[0].response
+        assert response.status == 503 and response.getheader("Retry-After") == "1"
+        assert "not migrated" in opened[0].errors[0]["message"]
+        print(f"not migrated: 503 {answered_s:.2f} s after the kill")
+        assert answered_s < DETECTION_BOUND_S
+    finally:
+        gateway.terminate()
+        gateway.wait(10)
