@@ -16,10 +16,10 @@ import nats.errors
 
 from kvc_gateway import relay
 from kvcentric.core.metrics import LATENCY_BUCKETS_S, labelled
-from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, continuation, silent_failure,
-                                      waited_on)
+from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation,
+                                      silent_failure, waited_on, worth_waiting_for_culprit)
 from kvcentric.core.openai_api import ApiError
-from kvcentric.core.protocol import Cancel, Placement, RequestOutcome, SamplingParams, Subjects
+from kvcentric.core.protocol import Cancel, Placement, RequestOutcome, SamplingParams, Subjects, TokenChunk
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.http import RETRY_AFTER_S, Metrics
 
@@ -82,10 +82,22 @@ class Migrations:
                 with contextlib.suppress(nats.errors.Error):
                     await job.output.unsubscribe()
 
+    async def failure_of(self, job: relay.Job, chunk: TokenChunk) -> Failure | None:
+        """The failure an error chunk means, with the instance to blame when it can be found (it goes
+        silent within about a detection time); None: the chunk goes to the client as it is."""
+        failure = chunk_failure(chunk)
+        if failure is None:
+            return None
+        failure = await self.blame(job, failure)
+        if failure.needs_culprit and not failure.instance_id:
+            self.counters["engine_errors_passed_on_total"] += 1
+            return None
+        return failure
+
     async def migrate(self, job: relay.Job, place: Place) -> None:
         """Place the continuation of `job`, whose placement failed it (`job.failure`), and listen to its
         tokens; an ApiError 503 with Retry-After when it cannot be migrated or placed."""
-        failure = await self.blame(job, job.failure or Failure("engine_error", "the request failed"))
+        failure = job.failure or Failure("engine_error", "the request failed")
         await self.leave(job, failure)
         refusal = self.policy.refusal(job.request.sampling, job.migrations, len(job.received))
         if refusal:
@@ -110,13 +122,15 @@ class Migrations:
     async def blame(self, job: relay.Job, failure: Failure) -> Failure:
         """An engine's error chunk does not say which instance failed: the one of the request's instances
         that goes silent within about a detection time, if any (it is not placed on again)."""
-        if failure.instance_id or job.placement is None:
+        if failure.instance_id or job.placement is None or \
+                not worth_waiting_for_culprit(job.placement, self.since_placed(job), self.watch):
             return failure
         deadline = time.monotonic() + 1.5 * self.watch.silent_after_s
         while time.monotonic() < deadline:
             silent = silent_failure(job.placement, self.since_placed(job), self.watch, time.monotonic())
             if silent is not None:
-                return Failure(failure.reason, f"{failure.message} ({silent.message})", silent.instance_id)
+                return Failure(failure.reason, f"{failure.message} ({silent.message})", silent.instance_id,
+                               silent.silence_s)
             await asyncio.sleep(WATCH_PERIOD_S)
         return failure
 

@@ -30,7 +30,7 @@ from kvc_gateway.textstream import TextStream
 from kvcentric.core.dispatch import jobs
 from kvcentric.core.errors import rejection_error
 from kvcentric.core.hashing import BlockHasher, to_hex
-from kvcentric.core.migration import MigrationPolicy, chunk_failure
+from kvcentric.core.migration import MigrationPolicy
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
 from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
@@ -378,7 +378,9 @@ class GatewayService(Service):
                     self.counters["bus_drops_total"] += 1
                     self.log.warning("dropped a token chunk: %s", exc)
                     continue
-                job.failure = job.failure or chunk_failure(chunk)
+                if job.failure is None and chunk.finish_reason == "error":
+                    found = await self.migrations.failure_of(job, chunk)
+                    job.failure = job.failure or found  # the watch may have found a silent instance meanwhile
                 if job.failure is not None:
                     break
                 if chunk.index == 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation, history,
-                                      silent_failure, waited_on)
+                                      silent_failure, waited_on, worth_waiting_for_culprit)
 from kvcentric.core.protocol import Placement, SamplingParams, ScheduleRequest, TokenChunk
 
 PLACED = Placement(request_id="r1", prefill_id="p0", decode_id="d0", decode_kv_addr="a:1")
@@ -64,13 +64,27 @@ def test_a_silent_decode_fails_its_requests_and_a_silent_prefill_only_those_with
     assert prefill_gone.silence_s == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("status, migrates", [(500, True), (503, True), (429, False)])
-def test_error_chunks_of_failed_instances_migrate_and_overload_does_not(status, migrates):
+@pytest.mark.parametrize("status, migrates, needs_culprit", [(500, True, True), (503, True, False),
+                                                             (429, False, False)])
+def test_error_chunks_of_failed_instances_migrate_and_overload_does_not(status, migrates, needs_culprit):
+    """A 503 says an instance is gone; a 500 migrates only once one of the request's instances is found
+    silent (else it was a live engine's error, passed on); a 429 is overload, never migrated."""
     chunk = TokenChunk.failed("r1", "KV transfer failed: push did not complete", prompt_tokens=5, status=status)
     failure = chunk_failure(chunk)
     assert (failure is not None) == migrates
     if failure is not None:
         assert failure.reason == "engine_error" and "KV transfer failed" in failure.message
+        assert failure.needs_culprit == needs_culprit
+
+
+def test_a_culprit_is_looked_for_only_among_instances_that_ever_reported():
+    watch = InstanceWatch(1.5)
+    watch.expect("p0", 0.0)
+    watch.expect("d0", 0.0)
+    assert not worth_waiting_for_culprit(PLACED, 0, watch)
+    watch.heard_from("p0", 0.5)
+    assert worth_waiting_for_culprit(PLACED, 0, watch)
+    assert not worth_waiting_for_culprit(PLACED, 2, watch)  # after the first token only d0 counts
 
 
 def test_tokens_and_the_final_chunk_are_no_failure():

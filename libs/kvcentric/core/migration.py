@@ -36,10 +36,13 @@ class InstanceWatch:
     def __init__(self, silent_after_s: float) -> None:
         self.silent_after_s = silent_after_s
         self.heard: dict[str, float] = {}
+        self.reporting: set[str] = set()
+        """Instances heard from at least once (their silence means something)."""
         self.latest = -math.inf
 
     def heard_from(self, instance_id: str, now: float) -> None:
         self.heard[instance_id] = now
+        self.reporting.add(instance_id)
         self.latest = max(self.latest, now)
 
     def expect(self, instance_id: str, now: float) -> None:
@@ -73,6 +76,9 @@ class Failure:
     """The instance that failed it, when known (it is not placed on again by this request)."""
     silence_s: float = 0.0
     """For a silent instance: how long it had been silent when that was noticed (the detection time)."""
+    needs_culprit: bool = False
+    """Migrated only if one of the request's instances is found silent: a 500 from a live engine (a step
+    that raised, KV that a slow peer never sent) goes back to the client as it is."""
 
 
 def waited_on(placement: Placement, tokens_received: int) -> tuple[str, ...]:
@@ -95,11 +101,19 @@ def silent_failure(placement: Placement, tokens_received: int, watch: InstanceWa
 
 
 def chunk_failure(chunk: TokenChunk) -> Failure | None:
-    """An error chunk that says an instance failed the request (a 5xx: KV lost on the way, an instance
-    gone, a prefill that failed); not a 429, which is overload and goes back to the client as it is."""
+    """An error chunk that may mean an instance failed the request: a 503 (an instance gone or refusing)
+    does; a 500 (KV lost on the way, a failed step) does when one of its instances turns out silent. A 429
+    is overload and goes back to the client as it is."""
     if chunk.finish_reason != "error" or chunk.error_status == 429:
         return None
-    return Failure("engine_error", chunk.error or "an engine failed the request")
+    return Failure("engine_error", chunk.error or "an engine failed the request",
+                   needs_culprit=chunk.error_status != 503)
+
+
+def worth_waiting_for_culprit(placement: Placement, tokens_received: int, watch: InstanceWatch) -> bool:
+    """Whether an error chunk's culprit can be found by silence: some instance the request waits on has
+    reported before (one never heard from, as a stand-in engine, has no silence to judge)."""
+    return any(i in watch.reporting for i in waited_on(placement, tokens_received))
 
 
 @dataclasses.dataclass(frozen=True)
