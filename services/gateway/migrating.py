@@ -17,7 +17,7 @@ import nats.errors
 from kvc_gateway import relay
 from kvcentric.core.metrics import LATENCY_BUCKETS_S, labelled
 from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation,
-                                      silent_failure, waited_on, worth_waiting_for_culprit)
+                                      culprit_search, silent_failure, waited_on)
 from kvcentric.core.openai_api import ApiError
 from kvcentric.core.protocol import Cancel, Placement, RequestOutcome, SamplingParams, Subjects, TokenChunk
 from kvcentric.runtime.bus import Bus
@@ -83,13 +83,14 @@ class Migrations:
                     await job.output.unsubscribe()
 
     async def failure_of(self, job: relay.Job, chunk: TokenChunk) -> Failure | None:
-        """The failure an error chunk means, with the instance to blame when it can be found (it goes
-        silent within about a detection time); None: the chunk goes to the client as it is."""
+        """The failure an error chunk means when one of the request's instances goes silent within about a
+        detection time (the instance to blame); None: an error of live engines (a step that raised, a job
+        refused, KV a slow peer never sent) or an overload 429, which goes to the client as it is."""
         failure = chunk_failure(chunk)
         if failure is None:
             return None
         failure = await self.blame(job, failure)
-        if failure.needs_culprit and not failure.instance_id:
+        if not failure.instance_id:
             self.counters["engine_errors_passed_on_total"] += 1
             return None
         return failure
@@ -120,17 +121,19 @@ class Migrations:
         job.failure = None
 
     async def blame(self, job: relay.Job, failure: Failure) -> Failure:
-        """An engine's error chunk does not say which instance failed: the one of the request's instances
-        that goes silent within about a detection time, if any (it is not placed on again)."""
-        if failure.instance_id or job.placement is None or \
-                not worth_waiting_for_culprit(job.placement, self.since_placed(job), self.watch):
+        """An error chunk does not say which instance failed: the one of the request's instances that goes
+        silent within about a detection time, if any (it is not placed on again)."""
+        if job.placement is None:
             return failure
-        deadline = time.monotonic() + 1.5 * self.watch.silent_after_s
-        while time.monotonic() < deadline:
-            silent = silent_failure(job.placement, self.since_placed(job), self.watch, time.monotonic())
-            if silent is not None:
-                return Failure(failure.reason, f"{failure.message} ({silent.message})", silent.instance_id,
-                               silent.silence_s)
+        since = time.monotonic()
+        deadline = since + 1.5 * self.watch.silent_after_s
+        while (now := time.monotonic()) < deadline:
+            found = culprit_search(job.placement, self.since_placed(job), self.watch, since, now)
+            if found is None:
+                break
+            if found != "wait":
+                return Failure(failure.reason, f"{failure.message} ({found.message})", found.instance_id,
+                               found.silence_s)
             await asyncio.sleep(WATCH_PERIOD_S)
         return failure
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation, history,
-                                      silent_failure, waited_on, worth_waiting_for_culprit)
+                                      culprit_search, silent_failure, waited_on)
 from kvcentric.core.protocol import Placement, SamplingParams, ScheduleRequest, TokenChunk
 
 PLACED = Placement(request_id="r1", prefill_id="p0", decode_id="d0", decode_kv_addr="a:1")
@@ -64,27 +64,41 @@ def test_a_silent_decode_fails_its_requests_and_a_silent_prefill_only_those_with
     assert prefill_gone.silence_s == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("status, migrates, needs_culprit", [(500, True, True), (503, True, False),
-                                                             (429, False, False)])
-def test_error_chunks_of_failed_instances_migrate_and_overload_does_not(status, migrates, needs_culprit):
-    """A 503 says an instance is gone; a 500 migrates only once one of the request's instances is found
-    silent (else it was a live engine's error, passed on); a 429 is overload, never migrated."""
+@pytest.mark.parametrize("status, migrates", [(500, True), (503, True), (429, False)])
+def test_5xx_error_chunks_may_migrate_and_overload_does_not(status, migrates):
     chunk = TokenChunk.failed("r1", "KV transfer failed: push did not complete", prompt_tokens=5, status=status)
     failure = chunk_failure(chunk)
     assert (failure is not None) == migrates
     if failure is not None:
         assert failure.reason == "engine_error" and "KV transfer failed" in failure.message
-        assert failure.needs_culprit == needs_culprit
 
 
-def test_a_culprit_is_looked_for_only_among_instances_that_ever_reported():
+def test_the_culprit_of_an_error_chunk_is_the_instance_that_goes_silent():
+    watch = watch_with(("p0", 10.0), ("d0", 10.0), ("p1", 10.0))
+    assert culprit_search(PLACED, 0, watch, since=10.05, now=10.5) == "wait"
+    watch.heard_from("d0", 11.0)
+    watch.heard_from("p1", 11.6)
+    culprit = culprit_search(PLACED, 0, watch, since=10.05, now=11.6)
+    assert isinstance(culprit, Failure) and culprit.instance_id == "p0"
+
+
+def test_an_error_chunk_whose_instances_go_on_reporting_has_no_culprit():
+    """A live engine's error (a failed step, a refused job) is passed on: both instances reported since."""
+    watch = watch_with(("p0", 10.0), ("d0", 10.0))
+    watch.heard_from("p0", 10.2)
+    assert culprit_search(PLACED, 0, watch, since=10.1, now=10.2) == "wait"
+    watch.heard_from("d0", 10.2)
+    assert culprit_search(PLACED, 0, watch, since=10.1, now=10.2) is None
+
+
+def test_no_culprit_is_looked_for_among_instances_never_heard_or_by_a_gateway_that_hears_nobody():
     watch = InstanceWatch(1.5)
     watch.expect("p0", 0.0)
     watch.expect("d0", 0.0)
-    assert not worth_waiting_for_culprit(PLACED, 0, watch)
+    assert culprit_search(PLACED, 0, watch, since=0.1, now=0.2) is None
     watch.heard_from("p0", 0.5)
-    assert worth_waiting_for_culprit(PLACED, 0, watch)
-    assert not worth_waiting_for_culprit(PLACED, 2, watch)  # after the first token only d0 counts
+    assert culprit_search(PLACED, 0, watch, since=0.6, now=0.7) == "wait"
+    assert culprit_search(PLACED, 0, watch, since=0.6, now=2.1) is None  # nobody heard for 1.5 s
 
 
 def test_tokens_and_the_final_chunk_are_no_failure():

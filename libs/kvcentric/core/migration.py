@@ -65,6 +65,14 @@ class InstanceWatch:
     def first_silent(self, instance_ids: Iterable[str], now: float) -> str | None:
         return next((i for i in instance_ids if self.silent(i, now)), None)
 
+    def all_heard_since(self, instance_ids: Iterable[str], since: float) -> bool:
+        """Every one of them has reported after `since` (each was alive then)."""
+        return all(self.heard.get(i, -math.inf) > since for i in instance_ids)
+
+    def deaf(self, now: float) -> bool:
+        """Nobody at all has been heard for `silent_after_s`: silence tells nothing now."""
+        return now - self.latest > self.silent_after_s
+
 
 @dataclasses.dataclass(frozen=True)
 class Failure:
@@ -76,9 +84,6 @@ class Failure:
     """The instance that failed it, when known (it is not placed on again by this request)."""
     silence_s: float = 0.0
     """For a silent instance: how long it had been silent when that was noticed (the detection time)."""
-    needs_culprit: bool = False
-    """Migrated only if one of the request's instances is found silent: a 500 from a live engine (a step
-    that raised, KV that a slow peer never sent) goes back to the client as it is."""
 
 
 def waited_on(placement: Placement, tokens_received: int) -> tuple[str, ...]:
@@ -101,19 +106,28 @@ def silent_failure(placement: Placement, tokens_received: int, watch: InstanceWa
 
 
 def chunk_failure(chunk: TokenChunk) -> Failure | None:
-    """An error chunk that may mean an instance failed the request: a 503 (an instance gone or refusing)
-    does; a 500 (KV lost on the way, a failed step) does when one of its instances turns out silent. A 429
-    is overload and goes back to the client as it is."""
+    """An error chunk that may mean an instance failed the request (a 5xx: KV lost on the way when a
+    peer's stream broke, an instance gone when nobody answers on its subject, a failed step): it does when
+    one of the request's instances turns out silent (`culprit_search`). A 429 is overload and goes back to
+    the client as it is."""
     if chunk.finish_reason != "error" or chunk.error_status == 429:
         return None
-    return Failure("engine_error", chunk.error or "an engine failed the request",
-                   needs_culprit=chunk.error_status != 503)
+    return Failure("engine_error", chunk.error or "an engine failed the request")
 
 
-def worth_waiting_for_culprit(placement: Placement, tokens_received: int, watch: InstanceWatch) -> bool:
-    """Whether an error chunk's culprit can be found by silence: some instance the request waits on has
-    reported before (one never heard from, as a stand-in engine, has no silence to judge)."""
-    return any(i in watch.reporting for i in waited_on(placement, tokens_received))
+def culprit_search(placement: Placement, tokens_received: int, watch: InstanceWatch, since: float,
+                   now: float) -> Failure | None | Literal["wait"]:
+    """After an error chunk that came at `since`: the silent instance to blame, "wait" while one may yet
+    go silent, or None when none will (every instance the request waits on reported after the chunk, none
+    ever reported, or the gateway hears nobody at all)."""
+    waiting_on = waited_on(placement, tokens_received)
+    silent = silent_failure(placement, tokens_received, watch, now)
+    if silent is not None:
+        return silent
+    if not any(i in watch.reporting for i in waiting_on) or watch.deaf(now) or \
+            watch.all_heard_since(waiting_on, since):
+        return None
+    return "wait"
 
 
 @dataclasses.dataclass(frozen=True)
