@@ -129,10 +129,10 @@ def test_a_stream_whose_decode_instance_is_killed_goes_on_elsewhere_with_the_sam
     assert stream.usage["completion_tokens"] == MAX_TOKENS
     assert stream.text == reference.text
     assert metric(up, "kvc_migrations_total", reason="decode_silent") == before + 1
-    after_kill = [t for t in stream.times if t > killed_at]
-    resumed_s = after_kill[0] - killed_at
-    print(f"decode killed: next token {resumed_s:.2f} s later (detection + migration)")
-    assert resumed_s < DETECTION_BOUND_S
+    after_kill = [killed_at, *(t for t in stream.times if t > killed_at)]
+    stall_s = max(later - earlier for earlier, later in zip(after_kill, after_kill[1:]))
+    print(f"decode killed: the stream stalled {stall_s:.2f} s (detection + migration)")
+    assert stall_s < DETECTION_BOUND_S
     eventually(lambda: engines_alive(up), "the killed decode instance restarted", timeout_s=60, ignoring=ALIVE_ERRORS)
 
 
