@@ -99,7 +99,7 @@ def up(tmp_path_factory):
     1,500-token prompt's KV takes seconds to reach its decode instance (a prefill can be killed mid-way)."""
     cluster = UpProcess(str(tmp_path_factory.mktemp("up-migration")), "--prefill", "2", "--decode", "2",
                         "--model", "tiny", "--prefill-chunk", "64",
-                        env={"KVC_KV_RATE_LIMIT_GBPS": "0.005", "KVC_HOST_POOL_MB": "0"})
+                        env={"KVC_KV_RATE_LIMIT_GBPS": "0.005", "KVC_HOST_POOL_MB": "0"}, timeout_s=240.0)
     try:
         yield cluster
     finally:
