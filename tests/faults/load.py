@@ -20,7 +20,7 @@ import aiohttp
 
 CLEAN_STATUSES = {429: "rate_limit_exceeded", 503: "service_unavailable"}
 """The refusals a fault or overload may end a request with, and their OpenAI error types."""
-READ_CAP_S = 30.0
+READ_CAP_S = 15.0
 """The client gives up on a request that sent nothing for this long (it counts as hung: every bound is below)."""
 PAUSE_AFTER_FAILURE_S = 0.25
 """A closed-loop client's pause after a refusal, so that fast 503s do not turn into a flood of requests."""

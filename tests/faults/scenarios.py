@@ -53,7 +53,8 @@ SETTLE_S = 15.0
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One scenario: `action` done to the child `target` (cluster.json's name)."""
+    """One scenario: `action` done to the child `target`: cluster.json's name, or `prefill` / `decode` for
+    the instance of that role that serves the most of the load's requests at the time."""
 
     name: str
     target: str
@@ -73,26 +74,26 @@ class Fault:
 
 
 FAULTS = (
-    Fault("decode: kill -9", "decode-0", "kill", STALE_AFTER_S),
-    Fault("decode: SIGSTOP", "decode-1", "stop", STALE_AFTER_S),
-    Fault("prefill: kill -9", "prefill-0", "kill", STALE_AFTER_S),
-    Fault("prefill: SIGSTOP", "prefill-1", "stop", STALE_AFTER_S),
+    Fault("decode: kill -9", "decode", "kill", STALE_AFTER_S),
+    Fault("decode: SIGSTOP", "decode", "stop", STALE_AFTER_S),
+    Fault("prefill: kill -9", "prefill", "kill", STALE_AFTER_S),
+    Fault("prefill: SIGSTOP", "prefill", "stop", STALE_AFTER_S),
     Fault("conductor: kill -9", "conductor-0", "kill", BUS_TIMEOUT_S),
     Fault("conductor: SIGSTOP", "conductor-1", "stop", BUS_TIMEOUT_S),
     Fault("kvs-meta: kill -9", "kvs-meta", "kill", STALE_AFTER_S),
     Fault("kvs-meta: SIGSTOP", "kvs-meta", "stop", STALE_AFTER_S),
     Fault("nats-server: restarted", "nats-server", "restart", STALE_AFTER_S),
     Fault("redis-server: restarted", "redis-server", "restart", STALE_AFTER_S),
-    Fault("decode: slow receiver", "decode-0", "throttle", STALE_AFTER_S),
+    Fault("decode: slow receiver", "decode", "throttle", STALE_AFTER_S),
     Fault("3x overload", "gateway", "overload", STALE_AFTER_S),
 )
 THROTTLE_S = 6.0
 """How long the slow receiver stays slow."""
 THROTTLE_PERIOD_S, THROTTLE_RUNNING = 0.1, 0.2
 """The slow receiver runs for this share of every period and is stopped for the rest."""
-CAPACITY_CLIENTS, CAPACITY_S, OVERLOAD_FACTOR, OVERLOAD_S = 12, 4.0, 3.0, 6.0
-"""Overload: the sustainable rate is measured with this many closed-loop clients for CAPACITY_S, then
-requests arrive at OVERLOAD_FACTOR times it for OVERLOAD_S."""
+CAPACITY_CLIENTS, CAPACITY_S, OVERLOAD_FACTOR, OVERLOAD_S = 16, 4.0, 3.0, 6.0
+"""Overload: the sustainable rate (requests completed per second with this many closed-loop clients, over
+CAPACITY_S), then arrivals at OVERLOAD_FACTOR times it for OVERLOAD_S on top of the steady load."""
 
 
 @contextlib.contextmanager
@@ -179,12 +180,18 @@ def serving(up: UpProcess, load: Load, name: str) -> int:
     return stats["requests_running"] + stats["requests_queued"]
 
 
+def busiest(load: Load, role: str) -> str:
+    """The instance of `role` named on the most of the load's recent requests."""
+    named = [getattr(answer, role) for answer in load.answers[-4 * CLIENTS:]]
+    counts = {name: named.count(name) for name in ENGINES if name.startswith(role)}
+    return max(counts, key=lambda name: counts[name])
+
+
 def busy_with_a_request(up: UpProcess, load: Load, name: str) -> None:
     """Wait (a few seconds at most) until engine `name` serves a request, so that the fault catches one."""
-    if name in ENGINES:
-        with contextlib.suppress(AssertionError):
-            eventually(lambda: serving(up, load, name), f"{name} serving a request", timeout_s=10.0, every_s=0.01,
-                       ignoring=(OSError,))
+    with contextlib.suppress(AssertionError):
+        eventually(lambda: serving(up, load, name), f"{name} serving a request", timeout_s=10.0, every_s=0.01,
+                   ignoring=(OSError,))
 
 
 def restarted(up: UpProcess, name: str, said_before: int) -> float:
@@ -208,8 +215,11 @@ def throttle(pid_: int, seconds: float) -> None:
 
 def inject(up: UpProcess, load: Load, fault: Fault, notes: dict) -> float:
     """Do `fault` to the running cluster; returns the moment it ended (time.monotonic())."""
-    target = pid(up, fault.target) if fault.action != "overload" else 0
-    busy_with_a_request(up, load, fault.target)
+    name = busiest(load, fault.target) if fault.target in ("prefill", "decode") else fault.target
+    target = pid(up, name)
+    if name in ENGINES:
+        busy_with_a_request(up, load, name)
+        notes["target"], notes["target_serving_at_fault"] = name, serving(up, load, name)
     notes["in_flight_at_fault"] = len(load.in_flight())
     if fault.action == "kill":
         os.kill(target, signal.SIGKILL)
@@ -224,7 +234,7 @@ def inject(up: UpProcess, load: Load, fault: Fault, notes: dict) -> float:
     if fault.action == "restart":
         said, killed = len(up.said), time.monotonic()
         os.kill(target, signal.SIGKILL)
-        back = restarted(up, fault.target, said)
+        back = restarted(up, name, said)
         notes["down_s"] = round(back - killed, 2)
         return back
     if fault.action == "throttle":
@@ -260,6 +270,7 @@ def warm(load: Load) -> None:
 def run(up: UpProcess, fault: Fault) -> tuple[Figures, dict[str, list[dict]]]:
     """One scenario from a whole cluster: load, the fault, the load on until served normally again, then
     the figures; the cluster is whole again when this returns (a killed child restarted)."""
+    started = time.monotonic()
     notes: dict = {"cluster_whole_after_s": round(wait_whole(up), 1)}
     if fault.action == "overload":
         answers, fault_end = overload(up, notes)
@@ -273,7 +284,7 @@ def run(up: UpProcess, fault: Fault) -> tuple[Figures, dict[str, list[dict]]]:
     figured, wrong = figures(fault.name, answers, fault_end, fault.bound_s, notes.pop("in_flight_at_fault", 0))
     held = blocks_leaked(up)
     figured.blocks_leaked = sum(held.values())
-    figured.notes = {**notes, "refusals": refusal_reasons(answers)}
+    figured.notes = {**notes, "scenario_s": round(time.monotonic() - started, 1), "refusals": refusal_reasons(answers)}
     if figured.blocks_leaked:
         wrong["KV blocks held when idle"] = [held]
     return figured, wrong
@@ -286,7 +297,7 @@ def overload(up: UpProcess, notes: dict) -> tuple[list[Answer], float]:
         warm(saturating)
         measured_from = time.monotonic()
         time.sleep(CAPACITY_S)
-        done = sum(answer.ok for answer in saturating.answers if answer.started >= measured_from)
+        done = sum(answer.ok and answer.ended >= measured_from for answer in list(saturating.answers))
     capacity = max(done / CAPACITY_S, 1.0)
     notes["sustained_rps"], notes["offered_rps"] = round(capacity, 2), round(OVERLOAD_FACTOR * capacity, 2)
     with Load(up.url, clients=CLIENTS) as steady:
