@@ -43,6 +43,8 @@ RUN_OF_SUCCESSES = 2 * CLIENTS
 """Successes in a row after the fault's end that show the cluster serving normally again (the load then stops)."""
 TAIL_S = 2.0
 """The load runs at most GRACE_S + this after the fault's end."""
+START_TIMEOUT_S = 240.0
+"""How long the cluster may take to start (four engines importing torch at once on a busy 2-core box)."""
 WHOLE_TIMEOUT_S = 120.0
 """How long a restarted child may take to be back (torch import and calibration on a busy 2-core box)."""
 BLOCK_SIZE = 16
@@ -100,7 +102,7 @@ CAPACITY_S), then arrivals at OVERLOAD_FACTOR times it for OVERLOAD_S on top of 
 def cluster(log_dir: str | None = None) -> Iterator[UpProcess]:
     """The scenarios' cluster, stopped at the end."""
     up = UpProcess(log_dir or tempfile.mkdtemp(prefix="kvc-faults-"), "--prefill", "2", "--decode", "2",
-                   "--conductors", "2", env={"KVC_TTFT_SLO_S": str(TTFT_SLO_S)})
+                   "--conductors", "2", timeout_s=START_TIMEOUT_S, env={"KVC_TTFT_SLO_S": str(TTFT_SLO_S)})
     try:
         yield up
     finally:

@@ -24,6 +24,7 @@ def up(tmp_path_factory):
         yield running
 
 
+@pytest.mark.timeout(600)  # the first one starts the cluster too
 @pytest.mark.parametrize("fault", FAULTS, ids=[f"{fault.target}-{fault.action}" for fault in FAULTS])
 def test_every_request_ends_cleanly_and_the_cluster_recovers(up, fault: Fault):
     figured, wrong = run(up, fault)
