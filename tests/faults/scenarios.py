@@ -17,13 +17,14 @@ import os
 import signal
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator
 
 from harness import UpProcess
 from load import Answer, Figures, Load, figures, refusal_reasons
 from waiting import eventually
 
-from kvcentric.tools.processes import get_json
+from kvcentric.tools.processes import get_json, wait_for_port
 
 ENGINES = ("prefill-0", "prefill-1", "decode-0", "decode-1")
 CONDUCTORS = ("conductor-0", "conductor-1")
@@ -197,8 +198,10 @@ def busy_with_a_request(up: UpProcess, load: Load, name: str) -> None:
 
 
 def restarted(up: UpProcess, name: str, said_before: int) -> float:
-    """When up has started `name` again (its own port answers for a server)."""
+    """When the server `name` (nats-server, redis-server) that up starts again listens on its port again."""
     up.wait_said(rf"{name} restarted \(pid \d+\)", after=said_before, timeout_s=60)
+    url = urllib.parse.urlsplit(up.manifest["nats_url" if name == "nats-server" else "redis_url"])
+    wait_for_port(url.hostname or "127.0.0.1", url.port or 0, 30)
     return time.monotonic()
 
 
@@ -249,12 +252,9 @@ def inject(up: UpProcess, load: Load, fault: Fault, notes: dict) -> float:
 
 
 def recovered(load: Load, fault_end: float) -> bool:
-    """RUN_OF_SUCCESSES answers in a row, all ended, among the requests started after the fault's end."""
-    after = sorted(load.since(fault_end), key=lambda answer: answer.started)
-    ended = [answer for answer in after if answer.ended]
-    if len(ended) < len(after) - CLIENTS or len(ended) < RUN_OF_SUCCESSES:
-        return False
-    return all(answer.ok for answer in ended[-RUN_OF_SUCCESSES:])
+    """The last RUN_OF_SUCCESSES ended requests of those started after the fault's end all succeeded."""
+    ended = [answer for answer in sorted(load.since(fault_end), key=lambda answer: answer.started) if answer.ended]
+    return len(ended) >= RUN_OF_SUCCESSES and all(answer.ok for answer in ended[-RUN_OF_SUCCESSES:])
 
 
 def run_on(load: Load, fault_end: float) -> None:
@@ -315,7 +315,7 @@ def overload(up: UpProcess, notes: dict) -> tuple[list[Answer], float]:
 
 def problems(figured: Figures, wrong: dict[str, list[dict]]) -> dict:
     """What a scenario's assertion reports: empty when the run met every promise of issue 15."""
-    found = {key: value[:8] for key, value in wrong.items() if value}
+    found: dict[str, object] = {key: value[:8] for key, value in wrong.items() if value}
     if figured.recovery_s is None or figured.recovery_s > GRACE_S:
         found["seconds to recover"] = figured.recovery_s
     return found
