@@ -148,7 +148,7 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], new_text: Callable
             job.prompt_logprobs = chunk.prompt_logprobs
         if chunk.finish_reason == "error":
             status = chunk.error_status if chunk.error_status in ERROR_KINDS else 500
-            headers = {"Retry-After": "1"} if status == 429 else None  # decode rejected it (TBT)
+            headers = {"Retry-After": "1"} if status in (429, 503) else None  # refused or gone: worth a retry
             raise ApiError(status, chunk.error or "generation failed", kind=ERROR_KINDS[status], headers=headers)
         if not 0 <= chunk.index < len(choices) or choices[chunk.index].done:
             continue

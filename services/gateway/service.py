@@ -364,7 +364,7 @@ class GatewayService(Service):
         except nats.errors.MaxPayloadError:
             raise self.too_large() from None
         if why:
-            raise ApiError(503, why, kind="service_unavailable")
+            raise ApiError(503, why, kind="service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
 
     async def token_chunks(self, job: relay.Job):
         """The request's TokenChunks in order (the reader stops once every choice has ended), across its

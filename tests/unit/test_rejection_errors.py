@@ -6,10 +6,10 @@ from kvcentric.core.errors import rejection_error, retry_after
 from kvcentric.core.protocol import Rejection
 
 
-def test_no_instance_is_503():
+def test_no_instance_is_503_worth_a_retry():
     error = rejection_error(Rejection(request_id="r1", reason="no_instance", message="no decode instance"))
     assert (error.status, error.kind, error.message, error.headers) == (503, "service_unavailable",
-                                                                         "no decode instance", {})
+                                                                         "no decode instance", {"Retry-After": "1"})
 
 
 def test_a_conductor_failure_is_500_not_the_clients_fault():

@@ -9,10 +9,11 @@ from kvcentric.core.protocol import Rejection
 
 
 def rejection_error(rejection: Rejection) -> ApiError:
-    """503 when no instance can serve the request, 500 when the conductor failed at it (not the client's
-    fault), else 429 with a Retry-After of whole seconds, at least 1."""
+    """503 when no instance can serve the request (Retry-After 1: a dead instance is restarted in seconds),
+    500 when the conductor failed at it (not the client's fault), else 429 with a Retry-After of whole
+    seconds, at least 1."""
     if rejection.reason == "no_instance":
-        return ApiError(503, rejection.message, kind="service_unavailable")
+        return ApiError(503, rejection.message, kind="service_unavailable", headers={"Retry-After": "1"})
     if rejection.reason == "bad_request":
         return ApiError(500, f"the conductor failed: {rejection.message}", kind="server_error")
     return ApiError(429, rejection.message, kind="rate_limit_exceeded", code=rejection.reason,
