@@ -103,6 +103,8 @@ class ConductorService(Service):
         await self.bus.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
         await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue=SCHEDULERS,
                                  bad_reply=lambda error: Rejection.bad_request("", error))
+        await self.bus.subscribe(Subjects.schedule_at(self.instance_id), ScheduleRequest, self.on_schedule,
+                                 bad_reply=lambda error: Rejection.bad_request("", error))
         await self.bus.subscribe(Subjects.INSTANCES, InstancesQuery, self.on_instances,
                                  bad_reply=lambda error: self.instances())
         self.tasks.spawn(self.tasks.every(10.0, self.forget_departed), "forget-departed")

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import random
 import time
 import uuid
 
@@ -33,9 +34,10 @@ from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import MigrationPolicy
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
-from kvcentric.core.protocol import (BadMessage, Cancel, Dispatch, InstancesQuery, InstancesReply, Placement,
-                                     Rejection, RequestOutcome, SamplingParams, ScheduleReply, ScheduleRequest,
-                                     Subjects, TokenChunk, decode, encode)
+from kvcentric.core.protocol import (BadMessage, Cancel, ConductorAlive, Dispatch, InstancesQuery, InstancesReply,
+                                     Placement, Rejection, RequestOutcome, SamplingParams, ScheduleReply,
+                                     ScheduleRequest, Subjects, TokenChunk, decode, encode)
+from kvcentric.core.scheduling.leadership import Leadership
 from kvcentric.model.tokenizer import load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.http import BUS_DOWN, RETRY_AFTER_S, error_response
@@ -45,6 +47,8 @@ MAX_REQUEST_ID = 256
 """Longest X-Request-ID echoed back; a longer one is replaced by the gateway's own id."""
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 NO_RESPONDERS_PAUSE_S = 0.1
+CONDUCTOR_LEASE_S = 1.5
+"""A conductor replica not heard from for this long (three of its 0.5 s heartbeats) is not asked again."""
 """Pause before asking again when no conductor is subscribed (one restarting, NATS reconnecting)."""
 
 
@@ -75,6 +79,8 @@ class GatewayService(Service):
         self.migrations = Migrations(self.bus, self.metrics, self.running, MigrationPolicy(config.max_migrations),
                                      config.silent_after_s, self.log)
         self.token_texts: dict[int, str] = {}
+        self.conductors = Leadership(f"gateway-{uuid.uuid4().hex[:8]}", time.monotonic(), CONDUCTOR_LEASE_S)
+        """The conductor replicas heard from lately: a retry after a silent one goes straight to one of them."""
         histogram = self.metrics.histogram
         self.ttft = histogram("ttft_seconds", help="time to first token, request in to first token out")
         self.tbt = histogram("tbt_seconds", TOKEN_GAP_BUCKETS_S, help="time between tokens of one request")
@@ -90,6 +96,17 @@ class GatewayService(Service):
 
     async def start(self) -> None:
         await self.migrations.start(self.tasks.spawn, self.tasks.every)
+        await self.bus.subscribe(Subjects.CONDUCTORS, ConductorAlive, self.on_conductor)
+
+    async def on_conductor(self, alive: ConductorAlive) -> None:
+        self.conductors.heard(alive.instance_id, time.monotonic())
+
+    def schedule_subject(self) -> str:
+        """Where to ask: a conductor replica that heartbeats still, chosen at random (the queue group would
+        also hand requests to a stopped one, which NATS keeps subscribed until its pings fail); the queue
+        group itself while none has been heard (a gateway just started)."""
+        live = self.conductors.peers(time.monotonic())
+        return Subjects.schedule_at(random.choice(live)) if live else Subjects.SCHEDULE
 
     def add_routes(self, app: web.Application) -> None:
         app.middlewares.append(self.check_api_key)
@@ -275,14 +292,17 @@ class GatewayService(Service):
     def prompt_text(self, job: relay.Job) -> str:
         return job.request.prompt if job.request.prompt is not None else self.tokenizer.decode(job.token_ids)
 
-    async def ask(self, subject: str, message, kind):
-        """One request/reply; while nobody is subscribed it asks again for up to --bus-timeout-s (nothing was
-        delivered, so asking again is safe)."""
+    async def ask(self, message, kind):
+        """One request/reply to a conductor; while nobody answers it asks again (another replica, or the
+        same once it is back) for up to --bus-timeout-s: nothing was delivered, so asking again is safe."""
         patience = time.monotonic() + self.config.bus_timeout_s
         while True:
+            subject = self.schedule_subject()
             try:
                 return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
             except nats.errors.NoRespondersError:
+                if subject != Subjects.SCHEDULE:  # that replica is gone although its last heartbeat is recent
+                    self.conductors.forget(subject.rpartition(".")[2])
                 if time.monotonic() < patience:
                     await asyncio.sleep(NO_RESPONDERS_PAUSE_S)
                     continue
@@ -311,9 +331,9 @@ class GatewayService(Service):
         ask = self.schedule_request(job, token_ids, sampling)
         job.dispatch_pending = ask.dispatch is not None
         try:
-            decision = await self.ask(Subjects.SCHEDULE, ask, ScheduleReply)
+            decision = await self.ask(ask, ScheduleReply)
         except SilentConductor:
-            decision = await self.ask(Subjects.SCHEDULE, await self.renew(job, ask), ScheduleReply)
+            decision = await self.ask(await self.renew(job, ask), ScheduleReply)
         job.dispatch_pending = False
         if isinstance(decision, Rejection):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1

@@ -1,7 +1,8 @@
 """The gateway rides over a conductor that dies: when nobody answers kvc.conductor.schedule (a conductor
 restarting) it asks again until --bus-timeout-s, and when the conductor that took the request goes silent
-it cancels that request id and asks the queue group once more under a new id, whose tokens it then relays.
-A stand-in conductor and engines (plain NATS subscribers) play the other side on a real NATS server."""
+it cancels that request id and asks once more under a new id, whose tokens it then relays. It asks a replica
+that heartbeats on its own subject, so a stopped replica (still subscribed) gets nothing. A stand-in conductor
+and engines (plain NATS subscribers) play the other side on a real NATS server."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 from harness import spawn_service
 from waiting import eventually_async
 
-from kvcentric.core.protocol import (Cancel, Placement, PrefillJob, ScheduleRequest, SubmitAck, Subjects, TokenChunk,
-                                     decode, encode)
+from kvcentric.core.protocol import (Cancel, ConductorAlive, Placement, PrefillJob, ScheduleRequest, SubmitAck,
+                                     Subjects, TokenChunk, decode, encode)
 from kvcentric.tools.processes import end
 
 PLACED = Placement(request_id="", prefill_id="p", decode_id="d", decode_kv_addr="127.0.0.1:1", predicted_ttft_s=0.1)
@@ -101,3 +102,42 @@ async def test_while_no_conductor_is_subscribed_the_gateway_asks_again(gateway, 
     await cluster.join()
     status, body = await asking
     assert status == 200 and body["usage"]["completion_tokens"] == 2 and len(cluster.asked) == 1
+
+
+class StoppedConductor:
+    """A replica that stopped (SIGSTOP): still subscribed in the queue group and on its own subject, it heard
+    once and then never again; it answers nothing."""
+
+    def __init__(self, nc, name: str) -> None:
+        self.nc, self.name = nc, name
+        self.asked: list[str] = []
+
+    async def join(self) -> None:
+        await self.nc.subscribe(Subjects.SCHEDULE, queue="conductor", cb=self.schedule)
+        await self.nc.subscribe(Subjects.schedule_at(self.name), cb=self.schedule)
+        await self.nc.publish(Subjects.CONDUCTORS, encode(ConductorAlive(instance_id=self.name)))
+
+    async def schedule(self, msg) -> None:
+        self.asked.append(decode(msg.data, ScheduleRequest).request_id)
+
+
+async def heartbeat(nc, name: str) -> None:
+    while True:
+        await nc.publish(Subjects.CONDUCTORS, encode(ConductorAlive(instance_id=name)))
+        await asyncio.sleep(0.5)
+
+
+async def test_requests_go_to_a_replica_that_heartbeats_not_to_a_stopped_one(gateway, nc):
+    stopped = StoppedConductor(nc, "conductor-0")
+    await stopped.join()
+    live = Cluster(nc)
+    await live.join()
+    await nc.subscribe(Subjects.schedule_at("conductor-1"), cb=live.schedule)
+    beating = asyncio.ensure_future(heartbeat(nc, "conductor-1"))
+    try:
+        await asyncio.sleep(2.0)  # the stopped replica's one heartbeat is older than the gateway's lease
+        answers = await asyncio.gather(*(complete(gateway) for _ in range(8)))
+    finally:
+        beating.cancel()
+    assert [status for status, _ in answers] == [200] * 8, answers
+    assert stopped.asked == [] and len(live.asked) == 8

@@ -42,3 +42,13 @@ def test_only_the_leader_decides_role_switches_and_every_replica_samples_the_poo
     assert len(sampled) == 1 and decided == []
     asyncio.run(loop.tick(leads=True))
     assert len(sampled) == 2 and len(decided) == 1
+
+
+def test_a_gateway_sees_every_live_replica_as_a_peer_and_forgets_one_that_no_longer_answers():
+    gateway = Leadership("gateway-1", started=0.0, lease_s=1.5)
+    gateway.heard("conductor-0", 0.0)
+    gateway.heard("conductor-1", 1.0)
+    assert gateway.peers(1.0) == ["conductor-0", "conductor-1"]
+    assert gateway.peers(2.0) == ["conductor-1"]  # conductor-0 stopped heartbeating 2 s ago
+    gateway.forget("conductor-1")
+    assert gateway.peers(2.0) == []

@@ -42,6 +42,12 @@ class Subjects:
     CANCEL_ALL = "kvc.req.*.cancel"
 
     @staticmethod
+    def schedule_at(conductor_id: str) -> str:
+        """One conductor replica's own schedule subject: a retry goes to a replica heard from lately, never
+        back through the queue group to the one that went silent."""
+        return f"kvc.conductor.schedule.{conductor_id}"
+
+    @staticmethod
     def submit(role: str, instance_id: str) -> str:
         return f"kvc.{role}.{instance_id}.submit"
 

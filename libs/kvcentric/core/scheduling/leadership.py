@@ -28,6 +28,14 @@ class Leadership:
         self.last_heard = {peer: at for peer, at in self.last_heard.items() if now - at <= self.lease_s}
         return sorted([self.instance_id, *self.last_heard])
 
+    def forget(self, instance_id: str) -> None:
+        """A replica known to be gone before its lease ran out (nobody answers on its own subject)."""
+        self.last_heard.pop(instance_id, None)
+
+    def peers(self, now: float) -> list[str]:
+        """The live replicas other than this one (for a gateway, which is none of them: all of them)."""
+        return [replica for replica in self.replicas(now) if replica != self.instance_id]
+
     def leader(self, now: float) -> str:
         return self.replicas(now)[0]
 
