@@ -7,19 +7,23 @@ Part 1 is arithmetic on the cost model: the decode step at the batch a 2× repla
 cache, against the TBT SLOs. Part 2 replays the conversation trace on 8P+8D under each condition and the
 three rejection modes, and counts which stage rejected.
 
-Usage: .venv/bin/python bench/repro_table3_binding.py   -> bench/results/table3_binding.json
+Usage: .venv/bin/python bench/repro_table3_binding.py          -> bench/results/table3_binding.json
+       .venv/bin/python bench/repro_table3_binding.py --tight  -> bench/results/table3_binding_tight.json
+(--tight: tighter TBT SLOs than the paper states, to find where decode starts to bind; --only TEXT runs only
+the conditions whose name contains TEXT and keeps the other results in the JSON)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
-from sim_common import brief, save_json, simulate
+from sim_common import RESULTS, brief, save_json, simulate
 from kvcentric.core.costmodel import decode_capacity_tokens, hardware, load_cost_model
 from kvcentric.core.sim.slo import relative_slos
 from kvcentric.model.config import preset
@@ -42,6 +46,13 @@ CONDITIONS = {  # name: (speed, decode slowdown, TBT SLO: seconds or "relative",
     "paper's request rate, decode 3x slower, TBT 0.1 s": (PAPER_RATE_SPEED, 3.0, 0.1, 0),
     "paper's request rate, decode 3x slower, relative SLOs": (PAPER_RATE_SPEED, 3.0, "relative", 0),
     "paper's request rate, decode 3x slower, TBT 0.1 s, BS_max 32": (PAPER_RATE_SPEED, 3.0, 0.1, 32),
+}
+TIGHT = {  # beyond what the paper states: the TBT SLO at which decode starts to bind on 8P+8D
+    "2x, roofline, TBT 25 ms": (2.0, 1.0, 0.025, 0),
+    "paper's request rate, roofline, TBT 25 ms": (PAPER_RATE_SPEED, 1.0, 0.025, 0),
+    "paper's request rate, roofline, TBT 22 ms": (PAPER_RATE_SPEED, 1.0, 0.022, 0),
+    "paper's request rate, decode 2x slower, TBT 50 ms": (PAPER_RATE_SPEED, 2.0, 0.05, 0),
+    "1.25x the paper's request rate, decode 3x slower, TBT 0.1 s": (round(1.25 * PAPER_RATE_SPEED, 2), 3.0, 0.1, 0),
 }
 
 
@@ -99,12 +110,20 @@ def run_condition(speed: float, profile: str, slos: tuple[float, float], max_bat
 
 
 def main() -> None:
+    tight = "--tight" in sys.argv[1:]
+    conditions, name_out = (TIGHT, "table3_binding_tight.json") if tight else (CONDITIONS, "table3_binding.json")
+    if "--only" in sys.argv[1:]:  # --only SUBSTRING: rerun the matching conditions, keep the others' results
+        wanted = sys.argv[sys.argv.index("--only") + 1]
+        conditions = {k: v for k, v in conditions.items() if wanted in k}
     results = {"paper": PAPER, "paper_rps_at_2x": round(PAPER_RPS_AT_2X, 2), "our_trace_rps_at_1x": round(TRACE_RPS, 2),
                "speed_matching_paper_rate": PAPER_RATE_SPEED, "arithmetic": arithmetic(), "references": {},
                "conditions": {}}
+    previous = RESULTS / name_out
+    if "--only" in sys.argv[1:] and previous.exists():
+        results["conditions"] = json.loads(previous.read_text())["conditions"]
     print(results["arithmetic"])
     with tempfile.TemporaryDirectory() as folder:
-        for name, (speed, slowdown, tbt, max_batch) in CONDITIONS.items():
+        for name, (speed, slowdown, tbt, max_batch) in conditions.items():
             profile = slower_decode(slowdown, Path(folder))
             if tbt == "relative":
                 key = f"decode x{slowdown}"
@@ -118,7 +137,7 @@ def main() -> None:
             cell = run_condition(speed, profile, slos, max_batch)
             results["conditions"][name] = {"speed": speed, "decode_slowdown": slowdown, "ttft_slo_s": round(slos[0], 4),
                                            "tbt_slo_s": round(slos[1], 4), "decode_max_batch": max_batch, **cell}
-            save_json("table3_binding.json", results)
+            save_json(name_out, results)
 
 
 if __name__ == "__main__":
