@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale", default="64", help="prompt and block shrink factor (512-token blocks -> 8)")
     parser.add_argument("--output-scale", default="8")
     parser.add_argument("--runs-dir", default="")
+    parser.add_argument("--name", default="fig11_12_live", help="bench/results/NAME.json and NAME.png")
     return parser.parse_args()
 
 
@@ -102,7 +103,7 @@ def judge(results: dict[str, dict[float, dict]], reference_speed: float) -> tupl
     return slos.to_dict(), table
 
 
-def plot(table: dict) -> None:
+def plot(table: dict, name: str) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, result in table.items():
@@ -117,7 +118,7 @@ def plot(table: dict) -> None:
         ax.legend(fontsize=7)
     fig.suptitle("Figures 11-12 live, small model on this 2-core VM (shared; short runs)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / "fig11_12_live.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -126,10 +127,10 @@ def main() -> None:
     runs = Path(args.runs_dir or tempfile.mkdtemp(prefix="kvc-fig11-12-"))
     results = {name: run_setup(name, flags, runs, args) for name, flags in SETUPS.items()}
     slos, table = judge(results, args.reference_speed)
-    save_json("fig11_12_live.json", {"trace": "synthetic_trace.jsonl", "settings": vars(args), "slos": slos,
+    save_json(f"{args.name}.json", {"trace": "synthetic_trace.jsonl", "settings": vars(args), "slos": slos,
                                      "machine_load_note": "2-core VM shared with other work; see docs",
                                      "results": table})
-    plot(table)
+    plot(table, args.name)
     for name, result in table.items():
         print(f"| {name} | {result['max_rps_within_slo']} |")
 
