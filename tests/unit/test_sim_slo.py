@@ -68,3 +68,12 @@ def test_sim_with_a_reference_uses_the_relative_slos(tmp_path):
 def test_sim_names_a_missing_reference(tmp_path):
     result = sim("--out", str(tmp_path / "out"), "--slo-reference", str(tmp_path / "nothing.json"))
     assert result.returncode == 1 and "nothing.json" in result.stderr
+
+
+def test_replay_with_a_reference_replaces_its_slos(tmp_path):
+    from kvcentric.tools.replay import ReplayConfig, with_slos
+    (tmp_path / "summary.json").write_text(json.dumps({"ttft_p90_s": 2.0, "tbt_p90_s": 0.04}))
+    config, slos = with_slos(ReplayConfig(slo_reference=str(tmp_path), tbt_slo_factor=4))
+    assert (config.ttft_slo_s, config.tbt_slo_s) == pytest.approx((20.0, 0.16)) == (slos.ttft_s, slos.tbt_s)
+    fixed, same = with_slos(ReplayConfig(ttft_slo_s=7.0))
+    assert fixed.ttft_slo_s == same.ttft_s == 7.0 and same.unloaded_ttft_s == 0.0
