@@ -27,6 +27,7 @@ import aiohttp
 from kvcentric.config import ConfigError, add_arguments, from_namespace, require, setting
 from kvcentric.tools.replay_http import Outcome, completion_body, send
 from kvcentric.core.sim.metrics import Record, summarize
+from kvcentric.core.sim.slo import TBT_FACTOR, TTFT_FACTOR, Slos, load_reference, normalised_p90s, relative_slos
 from kvcentric.core.sim.workload import SimRequest, load_trace, poisson_workload
 
 TRACE_BLOCK_TOKENS = 512
@@ -45,6 +46,12 @@ class ReplayConfig:
     out: str = setting("replay-out", "output directory")
     ttft_slo_s: float = setting(30.0, "TTFT SLO, seconds (Mooncake §8.1.3: 30)")
     tbt_slo_s: float = setting(0.1, "TBT SLO: a request's mean time between tokens, seconds (Mooncake: 0.1)")
+    slo_reference: str = setting("", "summary.json (or its folder) of a replay at the lowest rate: the SLOs become "
+                                     "--ttft-slo-factor and --tbt-slo-factor times its P90 TTFT and P90 TBT "
+                                     "(Mooncake §2, §8.1), replacing --ttft-slo-s and --tbt-slo-s, and the "
+                                     "plots are normalised by them")
+    ttft_slo_factor: float = setting(TTFT_FACTOR, "with --slo-reference: TTFT SLO = this × unloaded P90 TTFT")
+    tbt_slo_factor: float = setting(TBT_FACTOR, "with --slo-reference: TBT SLO = this × unloaded P90 TBT")
     api_key: str = setting("", "bearer token, for a gateway started with --api-key")
     seed: int = setting(0, "seed of the tokens each hash id becomes")
     rps: float = setting(1.0, "poisson: requests per second")
@@ -63,6 +70,7 @@ class ReplayConfig:
         require(self.scale >= 1 and self.output_scale >= 1, "scale", "--scale and --output-scale must be >= 1")
         require(self.limit >= 0 and self.max_output_tokens >= 0, "limit", "--limit and --max-output-tokens >= 0")
         require(self.ttft_slo_s > 0 and self.tbt_slo_s > 0, "ttft_slo_s", "SLOs must be positive")
+        require(self.ttft_slo_factor > 0 and self.tbt_slo_factor > 0, "ttft_slo_factor", "factors must be positive")
 
     @property
     def block_len(self) -> int:
@@ -225,7 +233,16 @@ def served_model(config: ReplayConfig) -> tuple[str, int]:
     return card["id"], int(card.get("max_model_len", 2048))
 
 
+def with_slos(config: ReplayConfig) -> tuple[ReplayConfig, Slos]:
+    """The config with its SLOs made relative to --slo-reference (if given), and the SLOs in force."""
+    if not config.slo_reference:
+        return config, Slos(config.ttft_slo_s, config.tbt_slo_s)
+    slos = relative_slos(load_reference(config.slo_reference), config.ttft_slo_factor, config.tbt_slo_factor)
+    return dataclasses.replace(config, ttft_slo_s=slos.ttft_s, tbt_slo_s=slos.tbt_s), slos
+
+
 def run(trace: str, config: ReplayConfig) -> dict:
+    config, slos = with_slos(config)
     model, max_model_len = served_model(config)
     planned = plan(workload(trace, config), config, max_model_len)
     if not planned:
@@ -236,13 +253,14 @@ def run(trace: str, config: ReplayConfig) -> dict:
                "rejected_429": sum(o.status == 429 for o in outcomes),
                "failed": sum(r.status == "failed" for r in records),
                "label": config.label or Path(trace).stem, "trace": trace, "model": model,
-               "wall_s": time.perf_counter() - start, "config": dataclasses.asdict(config)}
+               "wall_s": time.perf_counter() - start, "config": dataclasses.asdict(config), "slos": slos.to_dict()}
+    summary.update(normalised_p90s(summary, slos))
     out = Path(config.out)
     write(out, summary, [row(r, p, o, start) for r, p, o in zip(records, planned, outcomes)])
     if config.plots:
         from kvcentric.tools.replay_plots import plot_cdfs, record_values
         plot_cdfs(out / "ttft_tbt_cdf.png", {summary["label"]: record_values(records)}, config.ttft_slo_s,
-                  config.tbt_slo_s)
+                  config.tbt_slo_s, normalised=bool(config.slo_reference))
     return summary
 
 
@@ -254,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 SHOWN = ("requests", "completed", "completed_within_slo", "rejected_429", "rejected_after_prefill", "failed",
-         "ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s", "slo_attainment", "goodput_rps", "prefix_hit_ratio")
+         "ttft_p50_s", "ttft_p90_s", "tbt_p50_s", "tbt_p90_s", "ttft_p90_normalised", "tbt_p90_normalised",
+         "slo_attainment", "goodput_rps", "prefix_hit_ratio")
 
 
 def main(argv: list[str]) -> int:

@@ -24,17 +24,20 @@ def run_values(directory: str | Path) -> tuple[list[float], list[float]]:
 
 
 def plot_cdfs(path: Path, runs: dict[str, tuple[list[float], list[float]]], ttft_slo: float,
-              tbt_slo: float) -> Path | None:
-    """One PNG: TTFT CDF left, TBT CDF right, one curve per run, SLOs dashed; None without matplotlib."""
+              tbt_slo: float, normalised: bool = False) -> Path | None:
+    """One PNG: TTFT CDF left, TBT CDF right, one curve per run, SLOs dashed; None without matplotlib. With
+    `normalised`, values are divided by their SLOs (Mooncake §8.1's axes: 1.0 is the limit)."""
     plt = _pyplot()
     if plt is None:
         return None
+    ttft_scale, tbt_scale = (ttft_slo, tbt_slo) if normalised else (1.0, 1.0)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     for label, (ttfts, tbts) in runs.items():
-        cdf(left, ttfts, label, ttft_slo)
-        cdf(right, tbts, label, tbt_slo)
-    left.set_xlabel("TTFT (s)")
-    right.set_xlabel("mean time between tokens per request (s)")
+        cdf(left, [v / ttft_scale for v in ttfts], label, ttft_slo / ttft_scale)
+        cdf(right, [v / tbt_scale for v in tbts], label, tbt_slo / tbt_scale)
+    left.set_xlabel("TTFT / TTFT SLO" if normalised else "TTFT (s)")
+    right.set_xlabel("mean time between tokens per request / TBT SLO" if normalised
+                     else "mean time between tokens per request (s)")
     for ax in (left, right):
         ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()

@@ -24,6 +24,7 @@ from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName, 
 from kvcentric.core.sim.cachesim import replay_pool
 from kvcentric.core.sim.cluster import ClusterSpec, Progress, Simulation
 from kvcentric.core.sim.metrics import summarize, write_results
+from kvcentric.core.sim.slo import TBT_FACTOR, TTFT_FACTOR, Slos, load_reference, normalised_p90s, relative_slos
 from kvcentric.core.sim.workload import load_trace, poisson_workload
 
 def _shared_folder() -> Path:
@@ -69,6 +70,14 @@ class SimConfig(SchedulerConfig):
                                        "predicts each instance with its own model (default: as --profile)")
     decode_profile: str = setting("", "disaggregated: cost model JSON of the decode pool (default: as --profile)")
     decode_kv_tokens: int = setting(0, "KV tokens a decode instance holds (0: from --hardware memory)")
+    decode_max_batch: int = setting(0, "disaggregated: most sequences a decode instance runs at once, BS_max "
+                                       "(0: only its KV capacity limits the batch)")
+    slo_reference: str = setting("", "summary.json (or its folder) of a run at the lowest rate: the SLOs become "
+                                     "--ttft-slo-factor and --tbt-slo-factor times its P90 TTFT and P90 TBT "
+                                     "(Mooncake §2, §8.1), replacing --ttft-slo-s and --tbt-slo-s, and the "
+                                     "plots are normalised by them")
+    ttft_slo_factor: float = setting(TTFT_FACTOR, "with --slo-reference: TTFT SLO = this × unloaded P90 TTFT")
+    tbt_slo_factor: float = setting(TBT_FACTOR, "with --slo-reference: TBT SLO = this × unloaded P90 TBT")
     noise: float = setting(0.0, "lognormal sigma of execution-time noise (0: exact cost model)")
     low_priority_share: float = setting(0.0, "this share of requests (seeded draw) gets priority -1, the rest 0")
     sample_s: float = setting(1.0, "load sampled every this many simulated seconds (0: never)")
@@ -87,6 +96,8 @@ class SimConfig(SchedulerConfig):
             except ValueError as exc:
                 require(False, "cache_blocks", str(exc))
         require(0 <= self.low_priority_share <= 1, "low_priority_share", "must be in [0, 1]")
+        require(self.decode_max_batch >= 0, "decode_max_batch", "must be >= 0")
+        require(self.ttft_slo_factor > 0 and self.tbt_slo_factor > 0, "ttft_slo_factor", "factors must be positive")
         require(self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
         require(self.hardware in HARDWARE, "hardware", f"choose one of {', '.join(HARDWARE)}")
         for name in ("prefill_profile", "decode_profile"):
@@ -110,7 +121,8 @@ def build(config: SimConfig) -> tuple[Simulation, dict]:
         parse_capacity(config.cache_blocks)
     cluster = ClusterSpec(config.architecture, config.prefill, config.decode, config.instances,
                           config.prefill_chunk if config.chunked_prefill else 0, blocks, config.eviction, capacity,
-                          config.link_bytes_per_s, model.num_layers, config.noise, config.seed)
+                          config.link_bytes_per_s, model.num_layers, config.noise, config.seed,
+                          decode_max_batch=config.decode_max_batch)
     about = {"cost_model": cost.to_dict(), "cache_blocks_per_instance": blocks,
              "decode_capacity_tokens": capacity, "config": dataclasses.asdict(config)}
     pools = {role: CostModel.load(path) for role, path in (("prefill", config.prefill_profile),
@@ -132,9 +144,18 @@ def workload(config: SimConfig):
     return requests
 
 
+def with_slos(config: SimConfig) -> tuple[SimConfig, Slos]:
+    """The config with its SLOs made relative to --slo-reference (if given), and the SLOs in force."""
+    if not config.slo_reference:
+        return config, Slos(config.ttft_slo_s, config.tbt_slo_s)
+    slos = relative_slos(load_reference(config.slo_reference), config.ttft_slo_factor, config.tbt_slo_factor)
+    return dataclasses.replace(config, ttft_slo_s=slos.ttft_s, tbt_slo_s=slos.tbt_s), slos
+
+
 def run(config: SimConfig) -> dict:
     """Run one simulation and write its results under --out; returns the summary."""
     started = time.monotonic()
+    config, slos = with_slos(config)
     requests = workload(config)
     simulation, about = build(config)
     progress = Progress(len(requests), sys.stderr) if config.progress else None
@@ -142,13 +163,15 @@ def run(config: SimConfig) -> dict:
     if progress is not None:
         progress.close()
     summary = summarize(records, config.ttft_slo_s, config.tbt_slo_s)
+    summary.update(normalised_p90s(summary, slos), slos=slos.to_dict())
     summary["sim_wall_s"] = round(time.monotonic() - started, 2)
     summary["conductor"] = {k: round(v, 4) for k, v in simulation.conductor.stats.items()}
     out = Path(config.out)
     write_results(out, {**summary, **about}, records, simulation.series)
     if config.plots:
         from kvcentric.tools.sim_plots import plot_run
-        plot_run(out, records, simulation.series, config.ttft_slo_s, config.tbt_slo_s)
+        plot_run(out, records, simulation.series, config.ttft_slo_s, config.tbt_slo_s,
+                 normalised=bool(config.slo_reference))
     return summary
 
 
@@ -192,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         parser.exit(1, f"kvcentric sim: {exc}\n")
     keys = ("requests", "completed", "completed_within_slo", "rejected_before_prefill", "rejected_after_prefill",
-            "ttft_mean_s", "ttft_p90_s", "tbt_p90_s", "slo_attainment", "goodput_rps", "prefix_hit_ratio",
+            "ttft_mean_s", "ttft_p90_s", "tbt_p90_s", "ttft_p90_normalised", "tbt_p90_normalised", "slo_attainment",
+            "goodput_rps", "prefix_hit_ratio",
             "sim_wall_s")
     print(json.dumps({k: round(summary[k], 4) if isinstance(summary[k], float) else summary[k] for k in keys}))
     print(f"results in {config.out}/", file=sys.stderr)

@@ -31,16 +31,21 @@ def cdf(ax, values, label: str, slo: float | None = None) -> None:
     ax.grid(alpha=0.3)
 
 
-def plot_run(out: Path, records: list[Record], series: LoadSeries, ttft_slo: float, tbt_slo: float) -> list[Path]:
-    """ttft_cdf.png, tbt_cdf.png and load.png in `out`; nothing (and no error) without matplotlib."""
+def plot_run(out: Path, records: list[Record], series: LoadSeries, ttft_slo: float, tbt_slo: float,
+             normalised: bool = False) -> list[Path]:
+    """ttft_cdf.png, tbt_cdf.png and load.png in `out`; nothing (and no error) without matplotlib. With
+    `normalised`, TTFT and TBT are divided by their SLOs (Mooncake §8.1's axes: 1.0 is the limit)."""
     plt = _pyplot()
     if plt is None:
         return []
     done = [r for r in records if r.status == "completed"]
+    ttft_scale, tbt_scale = (ttft_slo, tbt_slo) if normalised else (1.0, 1.0)
     written = []
     for name, values, slo, label in (
-            ("ttft_cdf.png", [r.ttft_s for r in done], ttft_slo, "TTFT (s)"),
-            ("tbt_cdf.png", [r.tbt_s for r in done if r.request.output_len > 1], tbt_slo, "mean TBT per request (s)")):
+            ("ttft_cdf.png", [r.ttft_s / ttft_scale for r in done], ttft_slo / ttft_scale,
+             "TTFT / TTFT SLO" if normalised else "TTFT (s)"),
+            ("tbt_cdf.png", [r.tbt_s / tbt_scale for r in done if r.request.output_len > 1], tbt_slo / tbt_scale,
+             "mean TBT per request / TBT SLO" if normalised else "mean TBT per request (s)")):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         cdf(ax, values, label, slo)
         ax.set_xlabel(label)
