@@ -17,6 +17,7 @@ from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
+from kvcentric.engine.prefixkv import PrefixPulls
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.service import EngineService
@@ -54,6 +55,8 @@ class DecodeService(EngineService):
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
         self.attach(self.sink)
+        self.prefix_pulls = PrefixPulls(self.pusher, self.runner.dtype_name, self.runner.block_size)
+        self.sink.prefixes = self.prefix_pulls
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
@@ -70,6 +73,9 @@ class DecodeService(EngineService):
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:
             return SubmitAck.refused(str(exc))
+        if job.prefix_source_addr and job.prefix_tokens > 0:  # PrfaaS: the prefix comes from this cluster
+            self.prefix_pulls.start(job.request_id, job.prefix_source_addr, job.prefix_block_hashes,
+                                    job.prefix_tokens)
         self.sink.registered(job.request_id)
         self.spans.received(job.request_id)
         self.spans.start(job.request_id, "decode.queue", prompt_tokens=job.n_prompt_tokens)

@@ -164,7 +164,8 @@ class PrefillService(EngineService):
         """The rest of a computed request's push, beside the next jobs (no head-of-line blocking): a receiver
         that has not taken it all within a deadline set from its bytes and the peer's measured bandwidth is
         given up on, and only this request fails. Its blocks stay held until then (a resend reads them)."""
-        kv_bytes = work.num_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
+        kv_bytes = (work.num_tokens - work.job.kv_skip_tokens) * 2 * self.runner.config.num_layers * \
+            self.runner.layer_token_bytes
         deadline_s = drain_deadline_s(kv_bytes, self.pusher.bandwidth.get(work.job.decode_kv_addr))
         try:
             async with asyncio.timeout(deadline_s):

@@ -103,6 +103,8 @@ class ClusterRoute:
     source_blocks: int
     fallback: bool = False
     """The routed cluster had no alive prefill instance, so the other one computes."""
+    pd_holder: PrefillState | None = None
+    """The PD-cluster instance holding the longest prefix (l_pd), if any."""
 
 
 class ClusterRouter:
@@ -180,7 +182,7 @@ class ClusterRouter:
         decision = route(n, prefixes, self.pd, remote, threshold, scarce)
         fallback = not pools[decision.cluster]
         source, blocks = holders.get(decision.cache_source, (None, 0)) if decision.cache_source else (None, 0)
-        return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback)
+        return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback, holders[self.pd][0])
 
     def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
                now: float) -> PrefillChoice | None:
@@ -194,6 +196,7 @@ class ClusterRouter:
         if routed.source is not None and routed.source_blocks > choice.prefix_blocks:
             choice = self._pull_across(request, choice, routed.source, routed.source_blocks, cluster, now)
         if routed.decision.target == "prfaas":
+            self._prefix_at_decode(request, choice, routed)
             choice.ttft_s = self._crossing_ttft(request, choice, cluster, now)
         self.stats[f"routed_{routed.decision.target}"] += 1
         self.stats["route_fallbacks"] += routed.fallback
@@ -211,11 +214,24 @@ class ClusterRouter:
         return PrefillChoice(choice.instance, transfer_s + queue_s + prefill_s, prefill_s, blocks, source,
                              choice.local_blocks)
 
+    def _prefix_at_decode(self, request: ScheduleRequest, choice: PrefillChoice, routed: ClusterRoute) -> None:
+        """PrfaaS §3.3: only the part of the prompt the PD cluster lacks crosses the link; the decode
+        instance takes the PD cluster's cached prefix (l_pd tokens) from the instance holding it."""
+        pd_cached = request.n_tokens - routed.decision.kv_to_pd_tokens
+        if pd_cached > 0 and routed.pd_holder is not None:
+            choice.decode_prefix_source, choice.decode_prefix_tokens = routed.pd_holder, pd_cached
+            self.stats["kv_tokens_kept_local"] += pd_cached
+
+    def kv_to_pd_tokens(self, request: ScheduleRequest, choice: PrefillChoice) -> int:
+        """Tokens of KV a PrfaaS prefill ships to the PD cluster: the prompt less the prefix decode takes
+        from its own cluster."""
+        return request.n_tokens - (choice.decode_prefix_tokens if choice.decode_prefix_source else 0)
+
     def _crossing_ttft(self, request: ScheduleRequest, choice: PrefillChoice, cluster: str, now: float) -> float:
         """KV streams layer by layer while the prefill runs: decode has it all at the later of prefill end
         and the link having sent it (behind what is already queued on the link)."""
         start = now + choice.ttft_s - choice.prefill_s
-        nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+        nbytes = self.estimators[cluster].cost.kv_bytes(self.kv_to_pd_tokens(request, choice))
         return max(choice.ttft_s, self._sent(cluster, self.pd, nbytes, start) - now)
 
     def _sent(self, source: str, target: str, nbytes: float, start: float) -> float:
@@ -232,7 +248,7 @@ class ClusterRouter:
             nbytes = self.estimators[cluster].block_bytes(choice.pull_blocks)
             self.busy_until[(source.cluster, cluster)] = self._sent(source.cluster, cluster, nbytes, now)
         if cluster in self.prfaas:
-            nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+            nbytes = self.estimators[cluster].cost.kv_bytes(self.kv_to_pd_tokens(request, choice))
             start = now + choice.instance.queue_s(now)
             self.busy_until[(cluster, self.pd)] = self._sent(cluster, self.pd, nbytes, start)
             self.stats["kv_bytes_routed_remote"] += nbytes

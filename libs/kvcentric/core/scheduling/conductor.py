@@ -200,9 +200,14 @@ class Conductor:
         source = choice.source
         pull = request.block_hashes[choice.local_blocks:choice.prefix_blocks] if source is not None else []
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
+        holder, prefix_tokens = choice.decode_prefix_source, choice.decode_prefix_tokens
+        prefix_blocks = -(-prefix_tokens // self.config.block_size) if holder is not None else 0
         return Placement(request_id=request.request_id, prefill_id=choice.instance.instance_id,
                          decode_id=decode.instance.instance_id, decode_kv_addr=decode.instance.kv_addr,
                          cached_tokens=self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
                          predicted_ttft_s=round(choice.ttft_s, 6), predicted_tbt_s=round(tbt, 6),
                          kv_source_id=source.instance_id if source is not None else "",
-                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull)
+                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull,
+                         decode_prefix_addr=holder.kv_addr if holder is not None else "",
+                         decode_prefix_hashes=request.block_hashes[:prefix_blocks],
+                         decode_prefix_tokens=prefix_tokens if holder is not None else 0)

@@ -34,6 +34,10 @@ class PrefillChoice:
     """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling."""
     local_blocks: int = 0
     """Leading blocks the instance holds itself."""
+    decode_prefix_source: PrefillState | None = None
+    """PrfaaS §3.3: the local-cluster instance the decode instance takes the prompt's cached prefix from
+    (a remote prefill then ships only the KV after it), or None."""
+    decode_prefix_tokens: int = 0
 
     @property
     def pull_blocks(self) -> int:
