@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import NO_ROOM
@@ -38,7 +37,7 @@ class PrefillService(EngineService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner)
-        self.engine = PrefillEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
+        self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
                                     config.prefill_chunk, self.host)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}

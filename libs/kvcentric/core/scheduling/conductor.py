@@ -132,7 +132,10 @@ class Conductor:
     # ---------------------------------------------------------------- the decision
 
     def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
-        """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
+        """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds
+        (ignored below `cache_aware_scheduling_min_tokens`)."""
+        if not self.cache_aware(request):
+            hits = {}
         prefills = self.registry.alive_prefill(now)
         decodes = self.registry.alive_decode(now)
         if self.router is not None:
@@ -151,6 +154,10 @@ class Conductor:
                                         stage=verdict.stage, load=round(verdict.load, 4))
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
+
+    def cache_aware(self, request: ScheduleRequest) -> bool:
+        """Whether the prompt is long enough for its prefix hits to count (Llumnix's minimum tokens)."""
+        return request.n_tokens >= self.config.cache_aware_scheduling_min_tokens
 
     def _no_instance(self, request: ScheduleRequest, prefills: list, decodes: list) -> Rejection:
         missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
