@@ -1,7 +1,9 @@
 """The decode service's asyncio shell: registers jobs from NATS, receives their KV through the
 in-process messenger's gRPC server, runs decode steps in the model thread, and streams tokens on
 `kvc.req.<id>.out`. It never computes a prompt: a request starts only once all its layers arrived, and
-with --tbt-slo-s only if the batch is predicted to keep its TBT SLO with it (else it is rejected with 429).
+only if the batch is predicted to keep its TBT SLO (--tbt-slo-s, 0.1 s unless set; 0: off) with it, else it
+is rejected with 429 (Mooncake §7). Without --profile the prediction is this instance's own measured decode
+model, so until it has one no request is rejected.
 """
 
 from __future__ import annotations

@@ -47,9 +47,10 @@ class EngineConfig(BusConfig):
                                        "blocks free, MiB (0: refused at once, 429)")
     host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
-    tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
+    tbt_slo_s: float = setting(0.1, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
-                                    "batch exceeds this (Mooncake's double-check; 0: off)")
+                                    "batch exceeds this (Mooncake §7's double-check, on by default at §8.1's "
+                                    "0.1 s; 0: off)")
     profile: str = setting("", "decode with --tbt-slo-s: cost model JSON written by `kvcentric profile` that "
                                "predicts the step time instead of this instance's own measured model (default: "
                                "the measured model; until there is one, no request is rejected)")
