@@ -216,3 +216,15 @@ def test_a_whole_cached_prompt_keeps_all_but_its_last_token_local():
     decision = place(conductor, 3000, hits={"a0": 30}, now=2.0)
     assert decision.prefill_id == "r0" and decision.decode_prefix_tokens == 2999
     assert len(decision.decode_prefix_hashes) == 30
+
+
+def test_the_planners_profile_reaches_the_routing_for_short_term_re_derivation(tmp_path):
+    from pathlib import Path
+
+    from kvc_conductor.config import ConductorConfig
+    path = tmp_path / "topology.yaml"
+    path.write_text(TOPOLOGY)
+    profile = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+    setup = ConductorConfig(topology=str(path), cluster="pd", replan_profile=str(profile)).clusters()
+    assert setup is not None and setup.profile is not None and setup.profile.egress_gbps == 100
+    assert ConductorConfig(topology=str(path), cluster="pd").clusters().profile is None

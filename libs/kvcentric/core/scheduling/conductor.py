@@ -142,7 +142,7 @@ class Conductor:
             decodes = self.router.in_scope(decodes, self.router.pd)
         if not prefills or not decodes:
             return self._no_instance(request, prefills, decodes)
-        choice = self._choose_prefill(request, prefills, hits, now)
+        choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
@@ -165,11 +165,11 @@ class Conductor:
         return Rejection.no_instance(request.request_id, f"no {missing} instance is alive")
 
     def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
-                        now: float) -> PrefillChoice | None:
+                        now: float, decodes: int = 0) -> PrefillChoice | None:
         """The placement policy over every alive instance, or, with clusters, over the routed cluster's."""
         if self.router is None:
             return self.policy.choose(request, prefills, hits, now)
-        self.router.tick(prefills, now)
+        self.router.tick(prefills, now, decodes)
         return self.router.choose(request, prefills, hits, now)
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
