@@ -48,9 +48,13 @@ def hit_len_tokens(up: UpProcess) -> float:
     return 0.0
 
 
-def held(up: UpProcess, hashes: list[str]) -> list[bool]:
+def batch_query(up: UpProcess, hashes: list[str]) -> dict:
     with urllib.request.urlopen(f"{url_of(up, 'kvs-meta', '/batch_query_keys')}?keys={','.join(hashes)}") as answer:
-        data = json.load(answer)["data"]
+        return json.load(answer)["data"]
+
+
+def held(up: UpProcess, hashes: list[str]) -> list[bool]:
+    data = batch_query(up, hashes)
     return [bool(data[h].get("values")) for h in hashes]
 
 
@@ -61,6 +65,9 @@ def test_a_shared_seed_keeps_the_gateways_keys_and_the_engines_blocks_the_same(s
     unseeded = [to_hex(h) for h in BlockHasher(block_size=16).hash_blocks(prompt)]
     eventually(lambda: held(stack, seeded), "the engines' seeded blocks in kvs-meta", until=all, every_s=0.1)
     assert not any(held(stack, unseeded))
+    replica = batch_query(stack, seeded[:1])[seeded[0]]["values"][0]  # Mooncake's master replica descriptor
+    kv_addr = stack.health("prefill-0")["kv_addr"]
+    assert (replica["transport_endpoint_"], replica["size_"]) == (kv_addr, 4 * 2 * 16 * 2 * 16 * 4)  # tiny, fp32
     before = hit_len_tokens(stack)
     complete(stack, prompt)
     assert hit_len_tokens(stack) - before == 96  # 6 full blocks of 16 found cached at placement

@@ -329,6 +329,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_staging_blocks_free: int = 0
     """Decode: blocks' worth of KV its host staging can still take while its cache is full (arrivals wait
     there for blocks; the conductor counts them as room)."""
+    block_bytes: int = 0
+    """Bytes of one KV block over all layers, keys and values (kvs-meta lists it as each object's `size_`,
+    as Mooncake's master does); 0: not said."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):
