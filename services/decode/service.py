@@ -117,7 +117,10 @@ class DecodeService(EngineService):
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            self.outbox.emit(self.engine.expire(time.monotonic()))
+            expired = self.engine.expire(time.monotonic())
+            for chunk in expired:  # a prefix pull for a request that never got its KV is not needed any more
+                self.prefix_pulls.forget(chunk.request_id)
+            self.outbox.emit(expired)
             if not self.engine.has_work:
                 await self.wake.sleep(0.1)
                 continue
