@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 
-from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
@@ -24,7 +23,7 @@ class ColocatedService(EngineService):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
-        self.engine = ColocatedEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
+        self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
                                       config.prefill_chunk, config.max_batch, self.host)
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))

@@ -71,9 +71,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     replan_imbalance: float = setting(1.25, "re-planning: switch only when one pool's pressure is this many "
                                             "times the other's")
     replan_bs_max: int = setting(64, "re-planning: decode batch slots per instance (the engines' --max-batch)")
-    replan_profile: str = setting("", "re-planning with --topology: the planner's profile (`kvcentric plan "
-                                      "--profile`); after a role change t is re-planned with it for the new "
-                                      "counts over recently placed lengths")
+    replan_profile: str = setting("", "with --topology: the planner's profile (`kvcentric plan --profile`); "
+                                      "after a role change t is re-planned with it for the new counts, and a "
+                                      "short-term trigger (--prfaas-adjust-s) re-derives t with it at the measured "
+                                      "egress bandwidth, both over recently placed uncached lengths (PrfaaS "
+                                      "§3.4.3; without it t moves in x1.25 steps)")
     prfaas_profile: str = setting("", "PrfaaS: cost model JSON of the prfaas cluster's hardware (default: "
                                       "the same as the local one)")
 
@@ -125,7 +127,9 @@ class ConductorConfig(BusConfig, SchedulerConfig):
             raise ConfigError(f"--cluster: {self.cluster!r} must name a pd cluster of --topology "
                               f"{self.topology} (pd clusters: {', '.join(c.name for c in topology.of_role('pd'))})")
         costs = {name: prfaas_cost for name in (c.name for c in topology.of_role("prfaas"))} if prfaas_cost else {}
-        return ClusterSetup(topology, self.cluster, float(self.prfaas_threshold), self.prfaas_adjust_s, costs=costs)
+        profile = PrfaasProfile.load(self.replan_profile) if self.replan_profile else None
+        return ClusterSetup(topology, self.cluster, float(self.prfaas_threshold), self.prfaas_adjust_s, costs=costs,
+                            profile=profile)
 
     def cost_model(self) -> CostModel:
         """What predicts prefill and decode times: the --profile file, else the roofline of --model on

@@ -155,12 +155,14 @@ class ConductorService(Service):
             return Rejection.bad_request(request.request_id, problem)
         if not self.warm:
             await self.warmed_up()
-        hits = await self.prefix_hits(request.block_hashes)
+        hits = await self.prefix_hits(request.block_hashes) if self.core.cache_aware(request) else {}
         decision = self.core.schedule(request, hits if hits is not None else {}, time.monotonic())
         self.counters[f"schedule_{type(decision).__name__.lower()}_total"] += 1
         if hits is None and not isinstance(decision, Rejection):
             self.counters["placements_load_only_total"] += 1
         if isinstance(decision, Placement):
+            self.counters["kv_cache_hit_len_tokens_total"] += decision.cached_tokens  # Llumnix's kvCacheHitLen
+            self.counters["placed_prompt_tokens_total"] += request.n_tokens
             if self.replan is not None:
                 self.replan.placed(request, decision)
             if request.dispatch is not None:

@@ -1,7 +1,9 @@
 """The decode service's asyncio shell: registers jobs from NATS, receives their KV through the
 in-process messenger's gRPC server, runs decode steps in the model thread, and streams tokens on
 `kvc.req.<id>.out`. It never computes a prompt: a request starts only once all its layers arrived, and
-with --tbt-slo-s only if the batch is predicted to keep its TBT SLO with it (else it is rejected with 429).
+only if the batch is predicted to keep its TBT SLO (--tbt-slo-s, 0.1 s unless set; 0: off) with it, else it
+is rejected with 429 (Mooncake §7). Without --profile the prediction is this instance's own measured decode
+model, so until it has one no request is rejected.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
+from kvcentric.engine.prefixkv import PrefixPulls
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.service import EngineService
@@ -54,6 +57,8 @@ class DecodeService(EngineService):
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
         self.attach(self.sink)
+        self.prefix_pulls = PrefixPulls(self.pusher, self.runner.dtype_name, self.runner.block_size)
+        self.sink.prefixes = self.prefix_pulls
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
@@ -70,6 +75,9 @@ class DecodeService(EngineService):
             self.engine.add(job, time.monotonic())
         except KVRejected as exc:
             return SubmitAck.refused(str(exc))
+        if job.prefix_source_addr and job.prefix_tokens > 0:  # PrfaaS: the prefix comes from this cluster
+            self.prefix_pulls.start(job.request_id, job.prefix_source_addr, job.prefix_block_hashes,
+                                    job.prefix_tokens)
         self.sink.registered(job.request_id)
         self.spans.received(job.request_id)
         self.spans.start(job.request_id, "decode.queue", prompt_tokens=job.n_prompt_tokens)
@@ -109,7 +117,10 @@ class DecodeService(EngineService):
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            self.outbox.emit(self.engine.expire(time.monotonic()))
+            expired = self.engine.expire(time.monotonic())
+            for chunk in expired:  # a prefix pull for a request that never got its KV is not needed any more
+                self.prefix_pulls.forget(chunk.request_id)
+            self.outbox.emit(expired)
             if not self.engine.has_work:
                 await self.wake.sleep(0.1)
                 continue

@@ -7,7 +7,7 @@ import functools
 from typing import Literal
 
 from kvcentric.config import BusConfig, require, setting
-from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
+from kvcentric.core.hashing import HASH_ALGOS, BlockHasher, HashAlgo, parse_seed
 from kvcentric.model.config import ModelConfig, load_model_config
 from kvcentric.runtime.connections import HttpLimits
 
@@ -19,6 +19,11 @@ class GatewayConfig(BusConfig):
                                  "tokenizer, chat template and context length")
     block_size: int = setting(16, "tokens per KV block (must match the engines)")
     hash_algo: HashAlgo = setting("sha256_cbor", "prefix block hash (must match the engines)")
+    kvs_enable_save_unfull_chunk: bool = setting(
+        False, "also look a prompt's trailing partial block up, by its chained hash (Llumnix's flag of that name; "
+               "the engines here cache full blocks only, so it hits only in a store that saves partial ones)")
+    hash_seed: str = setting("", "prefix block hash seed, shared by every service that hashes (gateway and "
+                                 "engines): an integer, or empty for none (Llumnix GO_HASH_SEED; vLLM PYTHONHASHSEED)")
     request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
     dispatch: Literal["conductor", "gateway"] = setting(
@@ -44,6 +49,10 @@ class GatewayConfig(BusConfig):
         except ValueError as exc:
             require(False, "model", str(exc))
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
+        try:
+            parse_seed(self.hash_seed)
+        except ValueError as exc:
+            require(False, "hash_seed", str(exc))
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
         require(self.bus_timeout_s > 0, "bus_timeout_s", "must be positive")
@@ -52,6 +61,10 @@ class GatewayConfig(BusConfig):
         require(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: never migrate)")
         require(self.silent_after_s > 0, "silent_after_s", "must be positive")
         require(self.max_connections >= 1, "max_connections", "must be at least 1")
+
+    def hasher(self) -> BlockHasher:
+        """The prefix block hasher of the engines (algorithm, block size, seed)."""
+        return BlockHasher(self.hash_algo, self.block_size, parse_seed(self.hash_seed))
 
     @property
     def http_limits(self) -> HttpLimits:

@@ -30,7 +30,7 @@ from kvc_gateway.openapi import openapi_document
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.dispatch import jobs
 from kvcentric.core.errors import rejection_error
-from kvcentric.core.hashing import BlockHasher, to_hex
+from kvcentric.core.hashing import to_hex
 from kvcentric.core.migration import MigrationPolicy
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
 from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
@@ -71,7 +71,7 @@ class GatewayService(Service):
         self.model = config.model_config
         self.model_name = config.served_names[0]
         self.tokenizer = load_tokenizer(config.model)
-        self.hasher = BlockHasher(config.hash_algo, config.block_size)
+        self.hasher = config.hasher()
         self.in_flight = 0
         self.running: dict[int, relay.Job] = {}
         """The requests being served, to end their token streams when the bus connection drops."""
@@ -364,7 +364,8 @@ class GatewayService(Service):
     def schedule_request(self, job: relay.Job, token_ids: list[int], sampling: SamplingParams) -> ScheduleRequest:
         """What the conductor is asked; with --dispatch conductor it carries the jobs' tokens too, unless
         that would not fit in one NATS message (then they go straight to prefill from here)."""
-        hashes = [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
+        unfull = self.config.kvs_enable_save_unfull_chunk
+        hashes = [to_hex(h) for h in self.hasher.prefix_keys(token_ids, unfull)]
         ask = ScheduleRequest(request_id=job.bus_id, n_tokens=len(token_ids), block_hashes=hashes,
                               max_tokens=sampling.max_tokens, priority=-job.request.priority, avoid=job.avoid)
         if self.config.dispatch != "conductor":

@@ -41,6 +41,8 @@ class KVSMetaService(Service):
         self.redis = Redis.from_url(config.redis_url)
         self.store = KVMetaStore(self.redis, config.lease_ttl_s)
         self.heartbeats: set[str] = set()
+        self.endpoints: dict[str, tuple[str, int]] = {}
+        """Each engine's messenger address and block bytes, from its load reports (for /batch_query_keys)."""
         self.grace_until = time.monotonic() + config.startup_grace_s
         """No node is purged before this (time.monotonic()): kvs-meta started, or its Redis came back."""
         self.redis_lost = False
@@ -114,6 +116,7 @@ class KVSMetaService(Service):
 
     async def on_heartbeat(self, report: LoadReport) -> None:
         self.heartbeats.add(report.instance_id)
+        self.endpoints[report.instance_id] = (report.kv_addr, report.block_bytes)
 
     async def leases(self) -> None:
         """Renew the leases of nodes heard from since the last round; purge nodes whose lease ran out."""
@@ -159,7 +162,7 @@ class KVSMetaService(Service):
         if len(keys) > self.config.max_query_keys:
             return bad_query(f"at most {self.config.max_query_keys} keys (--max-query-keys)")
         self.counters["http_queries_total"] += 1
-        return web.json_response(mooncake_batch_reply(keys, await self.store.holders(keys)))
+        return web.json_response(mooncake_batch_reply(keys, await self.store.holders(keys), self.endpoints))
 
 
 def bad_query(message: str) -> web.Response:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import NO_ROOM
@@ -38,7 +37,7 @@ class PrefillService(EngineService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner)
-        self.engine = PrefillEngine(self.runner, self.pool, BlockHasher(config.hash_algo, config.block_size),
+        self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
                                     config.prefill_chunk, self.host)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}
@@ -164,7 +163,8 @@ class PrefillService(EngineService):
         """The rest of a computed request's push, beside the next jobs (no head-of-line blocking): a receiver
         that has not taken it all within a deadline set from its bytes and the peer's measured bandwidth is
         given up on, and only this request fails. Its blocks stay held until then (a resend reads them)."""
-        kv_bytes = work.num_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
+        kv_bytes = (work.num_tokens - work.job.kv_skip_tokens) * 2 * self.runner.config.num_layers * \
+            self.runner.layer_token_bytes
         deadline_s = drain_deadline_s(kv_bytes, self.pusher.bandwidth.get(work.job.decode_kv_addr))
         try:
             async with asyncio.timeout(deadline_s):

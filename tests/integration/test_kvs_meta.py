@@ -28,9 +28,10 @@ def kvs_meta(nats_url, redis_url):
         stop(process)
 
 
-def report(node: str) -> LoadReport:
+def report(node: str, block_bytes: int = 0) -> LoadReport:
     return LoadReport(instance_id=node, role="prefill", cluster="local", kv_addr="127.0.0.1:1", queued_requests=0,
-                      queued_tokens=0, running=0, kv_blocks_total=10, kv_blocks_free=10, ts=time.time())
+                      queued_tokens=0, running=0, kv_blocks_total=10, kv_blocks_free=10, ts=time.time(),
+                      block_bytes=block_bytes)
 
 
 async def holders(nc, hashes: list[str]) -> list[list[str]]:
@@ -69,7 +70,7 @@ async def test_the_http_batch_query_has_mooncakes_shape(kvs_meta, nats_url):
     try:
         batch = KVEventBatch(events=[BlockStored(node_id="node-y", block_hashes=["k1"])])
         await nc.publish(Subjects.kv_events("y"), encode(batch))
-        await nc.publish(Subjects.load("prefill", "node-y"), encode(report("node-y")))
+        await nc.publish(Subjects.load("prefill", "node-y"), encode(report("node-y", block_bytes=4096)))
         await nc.flush()
     finally:
         await nc.close()
@@ -77,6 +78,9 @@ async def test_the_http_batch_query_has_mooncakes_shape(kvs_meta, nats_url):
     def batch_query() -> dict:
         with urllib.request.urlopen(kvs_meta + "/batch_query_keys?keys=k1,missing") as response:
             return json.load(response)
-    body = eventually(batch_query, "kvs-meta lists k1", until=lambda body: body["data"]["k1"]["ok"])
-    assert body == {"success": True, "data": {"k1": {"ok": True, "values": [{"node_id": "node-y", "tier": "dram"}]},
-                                              "missing": {"ok": False, "error": "key not found"}}}
+    body = eventually(batch_query, "kvs-meta lists k1 with its holder's endpoint",
+                      until=lambda body: body["data"]["k1"]["ok"] and body["data"]["k1"]["values"][0]["size_"])
+    replica = {"size_": 4096, "buffer_address_": 0, "protocol_": "grpc", "transport_endpoint_": "127.0.0.1:1",
+               "node_id": "node-y", "tier": "dram"}  # Mooncake's replica descriptor, and which node and tier
+    assert body == {"success": True, "data": {"k1": {"ok": True, "values": [replica]},
+                                              "missing": {"ok": False, "error": "OBJECT_NOT_FOUND"}}}

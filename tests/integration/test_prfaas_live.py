@@ -5,6 +5,7 @@ bench/prfaas_live.py). Long prompts must prefill remotely, short ones locally, a
 from __future__ import annotations
 
 import json
+import time
 import random
 import urllib.request
 
@@ -54,3 +55,44 @@ def test_long_prompts_prefill_in_the_prfaas_cluster_and_short_ones_locally(two_d
     assert prfaas["link_bandwidth"]  # the measured egress rate to the PD decode instance
     routed = two_dcs.health("conductor")["prfaas"]["routed"]
     assert routed["routed_prfaas"] == 2 and routed["routed_pd"] == 2
+
+
+def decode_counter(two_dcs, name: str) -> float:
+    url = two_dcs.processes.child("decode-pd-0").health_url.replace("/health", "/metrics")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"kvc_{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def complete_tokens(url: str, token_ids: list[int]) -> tuple[str, str, list[int]]:
+    body = json.dumps({"model": "tiny", "prompt": token_ids, "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "logprobs": 1}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        answer = json.load(response)
+        tokens = answer["choices"][0]["logprobs"]["tokens"]
+        return response.headers["x-kvcentric-prefill"], response.headers["x-kvcentric-decode"], tokens
+
+
+def test_only_the_uncached_part_of_a_prompts_kv_crosses_the_link(two_dcs):
+    """PrfaaS §3.3: a 48-token prefix cached in the PD cluster stays there; the PrfaaS prefill ships only the
+    200 tokens after it and the decode instance pulls the prefix from the PD prefill instance. The answer is
+    the one the same prompt gets when it is prefilled locally afterwards."""
+    rng = random.Random(99)
+    prefix = [rng.randrange(256) for _ in range(48)]  # 3 blocks of 16, <= t: prefilled (and cached) in pd
+    assert complete_tokens(two_dcs.url, prefix)[0] == "prefill-pd-0"
+    time.sleep(1.0)  # its blocks reach the PD instance's host pool and the conductor's index
+    prompt = prefix + [rng.randrange(256) for _ in range(200)]
+    sent = two_dcs.health("prefill-prfaas-0")["stats"].get("push_bytes_streamed", 0)
+    pulled = decode_counter(two_dcs, "prefix_tokens_pulled_total")
+    prefill, decode, remote_answer = complete_tokens(two_dcs.url, prompt)
+    assert (prefill, decode) == ("prefill-prfaas-0", "decode-pd-0")
+    kv_bytes_per_token = 4 * 2 * 2 * 16 * 4  # tiny: layers x (K, V) x kv heads x head dim x fp32
+    assert two_dcs.health("prefill-prfaas-0")["stats"]["push_bytes_streamed"] - sent == 200 * kv_bytes_per_token
+    assert decode_counter(two_dcs, "prefix_tokens_pulled_total") - pulled == 48
+    assert two_dcs.health("conductor")["prfaas"]["routed"]["kv_tokens_kept_local"] >= 48
+    time.sleep(1.0)
+    prefill, _, local_answer = complete_tokens(two_dcs.url, prompt)  # now cached in both clusters: l = 8 <= t
+    assert prefill == "prefill-pd-0" and local_answer == remote_answer

@@ -186,3 +186,45 @@ def test_egress_use_is_measured_over_a_window_and_fades_when_reports_stop_counti
     assert meter.rate(["r0"], 30.0) == 0.0 and meter.rate(["missing"], 30.0) == 0.0
     meter.observe("r0", 10, 31.0)  # a restarted instance starts its counter again
     assert meter.rate(["r0"], 31.0) == 0.0
+
+
+def test_only_the_part_the_pd_cluster_lacks_crosses_the_link_and_decode_takes_the_prefix_locally():
+    """PrfaaS §3.3: with 2000 of 5000 tokens cached in pd (a0), r0 ships 3000 tokens of KV; the decode
+    instance pulls the 20 prefix blocks from a0."""
+    conductor = make_two_cluster_conductor(setup=two_cluster_setup(gbps=0.008))  # 1 MB/s; 1 KB per token
+    decision = place(conductor, 5000, hits={"a0": 20}, now=0.0)
+    assert decision.prefill_id == "r0" and decision.decode_id == "d0"
+    assert decision.decode_prefix_addr == "a0:7000" and decision.decode_prefix_tokens == 2000
+    assert decision.decode_prefix_hashes == [f"h{i}" for i in range(20)]
+    assert conductor.router.stats["kv_bytes_routed_remote"] == 3_000_000
+    assert conductor.router.stats["kv_tokens_kept_local"] == 2000
+
+
+def test_without_a_prefix_in_pd_the_whole_kv_crosses_and_decode_pulls_nothing():
+    conductor = make_two_cluster_conductor()
+    scarce(conductor)
+    decision = place(conductor, 3000, hits={"r0": 25}, now=2.0)  # cached in prfaas only
+    assert decision.prefill_id == "r0" and decision.decode_prefix_addr == "" and decision.decode_prefix_hashes == []
+    local = place(conductor, 3000, hits={"a0": 25}, now=2.0, request_id="local")
+    assert local.prefill_id == "a0" and local.decode_prefix_addr == ""  # local prefill: RDMA, nothing to keep
+
+
+def test_a_whole_cached_prompt_keeps_all_but_its_last_token_local():
+    conductor = make_two_cluster_conductor()
+    scarce(conductor)
+    conductor.router.threshold = -1.0  # every request goes remote, however much pd holds
+    decision = place(conductor, 3000, hits={"a0": 30}, now=2.0)
+    assert decision.prefill_id == "r0" and decision.decode_prefix_tokens == 2999
+    assert len(decision.decode_prefix_hashes) == 30
+
+
+def test_the_planners_profile_reaches_the_routing_for_short_term_re_derivation(tmp_path):
+    from pathlib import Path
+
+    from kvc_conductor.config import ConductorConfig
+    path = tmp_path / "topology.yaml"
+    path.write_text(TOPOLOGY)
+    profile = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+    setup = ConductorConfig(topology=str(path), cluster="pd", replan_profile=str(profile)).clusters()
+    assert setup is not None and setup.profile is not None and setup.profile.egress_gbps == 100
+    assert ConductorConfig(topology=str(path), cluster="pd").clusters().profile is None

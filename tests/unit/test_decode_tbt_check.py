@@ -184,9 +184,9 @@ def engine_config(**settings) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def test_the_check_is_off_by_default_and_the_roofline_of_the_model_predicts_steps():
+def test_the_check_is_on_by_default_at_0_1_s_and_the_roofline_of_the_model_predicts_steps():
     config = engine_config()
-    assert config.tbt_slo_s == 0.0
+    assert config.tbt_slo_s == 0.1 and engine_config(tbt_slo_s=0.0).tbt_slo_s == 0.0  # Mooncake §8.1; 0: off
     assert config.cost_model().source == "roofline:tiny@cpu-2core"
 
 

@@ -223,3 +223,37 @@ def test_binary_algos_reject_token_ids_beyond_uint32(algo):
 def test_to_hex_returns_lowercase_hex():
     assert to_hex(b"\x00\xab\xff") == "00abff"
     assert to_hex(NONE_HASH) == NONE_HASH.hex()
+
+
+def test_the_unfull_chunk_option_adds_the_trailing_partial_blocks_chained_hash():
+    """Llumnix's --kvs-enable-save-unfull-chunk: keys of full blocks, then the partial block's, chained."""
+    from kvcentric.core.hashing import BlockHasher
+    hasher = BlockHasher("sha256_hex", 4)
+    tokens = list(range(10))
+    full = hasher.hash_blocks(tokens)
+    assert hasher.prefix_keys(tokens) == full and len(full) == 2
+    keys = hasher.prefix_keys(tokens, unfull_chunk=True)
+    assert keys[:2] == full and keys[2] == hasher.hash_block(full[-1], [8, 9])
+    assert hasher.prefix_keys(tokens[:8], unfull_chunk=True) == full  # no partial block: nothing added
+    assert hasher.prefix_keys([1, 2], unfull_chunk=True) == [hasher.hash_block(hasher.root, [1, 2])]
+
+
+def test_a_hash_seed_setting_is_an_integer_or_empty_and_changes_every_key():
+    from kvcentric.core.hashing import BlockHasher, parse_seed
+    assert parse_seed("") is None and parse_seed(" 0 ") == 0 and parse_seed("-3") == -3
+    with pytest.raises(ValueError, match="integer or empty"):
+        parse_seed("abc")
+    tokens = list(range(32))
+    assert BlockHasher(seed=parse_seed("0")).hash_blocks(tokens) != BlockHasher().hash_blocks(tokens)
+    assert BlockHasher(seed=0).hash_blocks(tokens) == BlockHasher(seed=parse_seed("0")).hash_blocks(tokens)
+
+
+def test_the_gateway_and_engine_configs_build_the_same_seeded_hasher():
+    from kvc_gateway.config import GatewayConfig
+    from kvcentric.config import ConfigError
+    from kvcentric.engine.config import EngineConfig
+    gateway, engine = GatewayConfig(hash_seed="7"), EngineConfig(hash_seed="7")
+    assert gateway.hasher().hash_blocks(list(range(16))) == engine.hasher().hash_blocks(list(range(16)))
+    assert gateway.hasher().seed == 7 and EngineConfig().hasher().seed is None
+    with pytest.raises(ConfigError, match="--hash-seed"):
+        EngineConfig(hash_seed="x")

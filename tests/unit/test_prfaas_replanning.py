@@ -67,3 +67,62 @@ def test_the_workload_counts_an_uncached_length_of_zero_as_one():
         retuner.placed(uncached, output)
     workload = retuner.workload()
     assert list(workload.lengths) == [1.0] and workload.output_length == 40.0
+
+
+# ---------------------------------------------------------------- short-term: t re-derived (§3.4.3)
+
+def raise_trigger(current: float):
+    from kvcentric.core.prfaas.routing import adjust_threshold
+    change = adjust_threshold(current, current, egress_utilization=0.95, prfaas_queue_s=0.0)
+    assert change.changed and "raise t" in change.reason
+    return change
+
+
+LENGTHS = [(2_000 + 1_500 * i, 256) for i in range(40)]
+
+
+def test_a_trigger_re_derives_t_from_the_model_at_the_measured_bandwidth_instead_of_a_step():
+    from kvcentric.core.prfaas.routing import rederive_threshold
+    profile, counts = PrfaasProfile.load(PROFILE), Counts(1, 1, 2)
+    workload = LengthDistribution.from_samples([n for n, _ in LENGTHS], 256)
+    measured = 2e9 / 8  # 2 Gbit/s, far below the profile's 100
+    change = rederive_threshold(20_000, raise_trigger(20_000), profile, LENGTHS, counts, measured)
+    want = best_threshold(profile.with_egress(2.0), workload, counts).threshold
+    assert change.threshold == want and change.threshold != 20_000 * 1.25
+    assert "measured B_out 2 Gbps" in change.reason and "PrfaaS near its ceiling" in change.reason
+    ample = rederive_threshold(20_000, raise_trigger(20_000), profile, LENGTHS, counts, 100e9 / 8)
+    assert ample.threshold <= change.threshold  # less bandwidth: only longer requests are worth offloading
+
+
+def test_returning_toward_the_plan_or_nothing_to_judge_by_keeps_the_step():
+    from kvcentric.core.prfaas.routing import ThresholdChange, rederive_threshold
+    profile, counts = PrfaasProfile.load(PROFILE), Counts(1, 1, 2)
+    back = ThresholdChange(1000.0, True, "PrfaaS calm again: back toward the planned t")
+    assert rederive_threshold(1250, back, profile, LENGTHS, counts, 1e9) is back
+    trigger = raise_trigger(1000)
+    assert rederive_threshold(1000, trigger, profile, [], counts, 1e9) is trigger
+    assert rederive_threshold(1000, trigger, profile, LENGTHS, Counts(1, 0, 2), 1e9) is trigger
+
+
+def test_the_router_re_derives_t_with_the_prfaas_instances_measured_push_rate():
+    import dataclasses
+
+    import msgspec
+
+    from factories import decode_report, prefill_report, schedule_request, two_cluster_setup
+    profile = PrfaasProfile.load(PROFILE)
+    setup = dataclasses.replace(two_cluster_setup(adjust_s=1.0), profile=profile)
+    conductor = make_two_cluster_conductor(setup=setup, rejection="never")
+    for i, (n, out) in enumerate(LENGTHS):
+        conductor.schedule(schedule_request(n, f"r{i}", max_tokens=out), {}, 0.0)
+    rate = 8e9 / 8 * 0.9  # the link is 8 Gbit/s; r0 pushed at 90% of it and measured 3 Gbit/s per stream
+    for t in (0.0, 1.0, 2.0):
+        report = prefill_report("r0", cluster="prfaas", kv_bytes_sent=int(rate * t))
+        conductor.observe(msgspec.structs.replace(report, link_bandwidth={"d0:7000": 3e9 / 8}), t)
+    for report in (prefill_report("a0", cluster="pd"), decode_report("d0", cluster="pd")):
+        conductor.observe(report, 2.0)
+    conductor.router.tick(conductor.registry.alive_prefill(2.0), 2.0, decodes=1)
+    workload = LengthDistribution.from_samples([n for n, _ in LENGTHS], 256)
+    want = best_threshold(profile.with_egress(3.0), workload, Counts(1, 1, 1)).threshold
+    assert conductor.router.threshold == want and conductor.router.stats["threshold_rederived"] == 1
+    assert conductor.router.measured_egress("prfaas", conductor.registry.alive_prefill(2.0)) == 3e9 / 8

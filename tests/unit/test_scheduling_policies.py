@@ -114,3 +114,22 @@ def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="kvcentric"):
         from kvcentric.core.scheduling.policies import make_policy
         make_policy("fastest", None, None)
+
+
+def test_kv_cache_hit_len_takes_the_longest_cached_prefix_however_busy_its_holder():
+    """Llumnix's kvCacheHitLen: prefixHitTokens alone, higher is better; queued time only breaks ties."""
+    conductor = make_conductor(3, policy="kv_cache_hit_len", rejection="never")
+    conductor.observe(prefill_report("p0", queue_s=50.0), 0.0)
+    conductor.observe(prefill_report("p2", queue_s=0.3), 0.0)
+    assert place(conductor, {"p0": 8, "p1": 3}).prefill_id == "p0"
+    assert place(conductor, {"p0": 2, "p2": 2}, request_id="tie").prefill_id == "p2"  # equal hits: p2's queue
+
+
+def test_prompts_below_the_cache_aware_minimum_are_placed_by_load_alone():
+    """Llumnix's --cache-aware-scheduling-min-tokens: a prompt shorter than it ignores its prefix hits."""
+    conductor = make_conductor(2, policy="cache_aware", cache_aware_scheduling_min_tokens=1000)
+    conductor.observe(prefill_report("p0", queue_s=0.5), 0.0)
+    short = place(conductor, {"p0": 8}, n_tokens=999)
+    assert short.prefill_id == "p1" and short.cached_tokens == 0
+    long = place(conductor, {"p0": 8}, n_tokens=1000, request_id="long")
+    assert long.prefill_id == "p0" and long.cached_tokens == 800

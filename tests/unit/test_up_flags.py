@@ -34,7 +34,7 @@ def test_each_engine_gets_prefill_chunk_max_batch_and_device_and_decode_the_tbt_
     decode = engine_config(config.engine_flags("decode", threads=2))
     assert decode.tbt_slo_s == 0.05 and decode.profile == str(profile)
     assert decode.cost_model().decode == (0.01, 0.0, 0.0)
-    assert engine_config(config.engine_flags("prefill", threads=2)).tbt_slo_s == 0.0  # only decode checks
+    assert "--tbt-slo-s" not in config.engine_flags("prefill", threads=2)  # only decode checks
     assert config.conductor_flags()[-2:] == ["--tbt-slo-s", "0.05"]  # one SLO for the cluster
 
 
@@ -43,15 +43,23 @@ def test_a_cuda_device_reaches_the_engines():
     assert engine_config(config.engine_flags("colocated", threads=1)).device == "cuda:1"
 
 
-def test_by_default_the_engines_keep_their_defaults_and_nobody_checks_tbt_at_decode():
+def test_by_default_the_engines_keep_their_defaults_and_decode_double_checks_tbt_at_0_1_s():
+    """Mooncake §7's TBT double-check is on by default, at §8.1's SLO of 0.1 s."""
     config = up_config()
     defaults = EngineConfig()
     for command in ("prefill", "decode", "colocated"):
         flags = config.engine_flags(command, threads=1)
-        assert "--tbt-slo-s" not in flags
+        assert ("--tbt-slo-s" in flags) == (command == "decode")
         engine = engine_config(flags)
-        assert (engine.prefill_chunk, engine.max_batch, engine.device, engine.tbt_slo_s) == \
-               (defaults.prefill_chunk, defaults.max_batch, defaults.device, 0.0)
+        assert (engine.prefill_chunk, engine.max_batch, engine.device) == \
+               (defaults.prefill_chunk, defaults.max_batch, defaults.device)
+    assert engine_config(config.engine_flags("decode", threads=1)).tbt_slo_s == 0.1 == defaults.tbt_slo_s
+    assert config.conductor_flags()[-2:] == ["--tbt-slo-s", "0.1"]
+
+
+def test_a_tbt_slo_of_0_turns_the_double_check_off_and_leaves_the_conductors_slo_alone():
+    config = up_config("--tbt-slo-s", "0")
+    assert engine_config(config.engine_flags("decode", threads=1)).tbt_slo_s == 0.0
     assert "--tbt-slo-s" not in config.conductor_flags()
 
 

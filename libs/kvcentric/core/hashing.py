@@ -215,6 +215,16 @@ class BlockHasher:
         chain = self._chain_cbor if self.algo == "sha256_cbor" else self._chain_binary
         return chain(parent, token_ids[:n], extra_keys)
 
+    def prefix_keys(self, token_ids: Sequence[int], unfull_chunk: bool = False) -> list[bytes]:
+        """The keys a prompt is looked up by: its full blocks' hashes and, with `unfull_chunk` (Llumnix's
+        --kvs-enable-save-unfull-chunk), the hash of its trailing partial block chained after them."""
+        token_ids = _as_list(token_ids)
+        keys = self.hash_blocks(token_ids)
+        rest = len(token_ids) % self.block_size
+        if unfull_chunk and rest:
+            keys.append(self.hash_block(keys[-1] if keys else self._root, token_ids[len(token_ids) - rest:]))
+        return keys
+
     def _chain_cbor(self, parent: bytes, token_ids: Sequence[int], extra_keys: tuple | None) -> list[bytes]:
         bs = self.block_size
         buf, ends = _cbor_tokens(token_ids)
@@ -233,6 +243,18 @@ class BlockHasher:
             parent = digest(parent + count + buf[off : off + width] + tail)
             out.append(parent)
         return out
+
+
+def parse_seed(text: str) -> int | None:
+    """A hash seed setting: "" is no seed (vLLM's root without PYTHONHASHSEED), else an integer (Llumnix's
+    GO_HASH_SEED, "0" there by default); ValueError otherwise."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"a hash seed is an integer or empty, got {text!r}") from None
 
 
 def to_hex(h: bytes) -> str:

@@ -156,6 +156,12 @@ class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     dispatched: bool = False
     """The conductor sent the jobs itself (the request asked it to). False from a conductor that predates
     dispatching: the asker sends them."""
+    decode_prefix_addr: str = ""
+    """PrfaaS §3.3: a remote (PrfaaS) prefill ships only the KV after `decode_prefix_tokens`; the decode
+    instance takes that prefix from this messenger of its own cluster, or "" (it gets the whole KV pushed)."""
+    decode_prefix_hashes: list[str] = []
+    """The prefix blocks the decode instance pulls from `decode_prefix_addr` (they cover the prefix tokens)."""
+    decode_prefix_tokens: int = 0
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
@@ -241,6 +247,9 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     kv_source_addr: str = ""
     """Hot-spot replication: pull `pull_block_hashes` from this messenger before the prefill."""
     pull_block_hashes: list[str] = []
+    kv_skip_tokens: int = 0
+    """PrfaaS §3.3: the decode instance already has the KV of this many leading tokens (from its own
+    cluster); push only the rest."""
 
 
 class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -249,6 +258,11 @@ class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams
     kv_wait_s: float = 30.0
     """How long the decode instance waits for the request's KV before failing it."""
+    prefix_source_addr: str = ""
+    """PrfaaS §3.3: pull the KV of the first `prefix_tokens` tokens (blocks `prefix_block_hashes`) from this
+    messenger of the local cluster; the prefill pushes only the tokens after them. "": all is pushed."""
+    prefix_block_hashes: list[str] = []
+    prefix_tokens: int = 0
 
 
 class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -326,6 +340,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_staging_blocks_free: int = 0
     """Decode: blocks' worth of KV its host staging can still take while its cache is full (arrivals wait
     there for blocks; the conductor counts them as room)."""
+    block_bytes: int = 0
+    """Bytes of one KV block over all layers, keys and values (kvs-meta lists it as each object's `size_`,
+    as Mooncake's master does); 0: not said."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,7 +10,7 @@ from typing import Literal
 
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
-from kvcentric.core.hashing import HASH_ALGOS, HashAlgo
+from kvcentric.core.hashing import HASH_ALGOS, BlockHasher, HashAlgo, parse_seed
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import PRESETS, load_model_config
 
@@ -29,6 +29,8 @@ class EngineConfig(BusConfig):
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
     hash_algo: HashAlgo = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")
+    hash_seed: str = setting("", "prefix block hash seed, shared by every service that hashes (gateway and "
+                                 "engines): an integer, or empty for none (Llumnix GO_HASH_SEED; vLLM PYTHONHASHSEED)")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
     kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
@@ -45,9 +47,10 @@ class EngineConfig(BusConfig):
                                        "blocks free, MiB (0: refused at once, 429)")
     host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
-    tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
+    tbt_slo_s: float = setting(0.1, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
-                                    "batch exceeds this (Mooncake's double-check; 0: off)")
+                                    "batch exceeds this (Mooncake §7's double-check, on by default at §8.1's "
+                                    "0.1 s; 0: off)")
     profile: str = setting("", "decode with --tbt-slo-s: cost model JSON written by `kvcentric profile` that "
                                "predicts the step time instead of this instance's own measured model (default: "
                                "the measured model; until there is one, no request is rejected)")
@@ -66,6 +69,10 @@ class EngineConfig(BusConfig):
         except ValueError as exc:
             raise ConfigError(f"--model: {exc}") from None
         require(self.hash_algo in HASH_ALGOS, "hash_algo", f"choose one of {', '.join(HASH_ALGOS)}")
+        try:
+            parse_seed(self.hash_seed)
+        except ValueError as exc:
+            require(False, "hash_seed", str(exc))
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.num_kv_blocks >= 1, "num_kv_blocks", "must be at least 1")
         require(self.kv_staging_mb >= 0, "kv_staging_mb", "must be 0 (none) or positive")
@@ -91,6 +98,10 @@ class EngineConfig(BusConfig):
                 CostModel.load(self.profile)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"--profile: {exc}") from None
+
+    def hasher(self) -> BlockHasher:
+        """The prefix block hasher every instance must share (algorithm, block size, seed)."""
+        return BlockHasher(self.hash_algo, self.block_size, parse_seed(self.hash_seed))
 
     def cost_model(self) -> CostModel:
         """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""

@@ -3,8 +3,9 @@ cache, and the commit that closes a push lets the request join the batch.
 
 Pushed KV may overtake its request's DecodeJob (the jobs go to prefill and decode at once): the sink holds
 it until the job is in, and gives up after JOB_WAIT_S, or at once when the request is cancelled. KV the
-engine has no room for, on the device or in host staging, ends its request with a 429. It receives; it
-does not schedule decode steps.
+engine has no room for, on the device or in host staging, ends its request with a 429. A request whose job names a
+local prefix source (PrfaaS §3.3) gets the prefix's KV from that pull (`engine/prefixkv.py`) when its push
+begins, and only the rest from the push. It receives; it does not schedule decode steps.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable, Container, Sequence
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.decode import DecodeEngine, KVNoRoom, KVRejected
 from kvcentric.engine.node import Wakeup
+from kvcentric.engine.prefixkv import PrefixPulls, prefix_layers
 from kvcentric.engine.spans import RequestSpans
 
 JOB_WAIT_S = 5.0
@@ -35,6 +37,8 @@ class DecodeSink:
         self.engine, self.counters, self.recent_cancels = engine, counters, recent_cancels
         self.spans, self.emit, self.wake = spans, emit, wake
         self.waiting: dict[str, asyncio.Event] = {}
+        self.prefixes: PrefixPulls | None = None
+        """Set by the service: the local prefix pulls of PrfaaS requests."""
 
     def registered(self, request_id: str) -> None:
         """The request's DecodeJob is in: KV that came first may go on."""
@@ -46,6 +50,8 @@ class DecodeSink:
         """The request was cancelled: KV waiting for its job gives up now, not after JOB_WAIT_S (the prefill
         pushing it would wait as long)."""
         self.registered(request_id)
+        if self.prefixes is not None:
+            self.prefixes.forget(request_id)
 
     async def begin(self, header) -> None:
         dtype = self.engine.runner.dtype_name
@@ -53,12 +59,30 @@ class DecodeSink:
             raise KVRejected(f"KV dtype {header.dtype}, this instance runs {dtype}")
         if header.request_id not in self.engine.requests:
             await self._job_of(header.request_id)
+        first_stripe = header.request_id in self.engine.requests and \
+            self.engine.requests[header.request_id].state == "waiting_kv"
         try:
             self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
                                  join=header.stripes > 1)
         except KVNoRoom as exc:  # overload, not failure: the request ends with a 429 the client may retry
             self.emit([self.engine.abort(header.request_id, "error", str(exc), status=429)])
             raise
+        if first_stripe and self.prefixes is not None and self.prefixes.expects(header.request_id):
+            await self._write_prefix(header.request_id)
+
+    async def _write_prefix(self, request_id: str) -> None:
+        """PrfaaS §3.3: the prompt's prefix KV from the local instance that caches it (pulled since the
+        job came), written as the push's first layers."""
+        try:
+            blocks, tokens = await self.prefixes.blocks(request_id)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - without its prefix the request cannot decode
+            self.counters["prefix_pulls_failed_total"] += 1
+            raise KVRejected(f"request {request_id}: pulling its prefix KV failed: {exc}") from exc
+        runner = self.engine.runner
+        for layer, key, value in prefix_layers(blocks, tokens, runner.config.num_layers, runner.block_size,
+                                               runner.layer_token_bytes):
+            self.engine.write_kv(request_id, layer, 0, tokens, key, value)
+        self.counters["prefix_tokens_pulled_total"] += tokens
 
     async def _job_of(self, request_id: str) -> None:
         event = self.waiting.setdefault(request_id, asyncio.Event())
@@ -78,6 +102,8 @@ class DecodeSink:
         self.engine.write_kv(request_id, chunk.layer, chunk.token_start, chunk.token_end, chunk.key, chunk.value)
 
     def commit(self, request_id: str, commit) -> None:
+        if self.prefixes is not None:
+            self.prefixes.forget(request_id)
         self.spans.end(request_id, "decode.queue")
         self.spans.start(request_id, "decode.generate").add_event("first_token", {"kvc.token": commit.first_token})
         self.emit(self.engine.commit_kv(request_id, commit.first_token, commit.extras))
@@ -87,4 +113,6 @@ class DecodeSink:
         if retryable:
             self.engine.reset_kv(request_id)
         else:
+            if self.prefixes is not None:
+                self.prefixes.forget(request_id)
             self.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])

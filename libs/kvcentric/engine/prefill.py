@@ -116,6 +116,9 @@ class PrefillEngine:
         if not 0 < len(job.token_ids) < self.runner.config.max_position:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens; this model takes 1.."
                                   f"{self.runner.config.max_position - 1}")
+        if not 0 <= job.kv_skip_tokens < len(job.token_ids):
+            raise PrefillRejected(f"kv_skip_tokens {job.kv_skip_tokens}: the KV of at least the last prompt "
+                                  f"token must be pushed")
         vocab = self.runner.config.vocab_size
         if min(job.token_ids) < 0 or max(job.token_ids) >= vocab:
             raise PrefillRejected(f"token ids must be in [0, {vocab})")

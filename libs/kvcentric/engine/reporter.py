@@ -52,6 +52,8 @@ class Reporter:
         self.bus, self.instance_id, self.cluster = bus, instance_id, cluster
         self.pool, self.host, self.pusher = pool, host, pusher
         self.heartbeat_every_s = heartbeat_every_s
+        self.block_bytes = 0
+        """Bytes of one of its KV blocks over all layers (set by the service; reported for kvs-meta)."""
         self.heartbeat: Heartbeat | None = None
         self.reports_sent = 0
         """Load reports published; the first is how the conductor learns of this instance."""
@@ -76,7 +78,7 @@ class Reporter:
         return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
                           queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
                           kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
-                          kv_staging_blocks_free=load.staging_blocks_free,
+                          kv_staging_blocks_free=load.staging_blocks_free, block_bytes=self.block_bytes,
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
                           cost=self.speed.for_report() if self.speed is not None else None)

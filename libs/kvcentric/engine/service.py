@@ -56,6 +56,7 @@ class EngineService(Service):
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
                                       self.reporter.publish_cache_forgotten)
         self.reporter.speed = self.speed
+        self.reporter.block_bytes = self.runner.block_bytes
 
     # ---------------------------------------------------------------- what a role fills in
 

@@ -1,7 +1,9 @@
 """The KV push of one prefilled request to its decode instance: the layers of each chunk go out while the
 model thread computes the later ones (Mooncake §5.2, layer-wise transfer; small layers are handed over
 together, see HANDOFF_BYTES), the commit carries the first token, and a receiver that asks for a resend
-(a checksum failure) gets the whole KV again, read from the cache. On CUDA a layer leaves the device on a
+(a checksum failure) gets the whole KV again, read from the cache. The KV of the job's first
+`kv_skip_tokens` tokens is never sent: the receiver has it from its own cluster (PrfaaS §3.3, only the
+uncached part crosses datacenters). On CUDA a layer leaves the device on a
 side stream into pinned staging buffers (`engine/staging.py`) while the next layer computes; on CPU the
 hook copies it out itself.
 
@@ -37,6 +39,7 @@ class RequestPush:
     def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2,
                  trace_context=None, handoff_bytes: int = HANDOFF_BYTES) -> None:
         self.runner, self.work, self.handoff_bytes = runner, work, handoff_bytes
+        self.skip = work.job.kv_skip_tokens
         self.loop = asyncio.get_running_loop()
         self.layers: asyncio.Queue = asyncio.Queue()
         self.first_token: asyncio.Future = self.loop.create_future()
@@ -48,7 +51,7 @@ class RequestPush:
         self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries,
                                                                  metadata=metadata))
         self.task.add_done_callback(self._done)
-        if work.num_cached:
+        if work.num_cached > self.skip:
             self._send_cached_prefix()
 
     def _done(self, task: asyncio.Task) -> None:
@@ -61,9 +64,10 @@ class RequestPush:
         self.span.end()
 
     def _send_cached_prefix(self) -> None:
-        """The prefix found in the local cache is not computed: send its KV from the cache now."""
+        """The prefix found in the local cache is not computed: send its KV (after the skipped tokens)
+        from the cache now."""
         for layer in range(self.runner.config.num_layers):
-            self.layers.put_nowait(self._read(layer, 0, self.work.num_cached))
+            self.layers.put_nowait(self._read(layer, self.skip, self.work.num_cached))
 
     def _read(self, layer: int, start: int, end: int) -> LayerData:
         key, value, crc = self.runner.read_layer(layer, self.work.blocks, start, end)
@@ -72,16 +76,19 @@ class RequestPush:
     def hook(self, start: int):
         """The layer hook for a chunk starting at `start`; runs in the model thread. Layers go to the event
         loop once `handoff_bytes` of them are pending, and the rest after the chunk's last layer."""
+        drop = max(0, self.skip - start)  # leading tokens of this chunk the receiver has already
         if self.runner.device.type == "cuda":
-            return self._staged_hook(start)
+            return self._staged_hook(start, drop)
         pending: list[LayerData] = []
         pending_bytes = 0
         last = self.runner.config.num_layers - 1
 
         def on_layer(layer: int, keys, values) -> None:
             nonlocal pending_bytes
-            key, value, crc = kv_payload(keys, values)
-            data = LayerData(layer, start, start + keys.shape[0], key, value, crc)
+            if drop >= keys.shape[0]:  # the whole chunk is before the skipped prefix's end
+                return
+            key, value, crc = kv_payload(keys[drop:], values[drop:])
+            data = LayerData(layer, start + drop, start + keys.shape[0], key, value, crc)
             pending.append(data)
             pending_bytes += data.nbytes
             if layer == last or pending_bytes >= self.handoff_bytes:
@@ -90,15 +97,18 @@ class RequestPush:
                 pending_bytes = 0
         return on_layer
 
-    def _staged_hook(self, start: int):
+    def _staged_hook(self, start: int, drop: int):
         """CUDA: each layer is queued for a copy into pinned memory behind its compute and handed to the
         event loop once its bytes are on the host, while the model thread goes on with the next layer."""
         def on_layer(layer: int, keys, values) -> None:
             end = start + keys.shape[0]
+            if drop >= keys.shape[0]:
+                return
 
             def deliver(key: bytes, value: bytes, crc: int) -> None:
-                self.loop.call_soon_threadsafe(self._hand_over, [LayerData(layer, start, end, key, value, crc)])
-            self.runner.staging.stage(keys, values, deliver, self._failed_threadsafe)
+                self.loop.call_soon_threadsafe(self._hand_over, [LayerData(layer, start + drop, end, key, value,
+                                                                           crc)])
+            self.runner.staging.stage(keys[drop:], values[drop:], deliver, self._failed_threadsafe)
         return on_layer
 
     def _failed_threadsafe(self, exc: BaseException) -> None:
@@ -156,7 +166,7 @@ class RequestPush:
         yield self._header()
         total = 0
         for layer in range(self.runner.config.num_layers):
-            chunk = self._read(layer, 0, self.work.num_tokens)
+            chunk = self._read(layer, self.skip, self.work.num_tokens)
             total += chunk.nbytes
             yield chunk
         yield kv_pb2.KVCommit(first_token=token, total_bytes=total, extras=self.extras)

@@ -8,6 +8,8 @@ Tiers: `device` is an engine's paged cache, `dram` a node's host pool (Mooncake'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
@@ -142,13 +144,25 @@ def dump_events(hashes: list[str], holders: list[list[str]]) -> list[BlockStored
     return events
 
 
-def mooncake_batch_reply(keys: list[str], holders: list[list[str]]) -> dict:
-    """The JSON shape of Mooncake's master `batch_query_keys`, so external schedulers can read it."""
-    data = {}
+def mooncake_batch_reply(keys: list[str], holders: list[list[str]],
+                         endpoints: Mapping[str, tuple[str, int]] | None = None) -> dict:
+    """The JSON of Mooncake's master `GET /batch_query_keys`: per key, `ok` and a replica descriptor per
+    holder (`size_`, `buffer_address_`, `protocol_`, `transport_endpoint_`), or `ok: false` with the
+    master's `OBJECT_NOT_FOUND`. `endpoints` maps a node to (messenger address, block bytes) from its
+    load reports. Beyond the master: every tier is listed (it lists memory replicas only), each
+    descriptor also names its `node_id` and `tier`, and `buffer_address_` is 0 (blocks are pulled by hash
+    over gRPC, not read at an address)."""
+    endpoints = endpoints or {}
+    data: dict[str, dict] = {}
     for key, found in zip(keys, holders):
-        if found:
-            values = [{"node_id": h.rsplit(":", 1)[0], "tier": h.rsplit(":", 1)[1]} for h in found]
-            data[key] = {"ok": True, "values": values}
-        else:
-            data[key] = {"ok": False, "error": "key not found"}
+        if not found:
+            data[key] = {"ok": False, "error": "OBJECT_NOT_FOUND"}
+            continue
+        values = []
+        for holder in found:
+            node_id, _, tier = holder.rpartition(":")
+            addr, size = endpoints.get(node_id, ("", 0))
+            values.append({"size_": size, "buffer_address_": 0, "protocol_": "grpc", "transport_endpoint_": addr,
+                           "node_id": node_id, "tier": tier})
+        data[key] = {"ok": True, "values": values}
     return {"success": True, "data": data}

@@ -422,17 +422,34 @@ async def pull_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], host
                       block_size: int, timeout_s: float = 60.0) -> int:
     """Pull prefix blocks from the messenger at `addr` into `host` (a HostBlockPool); returns how many
     arrived (the peer stops at the first it no longer holds). A corrupt block raises ChecksumMismatch."""
-    request = kv_pb2.PullBlocksRequest(block_hashes=block_hashes, dtype=dtype, block_size=block_size)
     count = 0
+    async for block_hash, data in stream_blocks(pusher, addr, block_hashes, dtype, block_size, timeout_s):
+        host.put(block_hash, first_depth + count, data)
+        count += 1
+    return count
+
+
+async def fetch_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], dtype: str, block_size: int,
+                       timeout_s: float = 60.0) -> list[bytes]:
+    """Every one of `block_hashes` from the messenger at `addr`, in order (host-pool layout); TransferError
+    when the peer no longer holds one of them."""
+    blocks = [data async for _, data in stream_blocks(pusher, addr, block_hashes, dtype, block_size, timeout_s)]
+    if len(blocks) < len(block_hashes):
+        raise TransferError(f"{addr} holds {len(blocks)} of the {len(block_hashes)} prefix blocks asked for")
+    return blocks
+
+
+async def stream_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], dtype: str, block_size: int,
+                        timeout_s: float = 60.0) -> AsyncIterator[tuple[str, bytes]]:
+    """(hash, bytes) of the leading `block_hashes` the messenger at `addr` holds, checksums verified."""
+    request = kv_pb2.PullBlocksRequest(block_hashes=block_hashes, dtype=dtype, block_size=block_size)
     try:
         async for chunk in pusher.stub(addr).PullBlocks(request, timeout=timeout_s):
             if not chunk.found:
                 break
             if checksum(chunk.data) != chunk.checksum:
                 raise ChecksumMismatch(f"checksum mismatch in block {chunk.block_hash} from {addr}")
-            host.put(chunk.block_hash, first_depth + count, chunk.data)
-            count += 1
+            pusher.stats["blocks_pulled"] += 1
+            yield chunk.block_hash, chunk.data
     except grpc.aio.AioRpcError as exc:
         raise TransferError(f"pulling blocks from {addr} failed: {exc.code().name}: {exc.details()}") from exc
-    pusher.stats["blocks_pulled"] += count
-    return count

@@ -51,9 +51,9 @@ class UpConfig:
     prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
     max_batch: int = setting(64, "most sequences in one decode step of an engine")
     device: str = setting("cpu", "torch device of every engine: cpu, cuda, cuda:N")
-    tbt_slo_s: float = setting(0.0, "TBT SLO the decode instances double-check when a request's KV has arrived "
-                                    "(rejected with 429 when the predicted step exceeds it; 0: off); also the "
-                                    "conductor's --tbt-slo-s when set")
+    tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
+                                    "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
+                                    "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: LogLevel = setting("info", "log level of the services")
@@ -87,8 +87,9 @@ class UpConfig:
         flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(self.num_kv_blocks),
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
                  str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", self.device]
-        if command == "decode" and self.tbt_slo_s > 0:  # its cost model is the conductor's
-            flags += ["--tbt-slo-s", str(self.tbt_slo_s), *(["--profile", self.profile] if self.profile else [])]
+        if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
+            flags += ["--tbt-slo-s", str(self.tbt_slo_s)]
+            flags += ["--profile", self.profile] if self.profile and self.tbt_slo_s > 0 else []
         return flags
 
     def conductor_flags(self) -> list[str]:

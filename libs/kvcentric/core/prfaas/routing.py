@@ -18,8 +18,11 @@ holding the longest prefix is chosen (ties: the first listed).
 Threshold (§3.4.3): the scheduler watches the PrfaaS egress utilization and queue; when either nears its
 limit t rises (fewer, longer offloads: less KV per second), and when both have fallen back t returns
 step by step to the planned value. As our addition, a long local PD-P queue with an idle link and PrfaaS
-lowers t (offload more). `planner.best_threshold` re-searches t from the model when the measured
-bandwidth or the instance counts change.
+lowers t (offload more). With the planner's profile, a trigger re-derives t instead (`rederive_threshold`):
+the throughput model searched again with the measured egress bandwidth as B_out, over the uncached lengths
+of the requests placed lately and the instances alive now ("profiles current compute capacity and egress
+bandwidth, then searches for the optimal threshold t based on the incremental prefill-length
+distribution"); without a profile t moves by `ShortTermPolicy.step`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,11 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Literal
+
+from kvcentric.core.prfaas.planner import best_threshold
+from kvcentric.core.prfaas.profile import BYTES_PER_S_PER_GBPS, PrfaasProfile
+from kvcentric.core.prfaas.throughput import Counts
+from kvcentric.core.prfaas.workload import LengthDistribution
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +152,23 @@ def adjust_threshold(current: float, planned: float, egress_utilization: float, 
     if calm and current < planned and local_queue_s < policy.local_queue_high_s:
         return to(min(planned, current * policy.step), "local prefill calm again: back toward the planned t")
     return ThresholdChange(current, False, "within limits: keep t")
+
+
+def rederive_threshold(current: float, trigger: ThresholdChange, profile: PrfaasProfile,
+                       lengths: Sequence[tuple[int, int]], counts: Counts, egress_bytes_per_s: float,
+                       policy: ShortTermPolicy = ShortTermPolicy()) -> ThresholdChange:
+    """§3.4.3's short-term re-search of t when `adjust_threshold` triggered a move: the model's best t
+    with B_out = the measured egress (bytes/s) over `lengths`, (uncached tokens, output tokens) of recent
+    requests. A trigger that only returns t toward the plan, or nothing to judge by, keeps the trigger."""
+    if not trigger.changed or "planned" in trigger.reason or not lengths or egress_bytes_per_s <= 0:
+        return trigger
+    if min(counts.prfaas, counts.pd_prefill, counts.decode) < 1:
+        return trigger
+    uncached, outputs = zip(*lengths)
+    workload = LengthDistribution.from_samples([max(1, n) for n in uncached], sum(outputs) / len(outputs),
+                                               "recently placed requests")
+    gbps = egress_bytes_per_s / BYTES_PER_S_PER_GBPS
+    point = best_threshold(profile.with_egress(gbps), workload, counts)
+    value = min(policy.max_threshold, max(policy.min_threshold, float(point.threshold)))
+    return ThresholdChange(value, value != current, f"{trigger.reason.rsplit(':', 1)[0]}: t re-derived from the "
+                                                    f"throughput model at measured B_out {gbps:.3g} Gbps")

@@ -17,8 +17,10 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from kvcentric.core.costmodel import CostModel
+from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.routing import (RouteDecision, ShortTermPolicy, ThresholdChange, adjust_threshold,
-                                      bandwidth_is_scarce, route)
+                                      bandwidth_is_scarce, rederive_threshold, route)
+from kvcentric.core.prfaas.throughput import Counts
 from kvcentric.core.prfaas.topology import Topology
 from kvcentric.core.protocol import LoadReport, ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator
@@ -42,6 +44,9 @@ class ClusterSetup:
     """Cost model per cluster where its hardware differs from the conductor's default one."""
     egress_window_s: float = 5.0
     """Egress use is the bytes pushed over this many seconds of load reports."""
+    profile: PrfaasProfile | None = None
+    """The planner's profile: with it a short-term trigger re-derives t from the throughput model at the
+    measured egress bandwidth (§3.4.3); without it t moves by `short_term.step`."""
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.topology.of_role("pd")]
@@ -60,6 +65,10 @@ class ClusterSetup:
     def link_bytes_per_s(self, a: str, b: str) -> float:
         """The link between two clusters, each way, in bytes/s."""
         return self.topology.link_gbps(a, b) * 1e9 / 8
+
+
+RECENT_REQUESTS = 2000
+"""Placed requests whose uncached and output lengths make the workload a short-term re-derivation of t uses."""
 
 
 class EgressMeter:
@@ -103,6 +112,8 @@ class ClusterRoute:
     source_blocks: int
     fallback: bool = False
     """The routed cluster had no alive prefill instance, so the other one computes."""
+    pd_holder: PrefillState | None = None
+    """The PD-cluster instance holding the longest prefix (l_pd), if any."""
 
 
 class ClusterRouter:
@@ -120,12 +131,26 @@ class ClusterRouter:
         self.last_adjust: float | None = None
         self.last_change = ThresholdChange(self.threshold, False, "planned t")
         self.stats: collections.Counter[str] = collections.Counter()
+        self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=RECENT_REQUESTS)
+        """(uncached tokens, max output tokens) of the requests placed lately: the workload t is re-derived for."""
+        self.push_rates: dict[str, float] = {}
+        """Each PrfaaS instance's best measured KV push rate to the PD cluster's messengers, bytes/s."""
 
     # ---------------------------------------------------------------- inputs
 
     def observe(self, report: LoadReport, now: float) -> None:
         if report.role == "prefill" and report.cluster in self.prfaas:
             self.egress.observe(report.instance_id, report.kv_bytes_sent, now)
+            if report.link_bandwidth:
+                self.push_rates[report.instance_id] = max(report.link_bandwidth.values())
+
+    def measured_egress(self, cluster: str, prefills: list[PrefillState]) -> float:
+        """B_out of a PrfaaS cluster as measured, bytes/s: its alive instances' push rates added up, never
+        more than the link (the topology's figure until any push was measured)."""
+        link = self.setup.link_bytes_per_s(cluster, self.pd)
+        rates = [self.push_rates[s.instance_id] for s in prefills if s.cluster == cluster and
+                 s.instance_id in self.push_rates]
+        return min(link, sum(rates)) if rates else link
 
     def in_scope(self, states: list, cluster: str) -> list:
         return [s for s in states if s.cluster == cluster]
@@ -137,8 +162,9 @@ class ClusterRouter:
 
     # ---------------------------------------------------------------- short-term t (§3.4.3)
 
-    def tick(self, prefills: list[PrefillState], now: float) -> ThresholdChange | None:
-        """One step of t when `adjust_s` has passed since the last one."""
+    def tick(self, prefills: list[PrefillState], now: float, decodes: int = 0) -> ThresholdChange | None:
+        """One step of t when `adjust_s` has passed since the last one (`decodes`: PD decode instances alive,
+        for the model's re-derivation)."""
         if not self.setup.adjust_s or not self.prfaas:
             return None
         if self.last_adjust is not None and now - self.last_adjust < self.setup.adjust_s:
@@ -148,9 +174,22 @@ class ClusterRouter:
         remote_q = max(_mean_queue(self.in_scope(prefills, name), now) for name in self.prfaas)
         change = adjust_threshold(self.threshold, self.setup.threshold, egress, remote_q,
                                   _mean_queue(self.in_scope(prefills, self.pd), now), self.setup.short_term)
+        if self.setup.profile is not None and change.changed:
+            change = self._rederive(change, prefills, decodes)
         if change.changed:
             self.stats["threshold_changes"] += 1
         self.threshold, self.last_change = change.threshold, change
+        return change
+
+    def _rederive(self, trigger: ThresholdChange, prefills: list[PrefillState], decodes: int) -> ThresholdChange:
+        """§3.4.3: t searched again from the model, at the measured egress of the PrfaaS clusters."""
+        assert self.setup.profile is not None
+        n_prfaas = sum(1 for s in prefills if s.cluster in self.prfaas)
+        counts = Counts(n_prfaas, len(self.in_scope(prefills, self.pd)), decodes)
+        egress = sum(self.measured_egress(name, prefills) for name in self.prfaas)
+        change = rederive_threshold(self.threshold, trigger, self.setup.profile, list(self.recent), counts, egress,
+                                    self.setup.short_term)
+        self.stats["threshold_rederived"] += change is not trigger
         return change
 
     def replan(self, threshold: float, reason: str) -> None:
@@ -180,7 +219,7 @@ class ClusterRouter:
         decision = route(n, prefixes, self.pd, remote, threshold, scarce)
         fallback = not pools[decision.cluster]
         source, blocks = holders.get(decision.cache_source, (None, 0)) if decision.cache_source else (None, 0)
-        return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback)
+        return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback, holders[self.pd][0])
 
     def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
                now: float) -> PrefillChoice | None:
@@ -194,6 +233,7 @@ class ClusterRouter:
         if routed.source is not None and routed.source_blocks > choice.prefix_blocks:
             choice = self._pull_across(request, choice, routed.source, routed.source_blocks, cluster, now)
         if routed.decision.target == "prfaas":
+            self._prefix_at_decode(request, choice, routed)
             choice.ttft_s = self._crossing_ttft(request, choice, cluster, now)
         self.stats[f"routed_{routed.decision.target}"] += 1
         self.stats["route_fallbacks"] += routed.fallback
@@ -211,11 +251,24 @@ class ClusterRouter:
         return PrefillChoice(choice.instance, transfer_s + queue_s + prefill_s, prefill_s, blocks, source,
                              choice.local_blocks)
 
+    def _prefix_at_decode(self, request: ScheduleRequest, choice: PrefillChoice, routed: ClusterRoute) -> None:
+        """PrfaaS §3.3: only the part of the prompt the PD cluster lacks crosses the link; the decode
+        instance takes the PD cluster's cached prefix (l_pd tokens) from the instance holding it."""
+        pd_cached = request.n_tokens - routed.decision.kv_to_pd_tokens
+        if pd_cached > 0 and routed.pd_holder is not None:
+            choice.decode_prefix_source, choice.decode_prefix_tokens = routed.pd_holder, pd_cached
+            self.stats["kv_tokens_kept_local"] += pd_cached
+
+    def kv_to_pd_tokens(self, request: ScheduleRequest, choice: PrefillChoice) -> int:
+        """Tokens of KV a PrfaaS prefill ships to the PD cluster: the prompt less the prefix decode takes
+        from its own cluster."""
+        return request.n_tokens - (choice.decode_prefix_tokens if choice.decode_prefix_source else 0)
+
     def _crossing_ttft(self, request: ScheduleRequest, choice: PrefillChoice, cluster: str, now: float) -> float:
         """KV streams layer by layer while the prefill runs: decode has it all at the later of prefill end
         and the link having sent it (behind what is already queued on the link)."""
         start = now + choice.ttft_s - choice.prefill_s
-        nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+        nbytes = self.estimators[cluster].cost.kv_bytes(self.kv_to_pd_tokens(request, choice))
         return max(choice.ttft_s, self._sent(cluster, self.pd, nbytes, start) - now)
 
     def _sent(self, source: str, target: str, nbytes: float, start: float) -> float:
@@ -228,11 +281,13 @@ class ClusterRouter:
         another cluster, and a PrfaaS prefill's KV from when its prefill starts, queue on their link."""
         cluster = choice.instance.cluster
         source = choice.source
+        cached = self.estimators[cluster].cached_tokens(request.n_tokens, choice.prefix_blocks)
+        self.recent.append((request.n_tokens - cached, request.max_tokens))
         if source is not None and source.cluster != cluster:
             nbytes = self.estimators[cluster].block_bytes(choice.pull_blocks)
             self.busy_until[(source.cluster, cluster)] = self._sent(source.cluster, cluster, nbytes, now)
         if cluster in self.prfaas:
-            nbytes = self.estimators[cluster].cost.kv_bytes(request.n_tokens)
+            nbytes = self.estimators[cluster].cost.kv_bytes(self.kv_to_pd_tokens(request, choice))
             start = now + choice.instance.queue_s(now)
             self.busy_until[(cluster, self.pd)] = self._sent(cluster, self.pd, nbytes, start)
             self.stats["kv_bytes_routed_remote"] += nbytes

@@ -132,14 +132,18 @@ class Conductor:
     # ---------------------------------------------------------------- the decision
 
     def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
-        """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
+        """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds
+        (ignored below `cache_aware_scheduling_min_tokens`). Instances in `request.avoid` (a migrated request's
+        failed ones) are not considered."""
+        if not self.cache_aware(request):
+            hits = {}
         prefills = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
         decodes = [s for s in self.registry.alive_decode(now) if s.instance_id not in request.avoid]
         if self.router is not None:
             decodes = self.router.in_scope(decodes, self.router.pd)
         if not prefills or not decodes:
             return self._no_instance(request, prefills, decodes)
-        choice = self._choose_prefill(request, prefills, hits, now)
+        choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
@@ -152,17 +156,21 @@ class Conductor:
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
 
+    def cache_aware(self, request: ScheduleRequest) -> bool:
+        """Whether the prompt is long enough for its prefix hits to count (Llumnix's minimum tokens)."""
+        return request.n_tokens >= self.config.cache_aware_scheduling_min_tokens
+
     def _no_instance(self, request: ScheduleRequest, prefills: list, decodes: list) -> Rejection:
         missing = " and ".join(r for r, alive in (("prefill", prefills), ("decode", decodes)) if not alive)
         self.stats["rejected_no_instance"] += 1
         return Rejection.no_instance(request.request_id, f"no {missing} instance is alive")
 
     def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
-                        now: float) -> PrefillChoice | None:
+                        now: float, decodes: int = 0) -> PrefillChoice | None:
         """The placement policy over every alive instance, or, with clusters, over the routed cluster's."""
         if self.router is None:
             return self.policy.choose(request, prefills, hits, now)
-        self.router.tick(prefills, now)
+        self.router.tick(prefills, now, decodes)
         return self.router.choose(request, prefills, hits, now)
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
@@ -200,9 +208,14 @@ class Conductor:
         source = choice.source
         pull = request.block_hashes[choice.local_blocks:choice.prefix_blocks] if source is not None else []
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
+        holder, prefix_tokens = choice.decode_prefix_source, choice.decode_prefix_tokens
+        prefix_blocks = -(-prefix_tokens // self.config.block_size) if holder is not None else 0
         return Placement(request_id=request.request_id, prefill_id=choice.instance.instance_id,
                          decode_id=decode.instance.instance_id, decode_kv_addr=decode.instance.kv_addr,
                          cached_tokens=self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
                          predicted_ttft_s=round(choice.ttft_s, 6), predicted_tbt_s=round(tbt, 6),
                          kv_source_id=source.instance_id if source is not None else "",
-                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull)
+                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull,
+                         decode_prefix_addr=holder.kv_addr if holder is not None else "",
+                         decode_prefix_hashes=request.block_hashes[:prefix_blocks],
+                         decode_prefix_tokens=prefix_tokens if holder is not None else 0)

@@ -26,6 +26,9 @@ class SchedulerConfig:
     priority_step: float = setting(0.2, "each priority class below --top-priority is rejected this much load earlier")
     top_priority: int = setting(0, "requests at or above this priority are held to the SLO itself")
     seed: int = setting(0, "seed of the random policy")
+    cache_aware_scheduling_min_tokens: int = setting(
+        0, "prompts shorter than this are placed by load alone, their prefix hits ignored (Llumnix "
+           "--cache-aware-scheduling-min-tokens, 1024 there; 0: every prompt is placed cache-aware)")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
@@ -35,6 +38,7 @@ class SchedulerConfig:
         require(self.link_gbps > 0, "link_gbps", "must be positive")
         require(self.decode_time_s > 0, "decode_time_s", "must be positive")
         require(0 <= self.priority_step <= 1, "priority_step", "must be in [0, 1]")
+        require(self.cache_aware_scheduling_min_tokens >= 0, "cache_aware_scheduling_min_tokens", "must be >= 0")
 
     @property
     def link_bytes_per_s(self) -> float:

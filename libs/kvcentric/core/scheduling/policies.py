@@ -34,6 +34,10 @@ class PrefillChoice:
     """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling."""
     local_blocks: int = 0
     """Leading blocks the instance holds itself."""
+    decode_prefix_source: PrefillState | None = None
+    """PrfaaS §3.3: the local-cluster instance the decode instance takes the prompt's cached prefix from
+    (a remote prefill then ships only the KV after it), or None."""
+    decode_prefix_tokens: int = 0
 
     @property
     def pull_blocks(self) -> int:
@@ -173,10 +177,26 @@ class LlumnixPolicy(_Policy):
         return self.local(request, min(prefills, key=metric), hits, now)
 
 
-PlacementName = Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix"]
+class KVCacheHitLenPolicy(_Policy):
+    """Most prefixHitTokens (Llumnix's kvCacheHitLen metric: the longest cached prefix wins), least queued
+    prefill time among equals."""
+
+    name = "kv_cache_hit_len"
+
+    def choose(self, request, prefills, hits, now):
+        n, cached = request.n_tokens, self.estimator.cached_tokens
+
+        def metric(instance: PrefillState) -> tuple[float, float]:
+            return -cached(n, hits.get(instance.instance_id, 0)), instance.queue_s(now)
+
+        return self.local(request, min(prefills, key=metric), hits, now)
+
+
+PlacementName = Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix", "kv_cache_hit_len"]
 """The placement policies, by the name `--policy` takes."""
 PLACEMENT_POLICIES: tuple[str, ...] = get_args(PlacementName)
-ESTIMATOR_ONLY = {policy.name: policy for policy in (LoadBalancePolicy, CacheAwarePolicy, LlumnixPolicy)}
+ESTIMATOR_ONLY = {policy.name: policy for policy in (LoadBalancePolicy, CacheAwarePolicy, LlumnixPolicy,
+                                                     KVCacheHitLenPolicy)}
 """The policies built from the estimator alone."""
 
 
