@@ -230,6 +230,9 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     kv_source_addr: str = ""
     """Hot-spot replication: pull `pull_block_hashes` from this messenger before the prefill."""
     pull_block_hashes: list[str] = []
+    cached_tokens: int = 0
+    """Leading prompt tokens the conductor expects this instance to reuse (its queue-time estimate counts the
+    rest until the prompt starts and the engine knows)."""
 
 
 class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,7 +298,8 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_free: int
     ts: float
     est_queue_s: float = -1.0
-    """Prefill: the engine's estimate of seconds of queued work (-1: none; the conductor estimates)."""
+    """Prefill: T_queue as the engine predicts it, the sum of its queued and running prefills' predicted
+    times from its measured cost model (Mooncake §6.1; -1: none yet, the conductor estimates)."""
     link_bandwidth: dict[str, float] = {}
     """Bytes/s its recent KV pushes reached, per peer messenger address (for the conductor's T_transfer)."""
     kv_bytes_sent: int = 0
@@ -315,6 +319,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_staging_blocks_free: int = 0
     """Decode: blocks' worth of KV its host staging can still take while its cache is full (arrivals wait
     there for blocks; the conductor counts them as room)."""
+    queued_uncached_tokens: int = -1
+    """Prefill: tokens still to compute for the prompts queued or running there, their cached prefixes left out
+    (Llumnix's allPrefillsTokensNum in uncomputed tokens; -1: not counted, `queued_tokens` is all there is)."""
+    prefill_ids: list[str] | None = None
+    """Prefill: the requests queued or running there (the newest few hundred), so the conductor knows
+    which of its placements `est_queue_s` covers; None: not listed, the report covers every placement."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):
