@@ -189,8 +189,6 @@ class Reporter:
                              ("dram", list(self.host.slot_of) if self.host is not None else [])):
             if hashes:
                 events.append(BlockEvicted(node_id=self.instance_id, block_hashes=hashes, tier=tier))
-        self._cost: tuple[int, CostModel] | None = None
-        """The measured prefill model and the fit version it was built from."""
         self.announces = False
         await self._publish_events(events)
 
