@@ -52,6 +52,8 @@ async def one(session: aiohttp.ClientSession, url: str, text: str, max_tokens: i
     try:
         async with session.post(url + "/v1/completions", json=body) as response:
             row["status"] = response.status
+            row["predicted_ttft_s"] = float(response.headers.get("x-kvcentric-predicted-ttft-s", -1))
+            row["prefill"] = response.headers.get("x-kvcentric-prefill", "")
             if response.status != 200:
                 row["retry_after"] = response.headers.get("Retry-After", "")
                 row["error"] = (await response.text())[:200]
@@ -111,6 +113,8 @@ def summarize(rows: list[dict], ttft_slo_s: float, tbt_slo_s: float) -> dict:
             "ttft_p50_s": quantile(ttft, 0.5), "ttft_p90_s": quantile(ttft, 0.9), "ttft_max_s": quantile(ttft, 1.0),
             "tbt_p50_s": quantile(tbt, 0.5), "tbt_p90_s": quantile(tbt, 0.9),
             "e2e_p50_s": quantile([row["e2e_s"] for row in done], 0.5),
+            "ttft_over_predicted_p50": quantile([row["ttft_s"] / row["predicted_ttft_s"] for row in done
+                                                 if row.get("predicted_ttft_s", -1) > 0], 0.5),
             "admitted_ttft_within_slo": round(sum(t <= ttft_slo_s for t in ttft) / len(done), 3) if done else None,
             "admitted_tbt_within_2x_slo": round(sum(t <= 2 * tbt_slo_s for t in tbt) / len(done), 3) if done else None,
             "error_samples": samples}
@@ -150,7 +154,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
             "unloaded": {"requests": len(unloaded), "ttft_p50_s": quantile([r["ttft_s"] for r in done], 0.5),
                          "tbt_p50_s": quantile([r["tbt_s"] for r in done], 0.5)},
             **summarize(rows, args.ttft_slo_s, args.tbt_slo_s), "conductor": gauges,
-            "timeline": timeline(rows)}
+            "timeline": timeline(rows), "admitted": [row for row in rows if row["status"] == 200]}
 
 
 def timeline(rows: list[dict], step_s: float = 5.0) -> list[dict]:
@@ -184,7 +188,8 @@ def main() -> None:
     runs = {}
     for mode in args.modes.split(","):
         runs[mode] = run_mode(mode, args)
-        print(mode, json.dumps({k: v for k, v in runs[mode].items() if k != "timeline"}), flush=True)
+        print(mode, json.dumps({k: v for k, v in runs[mode].items() if k not in ("timeline", "admitted")}),
+              flush=True)
     load = os.getloadavg()
     report = {"rps": args.rps, "duration_s": args.duration_s, "input_len": args.input_len,
               "output_len": args.output_len, "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
@@ -194,7 +199,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({mode: {k: v for k, v in run.items() if k not in ("timeline", "error_samples")}
+    print(json.dumps({mode: {k: v for k, v in run.items() if k not in ("timeline", "error_samples", "admitted")}
                       for mode, run in runs.items()}, indent=2))
 
 
