@@ -59,6 +59,7 @@ def make_conductor(prefills=2, decodes=2, now=0.0, cost=None, **settings):
     from kvcentric.core.scheduling.conductor import Conductor
     from kvcentric.core.scheduling.config import SchedulerConfig
     settings.setdefault("block_size", 100)
+    settings.setdefault("expect_cache", False)  # requests here share their hashes h0, h1, ... without sharing text
     conductor = Conductor(SchedulerConfig(**settings), cost or simple_cost(), stale_after_s=1.0)
     for i in range(prefills):
         conductor.observe(prefill_report(f"p{i}"), now)
@@ -106,6 +107,7 @@ def make_two_cluster_conductor(pd_prefills=1, prfaas_prefills=1, decodes=1, now=
     from kvcentric.core.scheduling.conductor import Conductor
     from kvcentric.core.scheduling.config import SchedulerConfig
     settings.setdefault("block_size", 100)
+    settings.setdefault("expect_cache", False)  # requests here share their hashes h0, h1, ... without sharing text
     conductor = Conductor(SchedulerConfig(**settings), simple_cost(), stale_after_s=1.0,
                           clusters=setup or two_cluster_setup())
     for i in range(pd_prefills):

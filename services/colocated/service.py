@@ -14,7 +14,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
-from kvcentric.engine.reporter import Load
+from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.service import EngineService
 
 
@@ -64,7 +64,8 @@ class ColocatedService(EngineService):
     async def report_load(self) -> None:
         """The same load, once as a prefill and once as a decode instance."""
         running = sum(r.state == "running" for r in self.engine.decode.requests.values())
-        load = Load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running)
+        load = Load(len(self.engine.prefill.queue), self.engine.prefill.queued_tokens, running,
+                    prefills=prefills_of(self.engine.prefill))
         roles: tuple[Role, ...] = ("prefill", "decode")
         for role in roles:
             await self.reporter.publish_load(role, load, self.messenger.addr, self.role_change.draining)

@@ -115,8 +115,11 @@ class ConductorService(Service):
         self.log_setup()
 
     def log_setup(self) -> None:
-        self.log.info("policy %s, rejection %s, cost model %s (%s), prefix index %s", self.config.policy,
-                      self.config.rejection, self.core.estimator.cost.source,
+        self.log.info("policy %s, rejection %s (TTFT SLO %g s, TBT SLO %g s), queue time %s%s, cost model %s (%s), "
+                      "prefix index %s", self.config.policy, self.config.rejection, self.config.ttft_slo_s,
+                      self.config.tbt_slo_s, self.config.queue_time,
+                      ", blocks expected at placement" if self.config.expect_cache else "",
+                      self.core.estimator.cost.source,
                       "trusted" if self.config.prior_trusted else "ranks only until measured", self.config.prefix_index)
         if self.core.router is not None:
             router = self.core.router
@@ -353,7 +356,12 @@ class ConductorService(Service):
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "ttft_outcomes_total": float(outcomes),
                   "heartbeats_missed_total": float(self.registry.missed_beats),
-                  "liveness_only_reports_total": float(self.registry.repeats)}
+                  "liveness_only_reports_total": float(self.registry.repeats),
+                  "placements_in_flight": float(sum(len(s.in_flight) for s in self.registry.prefill.values())),
+                  "prefill_queue_s_max": max((s.queue_s(time.monotonic()) for s in self.registry.prefill.values()),
+                                             default=0.0)}
+        if self.core.expected is not None:
+            gauges["expected_prompts"] = float(len(self.core.expected))
         if self.local_index:
             gauges.update({"prefix_index_blocks": float(len(self.index)),
                            "prefix_index_nodes": float(self.index.nodes), "prefix_index_seeded": float(self.seeded),

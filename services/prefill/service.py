@@ -13,7 +13,7 @@ from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenCh
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import NO_ROOM
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.reporter import Load
+from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.service import EngineService
@@ -103,7 +103,8 @@ class PrefillService(EngineService):
     # ---------------------------------------------------------------- what it tells the cluster
 
     async def report_load(self) -> None:
-        load = Load(len(self.engine.queue), self.engine.queued_tokens, len(self.engine.running))
+        load = Load(len(self.engine.queue), self.engine.queued_tokens, len(self.engine.running),
+                    prefills=prefills_of(self.engine))
         await self.reporter.publish_load(self.role, load, self.messenger.addr, self.role_change.draining)
 
     def idle(self) -> bool:

@@ -7,6 +7,8 @@ import asyncio
 import collections
 import logging
 
+import pytest
+
 from factories import decode_job, make_pool, make_runner
 from kvcentric.core.protocol import RoleSwitch, SamplingParams, TokenChunk
 from kvcentric.engine import intake as intake_module
@@ -133,6 +135,25 @@ def test_the_load_report_carries_the_roles_numbers_and_the_pool_and_drain_state(
     assert (report.queued_requests, report.queued_tokens, report.running, report.draining) == (2, 300, 1, True)
     assert (report.kv_blocks_total, report.kv_blocks_free) == (pool.num_blocks, pool.num_free)
     assert reporter.stats()["kv_blocks_total"] == pool.num_blocks
+
+
+
+def test_a_prefill_report_carries_its_queue_time_from_the_measured_model_and_its_uncached_tokens():
+    from kvcentric.core.scheduling.queueing import QueuedPrefill
+    from kvcentric.engine.speed import SpeedMeter
+    runner = make_runner()
+    reporter = Reporter(None, "p0", "dc1", make_pool(runner), None, KVPusher())
+    reporter.speed = SpeedMeter(runner, "tiny", prefill_chunk=10_000)
+    prefills = (QueuedPrefill("a", 300, 100), QueuedPrefill("b", 200, 0))
+    before = reporter.load_report("prefill", Load(1, 500, 1, prefills=prefills), "a:1", draining=False)
+    assert (before.est_queue_s, before.queued_uncached_tokens, before.prefill_ids) == (-1.0, 400, ["a", "b"])
+    for n_new in (50, 100, 200, 400, 50, 100, 200, 400):  # 0.01 s + 1 ms per token, no prefix
+        reporter.speed.prefill(n_new, 0, 0.01 + 0.001 * n_new)
+    reporter.speed.fit.refit()
+    report = reporter.load_report("prefill", Load(1, 500, 1, prefills=prefills), "a:1", draining=False)
+    assert report.est_queue_s == pytest.approx(0.01 + 0.2 + 0.01 + 0.2, rel=0.02)
+    decode = reporter.load_report("decode", Load(1, 500, 1, prefills=prefills), "a:1", draining=False)
+    assert (decode.est_queue_s, decode.prefill_ids) == (-1.0, None)
 
 
 

@@ -17,7 +17,8 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
     prefill = PrefillJob(request_id=request_id, token_ids=token_ids, sampling=sampling, decode_id=placement.decode_id,
                          decode_kv_addr=placement.decode_kv_addr, kv_source_addr=placement.kv_source_addr,
                          pull_block_hashes=placement.pull_block_hashes,
-                         kv_skip_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0)
+                         kv_skip_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0,
+                         cached_tokens=placement.cached_tokens)
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
         decode = DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=sampling,

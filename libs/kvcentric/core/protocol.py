@@ -250,6 +250,9 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     kv_skip_tokens: int = 0
     """PrfaaS §3.3: the decode instance already has the KV of this many leading tokens (from its own
     cluster); push only the rest."""
+    cached_tokens: int = 0
+    """Leading prompt tokens the conductor expects this instance to reuse (its queue-time estimate counts the
+    rest until the prompt starts and the engine knows)."""
 
 
 class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -320,7 +323,8 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_free: int
     ts: float
     est_queue_s: float = -1.0
-    """Prefill: the engine's estimate of seconds of queued work (-1: none; the conductor estimates)."""
+    """Prefill: T_queue as the engine predicts it, the sum of its queued and running prefills' predicted
+    times from its measured cost model (Mooncake §6.1; -1: none yet, the conductor estimates)."""
     link_bandwidth: dict[str, float] = {}
     """Bytes/s its recent KV pushes reached, per peer messenger address (for the conductor's T_transfer)."""
     kv_bytes_sent: int = 0
@@ -343,6 +347,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     block_bytes: int = 0
     """Bytes of one KV block over all layers, keys and values (kvs-meta lists it as each object's `size_`,
     as Mooncake's master does); 0: not said."""
+    queued_uncached_tokens: int = -1
+    """Prefill: tokens still to compute for the prompts queued or running there, their cached prefixes left out
+    (Llumnix's allPrefillsTokensNum in uncomputed tokens; -1: not counted, `queued_tokens` is all there is)."""
+    prefill_ids: list[str] | None = None
+    """Prefill: the requests queued or running there (the newest few hundred), so the conductor knows
+    which of its placements `est_queue_s` covers; None: not listed, the report covers every placement."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,10 +19,13 @@ from typing import NamedTuple
 import msgspec
 
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.costmodel import CostModel
 from kvcentric.core.kvdigest import digests
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVDigest, KVEventBatch, KVResync, KVSnapshot,
                                      KVSnapshotQuery, LoadReport, Role, Subjects)
+from kvcentric.core.scheduling.queueing import QueuedPrefill, queue_seconds, uncached_tokens
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.heartbeat import Heartbeat
@@ -33,6 +36,10 @@ REANNOUNCE_BATCH = 4096
 """Most block hashes in one re-announced BlockStored event (about 270 kB: under NATS's 1 MB payload)."""
 
 
+MAX_LISTED_PREFILLS = 256
+"""Most request ids a prefill load report lists (the newest: the conductor's unlisted placements are those)."""
+
+
 class Load(NamedTuple):
     """How busy a role is: requests waiting (and their prompt tokens), and requests running."""
     queued_requests: int
@@ -40,6 +47,17 @@ class Load(NamedTuple):
     running: int
     staging_blocks_free: int = 0
     """Decode: blocks' worth of room left in its host staging."""
+    prefills: tuple[QueuedPrefill, ...] | None = None
+    """Prefill: the prompts running and queued, oldest first, with what of each is done or expected cached
+    (None: a role that does not prefill)."""
+
+
+def prefills_of(engine: PrefillEngine) -> tuple[QueuedPrefill, ...]:
+    """A prefill engine's prompts, running first, then queued: what each has done (a queued one: the prefix
+    its placement expected it to reuse)."""
+    running = [QueuedPrefill(w.request_id, w.num_tokens, w.done) for w in engine.running.values()]
+    queued = [QueuedPrefill(job.request_id, len(job.token_ids), job.cached_tokens) for job in engine.queue]
+    return (*running, *queued)
 
 
 class Reporter:
@@ -64,6 +82,8 @@ class Reporter:
         self.ticks = 0
         self.speed: SpeedMeter | None = None
         """The engine's measured cost model, carried by the load reports when it changed (and now and then)."""
+        self._cost: tuple[int, CostModel] | None = None
+        """The measured prefill model and the fit version it was built from."""
         self.announces = False
         """Whether this role announces its blocks (its first publish_cache_changes); only then does it send
         digests and answer for its blocks, so a role that never announces never enters the index."""
@@ -75,13 +95,38 @@ class Reporter:
         return "" if self.reports_sent else "no load report sent to the conductor yet"
 
     def load_report(self, role: Role, load: Load, kv_addr: str, draining: bool) -> LoadReport:
-        return LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
-                          queued_requests=load.queued_requests, queued_tokens=load.queued_tokens, running=load.running,
-                          kv_blocks_total=self.pool.num_blocks, kv_blocks_free=self.pool.num_free, ts=time.time(),
-                          kv_staging_blocks_free=load.staging_blocks_free, block_bytes=self.block_bytes,
-                          link_bandwidth=dict(self.pusher.bandwidth),
-                          kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
-                          cost=self.speed.for_report() if self.speed is not None else None)
+        report = LoadReport(instance_id=self.instance_id, role=role, cluster=self.cluster, kv_addr=kv_addr,
+                            queued_requests=load.queued_requests, queued_tokens=load.queued_tokens,
+                            running=load.running, kv_blocks_total=self.pool.num_blocks,
+                            kv_blocks_free=self.pool.num_free, ts=time.time(),
+                            kv_staging_blocks_free=load.staging_blocks_free, block_bytes=self.block_bytes,
+                            link_bandwidth=dict(self.pusher.bandwidth),
+                            kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
+                            cost=self.speed.for_report() if self.speed is not None else None)
+        if role != "prefill" or load.prefills is None:
+            return report
+        return msgspec.structs.replace(report, **self.prefill_queue(load.prefills))
+
+    def prefill_queue(self, prefills: tuple[QueuedPrefill, ...]) -> dict:
+        """The queue fields of a prefill report: T_queue predicted from this engine's measured model (Mooncake
+        §6.1; -1 before it has one), the tokens still to compute, and the newest request ids."""
+        cost = self.prefill_cost()
+        return {"est_queue_s": round(queue_seconds(cost, prefills), 6) if cost is not None else -1.0,
+                "queued_uncached_tokens": uncached_tokens(prefills),
+                "prefill_ids": [prefill.request_id for prefill in prefills[-MAX_LISTED_PREFILLS:]]}
+
+    def prefill_cost(self) -> CostModel | None:
+        """The prefill model this engine measured of itself (None before its first fit)."""
+        fit = self.speed.fit if self.speed is not None else None
+        if fit is None or fit.prefill.fit is None:
+            return None
+        if self._cost is None or self._cost[0] != fit.version:
+            p = fit.prefill.fit.coefficients
+            assert self.speed is not None
+            model = CostModel(prefill=(p[0], p[1], p[2], p[3]), decode=(0.0, 0.0, 0.0), kv_bytes_per_token=0,
+                              source="measured", prefill_chunk=self.speed.prefill_chunk)
+            self._cost = (fit.version, model)
+        return self._cost[1]
 
     async def start_heartbeat(self, nats_url: str) -> None:
         """Start the heartbeat thread (its own NATS connection); load reports go through it from now on."""

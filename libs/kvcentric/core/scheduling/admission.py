@@ -13,9 +13,10 @@ instance; decode load = predicted TBT / TBT_SLO. Modes:
   decode (now + predicted TTFT), every request decoding for a uniform t_d, averaged over the decode
   pool ("the average TBT ratio of all decoding instances to l_tbt").
 
-Decode room (Mooncake §3): a request fits a decode instance when its KV fits the free blocks of the cache
-or, beyond them, its host staging (where it waits for blocks, out of the batch). When it fits none, every
-mode but `never` rejects it before a prefill is spent, whatever the loads.
+Decode room (Mooncake §3): a request fits a decode instance when its KV, with that of the requests already
+placed there and still in prefill, fits the free blocks of the cache or, beyond them, its host staging (where
+it waits for blocks, out of the batch). When it fits none, every mode but `never` rejects it before a prefill
+is spent, whatever the loads.
 
 An instance whose model is only the prior's guess (no measurement, no profile) is never the reason for a
 rejection: its predictions still rank instances, but its load counts as 0 (`DecodeState.trusted`).
@@ -100,13 +101,15 @@ class Admission:
             tbt = d0 + d1 * batch + d2 * tokens
             if tbt < best_tbt:
                 best, best_tbt = instance, tbt
-        return self.judge_current(request, best)
+        return self.judge_current(request, best, now)
 
-    def judge_current(self, request: ScheduleRequest, instance: DecodeState) -> DecodeChoice:
+    def judge_current(self, request: ScheduleRequest, instance: DecodeState, now: float) -> DecodeChoice:
         """The decode load of `instance` now, with this request added (0 where its model is only a guess).
-        A request that would wait in host staging does not join the batch judged."""
+        Its room counts the KV of the requests placed there still in prefill too; a request that would wait
+        in host staging does not join the batch judged."""
         tokens = instance.kv_tokens + request.n_tokens
-        if tokens > instance.capacity_tokens + instance.staging_tokens:
+        flying = instance.forecast.in_flight(now)[1] if instance.forecast.starts else 0
+        if tokens + flying > instance.capacity_tokens + instance.staging_tokens:
             return DecodeChoice(instance, math.inf, 0.0, room=False)
         staged = tokens > instance.capacity_tokens
         batch, tokens = (instance.running, instance.kv_tokens) if staged else (instance.running + 1, tokens)

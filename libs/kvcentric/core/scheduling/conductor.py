@@ -4,7 +4,9 @@ or a Rejection, and keeps the dispatch-time accounting the next decision needs. 
 Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance and predicts TTFT
 (`policies`), admission picks the decode instance by predicted TBT and applies the rejection mode
 (`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
-are updated ("updates the cache and queue times for that instance accordingly", §6.1). It decides where
+are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
+in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
+its KV events say so). It decides where
 a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
 the simulator drive this same class.
 """
@@ -23,10 +25,16 @@ from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
 from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
+from kvcentric.core.scheduling.prefix import ExpectedBlocks
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
 
 MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
+
+
+EXPECTED_SLACK_S = 5.0
+"""How long after its predicted first token a placed prompt's blocks still count as expected on its prefill
+instance when no KV event has announced them."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,6 +42,7 @@ class Pending:
     predicted_ttft_s: float
     decode_id: str
     predicted_tbt_s: float = -1.0
+    prefill_id: str = ""
 
 
 class Tally(dict[str, float]):
@@ -53,7 +62,9 @@ class Conductor:
         self.estimator = Estimator(cost, config.block_size)
         self.links = LinkTable(config.link_bytes_per_s)
         self.models = InstanceModels(cost, prior_trusted, use_measured)
-        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s, self.models)
+        self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s, self.models, config.queue_time)
+        self.expected = ExpectedBlocks() if config.expect_cache else None
+        """Blocks placed prompts will leave on their prefill instances, not yet announced (§6.1)."""
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
@@ -96,7 +107,7 @@ class Conductor:
         pending = self.pending.pop(outcome.request_id, None)
         if pending is None:
             return
-        self._forget_decode(outcome.request_id, pending.decode_id)
+        self._forget_placed(outcome.request_id, pending)
         if outcome.finish_reason in ("stop", "length") and outcome.ttft_s > 0:
             error = pending.predicted_ttft_s - outcome.ttft_s
             self.stats["outcomes"] += 1
@@ -122,12 +133,16 @@ class Conductor:
         """A placed request ended without an outcome worth learning from (rejected after prefill, failed)."""
         pending = self.pending.pop(request_id, None)
         if pending is not None:
-            self._forget_decode(request_id, pending.decode_id)
+            self._forget_placed(request_id, pending)
 
-    def _forget_decode(self, request_id: str, decode_id: str) -> None:
-        state = self.registry.decode.get(decode_id)
+    def _forget_placed(self, request_id: str, pending: Pending) -> None:
+        """A placed request is over: out of its decode forecast, and of its prefill's in-flight placements."""
+        state = self.registry.decode.get(pending.decode_id)
         if state is not None:
             state.forecast.remove(request_id)
+        prefill = self.registry.prefill.get(pending.prefill_id)
+        if prefill is not None:
+            prefill.in_flight.discard(request_id)
 
     # ---------------------------------------------------------------- the decision
 
@@ -143,6 +158,9 @@ class Conductor:
             decodes = self.router.in_scope(decodes, self.router.pd)
         if not prefills or not decodes:
             return self._no_instance(request, prefills, decodes)
+        if self.expected is not None:
+            self.expected.expire(now)
+            hits = self.expected.merged(request.block_hashes, hits)
         choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
@@ -182,15 +200,16 @@ class Conductor:
             return self.admission.choose_decode(request, decodes, arrival, now, self.t_d)
         if self.admission.mode == "predictive":
             return self.admission.judge_predicted(request, state, arrival, self.t_d)
-        return self.admission.judge_current(request, state)
+        return self.admission.judge_current(request, state, now)
 
     def _account(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice, now: float) -> None:
         instance = choice.instance
         if self.router is not None:
             self.router.account(request, choice, now)
-        instance.dispatched_s += choice.prefill_s
         cached = self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks)
-        instance.dispatched_tokens += request.n_tokens - cached
+        instance.in_flight.add(request.request_id, choice.prefill_s, request.n_tokens - cached, now)
+        if self.expected is not None and request.block_hashes:
+            self.expected.expect(instance.instance_id, request.block_hashes, now + choice.ttft_s + EXPECTED_SLACK_S)
         if choice.source is not None:
             nbytes = self.estimator.block_bytes(choice.pull_blocks)
             self.links.reserve(choice.source.instance_id, instance.instance_id, nbytes, now)
@@ -200,7 +219,8 @@ class Conductor:
         if len(self.pending) >= MAX_PENDING:
             self.pending.pop(next(iter(self.pending)))
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
-        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, tbt)
+        self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, tbt,
+                                                   instance.instance_id)
         self.stats["placed"] += 1
         self.stats["placed_unjudged"] += not (choice.instance.trusted and decode.instance.trusted)
 

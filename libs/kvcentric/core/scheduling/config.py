@@ -4,10 +4,14 @@ a flag of both: `--policy`, `--rejection`, `--ttft-slo-s`, ...). It holds values
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal, get_args
 
 from kvcentric.config import require, setting
 from kvcentric.core.scheduling.admission import RejectionMode
 from kvcentric.core.scheduling.policies import PlacementName
+
+QueueTime = Literal["reported", "tokens"]
+"""Where a prefill instance's T_queue comes from (`--queue-time`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,13 @@ class SchedulerConfig:
     cache_aware_scheduling_min_tokens: int = setting(
         0, "prompts shorter than this are placed by load alone, their prefix hits ignored (Llumnix "
            "--cache-aware-scheduling-min-tokens, 1024 there; 0: every prompt is placed cache-aware)")
+    queue_time: QueueTime = setting(
+        "reported", "T_queue of a prefill instance: reported = the sum of its queued prefills' predicted times, as "
+                    "it reports it, plus the placements its reports do not list yet (Mooncake §6.1); tokens = a "
+                    "linear guess from its raw queued tokens, placements forgotten at each report (the estimate "
+                    "before instances reported one)")
+    expect_cache: bool = setting(True, "on placement, expect the chosen prefill instance to hold the prompt's "
+                                       "blocks before its KV events say so (Mooncake §6.1)")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
@@ -39,6 +50,8 @@ class SchedulerConfig:
         require(self.decode_time_s > 0, "decode_time_s", "must be positive")
         require(0 <= self.priority_step <= 1, "priority_step", "must be in [0, 1]")
         require(self.cache_aware_scheduling_min_tokens >= 0, "cache_aware_scheduling_min_tokens", "must be >= 0")
+        require(self.queue_time in get_args(QueueTime), "queue_time",
+                f"choose {' or '.join(get_args(QueueTime))}, got {self.queue_time!r}")
 
     @property
     def link_bytes_per_s(self) -> float:

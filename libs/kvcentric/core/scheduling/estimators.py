@@ -44,10 +44,10 @@ class Estimator:
             return math.inf
         return (cost or self.cost).t_decode(batch, kv_tokens)
 
-    def report_queue_s(self, report: LoadReport, cost: CostModel | None = None) -> float:
-        """Seconds of prefill work a load report says is waiting: its own estimate when it sends one,
-        else the linear part of T_prefill over its queued tokens (no prefix or quadratic term known)."""
-        if report.est_queue_s >= 0:
+    def report_queue_s(self, report: LoadReport, cost: CostModel | None = None, reported: bool = True) -> float:
+        """Seconds of prefill work a load report says is waiting: its own estimate when it sends one (and
+        `reported`), else the linear part of T_prefill over its queued tokens (no prefix or quadratic term)."""
+        if reported and report.est_queue_s >= 0:
             return report.est_queue_s
         p0, p1, _, _ = (cost or self.cost).prefill
         requests = report.queued_requests + report.running

@@ -136,7 +136,8 @@ class KVCentricPolicy(_Policy):
 
     def choose(self, request, prefills, hits, now):
         estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
-        source, best_prefix = best_holder(prefills, hits) if hits else (None, 0)
+        held = getattr(hits, "held", hits)  # blocks only expected somewhere cannot be pulled from there yet
+        source, best_prefix = best_holder(prefills, held) if held else (None, 0)
         memo: dict[object, float] = {}
         best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
         for instance in prefills:  # the hot loop of the conductor: kept flat on purpose

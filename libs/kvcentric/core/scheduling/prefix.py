@@ -10,7 +10,7 @@ does no I/O and reads no clock.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 from kvcentric.core.protocol import BlockEvicted, BlockStored, KVEvent
 
@@ -169,3 +169,75 @@ class HolderIndex:
         if bit is None:
             bit = self.tier_bits[tier] = 1 << len(self.tier_bits)
         return bit
+
+
+class ExpectedHits(dict[str, int]):
+    """Leading blocks each instance holds or is expected to hold; `held`: those it holds now, the only ones
+    another instance can pull (expected blocks are not there yet)."""
+
+    held: Mapping[str, int]
+
+
+class ExpectedBlocks:
+    """The blocks the Conductor expects an instance to hold once the prefills it placed there are done, until
+    the KV events say so (Mooncake §6.1: on assigning a request, the Conductor "updates the cache ... for that
+    instance accordingly"). A request placed right behind another with the same prefix then finds it on the
+    same instance instead of computing it elsewhere. Each expectation lapses at the time given to `expect`
+    (the blocks were announced by then, or they never will be). It matches; it reads no clock.
+    """
+
+    def __init__(self) -> None:
+        self.prefix = PrefixIndex()
+        self.count: dict[tuple[str, Hashable], int] = {}
+        """(instance, block) -> expectations that name it."""
+        self.until: list[tuple[float, str, Sequence[Hashable]]] = []
+        """(lapses at, instance, blocks), oldest first."""
+
+    def __len__(self) -> int:
+        return len(self.until)
+
+    def expect(self, instance_id: str, block_hashes: Sequence[Hashable], until: float) -> None:
+        new = []
+        for block_hash in block_hashes:
+            key = (instance_id, block_hash)
+            held = self.count.get(key, 0)
+            self.count[key] = held + 1
+            if not held:
+                new.append(block_hash)
+        self.prefix.add(instance_id, new)
+        self.until.append((until, instance_id, block_hashes))
+        if len(self.until) > 1 and self.until[-2][0] > until:
+            self.until.sort(key=lambda entry: entry[0])
+
+    def expire(self, now: float) -> None:
+        """Forget the expectations that lapsed before `now`."""
+        lapsed = 0
+        while lapsed < len(self.until) and self.until[lapsed][0] <= now:
+            _, instance_id, block_hashes = self.until[lapsed]
+            gone = []
+            for block_hash in block_hashes:
+                key = (instance_id, block_hash)
+                left = self.count[key] - 1
+                if left:
+                    self.count[key] = left
+                else:
+                    del self.count[key]
+                    gone.append(block_hash)
+            self.prefix.remove(instance_id, gone)
+            lapsed += 1
+        del self.until[:lapsed]
+
+    def merged(self, block_hashes: Sequence[Hashable], hits: Mapping[str, int]) -> Mapping[str, int]:
+        """`hits` (leading blocks each instance holds) with what each is expected to hold: the longer of the two
+        (every expectation is a whole prompt's chain from its first block, so the longer one is the prefix)."""
+        if not self.until or not block_hashes:
+            return hits
+        expected = self.prefix.match(block_hashes)
+        if not expected:
+            return hits
+        merged = ExpectedHits(hits)
+        merged.held = hits
+        for instance_id, depth in expected.items():
+            if depth > merged.get(instance_id, 0):
+                merged[instance_id] = depth
+        return merged

@@ -21,6 +21,7 @@ from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import InstanceInfo, LoadReport
 from kvcentric.core.scheduling.estimators import DecodeForecast, Estimator
 from kvcentric.core.scheduling.models import InstanceModels
+from kvcentric.core.scheduling.queueing import InFlight
 
 
 @dataclasses.dataclass(slots=True)
@@ -30,13 +31,11 @@ class PrefillState:
     seen_at: float
     cluster: str = ""
     queue_end: float = 0.0
-    """When the work in its last report drains (report time + reported queue seconds)."""
+    """When the work in its last report drains (when the report was computed + its queue seconds)."""
     pending_tokens: int = 0
-    """Tokens waiting for prefill there, per its last report."""
-    dispatched_s: float = 0.0
-    """Predicted prefill seconds placed there since its last report."""
-    dispatched_tokens: int = 0
-    """Uncached tokens placed there since its last report."""
+    """Tokens still to prefill there, per its last report (uncached ones when it counts them)."""
+    in_flight: InFlight = dataclasses.field(default_factory=InFlight)
+    """Placed there, not yet in its reports (dispatch-time accounting)."""
     draining: bool = False
     seq: int = 0
     """The heartbeat tick of its last report (0: a sender without one)."""
@@ -49,7 +48,17 @@ class PrefillState:
 
     def queue_s(self, now: float) -> float:
         """T_queue: seconds before a request placed now would start its prefill."""
-        return max(0.0, self.queue_end - now) + self.dispatched_s
+        return max(0.0, self.queue_end - now) + self.in_flight.seconds
+
+    @property
+    def dispatched_s(self) -> float:
+        """Predicted prefill seconds placed there that its reports do not show yet."""
+        return self.in_flight.seconds
+
+    @property
+    def dispatched_tokens(self) -> int:
+        """Uncached tokens placed there that its reports do not show yet."""
+        return self.in_flight.tokens
 
     @property
     def load_tokens(self) -> int:
@@ -85,8 +94,12 @@ class DecodeState:
 
 class InstanceRegistry:
     def __init__(self, estimator: Estimator, stale_after_s: float = 1.5, stuck_after_s: float = math.inf,
-                 models: InstanceModels | None = None) -> None:
+                 models: InstanceModels | None = None, queue_time: str = "reported") -> None:
+        """`queue_time`: "reported" takes each prefill instance's own T_queue and keeps the placements its
+        reports do not list yet; "tokens" guesses T_queue from raw queued tokens and forgets every placement
+        at each report (the estimate before instances reported one)."""
         self.estimator = estimator
+        self.queue_time = queue_time
         self.models = models or InstanceModels(estimator.cost)
         """Each instance's measured cost model, when it sent one."""
         self.stale_after_s = stale_after_s
@@ -126,9 +139,7 @@ class InstanceRegistry:
                 return state
             state.kv_addr, state.cluster = report.kv_addr, report.cluster
             state.draining, state.cost, state.trusted = report.draining, own, trusted
-            state.queue_end = now + self.estimator.report_queue_s(report, own)
-            state.pending_tokens = report.queued_tokens
-            state.dispatched_s, state.dispatched_tokens = 0.0, 0
+            self._take_queue(state, report, own, now)
             return state
         decoder = self.decode.get(report.instance_id)
         if decoder is None:
@@ -143,6 +154,20 @@ class InstanceRegistry:
         decoder.capacity_tokens = report.kv_blocks_total * block if report.kv_blocks_total else math.inf
         decoder.staging_tokens = report.kv_staging_blocks_free * block
         return decoder
+
+    def _take_queue(self, state: PrefillState, report: LoadReport, own: CostModel | None, now: float) -> None:
+        """The queue a prefill report shows, from when it was computed; the placements it does not show stay."""
+        if self.queue_time == "tokens":
+            state.queue_end = now + self.estimator.report_queue_s(report, own, reported=False)
+            state.pending_tokens = report.queued_tokens
+            state.in_flight.reconcile(None, now)
+            return
+        computed_at = now - report.load_age_s
+        state.queue_end = computed_at + self.estimator.report_queue_s(report, own)
+        state.pending_tokens = report.queued_uncached_tokens if report.queued_uncached_tokens >= 0 \
+            else report.queued_tokens
+        listed = set(report.prefill_ids) if report.prefill_ids is not None else None
+        state.in_flight.reconcile(listed, computed_at)
 
     def alive_prefill(self, now: float) -> list[PrefillState]:
         return [s for s in self.prefill.values() if self._placeable(s, now)]
