@@ -46,3 +46,15 @@ def test_a_colocated_instance_gets_only_the_prefill_job():
     placement = Placement(request_id="r1", prefill_id="c0", decode_id="c0", decode_kv_addr="")
     submits = jobs("r1", placement, [1, 2], SamplingParams(max_tokens=4))
     assert [(role, instance) for role, instance, _ in submits] == [("prefill", "c0")]
+
+
+def test_the_decode_waits_for_kv_three_times_the_predicted_ttft_and_at_least_30_s():
+    def waited(predicted_ttft_s: float) -> float:
+        placement = Placement(request_id="r1", prefill_id="p0", decode_id="d0", decode_kv_addr="a:1",
+                              predicted_ttft_s=predicted_ttft_s)
+        decode = jobs("r1", placement, [1, 2, 3], SamplingParams(max_tokens=4))[1][2]
+        assert isinstance(decode, DecodeJob)
+        return decode.kv_wait_s
+
+    assert waited(0.5) == 30.0
+    assert waited(25.0) == 75.0

@@ -10,6 +10,16 @@ from kvcentric.core.protocol import (DecodeJob, Placement, PrefillJob, SamplingP
 Submit = tuple[str, str, PrefillJob | DecodeJob]
 """(role, instance id, job)."""
 
+KV_WAIT_FLOOR_S = 30.0
+KV_WAIT_PER_PREDICTED_S = 3.0
+
+
+def kv_wait_s(placement: Placement) -> float:
+    """How long the decode instance waits for the KV: three times the predicted TTFT, at least 30 s. A
+    prefill that dies is found by liveness (and the request migrated) long before; this bound is for KV
+    that is merely late, and an admitted request's KV is not late until well past its prediction."""
+    return max(KV_WAIT_FLOOR_S, KV_WAIT_PER_PREDICTED_S * placement.predicted_ttft_s)
+
 
 def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: SamplingParams) -> list[Submit]:
     """The prefill job, and the decode job unless one colocated instance does both (it takes its decode
@@ -22,7 +32,7 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
         decode = DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=sampling,
-                           prefix_source_addr=placement.decode_prefix_addr,
+                           kv_wait_s=kv_wait_s(placement), prefix_source_addr=placement.decode_prefix_addr,
                            prefix_block_hashes=placement.decode_prefix_hashes,
                            prefix_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0)
         submits.append(("decode", placement.decode_id, decode))

@@ -59,8 +59,9 @@ class EngineConfig(BusConfig):
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "
                                     "from the work served)")
-    kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job "
-                                     "fails ('KV did not arrive in time'; the job's own limit if shorter)")
+    kv_wait_s: float = setting(300.0, "decode: the longest a request waits for its KV after its job (the job "
+                                      "asks for max(30 s, 3 x its predicted TTFT)); then it fails with a 503 "
+                                      "('KV did not arrive in time')")
 
     def __post_init__(self) -> None:
         super().__post_init__()

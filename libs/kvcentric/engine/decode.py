@@ -269,7 +269,7 @@ class DecodeEngine:
         """Fail requests whose KV did not arrive in time."""
         late = [r.key for r in self.requests.values()
                 if r.state in ("waiting_kv", "receiving") and now > r.deadline]
-        return [self._end(rid, "error", "KV did not arrive in time") for rid in late]
+        return [self._end(rid, "error", "KV did not arrive in time", status=503) for rid in late]
 
     # ---------------------------------------------------------------- steps
 
