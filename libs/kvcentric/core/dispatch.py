@@ -16,7 +16,7 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
     job from the prefill job)."""
     prefill = PrefillJob(request_id=request_id, token_ids=token_ids, sampling=sampling, decode_id=placement.decode_id,
                          decode_kv_addr=placement.decode_kv_addr, kv_source_addr=placement.kv_source_addr,
-                         pull_block_hashes=placement.pull_block_hashes)
+                         pull_block_hashes=placement.pull_block_hashes, pipeline_addrs=placement.pipeline_addrs)
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
         submits.append(("decode", placement.decode_id, DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids),

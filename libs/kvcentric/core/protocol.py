@@ -145,6 +145,8 @@ class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     dispatched: bool = False
     """The conductor sent the jobs itself (the request asked it to). False from a conductor that predates
     dispatching: the asker sends them."""
+    pipeline_addrs: list[str] = []
+    """`prefill_id` heads a prefill group: the messengers of its later stages, in order (Mooncake §5.1)."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
@@ -230,6 +232,9 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     kv_source_addr: str = ""
     """Hot-spot replication: pull `pull_block_hashes` from this messenger before the prefill."""
     pull_block_hashes: list[str] = []
+    pipeline_addrs: list[str] = []
+    """A prefill group (Mooncake §5.1): the messengers of the stages after this one, in order; this stage
+    hands each chunk's hidden states to the first of them."""
 
 
 class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -315,6 +320,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     kv_staging_blocks_free: int = 0
     """Decode: blocks' worth of KV its host staging can still take while its cache is full (arrivals wait
     there for blocks; the conductor counts them as room)."""
+    pipeline_group: str = ""
+    """Prefill: the pipelined prefill group it is a stage of (Mooncake §5.1; "": a whole instance)."""
+    stage: int = 0
+    """Its stage in that group, from 0."""
+    stages: int = 1
+    """Stages in that group."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):
