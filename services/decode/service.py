@@ -16,6 +16,7 @@ from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.assembly import AssemblingSink
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
@@ -53,7 +54,7 @@ class DecodeService(EngineService):
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
-        self.attach(self.sink)
+        self.attach(AssemblingSink(self.sink, self.engine))  # KV of a prefill group comes from each stage
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)

@@ -35,6 +35,13 @@ class RefusingSink:
 class PrefillService(EngineService):
     role: Role = "prefill"
 
+    def __new__(cls, config: EngineConfig, runner: ModelRunner | None = None):
+        """With --pipeline-group, a stage of a pipelined prefill group (`stage.py`)."""
+        if cls is PrefillService and config.pipeline_group:
+            from kvc_prefill.stage import StageService
+            return super().__new__(StageService)
+        return super().__new__(cls)
+
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner)

@@ -20,6 +20,7 @@ import msgspec
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.kvdigest import digests
+from kvcentric.core.pipeline import StagePosition
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVDigest, KVEventBatch, KVResync, KVSnapshot,
                                      KVSnapshotQuery, LoadReport, Role, Subjects)
 from kvcentric.engine.kvpool import HostBlockPool
@@ -54,6 +55,8 @@ class Reporter:
         self.heartbeat_every_s = heartbeat_every_s
         self.heartbeat: Heartbeat | None = None
         self.reports_sent = 0
+        self.pipeline: StagePosition | None = None
+        """The prefill group this instance is a stage of, named in its load reports (None: not one)."""
         """Load reports published; the first is how the conductor learns of this instance."""
         self.latest: dict[str, tuple[LoadReport, float]] = {}
         """Role -> the last report the event loop computed and when (time.monotonic())."""
@@ -79,7 +82,8 @@ class Reporter:
                           kv_staging_blocks_free=load.staging_blocks_free,
                           link_bandwidth=dict(self.pusher.bandwidth),
                           kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
-                          cost=self.speed.for_report() if self.speed is not None else None)
+                          cost=self.speed.for_report() if self.speed is not None else None,
+                          **pipeline_fields(self.pipeline))
 
     async def start_heartbeat(self, nats_url: str) -> None:
         """Start the heartbeat thread (its own NATS connection); load reports go through it from now on."""
@@ -196,3 +200,10 @@ class Reporter:
                  "heartbeat_longest_gap_s": round(self.heartbeat.longest_gap_s, 4)} if self.heartbeat else {}
         return {**host, **pushed, **beats, "kv_blocks_free": self.pool.num_free,
                 "kv_blocks_total": self.pool.num_blocks}
+
+
+def pipeline_fields(position: StagePosition | None) -> dict:
+    """The load report's fields that place an instance in its prefill group."""
+    if position is None:
+        return {}
+    return {"pipeline_group": position.group, "stage": position.index, "stages": position.stages}

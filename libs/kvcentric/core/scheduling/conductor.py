@@ -21,6 +21,7 @@ from kvcentric.core.scheduling.admission import Admission, DecodeChoice
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+from kvcentric.core.scheduling.groups import PrefillGroups
 from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
@@ -54,6 +55,8 @@ class Conductor:
         self.links = LinkTable(config.link_bytes_per_s)
         self.models = InstanceModels(cost, prior_trusted, use_measured)
         self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s, self.models)
+        self.groups = PrefillGroups(cost)
+        """Pipelined prefill groups (Mooncake §5.1): their stages placed on as one candidate each."""
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
@@ -73,6 +76,7 @@ class Conductor:
         """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator); a `repeat`
         only says it lives: its old numbers teach nothing about egress, links or the decode batch."""
         state = self.registry.observe(report, now)
+        self.groups.observe(report)
         if report.repeat:
             return
         if self.router is not None:
@@ -133,7 +137,7 @@ class Conductor:
 
     def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds."""
-        prefills = self.registry.alive_prefill(now)
+        prefills, hits = self.groups.candidates(self.registry.alive_prefill(now), hits, now)
         decodes = self.registry.alive_decode(now)
         if self.router is not None:
             decodes = self.router.in_scope(decodes, self.router.pd)
@@ -205,4 +209,5 @@ class Conductor:
                          cached_tokens=self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks),
                          predicted_ttft_s=round(choice.ttft_s, 6), predicted_tbt_s=round(tbt, 6),
                          kv_source_id=source.instance_id if source is not None else "",
-                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull)
+                         kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull,
+                         pipeline_addrs=self.groups.later_stages(choice.instance.instance_id))
