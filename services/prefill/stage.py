@@ -144,7 +144,7 @@ class StageService(PrefillService):
                 raise asyncio.CancelledError
             if push.failed_early:
                 await push.task
-            out = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
+            out = await self.model.run(self.engine.compute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             if isinstance(out, bytes):
                 self.hand_on(work, chunk, out)
@@ -207,3 +207,6 @@ class StageService(PrefillService):
 
     def idle(self) -> bool:
         return super().idle() and not self.handing_on
+
+
+PrefillService.stage_service = StageService

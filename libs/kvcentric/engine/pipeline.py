@@ -121,7 +121,7 @@ class StageEngine(PrefillEngine):
         self.running[job.request_id] = work
         return work
 
-    def execute(self, chunk: PrefillChunk, on_layer=None) -> int | bytes | None:
+    def compute(self, chunk: PrefillChunk, on_layer=None) -> int | bytes | None:
         """Compute one chunk: the hidden states as bytes (not the last stage), else on the last chunk the
         first generated token."""
         work, sampling = chunk.work, chunk.work.job.sampling

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -84,6 +85,8 @@ class StageRunner(ModelRunner):
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval())
+        by_name = dict(model.layers.named_children())
+        self.decoder_layers = [cast(DecoderLayer, by_name[str(index)]) for index in self.layers]
         shape = (len(self.layers), num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -111,8 +114,7 @@ class StageRunner(ModelRunner):
     @torch.inference_mode()
     def _forward(self, x: torch.Tensor, batch: AttentionBatch, rows: torch.Tensor,
                  on_layer: LayerHook | None) -> torch.Tensor:
-        for local, index in enumerate(self.layers):
-            layer: DecoderLayer = self.model.layers[str(index)]  # type: ignore[index]
+        for local, (index, layer) in enumerate(zip(self.layers, self.decoder_layers)):
             x, k, v = layer(x, batch, self.model.rotary, self.k_cache[local], self.v_cache[local])
             if on_layer is not None:
                 on_layer(index, k, v)
