@@ -54,6 +54,7 @@ class UpConfig:
     prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
     max_batch: int = setting(64, "most sequences in one decode step of an engine")
     device: str = setting("cpu", "torch device of every engine: cpu, cuda, cuda:N")
+    torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
     tbt_slo_s: float = setting(0.0, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; 0: off); also the "
                                     "conductor's --tbt-slo-s when set")
@@ -150,7 +151,7 @@ class Cluster:
         self.nats_url = self.nats_url or self.processes.start_nats()
         self.redis_url = self.redis_url or self.processes.start_redis()
         c = self.config
-        threads = max(1, (os.cpu_count() or 1) // len(c.engines))
+        threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(c.engines))
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
