@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from harness import UpProcess  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+PATIENT = {"KVC_REJECTION": "never", "KVC_KV_WAIT_S": "3600", "KVC_REQUEST_TIMEOUT_S": "3600"}
+"""A long prompt alone on a 2-core box takes minutes: the conductor admits it, decode and gateway wait."""
 DEPLOYMENTS = {"1 instance": ["--prefill", "1"], "2-stage group": ["--prefill", "1", "--prefill-pipeline", "2"]}
 
 
@@ -66,7 +68,7 @@ def prompts(lengths: list[int], repeats: int) -> dict[int, list[list[int]]]:
 def measure(name: str, flags: list[str], args, cases: dict[int, list[list[int]]]) -> dict:
     common = ["--model", args.model, "--decode", "1", "--conductors", "1", "--prefill-chunk", str(args.chunk),
               "--torch-threads", str(args.threads), "--num-kv-blocks", "4096", "--restart", "never"]
-    up = UpProcess(tempfile.mkdtemp(prefix="bench-cpp-"), *common, *flags, timeout_s=300)
+    up = UpProcess(tempfile.mkdtemp(prefix="bench-cpp-"), *common, *flags, timeout_s=300, env=PATIENT)
     try:
         first_token(up.url, [256] + list(range(255)))  # warm-up
         rows = {}

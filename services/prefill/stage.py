@@ -30,10 +30,6 @@ from kvcentric.proto import kv_pb2
 from kvc_prefill.service import PrefillService, RefusingSink
 
 
-STAGE_WAIT_S = 10.0
-"""A later stage fails a request whose previous stage has sent no hidden states for this long."""
-
-
 class StageService(PrefillService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         position = config.stage_position
@@ -115,8 +111,9 @@ class StageService(PrefillService):
                                                 prompt_tokens=len(job.token_ids), status=503)])
 
     def fail_stalled(self) -> None:
-        for work in self.engine.stalled(time.monotonic(), STAGE_WAIT_S):
-            self.give_up(work, f"stage {self.position.index - 1} sent nothing for {STAGE_WAIT_S:g} s")
+        limit_s = self.config.kv_wait_s  # as long as decode waits for the KV
+        for work in self.engine.stalled(time.monotonic(), limit_s):
+            self.give_up(work, f"stage {self.position.index - 1} sent nothing for {limit_s:g} s")
 
     def give_up(self, work: PrefillWork, error: str) -> None:
         """Fail the request (503) once; the work loop releases it at its next chunk (an empty one here)."""

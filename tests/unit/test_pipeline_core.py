@@ -101,3 +101,31 @@ def test_what_is_placed_on_a_group_queues_on_it_until_its_first_stage_reports():
     first = conductor.schedule(schedule_request(4000, "1"), {}, 0.1)
     second = conductor.schedule(schedule_request(4000, "2"), {}, 0.1)
     assert {first.prefill_id, second.prefill_id} == {"a-s0", "b-s0"}
+
+
+def simulate_groups(requests, stages, prefill=1):
+    from kvcentric.core.scheduling.config import SchedulerConfig
+    from kvcentric.core.sim.cluster import ClusterSpec, Simulation
+    spec = ClusterSpec("disaggregated", prefill, 1, link_bytes_per_s=1e12, num_layers=10, prefill_pipeline=stages,
+                       prefill_chunk=512)
+    sim = Simulation(SchedulerConfig(block_size=100, rejection="never"), simple_cost(), spec)
+    return {r.request.request_id: r for r in sim.run(requests, sample_s=0)}
+
+
+def sim_request(name, at, n, prefix):
+    from kvcentric.core.sim.workload import SimRequest
+    return SimRequest(name, at, n, 1, [f"{prefix}{i}" for i in range(-(-n // 100))])
+
+
+def test_the_simulator_places_on_groups_and_computes_at_their_pipelined_pace():
+    records = simulate_groups([sim_request("long", 0.0, 8000, "a")], stages=2)
+    assert records["long"].prefill_id == "p0-s0"
+    expected = pipelined_t_prefill([simple_cost()] * 2, 8000, 0, 512, 0.5)
+    assert records["long"].ttft_s == pytest.approx(expected, rel=1e-3)
+    assert records["long"].predicted_ttft_s == pytest.approx(expected, rel=1e-3)
+    assert expected < simple_cost().t_prefill(8000) * 0.6
+
+
+def test_a_simulated_group_reuses_the_prefix_it_computed():
+    records = simulate_groups([sim_request("a", 0.0, 2000, "x"), sim_request("b", 50.0, 2000, "x")], stages=2)
+    assert records["b"].cached_blocks == 20 and records["b"].ttft_s < records["a"].ttft_s / 10
