@@ -77,6 +77,9 @@ def measure(name: str, flags: list[str], args, cases: dict[int, list[list[int]]]
             rows[n] = {"ttft_s": [round(s, 4) for s, _ in runs], "median_ttft_s": round(statistics.median(
                 s for s, _ in runs), 4), "first_texts": [text for _, text in runs]}
             print(f"{name:>14} {n:>6} tokens: TTFT {rows[n]['median_ttft_s']:.3f} s", flush=True)
+            partial = Path(args.out + ".partial")
+            done = json.loads(partial.read_text()) if partial.exists() else {}
+            partial.write_text(json.dumps({**done, f"{name} {n}": rows[n]}, indent=2))  # survives an interrupted run
         return rows
     finally:
         up.stop()
@@ -88,7 +91,8 @@ def main() -> None:
     cases = prompts(lengths, args.repeats)
     results = {name: measure(name, flags, args, cases) for name, flags in DEPLOYMENTS.items()}
     single, group = results["1 instance"], results["2-stage group"]
-    table = [{"prompt_tokens": n, "single_ttft_s": single[n]["median_ttft_s"], "group_ttft_s": group[n]["median_ttft_s"],
+    table = [{"prompt_tokens": n, "single_ttft_s": single[n]["median_ttft_s"],
+              "group_ttft_s": group[n]["median_ttft_s"],
               "speedup": round(single[n]["median_ttft_s"] / group[n]["median_ttft_s"], 3),
               "same_first_tokens": single[n]["first_texts"] == group[n]["first_texts"]} for n in lengths]
     print(f"{'prompt':>8} {'1 instance':>11} {'2 stages':>9} {'speedup':>8} same-tokens")

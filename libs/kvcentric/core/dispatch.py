@@ -11,6 +11,16 @@ Submit = tuple[str, str, PrefillJob | DecodeJob]
 """(role, instance id, job)."""
 
 
+KV_WAIT_FLOOR_S = 30.0
+"""The least a decode instance waits for a placed request's KV (DecodeJob's default)."""
+
+
+def kv_wait_s(predicted_ttft_s: float) -> float:
+    """How long decode waits for the KV: the floor, or 3x the predicted TTFT for a long prompt (the decode
+    instance still caps it with its --kv-wait-s)."""
+    return max(KV_WAIT_FLOOR_S, 3 * predicted_ttft_s)
+
+
 def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: SamplingParams) -> list[Submit]:
     """The prefill job, and the decode job unless one colocated instance does both (it takes its decode
     job from the prefill job)."""
@@ -20,7 +30,8 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
         submits.append(("decode", placement.decode_id, DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids),
-                                                                 sampling=sampling)))
+                                                                 sampling=sampling,
+                                                                 kv_wait_s=kv_wait_s(placement.predicted_ttft_s))))
     return submits
 
 

@@ -72,11 +72,12 @@ class PrefillInstance:
 
     def load_report(self, now: float) -> LoadReport:
         queued = sum(r.request.input_len for r in self.queue)
+        group, stages = self.pipeline or ("", 1)
         return LoadReport(instance_id=self.instance_id, role="prefill", cluster=self.cluster, kv_addr=self.instance_id,
                           queued_requests=len(self.queue), queued_tokens=queued,
                           running=int(self.current is not None), kv_blocks_total=0, kv_blocks_free=0, ts=now,
                           est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent, cost=self._announced(),
-                          **({"pipeline_group": self.pipeline[0], "stages": self.pipeline[1]} if self.pipeline else {}))
+                          pipeline_group=group, stages=stages)
 
     def _announced(self) -> MeasuredCost | None:
         announce, self.announce = self.announce, None
