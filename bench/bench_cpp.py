@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -73,7 +74,12 @@ def measure(name: str, flags: list[str], args, cases: dict[int, list[list[int]]]
         first_token(up.url, [256] + list(range(255)))  # warm-up
         rows = {}
         for n, token_lists in cases.items():
-            runs = [first_token(up.url, tokens) for tokens in token_lists]
+            try:
+                runs = [first_token(up.url, tokens) for tokens in token_lists]
+            except urllib.error.HTTPError as exc:  # recorded, not fatal: the other lengths still run
+                rows[n] = {"error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"}
+                print(f"{name:>14} {n:>6} tokens: {rows[n]['error']}", flush=True)
+                continue
             rows[n] = {"ttft_s": [round(s, 4) for s, _ in runs], "median_ttft_s": round(statistics.median(
                 s for s, _ in runs), 4), "first_texts": [text for _, text in runs]}
             print(f"{name:>14} {n:>6} tokens: TTFT {rows[n]['median_ttft_s']:.3f} s", flush=True)
@@ -94,12 +100,16 @@ def main() -> None:
     table = [{"prompt_tokens": n, "single_ttft_s": single[n]["median_ttft_s"],
               "group_ttft_s": group[n]["median_ttft_s"],
               "speedup": round(single[n]["median_ttft_s"] / group[n]["median_ttft_s"], 3),
-              "same_first_tokens": single[n]["first_texts"] == group[n]["first_texts"]} for n in lengths]
+              "same_first_tokens": single[n]["first_texts"] == group[n]["first_texts"]}
+             for n in lengths if "error" not in single[n] and "error" not in group[n]]
     print(f"{'prompt':>8} {'1 instance':>11} {'2 stages':>9} {'speedup':>8} same-tokens")
     for row in table:
         print(f"{row['prompt_tokens']:>8} {row['single_ttft_s']:>10.3f}s {row['group_ttft_s']:>8.3f}s "
               f"{row['speedup']:>7.2f}x {row['same_first_tokens']}")
-    out = {"model": args.model, "chunk": args.chunk, "threads_per_engine": args.threads, "repeats": args.repeats,
+    out = {"errors": {f"{name} {n}": row["error"] for name, rows in results.items() for n, row in rows.items()
+                      if "error" in row},
+           "load_average": os.getloadavg(), "model": args.model, "chunk": args.chunk,
+           "threads_per_engine": args.threads, "repeats": args.repeats,
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "table": table,
            "runs": {name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
