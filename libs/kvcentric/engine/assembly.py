@@ -1,12 +1,15 @@
 """A decode instance's KV from several senders at once (Mooncake §5.1: every stage of a prefill group streams
 its own layers): `AssemblingSink` wraps the decode sink and holds a request's commit until every layer of it
-is in, whichever sender's stream ends first.
+is in, whichever sender's stream ends first, and a request's wait for its KV (`--kv-wait-s`) counted from the
+latest layer that arrived rather than from its job.
 
 A request pushed by one sender passes straight through. It counts layers; it does not write KV or decide
 anything about the request.
 """
 
 from __future__ import annotations
+
+import time
 
 from kvcentric.engine.decode import DecodeEngine
 
@@ -36,6 +39,9 @@ class AssemblingSink:
 
     def write(self, request_id: str, chunk) -> None:
         self.inner.write(request_id, chunk)
+        request = self.engine.requests.get(request_id)
+        if request is not None:  # KV still flowing: its sender lives, however long a long prompt computes
+            request.deadline = max(request.deadline, time.monotonic() + request.job.kv_wait_s)
         if request_id in self.held and kv_complete(self.engine, request_id):
             self._commit(request_id, self.held.pop(request_id))
 
