@@ -61,8 +61,9 @@ class EngineConfig(BusConfig):
                                       "chunked pipeline parallelism; \"\": a whole instance)")
     stage: str = setting("0/1", "prefill with --pipeline-group: i/X, this instance is stage i (from 0) of X and holds "
                                 "only its slice of the layers")
-    kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job "
-                                     "fails ('KV did not arrive in time'; the job's own limit if shorter)")
+    kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job or "
+                                     "its latest layer fails ('KV did not arrive in time'; the job's own limit if "
+                                     "shorter); a pipeline stage waits as long for the previous stage")
 
     def __post_init__(self) -> None:
         super().__post_init__()
