@@ -18,6 +18,7 @@ from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.assembly import AssemblingSink
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.prefixkv import PrefixPulls
 from kvcentric.engine.reporter import Load
@@ -56,7 +57,7 @@ class DecodeService(EngineService):
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
-        self.attach(self.sink)
+        self.attach(AssemblingSink(self.sink, self.engine))  # KV of a prefill group comes from each stage
         self.prefix_pulls = PrefixPulls(self.pusher, self.runner.dtype_name, self.runner.block_size)
         self.sink.prefixes = self.prefix_pulls
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import ClassVar
 
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
@@ -33,6 +34,15 @@ class RefusingSink:
 
 class PrefillService(EngineService):
     role: Role = "prefill"
+    stage_service: ClassVar[type[PrefillService] | None] = None
+    """What an instance with --pipeline-group runs: a stage of a prefill group (`stage.py` names it here)."""
+
+    def __new__(cls, config: EngineConfig, runner: ModelRunner | None = None):
+        if cls is PrefillService and config.pipeline_group:
+            if cls.stage_service is None:
+                raise RuntimeError("kvc_prefill.stage is not loaded")
+            return super().__new__(cls.stage_service)
+        return super().__new__(cls)
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""

@@ -54,6 +54,7 @@ RUN_BASH = {
     ".venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_scheduling_eviction.py": Run(
         in_checkout=True, timeout_s=120.0),
     "kvcentric sim --speed 2": Run(),
+    "--prefill-pipeline 4 --out sim-cpp": Run(),
     "python bench/prfaas_table6.py": Run(),
     "kvcentric bench replay ../shared/traces/": Run(cluster=True, edits=(
         ("kvcentric up --model tiny &\n", ""),  # the test's cluster serves `tiny` already
@@ -80,6 +81,8 @@ NOT_RUN = {
                                        "(tests/integration/test_role_switch.py switches one)",
     "OTEL_EXPORTER_OTLP_ENDPOINT=": "a cluster that serves until Ctrl-C, exporting to a collector on :4317; "
                                     "tests/integration/test_tracing_e2e.py runs `kvcentric up` with these variables",
+    "--prefill-pipeline 2 --decode 1   # serves until Ctrl-C": "a cluster that serves until Ctrl-C; "
+                                                             "tests/integration/test_pipeline_prefill.py runs it",
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
 }

@@ -11,14 +11,15 @@ Submit = tuple[str, str, PrefillJob | DecodeJob]
 """(role, instance id, job)."""
 
 KV_WAIT_FLOOR_S = 30.0
-KV_WAIT_PER_PREDICTED_S = 3.0
+"""The least a decode instance waits for a placed request's KV (DecodeJob's default)."""
 
 
-def kv_wait_s(placement: Placement) -> float:
-    """How long the decode instance waits for the KV: three times the predicted TTFT, at least 30 s. A
-    prefill that dies is found by liveness (and the request migrated) long before; this bound is for KV
-    that is merely late, and an admitted request's KV is not late until well past its prediction."""
-    return max(KV_WAIT_FLOOR_S, KV_WAIT_PER_PREDICTED_S * placement.predicted_ttft_s)
+def kv_wait_s(predicted_ttft_s: float) -> float:
+    """How long the decode instance waits for the KV: three times the predicted TTFT, at least 30 s (the
+    decode instance caps it with its --kv-wait-s). A prefill that dies is found by liveness (and the
+    request migrated) long before; this bound is for KV that is merely late, and an admitted request's KV
+    is not late until well past its prediction."""
+    return max(KV_WAIT_FLOOR_S, 3 * predicted_ttft_s)
 
 
 def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: SamplingParams) -> list[Submit]:
@@ -28,11 +29,12 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
                          decode_kv_addr=placement.decode_kv_addr, kv_source_addr=placement.kv_source_addr,
                          pull_block_hashes=placement.pull_block_hashes,
                          kv_skip_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0,
-                         cached_tokens=placement.cached_tokens)
+                         cached_tokens=placement.cached_tokens, pipeline_addrs=placement.pipeline_addrs)
     submits: list[Submit] = [("prefill", placement.prefill_id, prefill)]
     if placement.decode_id != placement.prefill_id:
         decode = DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=sampling,
-                           kv_wait_s=kv_wait_s(placement), prefix_source_addr=placement.decode_prefix_addr,
+                           kv_wait_s=kv_wait_s(placement.predicted_ttft_s),
+                           prefix_source_addr=placement.decode_prefix_addr,
                            prefix_block_hashes=placement.decode_prefix_hashes,
                            prefix_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0)
         submits.append(("decode", placement.decode_id, decode))

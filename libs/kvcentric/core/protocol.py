@@ -162,6 +162,8 @@ class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     decode_prefix_hashes: list[str] = []
     """The prefix blocks the decode instance pulls from `decode_prefix_addr` (they cover the prefix tokens)."""
     decode_prefix_tokens: int = 0
+    pipeline_addrs: list[str] = []
+    """`prefill_id` heads a prefill group: the messengers of its later stages, in order (Mooncake §5.1)."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
@@ -253,6 +255,9 @@ class PrefillJob(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
     """Leading prompt tokens the conductor expects this instance to reuse (its queue-time estimate counts the
     rest until the prompt starts and the engine knows)."""
+    pipeline_addrs: list[str] = []
+    """A prefill group (Mooncake §5.1): the messengers of the stages after this one, in order; this stage
+    hands each chunk's hidden states to the first of them."""
 
 
 class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -353,6 +358,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     prefill_ids: list[str] | None = None
     """Prefill: the requests queued or running there (the newest few hundred), so the conductor knows
     which of its placements `est_queue_s` covers; None: not listed, the report covers every placement."""
+    pipeline_group: str = ""
+    """Prefill: the pipelined prefill group it is a stage of (Mooncake §5.1; "": a whole instance)."""
+    stage: int = 0
+    """Its stage in that group, from 0."""
+    stages: int = 1
+    """Stages in that group."""
 
 
 class RoleSwitch(msgspec.Struct, frozen=True, kw_only=True):

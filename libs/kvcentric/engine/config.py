@@ -11,6 +11,7 @@ from typing import Literal
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.hashing import HASH_ALGOS, BlockHasher, HashAlgo, parse_seed
+from kvcentric.core.pipeline import StagePosition, parse_stage
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import PRESETS, load_model_config
 
@@ -59,9 +60,13 @@ class EngineConfig(BusConfig):
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "
                                     "from the work served)")
-    kv_wait_s: float = setting(300.0, "decode: the longest a request waits for its KV after its job (the job "
-                                      "asks for max(30 s, 3 x its predicted TTFT)); then it fails with a 503 "
-                                      "('KV did not arrive in time')")
+    pipeline_group: str = setting("", "prefill: run as one stage of this pipelined prefill group (Mooncake §5.1, "
+                                      "chunked pipeline parallelism; \"\": a whole instance)")
+    stage: str = setting("0/1", "prefill with --pipeline-group: i/X, this instance is stage i (from 0) of X and holds "
+                                "only its slice of the layers")
+    kv_wait_s: float = setting(300.0, "decode: the longest a request waits for its KV after its job or its latest "
+                                      "layer (the job asks for max(30 s, 3 x its predicted TTFT)); then it fails "
+                                      "with a 503 ('KV did not arrive in time')")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -93,6 +98,7 @@ class EngineConfig(BusConfig):
         require(DEVICE.fullmatch(self.device) is not None, "device",
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
         require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
+        self._check_stage()
         require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
         if self.profile:
             try:
@@ -103,6 +109,23 @@ class EngineConfig(BusConfig):
     def hasher(self) -> BlockHasher:
         """The prefix block hasher every instance must share (algorithm, block size, seed)."""
         return BlockHasher(self.hash_algo, self.block_size, parse_seed(self.hash_seed))
+
+    def _check_stage(self) -> None:
+        try:
+            index, stages = parse_stage(self.stage)
+        except ValueError as exc:
+            raise ConfigError(f"--stage: {exc}") from None
+        layers = load_model_config(self.model).num_layers
+        require(stages <= layers, "stage", f"{stages} stages but the model has {layers} layers")
+        require(stages == 1 or bool(self.pipeline_group), "stage", "a stage of several needs --pipeline-group")
+
+    @property
+    def stage_position(self) -> StagePosition | None:
+        """Where this instance sits in its prefill group (None: a whole instance)."""
+        if not self.pipeline_group:
+            return None
+        index, stages = parse_stage(self.stage)
+        return StagePosition(self.pipeline_group, index, stages)
 
     def cost_model(self) -> CostModel:
         """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""

@@ -37,13 +37,16 @@ class Messenger:
         self.transfer = KVTransferServicer(sink, source)
         self.addr = ""
         self._server = None
+        self.more_services: list = []
+        """Other gRPC services this server offers (a pipeline stage's StageTransfer), added before `start`."""
 
     @property
     def stats(self):
         return self.transfer.stats
 
     async def start(self, config: EngineConfig) -> None:
-        self._server, port = await start_server(self.transfer, config.kv_host, config.kv_port)
+        self._server, port = await start_server(self.transfer, config.kv_host, config.kv_port,
+                                                   self.more_services)
         self.addr = config.kv_advertise or f"{config.kv_host}:{port}"
 
     async def stop(self) -> None:

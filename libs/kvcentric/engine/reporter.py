@@ -21,6 +21,7 @@ import msgspec
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.kvdigest import digests
+from kvcentric.core.pipeline import StagePosition
 from kvcentric.core.protocol import (BlockEvicted, BlockStored, KVDigest, KVEventBatch, KVResync, KVSnapshot,
                                      KVSnapshotQuery, LoadReport, Role, Subjects)
 from kvcentric.core.scheduling.queueing import QueuedPrefill, queue_seconds, uncached_tokens
@@ -74,6 +75,8 @@ class Reporter:
         """Bytes of one of its KV blocks over all layers (set by the service; reported for kvs-meta)."""
         self.heartbeat: Heartbeat | None = None
         self.reports_sent = 0
+        self.pipeline: StagePosition | None = None
+        """The prefill group this instance is a stage of, named in its load reports (None: not one)."""
         """Load reports published; the first is how the conductor learns of this instance."""
         self.latest: dict[str, tuple[LoadReport, float]] = {}
         """Role -> the last report the event loop computed and when (time.monotonic())."""
@@ -102,7 +105,8 @@ class Reporter:
                             kv_staging_blocks_free=load.staging_blocks_free, block_bytes=self.block_bytes,
                             link_bandwidth=dict(self.pusher.bandwidth),
                             kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
-                            cost=self.speed.for_report() if self.speed is not None else None)
+                            cost=self.speed.for_report() if self.speed is not None else None,
+                            **pipeline_fields(self.pipeline))
         if role != "prefill" or load.prefills is None:
             return report
         return msgspec.structs.replace(report, **self.prefill_queue(load.prefills))
@@ -243,3 +247,10 @@ class Reporter:
                  "heartbeat_longest_gap_s": round(self.heartbeat.longest_gap_s, 4)} if self.heartbeat else {}
         return {**host, **pushed, **beats, "kv_blocks_free": self.pool.num_free,
                 "kv_blocks_total": self.pool.num_blocks}
+
+
+def pipeline_fields(position: StagePosition | None) -> dict:
+    """The load report's fields that place an instance in its prefill group."""
+    if position is None:
+        return {}
+    return {"pipeline_group": position.group, "stage": position.index, "stages": position.stages}

@@ -35,6 +35,12 @@ more than sending its 1 MiB after the last layer costs (about 2 ms). Layers of 1
 512 tokens of `small`) still go over one by one."""
 
 
+PUSH_STREAM_TIMEOUT_S = 3600.0
+"""The gRPC deadline of a request's push stream, which stays open while the prompt computes (a long prompt on
+slow hardware takes minutes): what bounds a push that stalls is the drain deadline once the prompt is computed
+(`PrefillService.drain_push`) and the decode instance's wait for the KV (`--kv-wait-s`, the job's)."""
+
+
 class RequestPush:
     def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2,
                  trace_context=None, handoff_bytes: int = HANDOFF_BYTES) -> None:
@@ -49,7 +55,7 @@ class RequestPush:
         self.started = time.monotonic()
         metadata = tracing.inject_metadata(parent=trace.set_span_in_context(self.span, trace_context))
         self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries,
-                                                                 metadata=metadata))
+                                                                 PUSH_STREAM_TIMEOUT_S, metadata=metadata))
         self.task.add_done_callback(self._done)
         if work.num_cached > self.skip:
             self._send_cached_prefix()

@@ -76,6 +76,8 @@ PRESETS: dict[str, ModelConfig] = {
         # Byte-level vocabularies (256 bytes + BOS + EOS).
         ModelConfig("tiny", 258, 64, 128, 4, 4, 2, 16, 2048),
         ModelConfig("small", 258, 512, 1408, 8, 8, 4, 64, 4096),
+        # `small` with room for 16K-token prompts (the chunked pipeline parallelism benchmark, bench_cpp.py).
+        ModelConfig("small-32k", 258, 512, 1408, 8, 8, 4, 64, 32768),
         # The shapes of the models the Mooncake paper serves (§8), random weights ("dummy" models).
         ModelConfig("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 128, 4096),
         ModelConfig("llama2-70b", 32000, 8192, 28672, 80, 64, 8, 128, 4096),

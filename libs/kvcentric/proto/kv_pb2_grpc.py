@@ -232,3 +232,81 @@ class KVTransfer:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class StageTransferStub:
+    """Chunked pipeline parallelism (Mooncake §5.1): a prefill stage hands the hidden states of each chunk of a
+    prompt to the next stage of its group, in order; the first chunk carries the job.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.PushHidden = channel.unary_unary(
+                '/kvcentric.kv.StageTransfer/PushHidden',
+                request_serializer=kvcentric_dot_proto_dot_kv__pb2.HiddenChunk.SerializeToString,
+                response_deserializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
+                _registered_method=True)
+
+
+class StageTransferServicer:
+    """Chunked pipeline parallelism (Mooncake §5.1): a prefill stage hands the hidden states of each chunk of a
+    prompt to the next stage of its group, in order; the first chunk carries the job.
+    """
+
+    def PushHidden(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'PushHidden': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushHidden,
+                    request_deserializer=kvcentric_dot_proto_dot_kv__pb2.HiddenChunk.FromString,
+                    response_serializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcentric.kv.StageTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcentric.kv.StageTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StageTransfer:
+    """Chunked pipeline parallelism (Mooncake §5.1): a prefill stage hands the hidden states of each chunk of a
+    prompt to the next stage of its group, in order; the first chunk carries the job.
+    """
+
+    @staticmethod
+    def PushHidden(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcentric.kv.StageTransfer/PushHidden',
+            kvcentric_dot_proto_dot_kv__pb2.HiddenChunk.SerializeToString,
+            kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

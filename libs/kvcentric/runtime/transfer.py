@@ -213,10 +213,14 @@ def add_servicer(server: grpc.aio.Server, servicer: KVTransferServicer) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
 
 
-async def start_server(servicer: KVTransferServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve KVTransfer on host:port (0 picks a free port); returns the server and its port."""
+async def start_server(servicer: KVTransferServicer, host: str, port: int,
+                       more: Sequence[grpc.GenericRpcHandler] = ()) -> tuple[grpc.aio.Server, int]:
+    """Serve KVTransfer (and the services in `more`) on host:port (0 picks a free port); returns the server
+    and its port."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     add_servicer(server, servicer)
+    if more:
+        server.add_generic_rpc_handlers(tuple(more))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind the KV transfer port {host}:{port}")

@@ -69,6 +69,9 @@ class SimConfig(SchedulerConfig):
                                        "the rest (a mixed fleet); its instances announce it, and the conductor "
                                        "predicts each instance with its own model (default: as --profile)")
     decode_profile: str = setting("", "disaggregated: cost model JSON of the decode pool (default: as --profile)")
+    prefill_pipeline: int = setting(1, "disaggregated: nodes of each prefill instance; X > 1 makes each a pipelined "
+                                       "prefill group of X nodes (Mooncake §5.1, chunked pipeline parallelism) "
+                                       "that pipelines chunks of 512 tokens")
     decode_kv_tokens: int = setting(0, "KV tokens a decode instance holds (0: from --hardware memory)")
     decode_max_batch: int = setting(0, "disaggregated: most sequences a decode instance runs at once, BS_max "
                                        "(0: only its KV capacity limits the batch)")
@@ -89,6 +92,7 @@ class SimConfig(SchedulerConfig):
         super().__post_init__()
         require(self.speed > 0, "speed", "must be positive")
         require(min(self.prefill, self.decode, self.instances) >= 1, "prefill", "instance counts must be >= 1")
+        require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.prefill_chunk >= 16, "prefill_chunk", "must be at least 16")
         if self.cache_blocks != "auto":
             try:
@@ -122,7 +126,7 @@ def build(config: SimConfig) -> tuple[Simulation, dict]:
     cluster = ClusterSpec(config.architecture, config.prefill, config.decode, config.instances,
                           config.prefill_chunk if config.chunked_prefill else 0, blocks, config.eviction, capacity,
                           config.link_bytes_per_s, model.num_layers, config.noise, config.seed,
-                          decode_max_batch=config.decode_max_batch)
+                          decode_max_batch=config.decode_max_batch, prefill_pipeline=config.prefill_pipeline)
     about = {"cost_model": cost.to_dict(), "cache_blocks_per_instance": blocks,
              "decode_capacity_tokens": capacity, "config": dataclasses.asdict(config)}
     pools = {role: CostModel.load(path) for role, path in (("prefill", config.prefill_profile),

@@ -35,6 +35,9 @@ class UpConfig:
     port: int = setting(8000, "gateway HTTP port")
     prefill: int = setting(1, "number of prefill instances")
     decode: int = setting(1, "number of decode instances")
+    prefill_pipeline: int = setting(1, "stages of each prefill instance: with X > 1 each of the --prefill "
+                                       "instances is a pipelined prefill group of X processes, each holding 1/X "
+                                       "of the layers (Mooncake §5.1, chunked pipeline parallelism)")
     conductors: int = setting(2, "conductor replicas; they answer kvc.conductor.schedule from one NATS queue "
                                  "group, so one may die without an outage")
     colocated: int = setting(0, "run this many colocated instances (prefill and decode in one, the "
@@ -51,6 +54,7 @@ class UpConfig:
     prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
     max_batch: int = setting(64, "most sequences in one decode step of an engine")
     device: str = setting("cpu", "torch device of every engine: cpu, cuda, cuda:N")
+    torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
@@ -70,6 +74,7 @@ class UpConfig:
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
         require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
         require(self.colocated >= 0, "colocated", "must be 0 or more")
+        require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
@@ -79,8 +84,21 @@ class UpConfig:
         """(name, subcommand) of every engine instance to start."""
         if self.colocated:
             return [(f"colocated-{i}", "colocated") for i in range(self.colocated)]
-        return [(f"prefill-{i}", "prefill") for i in range(self.prefill)] + \
+        return [(name, "prefill") for i in range(self.prefill) for name in self.stage_names(i)] + \
                [(f"decode-{i}", "decode") for i in range(self.decode)]
+
+    def stage_names(self, group: int) -> list[str]:
+        """Instance ids of prefill instance `group`: `prefill-<i>`, or its stages `prefill-<i>-s<j>`."""
+        if self.prefill_pipeline == 1:
+            return [f"prefill-{group}"]
+        return [f"prefill-{group}-s{stage}" for stage in range(self.prefill_pipeline)]
+
+    def stage_flags(self, name: str) -> list[str]:
+        """--pipeline-group and --stage of a prefill stage named by `stage_names`; none for a whole instance."""
+        if self.prefill_pipeline == 1 or not name.startswith("prefill-"):
+            return []
+        group, stage = name.rsplit("-s", 1)
+        return ["--pipeline-group", group, "--stage", f"{stage}/{self.prefill_pipeline}"]
 
     def engine_flags(self, command: str, threads: int) -> list[str]:
         """The flags of one engine instance (`command`: prefill, decode or colocated)."""
@@ -105,7 +123,8 @@ class UpConfig:
     @property
     def expected_alive(self) -> tuple[int, int]:
         """Prefill and decode instances the conductor must see before the cluster counts as up."""
-        return (self.colocated, self.colocated) if self.colocated else (self.prefill, self.decode)
+        return (self.colocated, self.colocated) if self.colocated else \
+            (self.prefill * self.prefill_pipeline, self.decode)
 
 
 class Cluster:
@@ -133,12 +152,13 @@ class Cluster:
         self.nats_url = self.nats_url or self.processes.start_nats()
         self.redis_url = self.redis_url or self.processes.start_redis()
         c = self.config
-        threads = max(1, (os.cpu_count() or 1) // len(c.engines))
+        threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(c.engines))
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
         for name, command in c.engines:
-            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads))
+            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads),
+                         *c.stage_flags(name))
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port or None)
         self.write_manifest()

@@ -23,6 +23,7 @@ from kvcentric.core.scheduling.admission import Admission, DecodeChoice
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+from kvcentric.core.scheduling.groups import PrefillGroups
 from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.prefix import ExpectedBlocks
@@ -65,6 +66,8 @@ class Conductor:
         self.registry = InstanceRegistry(self.estimator, stale_after_s, stuck_after_s, self.models, config.queue_time)
         self.expected = ExpectedBlocks() if config.expect_cache else None
         """Blocks placed prompts will leave on their prefill instances, not yet announced (§6.1)."""
+        self.groups = PrefillGroups(cost)
+        """Pipelined prefill groups (Mooncake §5.1): their stages placed on as one candidate each."""
         self.policy = self._make_policy(self.estimator)
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
@@ -84,6 +87,7 @@ class Conductor:
         """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator); a `repeat`
         only says it lives: its old numbers teach nothing about egress, links or the decode batch."""
         state = self.registry.observe(report, now)
+        self.groups.observe(report)
         if report.repeat:
             return
         if self.router is not None:
@@ -149,10 +153,11 @@ class Conductor:
     def schedule(self, request: ScheduleRequest, hits: Mapping[str, int], now: float) -> Placement | Rejection:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds
         (ignored below `cache_aware_scheduling_min_tokens`). Instances in `request.avoid` (a migrated request's
-        failed ones) are not considered."""
+        failed ones) are not considered; the stages of a prefill group are one candidate."""
         if not self.cache_aware(request):
             hits = {}
-        prefills = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
+        alive = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
+        prefills, hits = self.groups.candidates(alive, hits, now)
         decodes = [s for s in self.registry.alive_decode(now) if s.instance_id not in request.avoid]
         if self.router is not None:
             decodes = self.router.in_scope(decodes, self.router.pd)
@@ -238,4 +243,5 @@ class Conductor:
                          kv_source_addr=source.kv_addr if source is not None else "", pull_block_hashes=pull,
                          decode_prefix_addr=holder.kv_addr if holder is not None else "",
                          decode_prefix_hashes=request.block_hashes[:prefix_blocks],
-                         decode_prefix_tokens=prefix_tokens if holder is not None else 0)
+                         decode_prefix_tokens=prefix_tokens if holder is not None else 0,
+                         pipeline_addrs=self.groups.later_stages(choice.instance.instance_id))

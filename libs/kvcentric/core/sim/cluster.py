@@ -19,6 +19,8 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
+import msgspec
+
 from kvcentric.core.costmodel import CostModel, decode_tbt_check
 from kvcentric.core.protocol import LoadReport, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.core.scheduling.clusters import ClusterSetup
@@ -26,6 +28,7 @@ from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import LinkTable
 from kvcentric.core.scheduling.eviction import BlockCache
+from kvcentric.core.scheduling.groups import PipelinedCost
 from kvcentric.core.scheduling.prefix import PrefixIndex
 from kvcentric.core.sim.instances import BatchInstance, PrefillInstance
 from kvcentric.core.sim.metrics import LoadSeries, Record
@@ -57,6 +60,11 @@ class ClusterSpec:
     """Prefill instances of the PrfaaS cluster (with a `ClusterSetup`; `prefill` is then the PD cluster's)."""
     decode_max_batch: int = 0
     """Most sequences a decode instance runs at once, BS_max (0: no limit but its KV capacity)."""
+    prefill_pipeline: int = 1
+    """Nodes of each prefill instance: with X > 1 a pipelined prefill group of X nodes, each holding 1/X of
+    the layers (Mooncake §5.1), reporting to the conductor as X stages."""
+    prefill_chunk: int = 512
+    """Tokens per chunk of a prefill group's pipeline."""
 
 
 class Simulation:
@@ -85,6 +93,8 @@ class Simulation:
         self.series = LoadSeries()
         self.accepted = self.rejected = 0
         self.records: list[Record] = []
+        self.stage_aliases: dict[str, str] = {}
+        """Later stages of simulated prefill groups -> their first stage (they hold what it holds)."""
         self._build()
 
     def _build(self) -> None:
@@ -98,6 +108,9 @@ class Simulation:
         else:
             local = self.clusters.local if self.clusters else "sim"
             for i in range(spec.prefill):
+                if spec.prefill_pipeline > 1:
+                    self._build_group(f"p{i}", local)
+                    continue
                 self.prefills[f"p{i}"] = PrefillInstance(self, f"p{i}", BlockCache(spec.cache_blocks, spec.eviction),
                                                          local, self.pool_costs.get("prefill"))
             self._build_prfaas()
@@ -110,6 +123,23 @@ class Simulation:
             self.report_instance(prefill, 0.0)
         for decode in self.decodes.values():
             self.report_batch(decode, 0.0)
+
+    def _build_group(self, group: str, cluster: str) -> None:
+        """A prefill group: one instance (its first stage's id) computing at the pipelined cost of X nodes;
+        its later stages only report (their queues follow the first's), so the conductor sees X stages."""
+        stages, base = self.spec.prefill_pipeline, self.pool_costs.get("prefill", self.cost)
+        cost = PipelinedCost(base.prefill, base.decode, base.kv_bytes_per_token, f"pipeline:{stages}",
+                             base.kv_bytes_fixed, stage_costs=(base,) * stages, share=1.0 / stages,
+                             chunk=self.spec.prefill_chunk)
+        head = PrefillInstance(self, f"{group}-s0", BlockCache(self.spec.cache_blocks, self.spec.eviction), cluster,
+                               cost)
+        head.announce, head.pipeline = None, (group, stages)
+        self.prefills[head.instance_id] = head
+        for stage in range(1, stages):
+            self.stage_aliases[f"{group}-s{stage}"] = head.instance_id
+            name = f"{group}-s{stage}"
+            self.report(msgspec.structs.replace(head.load_report(0.0), instance_id=name, kv_addr=name, stage=stage),
+                        0.0)
 
     def _build_prfaas(self) -> None:
         """PrfaaS prefill instances r0.. in the first PrfaaS cluster, on that cluster's cost model."""
@@ -162,6 +192,8 @@ class Simulation:
     def arrive(self, now: float, record: Record) -> None:
         request = record.request
         hits = self.index.match(request.hashes)
+        if self.stage_aliases:
+            hits = {**hits, **{stage: hits.get(head, 0) for stage, head in self.stage_aliases.items()}}
         ask = ScheduleRequest(request_id=request.request_id, n_tokens=request.input_len, block_hashes=request.hashes,
                               max_tokens=request.output_len, priority=request.priority)
         decision = self.conductor.schedule(ask, hits, now)

@@ -39,6 +39,8 @@ class PrefillInstance:
         self.current: Record | None = None
         self.busy_until = 0.0
         self.kv_bytes_sent = 0
+        self.pipeline: tuple[str, int] | None = None
+        """(group, stages) when this is the first stage of a simulated prefill group."""
 
     def submit(self, record: Record, now: float) -> None:
         self.queue.append(record)
@@ -70,10 +72,12 @@ class PrefillInstance:
 
     def load_report(self, now: float) -> LoadReport:
         queued = sum(r.request.input_len for r in self.queue)
+        group, stages = self.pipeline or ("", 1)
         return LoadReport(instance_id=self.instance_id, role="prefill", cluster=self.cluster, kv_addr=self.instance_id,
                           queued_requests=len(self.queue), queued_tokens=queued,
                           running=int(self.current is not None), kv_blocks_total=0, kv_blocks_free=0, ts=now,
-                          est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent, cost=self._announced())
+                          est_queue_s=self.queue_s(now), kv_bytes_sent=self.kv_bytes_sent, cost=self._announced(),
+                          pipeline_group=group, stages=stages)
 
     def _announced(self) -> MeasuredCost | None:
         announce, self.announce = self.announce, None
