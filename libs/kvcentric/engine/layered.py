@@ -178,7 +178,9 @@ class LayeredKV:
         self.host_writes = []
 
     def _load(self, plan: LayerPlan) -> Any:
-        if plan.scratch is None or (plan.copies.device_in is None and plan.copies.host_in is None):
+        """Queue the layer's copies in; even with none, the layer waits for this (its scratch buffer is free
+        only once the write-back of the layer that used it before is done, which the queue orders first)."""
+        if plan.scratch is None:
             return None
         return self.copier.submit(self._copy_in, plan)
 
@@ -223,7 +225,8 @@ class LayeredKV:
         if self.scratch and self.scratch[0][0].shape[0] >= slots:
             return
         shape = (max(slots, self.block_size), config.num_kv_heads, config.head_dim)
-        make = lambda: torch.empty(shape, dtype=self.runner.dtype, device=self.runner.device)  # noqa: E731
+        # Zeros, not empty: a masked slot still enters attention's matmul, and 0 × NaN would poison it.
+        make = lambda: torch.zeros(shape, dtype=self.runner.dtype, device=self.runner.device)  # noqa: E731
         self.scratch = [(make(), make()) for _ in range(SCRATCH_BUFFERS)]
 
     # ---------------------------------------------------------------- attention over a plan
