@@ -53,8 +53,10 @@ class LayerBlockPool(BlockPool):
 
     @property
     def num_free(self) -> int:
-        """Blocks allocatable on the device in every layer."""
-        return min(len(free) for free in self.device_free)
+        """Logical blocks that can still be allocated, their layers on the device or the host (as `num_blocks`
+        counts them: what load reports carry)."""
+        spare = (self.device_free_layer_blocks + len(self.host_free)) // self.num_layers
+        return min(len(self._free), spare)
 
     @property
     def device_free_layer_blocks(self) -> int:
@@ -76,9 +78,12 @@ class LayerBlockPool(BlockPool):
 
     def fitting_layers(self, num_blocks: int, at_least: int, reserve: int) -> list[int] | None:
         """The most layers (at least `at_least`), spread evenly, whose `num_blocks` blocks each fit on the
-        device leaving `reserve` layer blocks free, the rest fitting on the host; None when none do."""
+        device leaving `reserve` layer blocks free, the rest fitting on the host; None when none do. Keeping
+        none needs only the host. A prompt longer than a layer's device blocks keeps none, whatever `at_least`."""
+        if num_blocks > self.device_blocks:
+            at_least = 0
         for keep in range(self.num_layers, at_least - 1, -1):
-            if self.device_free_layer_blocks - keep * num_blocks < reserve:
+            if keep and self.device_free_layer_blocks - keep * num_blocks < reserve:
                 continue
             if (self.num_layers - keep) * num_blocks > len(self.host_free):
                 break
