@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from kvcentric.core.layerkv.pool import LayerBlockPool, Move, host_block_of
+from kvcentric.core.layerkv.pool import LayerBlockPool, Move
 from kvcentric.engine.llama import AttentionBatch, LayerHook, SequenceSlice
 from kvcentric.engine.runner import ModelRunner, block_slots, slots_of
 

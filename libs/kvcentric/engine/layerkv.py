@@ -37,8 +37,8 @@ class LayerKV:
         self.decoding_since: dict[str, float] = {}
         self.queued_since: dict[str, float] = {}
         self.stats = {"layerkv_prefills_admitted": 0, "layerkv_held_for_slo": 0, "layerkv_held_for_blocks": 0,
-                      "layerkv_forecast_offloads": 0, "layerkv_queue_delay_s_sum": 0.0, "layerkv_retained_layers_sum": 0,
-                      "layerkv_min_retained_layers_sum": 0}
+                      "layerkv_forecast_offloads": 0, "layerkv_queue_delay_s_sum": 0.0,
+                      "layerkv_retained_layers_sum": 0, "layerkv_min_retained_layers_sum": 0}
 
     # ---------------------------------------------------------------- before each step
 

@@ -73,7 +73,8 @@ class UpConfig:
         require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
-        require(not self.layerkv or self.colocated > 0, "layerkv", "LayerKV runs in colocated instances: add --colocated N")
+        require(not self.layerkv or self.colocated > 0, "layerkv",
+                "LayerKV runs in colocated instances: add --colocated N")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
 
