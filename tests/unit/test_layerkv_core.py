@@ -129,3 +129,16 @@ def test_offload_victims_newest_first_until_the_deficit_is_covered():
     newest_first = [Holding("c", 5, 0, 8), Holding("b", 5, 5, 8), Holding("a", 5, 10, 8), Holding("z", 5, 10, 8)]
     assert offload_victims([10, 4, 6], threshold=12, newest_first=newest_first) == ["b", "a"]
     assert offload_victims([20, 30], threshold=12, newest_first=newest_first) == []
+
+
+def test_reload_brings_host_layers_back_where_the_device_has_room():
+    pool = LayerBlockPool(device_blocks=2, block_size=4, num_layers=2, host_blocks=4)
+    pool.placement = []  # every layer on the host
+    blocks = pool.allocate(1)
+    pool.placement = None
+    assert pool.host_layer_blocks_of(blocks) == 2
+    pool.device_free[1].clear()  # layer 1 has no room
+    assert pool.reload(blocks) == 1
+    assert pool.device_layers(blocks) == [True, False]
+    assert pool.take_inbound() == [Move(0, 1, 0)]  # device block 1 of layer 0 from host block 0
+    assert len(pool.host_free) == 3 and pool.stats["layerkv_layer_blocks_reloaded"] == 1

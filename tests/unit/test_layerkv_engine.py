@@ -69,6 +69,7 @@ def test_some_layers_on_the_device_some_on_the_host_gives_the_same_greedy_tokens
     stats = engine.layerkv.gauges()
     assert stats["layerkv_retained_layers_sum"] > 0 and stats["layerkv_prompt_layers_offloaded"] > 0
     assert stats["layerkv_layers_reloaded"] > 0 and stats["layerkv_layers_stored"] > 0
+    assert stats["layerkv_layer_blocks_reloaded"] > 0  # host layers came back into device blocks
     assert_all_free(engine)
 
 

@@ -49,6 +49,8 @@ class LayerPlan:
     scratch: int | None
     """Which scratch buffer, or None: read and written in place on the device."""
     copies: Copies
+    inbound: list[Move] = dataclasses.field(default_factory=list)
+    """Layer blocks coming back from the host into device blocks, before the layer computes."""
 
 
 class Copier:
@@ -151,6 +153,8 @@ class LayeredKV:
         self.apply_moves(self.pool.take_moves())
         model, num_layers = self.runner.model, self.runner.config.num_layers
         plans = [self.plan(layer, steps) for layer in range(num_layers)]
+        for move in self.pool.take_inbound():
+            plans[move.layer].inbound.append(move)
         self._ensure_scratch(sum(len(step.blocks) for step in steps) * self.block_size)
         loads = {0: self._load(plans[0])}
         x = model.embed_tokens(ids)
@@ -180,7 +184,7 @@ class LayeredKV:
     def _load(self, plan: LayerPlan) -> Any:
         """Queue the layer's copies in; even with none, the layer waits for this (its scratch buffer is free
         only once the write-back of the layer that used it before is done, which the queue orders first)."""
-        if plan.scratch is None:
+        if plan.scratch is None and not plan.inbound:
             return None
         return self.copier.submit(self._copy_in, plan)
 
@@ -271,10 +275,20 @@ class LayeredKV:
     # ---------------------------------------------------------------- the copies
 
     def _copy_in(self, plan: LayerPlan) -> None:
-        """Fill the plan's scratch buffer with the context its sequences had before this step."""
+        """Bring the layer's reloaded blocks home, then fill the plan's scratch buffer with the context its
+        sequences had before this step."""
         started = time.perf_counter()
         k_scratch, v_scratch = self.scratch[plan.scratch or 0]
         device = self.runner.device
+        if plan.inbound:
+            source = block_slots([move.host_block for move in plan.inbound], self.block_size)
+            target = block_slots([move.device_block for move in plan.inbound], self.block_size).to(device)
+            for cache, host in ((self.runner.k_cache, self.host_k), (self.runner.v_cache, self.host_v)):
+                values = host.index_select(0, source)
+                if device.type == "cuda":
+                    values = values.pin_memory()
+                cache[plan.layer].index_copy_(0, target, values.to(device, non_blocking=True))
+            self._count("layerkv_bytes_to_device", source.numel(), started)
         if plan.copies.device_in is not None:
             source, target = (t.to(device) for t in plan.copies.device_in)
             k_scratch.index_copy_(0, target, self.runner.k_cache[plan.layer].index_select(0, source))

@@ -1,5 +1,6 @@
 """LayerKV's control in an engine (arXiv 2410.00428 §3.1): before each step it forecasts the free device blocks
-(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short, then
+(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else brings
+the oldest ones' host layers back while the device has room: they come back one layer ahead), then
 decides whether the next queued prompt may start: its predicted prefill must fit the decoding requests' TPOT
 budget (eqs. 1–3, Algorithm 1), and its blocks must fit with at least the layers eq. 4 says to keep (the
 most that fit, spread over the depth). It learns the TPOT and the prefill correction α from the engine's own
@@ -46,7 +47,8 @@ class LayerKV:
         """Whether the prefill side may run this step; when it starts a prompt, `pool.placement` says which of
         its layers stay on the device (`placed` clears it after the prefill engine allocated)."""
         self._note(prefill, decode, now)
-        self.offload_if_short(decode)
+        if not self.offload_if_short(decode):
+            self.reload_if_room(decode)
         if prefill.running or not prefill.queue:
             return True
         seqlen = len(prefill.queue[0].token_ids)
@@ -103,6 +105,22 @@ class LayerKV:
                 self.pool.offload(request.blocks)
         self.stats["layerkv_forecast_offloads"] += len(victims)
         return [r.key for r in running if r.key in victims]
+
+    def reload_if_room(self, decode: DecodeEngine) -> int:
+        """Bring decoding requests' host layers back into device blocks, oldest request first, while the device
+        keeps the threshold plus a block per running request free (the copies run one layer ahead of each
+        layer's compute in the next step). Returns the layer blocks brought back."""
+        running = [r for r in decode.requests.values() if r.state == "running" and r.blocks]
+        spare = self.pool.device_free_layer_blocks - self.reserve - len(running) * self.pool.num_layers
+        moved = 0
+        for request in running:
+            on_host = self.pool.host_layer_blocks_of(request.blocks)
+            if on_host > spare:
+                break
+            if on_host:
+                moved += self.pool.reload(request.blocks)
+                spare -= on_host
+        return moved
 
     # ---------------------------------------------------------------- after each step
 

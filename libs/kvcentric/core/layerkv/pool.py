@@ -46,8 +46,10 @@ class LayerBlockPool(BlockPool):
         self.placement: list[int] | None = None
         """Layers the next `allocate` puts on the device (the rest on the host); None: every layer that has room."""
         self.moves: list[Move] = []
+        self.inbound: list[Move] = []
+        """Host-to-device copies `reload` queued: done one layer ahead of that layer's compute."""
         self.stats = {"layerkv_layer_blocks_offloaded": 0, "layerkv_prompt_layers_offloaded": 0,
-                      "layerkv_requests_offloaded": 0}
+                      "layerkv_requests_offloaded": 0, "layerkv_layer_blocks_reloaded": 0}
 
     # ---------------------------------------------------------------- capacity
 
@@ -146,6 +148,32 @@ class LayerBlockPool(BlockPool):
         self.stats["layerkv_layer_blocks_offloaded"] += moved
         self.stats["layerkv_requests_offloaded"] += moved > 0
         return moved
+
+    def host_layer_blocks_of(self, blocks: list[int]) -> int:
+        """Layer blocks these blocks hold on the host."""
+        return sum(home < 0 for block in blocks for home in self._homes_of(block))
+
+    def reload(self, blocks: list[int]) -> int:
+        """Bring the host layers of these blocks back into device blocks where the layers have room; the
+        copies wait in `inbound`. Returns the layer blocks brought back."""
+        moved = 0
+        for block in blocks:
+            homes = self._homes_of(block)
+            for layer, home in enumerate(homes):
+                if home >= 0 or not self.device_free[layer]:
+                    continue
+                device_block = self.device_free[layer].pop()
+                self.inbound.append(Move(layer, device_block, host_block_of(home)))
+                self.host_free.append(host_block_of(home))
+                homes[layer] = device_block
+                moved += 1
+        self.stats["layerkv_layer_blocks_reloaded"] += moved
+        return moved
+
+    def take_inbound(self) -> list[Move]:
+        """The host-to-device copies `reload` queued; they must be done before their layer computes."""
+        moves, self.inbound = self.inbound, []
+        return moves
 
     def take_moves(self) -> list[Move]:
         """The device-to-host copies `offload` queued; they must be done before the freed blocks are written."""
