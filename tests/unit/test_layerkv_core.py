@@ -82,7 +82,7 @@ def test_fitting_layers_keeps_the_most_that_fit_above_the_reserve():
     assert pool.fitting_layers(2, at_least=0, reserve=11) == [1, 3]  # 16 - 3 * 2 < 11 <= 16 - 2 * 2
     assert pool.fitting_layers(2, at_least=0, reserve=16) == []  # everything offloaded
     assert pool.fitting_layers(2, at_least=1, reserve=16) is None
-    assert pool.fitting_layers(5, at_least=4, reserve=0) == []  # longer than a layer's device blocks
+    assert LayerBlockPool(4, 4, 4, 64).fitting_layers(5, at_least=4, reserve=0) == []  # longer than a layer
     pool.placement = [1, 3]
     pool.allocate(3)  # layers 1 and 3 have one block left: the other phase fits
     pool.placement = None
