@@ -140,5 +140,5 @@ def test_reload_brings_host_layers_back_where_the_device_has_room():
     pool.device_free[1].clear()  # layer 1 has no room
     assert pool.reload(blocks) == 1
     assert pool.device_layers(blocks) == [True, False]
-    assert pool.take_inbound() == [Move(0, 1, 0)]  # device block 1 of layer 0 from host block 0
+    assert pool.take_inbound() == [Move(0, 0, 0)]  # device block 0 of layer 0 from host block 0
     assert len(pool.host_free) == 3 and pool.stats["layerkv_layer_blocks_reloaded"] == 1
