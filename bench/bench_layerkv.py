@@ -179,12 +179,12 @@ def main() -> None:
                                                          "layerkv_forecast_offloads", "layerkv_retained_layers_sum")}
                 engine.layerkv.layered.close()
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "layerkv"}))
-    result = {"bench": "layerkv_live", "host": platform.node(), "model": args.model, "args": vars(args),
-              "ttft_slo_s": ttft_slo_s, "tpot_slo_s": PAPER_TPOT_SLO_S, "mean_prompt_prefill_s": mean_prefill_s,
-              "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+            print(json.dumps({k: v for k, v in row.items() if k != "layerkv"}), flush=True)
+            result = {"bench": "layerkv_live", "host": platform.node(), "model": args.model, "args": vars(args),
+                      "ttft_slo_s": ttft_slo_s, "tpot_slo_s": PAPER_TPOT_SLO_S,
+                      "mean_prompt_prefill_s": mean_prefill_s, "rows": rows}
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))  # after each row: a cut-short run keeps its rows
     plot(result, Path(args.out).with_suffix(".png"))
 
 

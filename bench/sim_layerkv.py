@@ -46,6 +46,9 @@ class Request:
     first_at: float | None = None
     last_at: float = 0.0
     blocks: list[int] = dataclasses.field(default_factory=list)
+    on_host: int = 0
+    """Layer blocks it holds on the host (kept up to date by `Simulation.count`)."""
+    on_device: int = 0
 
 
 class Simulation:
@@ -82,14 +85,18 @@ class Simulation:
         self.grow()
         if not self.running:
             return
-        context = sum(r.prompt + r.generated for r in self.running)
-        compute = self.cost.t_decode(len(self.running), context)
-        reload = (inbound + self.host_layer_blocks()) * self.layer_block_bytes / self.args.pcie_gbps / 1e9
+        batch = self.running
+        if self.args.decode == "swap":  # only requests whose every layer is on the device, as vLLM's swap-in
+            batch = [r for r in self.running if r.on_host == 0] or self.running
+        context = sum(r.prompt + r.generated for r in batch)
+        compute = self.cost.t_decode(len(batch), context)
+        streamed = sum(r.on_host for r in batch)
+        reload = (inbound + streamed) * self.layer_block_bytes / self.args.pcie_gbps / 1e9
         step = max(compute, reload)
         self.stats["reload_bound_steps"] += reload > compute
         self.now += step
         self.tpot_s = step if not self.tpot_s else 0.8 * self.tpot_s + 0.2 * step
-        for request in list(self.running):
+        for request in list(batch):
             request.generated += 1
             request.last_at = self.now
             if request.generated >= request.output:
@@ -113,6 +120,7 @@ class Simulation:
             request.blocks = self.pool.allocate(needed)
             if isinstance(self.pool, LayerBlockPool):
                 self.pool.placement = None
+                self.count(request)
             admitted.append(self.queue.popleft())
             tokens += request.prompt
         return admitted
@@ -151,12 +159,20 @@ class Simulation:
                     break
             if request in self.running:
                 request.blocks += self.pool.allocate(1)
+                if isinstance(self.pool, LayerBlockPool):
+                    self.count(request, request.blocks[-1:])
 
     def host_layer_blocks(self) -> int:
-        if not isinstance(self.pool, LayerBlockPool):
-            return 0
-        pool = self.pool
-        return sum(home < 0 for r in self.running for block in r.blocks for home in pool.homes[block] or ())
+        return sum(r.on_host for r in self.running)
+
+    def count(self, request: Request, blocks: list[int] | None = None) -> None:
+        """Its layer blocks on the host and the device: all again, or those of `blocks` added."""
+        assert isinstance(self.pool, LayerBlockPool)
+        if blocks is None:
+            request.on_host = request.on_device = 0
+        on_host = self.pool.host_layer_blocks_of(request.blocks if blocks is None else blocks)
+        request.on_host += on_host
+        request.on_device += len(request.blocks if blocks is None else blocks) * self.model.num_layers - on_host
 
     def reload_if_room(self) -> int:
         """The engine's policy: the oldest requests' host layers come back while the device has room."""
@@ -164,26 +180,27 @@ class Simulation:
         spare = self.pool.device_free_layer_blocks - self.reserve - len(self.running) * self.model.num_layers
         moved = 0
         for request in self.running:
-            on_host = self.pool.host_layer_blocks_of(request.blocks)
-            if on_host > spare:
+            if request.on_host > spare:
                 break
-            if on_host:
+            if request.on_host:
+                spare -= request.on_host
                 moved += self.pool.reload(request.blocks)
                 self.pool.take_inbound()
-                spare -= on_host
+                self.count(request)
         return moved
 
     def offload_if_short(self) -> bool:
         assert isinstance(self.pool, LayerBlockPool)
         newest = list(reversed(self.running))
-        holdings = [Holding(str(id(r)), max(1, r.output - r.generated), self.pool.device_layer_blocks_of(r.blocks),
-                            self.model.num_layers) for r in newest]
+        holdings = [Holding(str(id(r)), max(1, r.output - r.generated), r.on_device, self.model.num_layers)
+                    for r in newest]
         forecast = forecast_free(self.pool.device_free_layer_blocks, holdings, 4, BLOCK)
         victims = set(offload_victims(forecast, self.reserve, holdings))
         for request in newest:
             if str(id(request)) in victims:
                 self.pool.offload(request.blocks)
                 self.pool.take_moves()
+                self.count(request)
                 self.stats["forecast_offloads"] += 1
         return bool(victims)
 
@@ -234,6 +251,9 @@ def main() -> None:
     parser.add_argument("--host-gb", type=float, default=256.0)
     parser.add_argument("--pcie-gbps", type=float, default=25.0, help="host-device copy bandwidth, GB/s")
     parser.add_argument("--threshold", type=float, default=0.1)
+    parser.add_argument("--decode", choices=("stream", "swap"), default="stream",
+                        help="stream: host layers are read over PCIe every step (this engine); swap: a request "
+                             "decodes only once its layers are back on the device (the paper's vLLM base)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "layerkv_sim.json"))
     args = parser.parse_args()
@@ -244,7 +264,7 @@ def main() -> None:
             row = {"rate": rate, **Simulation(config, args, cost).run(workload(rate, args, args.seed))}
             rows.append(row)
             print(json.dumps(row))
-    result = {"bench": "layerkv_sim", "where": "simulated, Llama-2-7B on an A100 roofline", "model": "llama2-7b",
+    result = {"bench": "layerkv_sim", "where": f"simulated, A100 roofline, decode={args.decode}", "model": "llama2-7b",
               "args": vars(args), "ttft_slo_s": PAPER_TTFT_SLO_S, "tpot_slo_s": PAPER_TPOT_SLO_S, "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))

@@ -64,6 +64,8 @@ class ColocatedService(EngineService):
         if job.decode_id != self.instance_id:
             return SubmitAck.refused(f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
                                      f"not {job.decode_id}")
+        if self.layerkv is not None and job.sampling.n > 1:
+            return SubmitAck.refused("--layerkv serves one sequence per request (n = 1)")
         # The decode side of the request comes with it: the gateway sends a colocated instance one submit.
         decode_job = None if job.request_id in self.engine.decode.requests else \
             DecodeJob(request_id=job.request_id, n_prompt_tokens=len(job.token_ids), sampling=job.sampling)
