@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import time
 
+from kvcentric.core.costmodel import HARDWARE
+from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
+from kvcentric.engine.layered import LayeredKV
+from kvcentric.engine.layerkv import LayerKV
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.service import EngineService
@@ -22,12 +26,25 @@ class ColocatedService(EngineService):
     role = "colocated"
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+        super().__init__(config, with_host_pool=not config.layerkv)
+        self.layerkv = self.layer_wise(config) if config.layerkv else None
         self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
-                                      config.prefill_chunk, config.max_batch, self.host)
+                                      config.prefill_chunk, config.max_batch, self.host, self.layerkv)
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
+
+    def layer_wise(self, config: EngineConfig) -> LayerKV:
+        """LayerKV's pool (replacing the plain one), its layered execution and its scheduler."""
+        runner = self.runner
+        layer_block_bytes = 2 * config.block_size * runner.layer_token_bytes
+        pool = LayerBlockPool(config.num_kv_blocks, config.block_size, runner.config.num_layers,
+                              (config.layerkv_host_mb << 20) // layer_block_bytes)
+        self.pool = pool
+        layered = LayeredKV(runner, pool)
+        layered.probe_bandwidth()
+        return LayerKV(pool, layered, config.layerkv_tpot_slo_s, config.layerkv_offload_threshold,
+                       HARDWARE[config.hardware].flops)
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, "prefill", self.instance_id, PrefillJob, self.on_prefill)
@@ -46,6 +63,8 @@ class ColocatedService(EngineService):
         if job.decode_id != self.instance_id:
             return SubmitAck.refused(f"a colocated instance decodes what it prefills: decode on {self.instance_id}, "
                                      f"not {job.decode_id}")
+        if self.layerkv is not None and job.sampling.n > 1:
+            return SubmitAck.refused("--layerkv serves one sequence per request (n = 1)")
         # The decode side of the request comes with it: the gateway sends a colocated instance one submit.
         decode_job = None if job.request_id in self.engine.decode.requests else \
             DecodeJob(request_id=job.request_id, n_prompt_tokens=len(job.token_ids), sampling=job.sampling)
@@ -74,7 +93,8 @@ class ColocatedService(EngineService):
         return not self.engine.has_work and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats,
+        layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
+        return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats, **layerkv,
                 "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
 
     # ---------------------------------------------------------------- the work loop
@@ -82,7 +102,7 @@ class ColocatedService(EngineService):
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
             self.outbox.emit(self.engine.decode.expire(time.monotonic()))
-            chunk, batch, failed = self.engine.schedule()
+            chunk, batch, failed = self.engine.schedule(time.monotonic())
             self.outbox.emit(failed)
             if chunk is None and not batch:
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
@@ -110,3 +130,7 @@ class ColocatedService(EngineService):
             self.speed.prefill(chunk.end - chunk.start, chunk.start, prefill_s)
         if batch:
             self.speed.decode(len(batch), sum(r.context_tokens for r in batch), decode_s)
+        if self.layerkv is not None:
+            self.layerkv.observe_prefill(chunk.end - chunk.start if chunk else 0, chunk.start if chunk else 0,
+                                         prefill_s)
+            self.layerkv.observe_decode(decode_s if batch else 0.0)

@@ -12,13 +12,15 @@ from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.layerkv import LayerKV
 from kvcentric.core.protocol import DecodeJob, PrefillJob, TokenChunk
 
 
 class ColocatedEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
-                 max_batch: int = 64, host: HostBlockPool | None = None) -> None:
-        self.runner, self.pool = runner, pool
+                 max_batch: int = 64, host: HostBlockPool | None = None, layerkv: LayerKV | None = None) -> None:
+        """`layerkv`: admit prompts and place their layers as LayerKV does (its pool is `pool`)."""
+        self.runner, self.pool, self.layerkv = runner, pool, layerkv
         self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host)
         self.decode = DecodeEngine(runner, pool, max_batch)
         self.jobs: dict[str, DecodeJob] = {}
@@ -39,8 +41,13 @@ class ColocatedEngine:
         writing = self.prefill.writer is not None and self.prefill.writer.busy
         return bool(self.prefill.queue or self.prefill.running) or writing or self.decode.has_work
 
-    def schedule(self) -> tuple[PrefillChunk | None, list[DecodeRequest], list[TokenChunk]]:
-        chunk = self.prefill.schedule()
+    def schedule(self, now: float = 0.0) -> tuple[PrefillChunk | None, list[DecodeRequest], list[TokenChunk]]:
+        """`now`: the time LayerKV's scheduler measures the decoding requests' progress by."""
+        if self.layerkv is None:
+            chunk = self.prefill.schedule()
+        else:
+            chunk = self.prefill.schedule() if self.layerkv.admit(self.prefill, self.decode, now) else None
+            self.layerkv.placed(self.prefill, now)
         batch, failed = self.decode.schedule()
         return chunk, batch, failed
 
@@ -67,9 +74,9 @@ class ColocatedEngine:
             out.append(self.decode.abort(chunk.work.request_id, "error", error))
         return [c for c in out if c is not None]
 
-    def step(self) -> list[TokenChunk]:
+    def step(self, now: float = 0.0) -> list[TokenChunk]:
         """schedule, execute, update in one call (for benchmarks and tests)."""
-        chunk, batch, failed = self.schedule()
+        chunk, batch, failed = self.schedule(now)
         first, tokens = self.execute(chunk, batch)
         return failed + self.update(chunk, first, batch, tokens)
 

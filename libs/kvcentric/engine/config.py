@@ -67,6 +67,16 @@ class EngineConfig(BusConfig):
     kv_wait_s: float = setting(300.0, "decode: the longest a request waits for its KV after its job or its latest "
                                       "layer (the job asks for max(30 s, 3 x its predicted TTFT)); then it fails "
                                       "with a 503 ('KV did not arrive in time')")
+    layerkv: bool = setting(False, "colocated: LayerKV (arXiv 2410.00428): allocate KV blocks per layer, keep only "
+                                   "some layers of a prompt on the device and the rest in host memory (moved layer "
+                                   "by layer beside the compute), and admit prompts by the decoding requests' TPOT "
+                                   "SLO (no prefix caching, no host block pool)")
+    layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: TPOT SLO, seconds, the SLO-aware scheduler admits "
+                                             "prompts by (0: admit whenever the blocks fit)")
+    layerkv_offload_threshold: float = setting(0.1, "with --layerkv: share of device layer blocks kept free; when "
+                                                    "the forecast (eq. 5) dips below it, the newest requests' "
+                                                    "device layers go to host memory")
+    layerkv_host_mb: int = setting(1024, "with --layerkv: host memory for offloaded layers, MiB")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -94,6 +104,10 @@ class EngineConfig(BusConfig):
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")
         require(self.kv_wait_s > 0, "kv_wait_s", "must be positive")
+        require(math.isfinite(self.layerkv_tpot_slo_s) and self.layerkv_tpot_slo_s >= 0, "layerkv_tpot_slo_s",
+                "must be 0 (off) or positive")
+        require(0 <= self.layerkv_offload_threshold <= 1, "layerkv_offload_threshold", "must be in [0, 1]")
+        require(self.layerkv_host_mb >= 1, "layerkv_host_mb", "must be at least 1")
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")
         require(DEVICE.fullmatch(self.device) is not None, "device",
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")

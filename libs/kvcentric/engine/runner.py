@@ -8,6 +8,7 @@ allocate blocks.
 from __future__ import annotations
 
 import warnings
+from typing import Protocol
 
 import torch
 
@@ -35,6 +36,15 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
     return model.eval().fuse()
 
 
+class LayerwiseExecution(Protocol):
+    """Runs prefill and decode over per-layer block tables instead (`engine/layered.py`, LayerKV)."""
+
+    def prefill(self, token_ids: list[int], block_table: list[int], start: int, end: int,
+                on_layer: LayerHook | None = None, every_row: bool = False) -> torch.Tensor: ...
+
+    def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor: ...
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
                  dtype: str = "float32", device: str = "cpu") -> None:
@@ -52,6 +62,8 @@ class ModelRunner:
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.layered: LayerwiseExecution | None = None
+        """With LayerKV: block tables name logical blocks whose layers live apart; this runs the steps."""
 
     @property
     def layer_token_bytes(self) -> int:
@@ -66,6 +78,8 @@ class ModelRunner:
         """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; the logits of the
         last position, or of every position ([end - start, vocab]) with `every_row`."""
         end = len(token_ids) if end is None else end
+        if self.layered is not None:
+            return self.layered.prefill(token_ids, block_table, start, end, on_layer, every_row)
         self._wait_for_received_kv()
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
@@ -79,6 +93,8 @@ class ModelRunner:
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
+        if self.layered is not None:
+            return self.layered.decode(token_ids, positions, block_tables)
         self._wait_for_received_kv()
         count = max(p // self.block_size + 1 for p in positions)
         blocks = torch.zeros((len(positions), count), dtype=torch.long)

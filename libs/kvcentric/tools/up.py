@@ -58,6 +58,8 @@ class UpConfig:
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
+    layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission)")
+    layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: LogLevel = setting("info", "log level of the services")
@@ -76,6 +78,8 @@ class UpConfig:
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
+        require(not self.layerkv or self.colocated > 0, "layerkv",
+                "LayerKV runs in colocated instances: add --colocated N")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
 
@@ -105,6 +109,8 @@ class UpConfig:
         flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(self.num_kv_blocks),
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
                  str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", self.device]
+        if command == "colocated" and self.layerkv:
+            flags += ["--layerkv", "--layerkv-tpot-slo-s", str(self.layerkv_tpot_slo_s)]
         if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
             flags += ["--tbt-slo-s", str(self.tbt_slo_s)]
             flags += ["--profile", self.profile] if self.profile and self.tbt_slo_s > 0 else []

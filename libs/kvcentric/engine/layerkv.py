@@ -1,0 +1,146 @@
+"""LayerKV's control in an engine (arXiv 2410.00428 §3.1): before each step it forecasts the free device blocks
+(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else brings
+the oldest ones' host layers back while the device has room: they come back one layer ahead), then
+decides whether the next queued prompt may start: its predicted prefill must fit the decoding requests' TPOT
+budget (eqs. 1–3, Algorithm 1), and its blocks must fit with at least the layers eq. 4 says to keep (the
+most that fit, spread over the depth). It learns the TPOT and the prefill correction α from the engine's own
+step timings and the link from the copies `LayeredKV` times. Time is passed in; the arithmetic is
+`core.layerkv`'s; the copies are `engine/layered.py`'s.
+"""
+
+from __future__ import annotations
+
+from kvcentric.core.layerkv.placement import min_retained_layers
+from kvcentric.core.layerkv.pool import LayerBlockPool
+from kvcentric.core.layerkv.scheduler import (Decoding, Holding, PrefillCost, forecast_free, offload_victims,
+                                              schedule_prefills)
+from kvcentric.engine.decode import DecodeEngine, DecodeRequest
+from kvcentric.engine.layered import LayeredKV
+from kvcentric.engine.prefill import PrefillEngine
+
+FORECAST_STAGES = 4
+"""Stages of eq. 5's forecast, each a block's worth of decode steps."""
+TPOT_WEIGHT = 0.2
+"""How fast the TPOT estimate follows new decode steps (an exponential average)."""
+
+
+class LayerKV:
+    def __init__(self, pool: LayerBlockPool, layered: LayeredKV, tpot_slo_s: float, offload_threshold: float,
+                 flops: float) -> None:
+        """`tpot_slo_s`: 0 admits every prompt whose blocks fit (LayerKV without its SLO-aware scheduler);
+        `offload_threshold`: the share of device layer blocks kept free (eq. 5's threshold)."""
+        config = layered.runner.config
+        self.pool, self.layered, self.config = pool, layered, config
+        self.tpot_slo_s = tpot_slo_s
+        self.reserve = int(offload_threshold * pool.device_layer_blocks)
+        self.cost = PrefillCost(config.num_params, config.num_layers, config.hidden_size, flops)
+        self.tpot_s = 0.0
+        self.decoding_since: dict[str, float] = {}
+        self.queued_since: dict[str, float] = {}
+        self.stats = {"layerkv_prefills_admitted": 0, "layerkv_held_for_slo": 0, "layerkv_held_for_blocks": 0,
+                      "layerkv_forecast_offloads": 0, "layerkv_queue_delay_s_sum": 0.0,
+                      "layerkv_retained_layers_sum": 0, "layerkv_min_retained_layers_sum": 0}
+
+    # ---------------------------------------------------------------- before each step
+
+    def admit(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> bool:
+        """Whether the prefill side may run this step; when it starts a prompt, `pool.placement` says which of
+        its layers stay on the device (`placed` clears it after the prefill engine allocated)."""
+        self._note(prefill, decode, now)
+        if not self.offload_if_short(decode):
+            self.reload_if_room(decode)
+        if prefill.running or not prefill.queue:
+            return True
+        seqlen = len(prefill.queue[0].token_ids)
+        admission = schedule_prefills([seqlen], self.decoding(decode, now), self.tpot_slo_s, self.tpot_s, self.cost)
+        if admission.admitted == 0:
+            self.stats["layerkv_held_for_slo"] += 1
+            return False
+        config = self.config
+        at_least = min_retained_layers(config.num_layers, admission.prefill_s[0], seqlen, config.num_kv_heads,
+                                       config.head_dim, self.layered.runner.k_cache.element_size(),
+                                       self.layered.bandwidth_bps)
+        layers = self.pool.fitting_layers(self.pool.blocks_for(seqlen), at_least, self.reserve)
+        if layers is None:
+            self.stats["layerkv_held_for_blocks"] += 1
+            return False
+        self.pool.placement = layers
+        self.stats["layerkv_retained_layers_sum"] += len(layers)
+        self.stats["layerkv_min_retained_layers_sum"] += at_least
+        return True
+
+    def placed(self, prefill: PrefillEngine, now: float) -> None:
+        """The prefill engine has allocated (or not): later allocations are a decoding request's growth."""
+        self.pool.placement = None
+        for request_id in prefill.running:
+            since = self.queued_since.pop(request_id, None)
+            if since is not None:
+                self.stats["layerkv_prefills_admitted"] += 1
+                self.stats["layerkv_queue_delay_s_sum"] += now - since
+
+    def _note(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> None:
+        for job in prefill.queue:
+            self.queued_since.setdefault(job.request_id, now)
+        running = {r.key for r in decode.requests.values() if r.state == "running"}
+        for key in running - self.decoding_since.keys():
+            self.decoding_since[key] = now
+        for key in self.decoding_since.keys() - running:
+            del self.decoding_since[key]
+
+    def decoding(self, decode: DecodeEngine, now: float) -> list[Decoding]:
+        """Eq. 1's inputs per decoding request; the remaining tokens predicted by its length limit."""
+        return [Decoding(now - self.decoding_since.get(r.key, now), len(r.generated), _remaining(r))
+                for r in decode.requests.values() if r.state == "running"]
+
+    def offload_if_short(self, decode: DecodeEngine) -> list[str]:
+        """Eq. 5: forecast the free device layer blocks; below the threshold, the newest requests' device
+        layers go to the host (the copies run before the next step). Returns the requests offloaded."""
+        running = [r for r in reversed(decode.requests.values()) if r.state == "running" and r.blocks]
+        holdings = [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
+                    for r in running]
+        forecast = forecast_free(self.pool.device_free_layer_blocks, holdings, FORECAST_STAGES, self.pool.block_size)
+        victims = set(offload_victims(forecast, self.reserve, holdings))
+        for request in running:
+            if request.key in victims:
+                self.pool.offload(request.blocks)
+        self.stats["layerkv_forecast_offloads"] += len(victims)
+        return [r.key for r in running if r.key in victims]
+
+    def reload_if_room(self, decode: DecodeEngine) -> int:
+        """Bring decoding requests' host layers back into device blocks, oldest request first, while the device
+        keeps the threshold plus a block per running request free (the copies run one layer ahead of each
+        layer's compute in the next step). Returns the layer blocks brought back."""
+        running = [r for r in decode.requests.values() if r.state == "running" and r.blocks]
+        spare = self.pool.device_free_layer_blocks - self.reserve - len(running) * self.pool.num_layers
+        moved = 0
+        for request in running:
+            on_host = self.pool.host_layer_blocks_of(request.blocks)
+            if on_host > spare:
+                break
+            if on_host:
+                moved += self.pool.reload(request.blocks)
+                spare -= on_host
+        return moved
+
+    # ---------------------------------------------------------------- after each step
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A prefill chunk's measured time refits eq. 3's α."""
+        if new_tokens > 0 and seconds > 0:
+            self.cost = self.cost.refit(new_tokens, seconds, cached_tokens)
+
+    def observe_decode(self, seconds: float) -> None:
+        """A decode step's measured time: the current TPOT of eq. 1."""
+        if seconds > 0:
+            self.tpot_s = seconds if self.tpot_s <= 0 else (1 - TPOT_WEIGHT) * self.tpot_s + TPOT_WEIGHT * seconds
+
+    def gauges(self) -> dict[str, float]:
+        return {**self.stats, **self.pool.stats, **self.layered.stats,
+                "layerkv_copy_bandwidth_bps": self.layered.bandwidth_bps, "layerkv_tpot_s": self.tpot_s,
+                "layerkv_prefill_alpha": self.cost.alpha,
+                "layerkv_device_layer_blocks_free": self.pool.device_free_layer_blocks,
+                "layerkv_host_layer_blocks_free": len(self.pool.host_free)}
+
+
+def _remaining(request: DecodeRequest) -> int:
+    return max(1, request.job.sampling.max_tokens - len(request.generated))
