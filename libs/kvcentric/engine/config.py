@@ -56,6 +56,13 @@ class EngineConfig(BusConfig):
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "
                                     "from the work served)")
+    step_tokens: int = setting(0, "colocated: token budget of a mixed step, one forward pass over the decode "
+                                  "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
+                                  "one prompt chunk and the decode batch as two passes)")
+    decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
+                                                            "attend through one padded block-table gather per "
+                                                            "layer (padded) or one sequence at a time over its "
+                                                            "own slots (slices)")
     kv_wait_s: float = setting(30.0, "decode: a request whose KV has not all arrived this long after its job "
                                      "fails ('KV did not arrive in time'; the job's own limit if shorter)")
 
@@ -77,6 +84,7 @@ class EngineConfig(BusConfig):
         require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
+        require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")

@@ -197,9 +197,11 @@ class PrefillEngine:
             following = work.job.token_ids[chunk.start + 1:chunk.end + 1]
             work.prompt_logprobs += prompt_logprobs(logits, following, sampling.prompt_logprobs or 0)
             logits = logits[-1]
-        if not chunk.last:
-            return None
-        eos = self.runner.config.eos_token_ids
+        return self.sample_first(work, logits) if chunk.last else None
+
+    def sample_first(self, work: PrefillWork, logits) -> int:
+        """The prompt's first generated token from its last position's logits (and its siblings' with n > 1)."""
+        sampling, eos = work.job.sampling, self.runner.config.eos_token_ids
         token, work.first_logprob = choose(logits, sampling, 0, work.job.token_ids, (), eos)
         work.siblings = [choose(logits, sampling, 0, work.job.token_ids, (), eos, index)
                          for index in range(1, sampling.n)]
