@@ -37,7 +37,13 @@ from checkpoint import build_small_checkpoint  # noqa: E402
 from harness import UpProcess  # noqa: E402
 
 RESULTS = HERE / "results"
-DEPLOYMENTS = {"colocated": ["--colocated", "1"], "1P+1D": ["--prefill", "1", "--decode", "1"]}
+DEPLOYMENTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "colocated": (["--colocated", "1"], {}),
+    "colocated mixed": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048"}),
+    "colocated mixed slices": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048", "KVC_DECODE_ATTENTION": "slices"}),
+    "1P+1D": (["--prefill", "1", "--decode", "1"], {}),
+}
+"""`kvcentric up` flags and engine settings (environment) of each deployment measured."""
 TESTS = ("ttft_s", "tbt_s", "burst_tokens_per_s", "concurrent_tokens_per_s")
 TEST_NAMES = {"ttft_s": "TTFT, {input_len}-token prompt", "tbt_s": "mean time between tokens",
               "burst_tokens_per_s": "{requests} requests at once, output tok/s",
@@ -57,7 +63,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tbt-output-len", type=int, default=128, help="output tokens of the TBT test")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--only", nargs="*", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS))
+    parser.add_argument("--only", nargs="*", default=["colocated", "colocated mixed", "1P+1D"],
+                        choices=list(DEPLOYMENTS))
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
     parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))
     return parser.parse_args()
@@ -77,10 +84,10 @@ class PeerServer:
                 "--served-model-name", "small", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        self.url = f"http://127.0.0.1:{port}"
-        self._wait_ready(timeout_s, log_path)
+        self.url, self.log_path, self.timeout_s = f"http://127.0.0.1:{port}", log_path, timeout_s
 
-    def _wait_ready(self, timeout_s: float, log_path: Path) -> None:
+    def wait_ready(self) -> None:
+        log_path, timeout_s = self.log_path, self.timeout_s
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -138,10 +145,10 @@ def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: 
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if event.get("choices") and event["choices"][0].get("text"):
+            if event.get("choices"):  # a token's event, its text maybe empty (bytes of a character held back)
                 last = time.perf_counter()
                 first = first or last
-                text.append(event["choices"][0]["text"])
+                text.append(event["choices"][0].get("text") or "")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if first is None or tokens != max_tokens:
@@ -238,10 +245,20 @@ def compare_outputs(texts: dict[str, dict[str, str]]) -> dict[str, dict]:
 
 
 def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
-    servers: dict = {"vLLM": PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log")}
-    for name in args.only:
-        servers[name] = UpProcess(str(log_dir / name), "--model", str(checkpoint), *DEPLOYMENTS[name],
-                                  timeout_s=600, env={"KVC_DTYPE": "float32"})
+    """Every server started; vLLM compiles while the kvcentric clusters come up one after the other."""
+    peer = PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log")
+    servers: dict = {"vLLM": peer}
+    try:
+        for name in args.only:
+            flags, env = DEPLOYMENTS[name]
+            print(f"starting {name}", file=sys.stderr, flush=True)
+            servers[name] = UpProcess(str(log_dir / name.replace(" ", "_")), "--model", str(checkpoint), *flags,
+                                      timeout_s=600, env={"KVC_DTYPE": "float32", **env})
+        peer.wait_ready()
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
     return servers
 
 
