@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -132,8 +133,24 @@ def served_model(url: str) -> str:
 # ---------------------------------------------------------------- client
 
 
+REJECTED = {"count": 0}
+"""429 answers (overload rejections) retried so far, over every server."""
+
+
 def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
-    """One streamed greedy completion of token ids: TTFT (from `start`), first/last token times, text, tokens."""
+    """One streamed greedy completion, retried after Retry-After when rejected (429) as a client would: TTFT
+    (from `start`, retries included), first/last token times, text, tokens."""
+    while True:
+        try:
+            return stream_once(url, model, prompt, max_tokens, start)
+        except urllib.error.HTTPError as error:
+            if error.code != 429:
+                raise
+            REJECTED["count"] += 1
+            time.sleep(float(error.headers.get("Retry-After") or 1))
+
+
+def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
@@ -278,6 +295,7 @@ def measure(args, servers: dict) -> tuple[list[dict], dict]:
         for name in order:
             print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             figures[name], texts = one_round(servers[name].url, models[name], args, prompts)
+            print(f"  {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
             outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in texts.items()})
         rounds.append(figures)
     return rounds, outputs
@@ -309,7 +327,7 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
               "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in servers if n != "vLLM"},
-              "greedy_outputs": compare_outputs(outputs)}
+              "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"]}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
