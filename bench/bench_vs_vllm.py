@@ -135,6 +135,8 @@ def served_model(url: str) -> str:
 
 REJECTED = {"count": 0}
 """429 answers (overload rejections) retried so far, over every server."""
+FAILED: list[str] = []
+"""Requests that ended in an error (server and message): left out of the figures, reported."""
 
 
 def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
@@ -145,7 +147,8 @@ def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: 
             return stream_once(url, model, prompt, max_tokens, start)
         except urllib.error.HTTPError as error:
             if error.code != 429:
-                raise
+                FAILED.append(f"{url}: HTTP {error.code} {error.read()[:200]!r}")
+                return {}
             REJECTED["count"] += 1
             time.sleep(float(error.headers.get("Retry-After") or 1))
 
@@ -169,7 +172,8 @@ def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start:
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if first is None or tokens != max_tokens:
-        raise RuntimeError(f"{url}: {tokens} tokens of {max_tokens}")
+        FAILED.append(f"{url}: {tokens} tokens of {max_tokens}")
+        return {}
     return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "tokens": tokens}
 
 
@@ -177,6 +181,10 @@ def run_batch(url: str, model: str, prompts: list[list[int]], max_tokens: int, c
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
         start = time.perf_counter()
         return list(pool.map(lambda p: {**stream_one(url, model, p, max_tokens, start), "start": start}, prompts))
+
+
+def completed(results: list[dict]) -> list[dict]:
+    return [r for r in results if "tokens" in r]
 
 
 def random_prompts(rng: random.Random, count: int, length: int) -> list[list[int]]:
@@ -190,15 +198,22 @@ def one_round(url: str, model: str, args, prompts: dict[str, list[list[int]]]) -
     tbt = [stream_one(url, model, p, args.tbt_output_len, time.perf_counter()) for p in prompts["tbt"]]
     burst = run_batch(url, model, prompts["burst"], args.output_len, len(prompts["burst"]))
     paced = run_batch(url, model, prompts["concurrent"], args.output_len, args.concurrency)
-    figures = {"ttft_s": statistics.median(r["ttft_s"] for r in ttft),
-               "tbt_s": statistics.mean((r["last"] - r["first"]) / (r["tokens"] - 1) for r in tbt),
-               "burst_tokens_per_s": throughput(burst), "concurrent_tokens_per_s": throughput(paced)}
+    figures = {"ttft_s": middle([r["ttft_s"] for r in completed(ttft)]),
+               "tbt_s": middle([(r["last"] - r["first"]) / (r["tokens"] - 1) for r in completed(tbt)]),
+               "burst_tokens_per_s": throughput(completed(burst)),
+               "concurrent_tokens_per_s": throughput(completed(paced))}
     texts = {f"{kind}{i}": r["text"] for kind, results in (("tbt", tbt), ("burst", burst), ("concurrent", paced))
-             for i, r in enumerate(results)}
+             for i, r in enumerate(results) if "text" in r}
     return figures, texts
 
 
+def middle(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
 def throughput(results: list[dict]) -> float:
+    if not results:
+        return float("nan")
     wall = max(r["last"] for r in results) - results[0]["start"]
     return sum(r["tokens"] for r in results) / wall
 
@@ -253,8 +268,9 @@ def plot(result: dict, path: Path) -> None:
 def compare_outputs(texts: dict[str, dict[str, str]]) -> dict[str, dict]:
     """Per deployment: how many prompts' greedy outputs equal vLLM's."""
     peer = texts["vLLM"]
-    return {name: {"same": sum(out[k] == peer[k] for k in peer), "prompts": len(peer),
-                   "differing": [k for k in peer if out[k] != peer[k]][:5]}
+    return {name: {"same": sum(out.get(k) == peer[k] for k in peer), "prompts": len(peer),
+                   "differing": [k for k in peer if k in out and out[k] != peer[k]][:5],
+                   "missing": sum(k not in out for k in peer)}
             for name, out in texts.items() if name != "vLLM"}
 
 
@@ -327,7 +343,8 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                           "load_average_before": load_before, "load_average_after": os.getloadavg()},
               "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in servers if n != "vLLM"},
-              "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"]}
+              "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
+              "failed_requests": FAILED}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
