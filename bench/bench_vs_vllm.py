@@ -29,6 +29,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -295,13 +296,15 @@ def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
     return servers
 
 
-def measure(args, servers: dict) -> tuple[list[dict], dict]:
+def measure(args, servers: dict, report) -> None:
+    """Warm every server up, then the rounds; `report(rounds, outputs)` after each round (the JSON so far)."""
     models = {name: served_model(server.url) for name, server in servers.items()}
     rng = random.Random(0)
     warm = random_prompts(rng, args.concurrency, args.input_len)
     for name, server in servers.items():  # compile, allocate, fill caches of code paths
         run_batch(server.url, models[name], warm, args.output_len, args.concurrency)
-    rounds, outputs = [], {}
+    rounds: list[dict] = []
+    outputs: dict = {}
     for index in range(args.rounds):
         prompts = {"ttft": random_prompts(rng, 3, args.input_len), "tbt": random_prompts(rng, 2, args.input_len),
                    "burst": random_prompts(rng, args.requests, args.input_len),
@@ -314,7 +317,32 @@ def measure(args, servers: dict) -> tuple[list[dict], dict]:
             print(f"  {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
             outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in texts.items()})
         rounds.append(figures)
-    return rounds, outputs
+        report(rounds, outputs)
+
+
+def write_report(args, python: Path, deployments: list[str], load_before) -> Callable[[list, dict], None]:
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+
+    def report(rounds: list[dict], outputs: dict) -> None:
+        result = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "peer_version": version, "deployments": deployments,
+                  "workload": {"input_len": args.input_len, "output_len": args.output_len,
+                               "tbt_output_len": args.tbt_output_len, "requests": args.requests,
+                               "concurrency": args.concurrency, "vllm_threads": args.threads},
+                  "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                              "load_average_before": load_before, "load_average_now": os.getloadavg()},
+                  "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in deployments if n != "vLLM"},
+                  "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
+                  "failed_requests": FAILED}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        plot(result, out.with_suffix(".png"))
+        print(table(result), file=sys.stderr, flush=True)
+        print(json.dumps(result["greedy_outputs"]), file=sys.stderr, flush=True)
+
+    return report
 
 
 def main() -> None:
@@ -325,32 +353,14 @@ def main() -> None:
               f"{args.peer_venv}); nothing measured.")
         return
     checkpoint = build_small_checkpoint(Path(args.checkpoint))
-    load_before = os.getloadavg()
+    report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
         servers = start_servers(args, checkpoint, python, Path(logs))
         try:
-            rounds, outputs = measure(args, servers)
+            measure(args, servers, report)
         finally:
             for server in servers.values():
                 server.stop()
-    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
-                             text=True).stdout.strip()
-    result = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "peer_version": version, "deployments": list(servers),
-              "workload": {"input_len": args.input_len, "output_len": args.output_len,
-                           "tbt_output_len": args.tbt_output_len, "requests": args.requests,
-                           "concurrency": args.concurrency, "vllm_threads": args.threads},
-              "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                          "load_average_before": load_before, "load_average_after": os.getloadavg()},
-              "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in servers if n != "vLLM"},
-              "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
-              "failed_requests": FAILED}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
-    print(table(result))
-    print(json.dumps(result["greedy_outputs"]))
 
 
 if __name__ == "__main__":
