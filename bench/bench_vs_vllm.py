@@ -232,7 +232,7 @@ def table(result: dict) -> str:
     lines = [f"| test | vLLM | {' | '.join(f'{n} / vLLM' for n in names)} |", "|---|---|" + "---|" * len(names)]
     for test in TESTS:
         peer = [r["vLLM"][test] for r in result["rounds"]]
-        unit = (lambda v: f"{v * 1000:.1f} ms") if test.endswith("_s") else (lambda v: f"{v:.0f}")
+        unit = (lambda v: f"{v:.0f}") if test.endswith("per_s") else (lambda v: f"{v * 1000:.1f} ms")
         cells = [span(result["ratios"][n][test], "{:.2f}×") for n in names]
         label = TEST_NAMES[test].format(**result["workload"])
         lines.append(f"| {label} | {unit(min(peer))}–{unit(max(peer))} | {' | '.join(cells)} |")
