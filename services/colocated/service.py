@@ -17,6 +17,7 @@ from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.layered import LayeredKV
 from kvcentric.engine.layerkv import LayerKV
+from kvcentric.engine.mixed import MixedStep, MixedStepper
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.service import EngineService
@@ -30,6 +31,8 @@ class ColocatedService(EngineService):
         self.layerkv = self.layer_wise(config) if config.layerkv else None
         self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
                                       config.prefill_chunk, config.max_batch, self.host, self.layerkv)
+        self.stepper = MixedStepper(self.engine, config.step_tokens, config.decode_attention) \
+            if config.step_tokens else None
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
@@ -100,6 +103,8 @@ class ColocatedService(EngineService):
     # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
+        if self.stepper is not None:
+            return await self.mixed_loop(self.stepper)
         while not self.stopping.is_set():
             self.outbox.emit(self.engine.decode.expire(time.monotonic()))
             chunk, batch, failed = self.engine.schedule(time.monotonic())
@@ -134,3 +139,31 @@ class ColocatedService(EngineService):
             self.layerkv.observe_prefill(chunk.end - chunk.start if chunk else 0, chunk.start if chunk else 0,
                                          prefill_s)
             self.layerkv.observe_decode(decode_s if batch else 0.0)
+
+    async def mixed_loop(self, stepper: MixedStepper) -> None:
+        """The work loop with `--step-tokens`: one forward pass per step for the decode batch and prompt chunks."""
+        while not self.stopping.is_set():
+            self.outbox.emit(self.engine.decode.expire(time.monotonic()))
+            step, failed = stepper.schedule()
+            self.outbox.emit(failed)
+            if step.empty:
+                await self.reporter.publish_cache_changes()
+                await self.wake.sleep(0.05)
+                continue
+            try:
+                (firsts, tokens), seconds = await self.model.run(self.speed.timed, stepper.execute, step)
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                self.log.exception("colocated step failed")
+                self.outbox.emit(stepper.fail_step(step, f"step failed: {exc}"))
+                continue
+            self.time_mixed_step(step, seconds)
+            self.outbox.emit(stepper.update(step, firsts, tokens))
+            await self.reporter.publish_cache_changes()
+
+    def time_mixed_step(self, step: MixedStep, seconds: float) -> None:
+        """Feed the cost model: a step's time shared between its prompt chunks and its decode batch by tokens."""
+        share = seconds / (step.prefill_tokens + len(step.batch))
+        for chunk in step.chunks:
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, share * (chunk.end - chunk.start))
+        if step.batch:
+            self.speed.decode(len(step.batch), sum(r.context_tokens for r in step.batch), share * len(step.batch))

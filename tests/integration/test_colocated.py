@@ -1,4 +1,5 @@
-"""`kvcentric up --colocated N`: the vLLM-style baseline on the same stack, tokens equal to the reference."""
+"""`kvcentric up --colocated N`: the vLLM-style baseline on the same stack, tokens equal to the reference, with
+split steps and with mixed steps (`--step-tokens`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.core.protocol import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def colocated(tmp_path_factory):
-    up = UpProcess(str(tmp_path_factory.mktemp("up-colocated")), "--colocated", "1")
+@pytest.fixture(scope="module", params=["split steps", "mixed steps"])
+def colocated(request, tmp_path_factory):
+    env = {"KVC_STEP_TOKENS": "64"} if request.param == "mixed steps" else {}
+    up = UpProcess(str(tmp_path_factory.mktemp("up-colocated")), "--colocated", "1", env=env)
     try:
         yield up
     finally:

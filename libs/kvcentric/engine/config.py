@@ -77,6 +77,13 @@ class EngineConfig(BusConfig):
                                                     "the forecast (eq. 5) dips below it, the newest requests' "
                                                     "device layers go to host memory")
     layerkv_host_mb: int = setting(1024, "with --layerkv: host memory for offloaded layers, MiB")
+    step_tokens: int = setting(0, "colocated: token budget of a mixed step, one forward pass over the decode "
+                                  "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
+                                  "one prompt chunk and the decode batch as two passes)")
+    decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
+                                                            "attend through one padded block-table gather per "
+                                                            "layer (padded) or one sequence at a time over its "
+                                                            "own slots (slices)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,6 +107,9 @@ class EngineConfig(BusConfig):
         require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
+        require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
+        require(not (self.layerkv and self.step_tokens), "step_tokens",
+                "mixed steps do not run LayerKV's layer-wise KV yet: use --step-tokens 0 with --layerkv")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")

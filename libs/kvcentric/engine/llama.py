@@ -130,13 +130,18 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, batch.write_slots, k)
         v_cache.index_copy_(0, batch.write_slots, v)
         gqa = self.num_heads != self.num_kv_heads
+        padded = None
         if batch.padded_blocks is not None:  # decode: one new token per sequence, one batched call
             keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
             values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
-            out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=batch.padded_mask,
-                                                 enable_gqa=gqa).squeeze(2)
-        else:
+            padded = F.scaled_dot_product_attention(q[batch.padded_start:].unsqueeze(2), keys, values,
+                                                    attn_mask=batch.padded_mask, enable_gqa=gqa).squeeze(2)
+        if padded is not None and batch.padded_start == 0:
+            out = padded
+        else:  # prefill slices, and in a mixed step the decode rows after them
             out = torch.empty_like(q)
+            if padded is not None:
+                out[batch.padded_start:] = padded
             group = self.num_heads // self.num_kv_heads
             for seq in batch.sequences:
                 # Repeat KV heads rather than enable_gqa: the fused CPU kernels take only equal head counts.
@@ -214,15 +219,16 @@ def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
 
 
 class AttentionBatch:
-    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), or a
-    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask (decode,
-    one token per sequence)."""
+    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or a
+    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask for the rows
+    from `padded_start` on (decode, one token per sequence; a mixed step puts them after the slices)."""
 
     def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
                  padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
-                 block_size: int = 0) -> None:
+                 block_size: int = 0, padded_start: int = 0) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
         self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
+        self.padded_start = padded_start
 
 
 class LlamaModel(nn.Module):

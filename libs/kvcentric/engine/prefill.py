@@ -201,9 +201,12 @@ class PrefillEngine:
             following = work.job.token_ids[chunk.start + 1:chunk.end + 1]
             work.prompt_logprobs += prompt_logprobs(logits, following, sampling.prompt_logprobs or 0)
             logits = logits[-1]
-        if not chunk.last:
-            return None
-        eos = self.runner.config.eos_token_ids
+        return self.sample_first(work, logits) if chunk.last else None
+
+    def sample_first(self, work: PrefillWork, logits) -> int:
+        """The prompt's first generated token from its last position's logits (and its siblings' with n > 1);
+        a migrated request's resumed tokens count as output (`history`)."""
+        sampling, eos = work.job.sampling, self.runner.config.eos_token_ids
         prompt, output = history(sampling, work.job.token_ids, ())
         token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos)
         work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index)

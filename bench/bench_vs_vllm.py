@@ -1,0 +1,367 @@
+"""kvcentric next to a real vLLM on this machine: the same random-weight `small` Llama checkpoint served by
+`kvcentric up --colocated 1` (2 threads), `kvcentric up --prefill 1 --decode 1` (1 thread each) and vLLM's
+OpenAI server (fp32, its defaults, 2 threads), all up together and measured in interleaved rounds by one
+streaming client; each figure is given as a ratio to vLLM's in the same round, and greedy outputs are compared.
+
+It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); without it, it says so and exits
+0 (skipped). It is never run by `make test`.
+
+Usage:
+    bench/vllm_peer/setup.sh /work/vllm-venv
+    .venv/bin/python bench/bench_vs_vllm.py [--peer-venv /work/vllm-venv] [--rounds 3] [--only colocated]
+
+Writes bench/results/vs_vllm.json and vs_vllm.png and prints the ratio table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))  # the test harness
+sys.path.insert(0, str(HERE / "vllm_peer"))
+from checkpoint import build_small_checkpoint  # noqa: E402
+from harness import UpProcess  # noqa: E402
+
+RESULTS = HERE / "results"
+DEPLOYMENTS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "colocated": (["--colocated", "1"], {}),
+    "colocated mixed": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048"}),
+    "colocated mixed slices": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048", "KVC_DECODE_ATTENTION": "slices"}),
+    "1P+1D": (["--prefill", "1", "--decode", "1"], {}),
+}
+"""`kvcentric up` flags and engine settings (environment) of each deployment measured."""
+TESTS = ("ttft_s", "tbt_s", "burst_tokens_per_s", "concurrent_tokens_per_s")
+TEST_NAMES = {"ttft_s": "TTFT, {input_len}-token prompt", "tbt_s": "mean time between tokens",
+              "burst_tokens_per_s": "{requests} requests at once, output tok/s",
+              "concurrent_tokens_per_s": "{requests} requests at concurrency {concurrency}, output tok/s"}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
+                        help="venv made by bench/vllm_peer/setup.sh")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-small"),
+                        help="where the shared random checkpoint is built (kept between runs)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads (bound to cores 0..N-1)")
+    parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=32, help="output tokens of the throughput tests")
+    parser.add_argument("--tbt-output-len", type=int, default=128, help="output tokens of the TBT test")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--only", nargs="*", default=["colocated", "colocated mixed", "1P+1D"],
+                        choices=list(DEPLOYMENTS))
+    parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
+    parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))
+    return parser.parse_args()
+
+
+# ---------------------------------------------------------------- servers
+
+
+class PeerServer:
+    """vLLM's OpenAI server from the peer venv, on a free port: fp32, its defaults, `threads` OpenMP threads."""
+
+    def __init__(self, python: Path, checkpoint: Path, threads: int, log_path: Path, timeout_s: float = 900) -> None:
+        port = free_port()
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
+               "OMP_NUM_THREADS": str(threads)}
+        argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+                "--served-model-name", "small", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop
+        self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.url, self.log_path, self.timeout_s = f"http://127.0.0.1:{port}", log_path, timeout_s
+
+    def wait_ready(self) -> None:
+        log_path, timeout_s = self.log_path, self.timeout_s
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready after {timeout_s} s:\n{log_path.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def peer_python(venv: str) -> Path | None:
+    """The peer venv's python when it imports vllm, else None."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        return None
+    probe = subprocess.run([str(python), "-c", "import vllm"], capture_output=True, timeout=300)
+    return python if probe.returncode == 0 else None
+
+
+def served_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
+# ---------------------------------------------------------------- client
+
+
+REJECTED = {"count": 0}
+"""429 answers (overload rejections) retried so far, over every server."""
+FAILED: list[str] = []
+"""Requests that ended in an error (server and message): left out of the figures, reported."""
+
+
+def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+    """One streamed greedy completion, retried after Retry-After when rejected (429) as a client would: TTFT
+    (from `start`, retries included), first/last token times, text, tokens."""
+    while True:
+        try:
+            return stream_once(url, model, prompt, max_tokens, start)
+        except urllib.error.HTTPError as error:
+            if error.code != 429:
+                FAILED.append(f"{url}: HTTP {error.code} {error.read()[:200]!r}")
+                return {}
+            REJECTED["count"] += 1
+            time.sleep(float(error.headers.get("Retry-After") or 1))
+
+
+def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    first = last = None
+    text, tokens = [], 0
+    with urllib.request.urlopen(request, timeout=900) as response:
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):  # a token's event, its text maybe empty (bytes of a character held back)
+                last = time.perf_counter()
+                first = first or last
+                text.append(event["choices"][0].get("text") or "")
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    if first is None or tokens != max_tokens:
+        FAILED.append(f"{url}: {tokens} tokens of {max_tokens}")
+        return {}
+    return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "tokens": tokens}
+
+
+def run_batch(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[dict]:
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        start = time.perf_counter()
+        return list(pool.map(lambda p: {**stream_one(url, model, p, max_tokens, start), "start": start}, prompts))
+
+
+def completed(results: list[dict]) -> list[dict]:
+    return [r for r in results if "tokens" in r]
+
+
+def random_prompts(rng: random.Random, count: int, length: int) -> list[list[int]]:
+    """Distinct prompts of printable bytes (no shared prefix: no server reuses a cached one)."""
+    return [[rng.randrange(32, 127) for _ in range(length)] for _ in range(count)]
+
+
+def one_round(url: str, model: str, args, prompts: dict[str, list[list[int]]]) -> tuple[dict, dict]:
+    """The four tests on one server: figures and the output text of every prompt."""
+    ttft = [stream_one(url, model, p, 1, time.perf_counter()) for p in prompts["ttft"]]
+    tbt = [stream_one(url, model, p, args.tbt_output_len, time.perf_counter()) for p in prompts["tbt"]]
+    burst = run_batch(url, model, prompts["burst"], args.output_len, len(prompts["burst"]))
+    paced = run_batch(url, model, prompts["concurrent"], args.output_len, args.concurrency)
+    figures = {"ttft_s": middle([r["ttft_s"] for r in completed(ttft)]),
+               "tbt_s": middle([(r["last"] - r["first"]) / (r["tokens"] - 1) for r in completed(tbt)]),
+               "burst_tokens_per_s": throughput(completed(burst)),
+               "concurrent_tokens_per_s": throughput(completed(paced))}
+    texts = {f"{kind}{i}": r["text"] for kind, results in (("tbt", tbt), ("burst", burst), ("concurrent", paced))
+             for i, r in enumerate(results) if "text" in r}
+    return figures, texts
+
+
+def middle(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def throughput(results: list[dict]) -> float:
+    if not results:
+        return float("nan")
+    wall = max(r["last"] for r in results) - results[0]["start"]
+    return sum(r["tokens"] for r in results) / wall
+
+
+# ---------------------------------------------------------------- report
+
+
+def ratios(rounds: list[dict], name: str) -> dict[str, list[float]]:
+    """Per test, kvcentric / vLLM in each round (for times: >1 is slower; for tokens/s: >1 is faster)."""
+    return {test: [r[name][test] / r["vLLM"][test] for r in rounds] for test in TESTS}
+
+
+def table(result: dict) -> str:
+    names = [n for n in result["deployments"] if n != "vLLM"]
+    lines = [f"| test | vLLM | {' | '.join(f'{n} / vLLM' for n in names)} |", "|---|---|" + "---|" * len(names)]
+    for test in TESTS:
+        peer = [r["vLLM"][test] for r in result["rounds"]]
+        unit = (lambda v: f"{v:.0f}") if test.endswith("per_s") else (lambda v: f"{v * 1000:.1f} ms")
+        cells = [span(result["ratios"][n][test], "{:.2f}×") for n in names]
+        label = TEST_NAMES[test].format(**result["workload"])
+        lines.append(f"| {label} | {unit(min(peer))}–{unit(max(peer))} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+def span(values: list[float], fmt: str) -> str:
+    return fmt.format(min(values)) + "–" + fmt.format(max(values)) if len(values) > 1 else fmt.format(values[0])
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in result["deployments"] if n != "vLLM"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(1, len(names))
+    for i, name in enumerate(names):
+        medians = [statistics.median(result["ratios"][name][t]) for t in TESTS]
+        ax.bar([x + i * width for x in range(len(TESTS))], medians, width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(TESTS))])
+    ax.set_xticklabels(["TTFT\n(lower better)", "TBT\n(lower better)", "tok/s at once\n(higher better)",
+                        "tok/s conc. 8\n(higher better)"])
+    ax.set_ylabel("kvcentric / vLLM (median of rounds)")
+    ax.set_title(f"kvcentric vs vLLM {result['peer_version']}, small fp32, same checkpoint, interleaved")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def compare_outputs(texts: dict[str, dict[str, str]]) -> dict[str, dict]:
+    """Per deployment: how many prompts' greedy outputs equal vLLM's."""
+    peer = texts["vLLM"]
+    return {name: {"same": sum(out.get(k) == peer[k] for k in peer), "prompts": len(peer),
+                   "differing": [k for k in peer if k in out and out[k] != peer[k]][:5],
+                   "missing": sum(k not in out for k in peer)}
+            for name, out in texts.items() if name != "vLLM"}
+
+
+# ---------------------------------------------------------------- main
+
+
+def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
+    """Every server started; vLLM compiles while the kvcentric clusters come up one after the other."""
+    peer = PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log")
+    servers: dict = {"vLLM": peer}
+    try:
+        for name in args.only:
+            flags, env = DEPLOYMENTS[name]
+            print(f"starting {name}", file=sys.stderr, flush=True)
+            servers[name] = UpProcess(str(log_dir / name.replace(" ", "_")), "--model", str(checkpoint), *flags,
+                                      timeout_s=600, env={"KVC_DTYPE": "float32", **env})
+        peer.wait_ready()
+    except BaseException:
+        for server in servers.values():
+            server.stop()
+        raise
+    return servers
+
+
+def measure(args, servers: dict, report) -> None:
+    """Warm every server up, then the rounds; `report(rounds, outputs)` after each round (the JSON so far)."""
+    models = {name: served_model(server.url) for name, server in servers.items()}
+    rng = random.Random(0)
+    warm = random_prompts(rng, args.concurrency, args.input_len)
+    for name, server in servers.items():  # compile, allocate, fill caches of code paths
+        run_batch(server.url, models[name], warm, args.output_len, args.concurrency)
+    rounds: list[dict] = []
+    outputs: dict = {}
+    for index in range(args.rounds):
+        prompts = {"ttft": random_prompts(rng, 3, args.input_len), "tbt": random_prompts(rng, 2, args.input_len),
+                   "burst": random_prompts(rng, args.requests, args.input_len),
+                   "concurrent": random_prompts(rng, args.requests, args.input_len)}
+        order = list(servers)[index % len(servers):] + list(servers)[:index % len(servers)]
+        figures = {}
+        for name in order:
+            print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+            figures[name], texts = one_round(servers[name].url, models[name], args, prompts)
+            print(f"  {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
+            outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in texts.items()})
+        rounds.append(figures)
+        report(rounds, outputs)
+
+
+def write_report(args, python: Path, deployments: list[str], load_before) -> Callable[[list, dict], None]:
+    version = subprocess.run([str(python), "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                             text=True).stdout.strip()
+
+    def report(rounds: list[dict], outputs: dict) -> None:
+        result = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "peer_version": version, "deployments": deployments,
+                  "workload": {"input_len": args.input_len, "output_len": args.output_len,
+                               "tbt_output_len": args.tbt_output_len, "requests": args.requests,
+                               "concurrency": args.concurrency, "vllm_threads": args.threads},
+                  "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                              "load_average_before": load_before, "load_average_now": os.getloadavg()},
+                  "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in deployments if n != "vLLM"},
+                  "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
+                  "failed_requests": FAILED}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        plot(result, out.with_suffix(".png"))
+        print(table(result), file=sys.stderr, flush=True)
+        print(json.dumps(result["greedy_outputs"]), file=sys.stderr, flush=True)
+
+    return report
+
+
+def main() -> None:
+    args = parse_args()
+    python = peer_python(args.peer_venv)
+    if python is None:
+        print(f"SKIPPED: no vLLM peer in {args.peer_venv} (install it with bench/vllm_peer/setup.sh "
+              f"{args.peer_venv}); nothing measured.")
+        return
+    checkpoint = build_small_checkpoint(Path(args.checkpoint))
+    report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
+    with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
+        servers = start_servers(args, checkpoint, python, Path(logs))
+        try:
+            measure(args, servers, report)
+        finally:
+            for server in servers.values():
+                server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Mixed steps for the colocated role: one forward pass per step computes the decode batch's new tokens and
+prefill chunks of as many prompts as fit a token budget (the mixed batches of Sarathi-Serve and vLLM's chunked
+prefill), so the weights are read once per step and short prompts share a pass instead of one pass each.
+
+It schedules, runs and records steps of a `ColocatedEngine`, whose prefill and decode parts keep their own
+bookkeeping (blocks, preemption, stopping, hand-over); it decides nothing about those. Decode rows attend over the
+paged cache either through the padded block-table gather (`padded`, one attention call per layer) or one
+sequence at a time over exactly its slots (`slices`, no padding). Only `execute` touches torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from kvcentric.core.protocol import TokenChunk
+from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.decode import DecodeRequest
+from kvcentric.engine.llama import AttentionBatch, SequenceSlice
+from kvcentric.engine.prefill import PrefillChunk
+from kvcentric.engine.runner import ModelRunner, slots_of
+
+DecodeAttention = Literal["padded", "slices"]
+
+
+@dataclasses.dataclass
+class MixedStep:
+    chunks: list[PrefillChunk]
+    """Prefill chunks, at most one per prompt, in the order their prompts started."""
+    batch: list[DecodeRequest]
+    """The decode batch: one new token each."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks and not self.batch
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk.end - chunk.start for chunk in self.chunks)
+
+
+class MixedStepper:
+    def __init__(self, engine: ColocatedEngine, step_tokens: int, decode_attention: DecodeAttention = "padded") -> None:
+        """`step_tokens`: the token budget of one step, decode tokens first, prompt tokens in what is left."""
+        if step_tokens < 1:
+            raise ValueError("step_tokens must be at least 1")
+        self.engine, self.step_tokens, self.decode_attention = engine, step_tokens, decode_attention
+
+    def schedule(self) -> tuple[MixedStep, list[TokenChunk]]:
+        """The decode batch (as the decode part schedules it), then prompt chunks under the remaining budget:
+        prompts in progress first, then queued ones in order while their blocks fit."""
+        batch, failed = self.engine.decode.schedule()
+        return MixedStep(self._chunks(self.step_tokens - len(batch)), batch), failed
+
+    def _chunks(self, budget: int) -> list[PrefillChunk]:
+        prefill = self.engine.prefill
+        if prefill.writer is not None:
+            prefill.writer.collect()
+        chunks, running = [], list(prefill.running.values())
+        while budget > 0:
+            work = running.pop(0) if running else prefill._start_next()
+            if work is None:
+                break
+            end = min(work.done + budget, work.num_tokens)
+            chunks.append(PrefillChunk(work, work.done, end))
+            budget -= end - work.done
+        return chunks
+
+    def execute(self, step: MixedStep) -> tuple[list[int | None], list[int]]:
+        """Run the step: the first token of each chunk that ends its prompt (None for the others), and the
+        decode batch's next tokens. A prompt that asked for prompt logprobs runs alone (it needs every row)."""
+        prefill, decode = self.engine.prefill, self.engine.decode
+        decode._recompute([r for r in step.batch if r.recompute])
+        scored = {id(c): prefill.execute(c) for c in step.chunks if c.work.job.sampling.prompt_logprobs is not None}
+        plain = [c for c in step.chunks if id(c) not in scored]
+        last_logits, decode_logits = forward(self.engine.runner, plain, step.batch, self.decode_attention)
+        ends = iter(last_logits)
+        firsts = {id(c): prefill.sample_first(c.work, next(ends)) if c.last else None for c in plain}
+        tokens = [decode._choose(decode_logits[row], r) for row, r in enumerate(step.batch)]
+        return [{**scored, **firsts}[id(c)] for c in step.chunks], tokens
+
+    def update(self, step: MixedStep, firsts: list[int | None], tokens: list[int]) -> list[TokenChunk]:
+        out = self.engine.decode.update(step.batch, tokens) if step.batch else []
+        for chunk, first in zip(step.chunks, firsts):
+            out += self.engine.update(chunk, first, [], [])
+        return out
+
+    def fail_step(self, step: MixedStep, error: str) -> list[TokenChunk]:
+        """The step raised: end every prompt it computed and its decode batch with the error."""
+        out = self.engine.fail_step(None, step.batch, error)
+        for chunk in step.chunks:
+            out += self.engine.fail_step(chunk, [], error)
+        return out
+
+
+def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeRequest],
+            decode_attention: DecodeAttention = "padded") -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over the chunks' prompt tokens and the batch's new tokens: logits of the last position of each
+    chunk that ends its prompt, and of every decode row."""
+    runner._wait_for_received_kv()
+    device, window = runner.device, runner.config.sliding_window
+    ids: list[int] = []
+    positions, writes, sequences, rows = [], [], [], []
+    for chunk in chunks:
+        context = runner._slots(chunk.work.blocks, 0, chunk.end)
+        sequences.append(SequenceSlice(len(ids), len(ids) + chunk.end - chunk.start, context, chunk.start, window))
+        ids += chunk.work.job.token_ids[chunk.start:chunk.end]
+        positions.append(torch.arange(chunk.start, chunk.end))
+        writes.append(context[chunk.start:])
+        if chunk.last:
+            rows.append(len(ids) - 1)
+    decode_start = len(ids)
+    ids += [r.generated[-1] for r in batch]
+    rows += range(decode_start, len(ids))
+    at = [r.position for r in batch]
+    positions.append(torch.tensor(at, dtype=torch.long))
+    padded: dict = {}
+    if decode_attention == "slices" or not batch:
+        for row, request in enumerate(batch):
+            context = runner._slots(request.blocks, 0, request.position + 1)
+            sequences.append(SequenceSlice(decode_start + row, decode_start + row + 1, context, at[row], window))
+            writes.append(context[-1:])
+    else:
+        padded = padded_decode(at, [r.blocks for r in batch], runner.block_size, window, device)
+        writes.append(padded.pop("write"))
+    attention = AttentionBatch(torch.cat(positions).to(device), torch.cat(writes).to(device), sequences,
+                               block_size=runner.block_size, padded_start=decode_start, **padded)
+    logits = runner.model(torch.tensor(ids, device=device), attention, runner.k_cache, runner.v_cache,
+                          torch.tensor(rows, dtype=torch.long, device=device))
+    ends = sum(chunk.last for chunk in chunks)
+    return logits[:ends], logits[ends:]
+
+
+def padded_decode(positions: list[int], tables: list[list[int]], block_size: int, window: int | None,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """The decode rows' [batch, max_blocks] block table, its attention mask and the slots their new tokens take."""
+    count = max(p // block_size + 1 for p in positions)
+    blocks = torch.zeros((len(positions), count), dtype=torch.long)
+    for row, (position, table) in enumerate(zip(positions, tables)):
+        used = position // block_size + 1
+        blocks[row, :used] = torch.tensor(table[:used])
+    key_pos = torch.arange(count * block_size).unsqueeze(0)
+    query_pos = torch.tensor(positions).unsqueeze(1)
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    write = torch.cat([slots_of(table, p, p + 1, block_size) for p, table in zip(positions, tables)])
+    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write}

@@ -1,0 +1,75 @@
+"""Mixed colocated steps (decode rows and prompt chunks of several prompts in one forward pass) generate the
+same greedy tokens as `transformers`, with either decode attention, under budgets that split prompts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from checkpoints import build_checkpoint, hf_model
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
+from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.mixed import MixedStepper
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import load_model_config
+
+OUTPUT = 12
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def checkpoint(request, tmp_path_factory):
+    directory = build_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return directory, hf_model(directory)
+
+
+def prompts() -> list[list[int]]:
+    lengths = (5, 30, 17, 41, 9)  # mistral's window is 24: some prompts outgrow it
+    return [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def transformers_greedy(model, tokens: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([tokens]), max_new_tokens=OUTPUT, min_new_tokens=OUTPUT, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(tokens):].tolist()
+
+
+def run_mixed(directory, step_tokens: int, decode_attention: str) -> tuple[dict[str, list[int]], int]:
+    """Every prompt submitted at once and stepped to the end; the tokens of each and the number of steps."""
+    runner = ModelRunner(load_model_config(str(directory)), 96, 4)
+    engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4))
+    stepper = MixedStepper(engine, step_tokens, decode_attention)  # type: ignore[arg-type]
+    params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True)
+    for index, tokens in enumerate(prompts()):
+        engine.submit(PrefillJob(request_id=f"r{index}", token_ids=tokens, sampling=params, decode_id="",
+                                 decode_kv_addr=""), DecodeJob(request_id=f"r{index}", n_prompt_tokens=len(tokens),
+                                                               sampling=params))
+    generated: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts()))}
+    steps = 0
+    while engine.has_work:
+        step, failed = stepper.schedule()
+        assert not failed
+        firsts, tokens = stepper.execute(step)
+        for chunk in stepper.update(step, firsts, tokens):
+            generated[chunk.request_id] += chunk.token_ids
+        steps += 1
+    assert engine.pool.num_free == engine.pool.num_blocks  # every block given back
+    return generated, steps
+
+
+@pytest.mark.parametrize("decode_attention", ["padded", "slices"])
+@pytest.mark.parametrize("step_tokens", [16, 64])
+def test_mixed_steps_generate_what_transformers_generates(checkpoint, step_tokens, decode_attention):
+    directory, reference = checkpoint
+    generated, steps = run_mixed(directory, step_tokens, decode_attention)
+    for index, tokens in enumerate(prompts()):
+        assert generated[f"r{index}"] == transformers_greedy(reference, tokens), f"prompt {index}"
+    assert steps < sum(len(p) for p in prompts()) // step_tokens + len(prompts()) + OUTPUT + 2
+
+
+def test_a_big_budget_prefills_every_prompt_in_one_step(checkpoint):
+    directory, _ = checkpoint
+    _, steps = run_mixed(directory, 512, "padded")
+    assert steps == OUTPUT  # the first step samples every first token; then OUTPUT - 1 decode steps
