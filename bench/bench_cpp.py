@@ -1,7 +1,8 @@
 """Chunked pipeline parallelism (Mooncake §5.1, issue 20): TTFT of single long prompts on one prefill instance
 (`kvcentric up --prefill 1`) against a 2-stage prefill group (`--prefill-pipeline 2`), side by side in one
-run, every engine given one torch thread; each prompt alone in the cluster (no queueing), fresh tokens (no
-prefix hits). Greedy first tokens of both deployments are compared too.
+run (both up together, each prompt sent to one and then the other, the order alternating), every engine given
+one torch thread; each prompt alone in its cluster (no queueing), fresh tokens (no prefix hits). Greedy first
+tokens of both deployments are compared too.
 
 Usage:
     .venv/bin/python bench/bench_cpp.py [--model small-32k] [--lengths 512,2048,8192,16384] [--repeats 2]
@@ -66,36 +67,60 @@ def prompts(lengths: list[int], repeats: int) -> dict[int, list[list[int]]]:
     return {n: [[256] + [rng.randrange(256) for _ in range(n - 1)] for _ in range(repeats)] for n in lengths}
 
 
-def measure(name: str, flags: list[str], args, cases: dict[int, list[list[int]]]) -> dict:
+def start(flags: list[str], args) -> UpProcess:
     common = ["--model", args.model, "--decode", "1", "--conductors", "1", "--prefill-chunk", str(args.chunk),
               "--torch-threads", str(args.threads), "--num-kv-blocks", "4096", "--restart", "never"]
     up = UpProcess(tempfile.mkdtemp(prefix="bench-cpp-"), *common, *flags, timeout_s=300, env=PATIENT)
-    try:
-        first_token(up.url, [256] + list(range(255)))  # warm-up
-        rows = {}
-        for n, token_lists in cases.items():
-            try:
-                runs = [first_token(up.url, tokens) for tokens in token_lists]
-            except urllib.error.HTTPError as exc:  # recorded, not fatal: the other lengths still run
-                rows[n] = {"error": f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"}
-                print(f"{name:>14} {n:>6} tokens: {rows[n]['error']}", flush=True)
+    first_token(up.url, [256] + list(range(255)))  # warm-up
+    return up
+
+
+def measure(clusters: dict[str, UpProcess], cases: dict[int, list[list[int]]], out: str) -> dict:
+    """Every prompt on every deployment, interleaved (the order alternating per prompt), so a change in the
+    machine's speed falls on both alike."""
+    runs: dict[str, dict[int, list]] = {name: {n: [] for n in cases} for name in clusters}
+    errors: dict[str, dict[int, str]] = {name: {} for name in clusters}
+    names = list(clusters)
+    for n, token_lists in cases.items():
+        for i, tokens in enumerate(token_lists):
+            for name in (names if i % 2 == 0 else names[::-1]):
+                if n in errors[name]:
+                    continue
+                try:
+                    runs[name][n].append(first_token(clusters[name].url, tokens))
+                except urllib.error.HTTPError as exc:  # recorded, not fatal: the other lengths still run
+                    errors[name][n] = f"HTTP {exc.code}: {exc.read().decode(errors='replace')[:500]}"
+                    print(f"{name:>14} {n:>6} tokens: {errors[name][n]}", flush=True)
+                    continue
+                print(f"{name:>14} {n:>6} tokens: TTFT {runs[name][n][-1][0]:.3f} s", flush=True)
+        Path(out + ".partial").write_text(json.dumps({"runs": {k: {str(m): r for m, r in v.items()}
+                                                               for k, v in runs.items()}}, indent=2))
+    rows: dict[str, dict] = {}
+    for name in clusters:
+        rows[name] = {}
+        for n in cases:
+            if n in errors[name]:
+                rows[name][n] = {"error": errors[name][n]}
                 continue
-            rows[n] = {"ttft_s": [round(s, 4) for s, _ in runs], "median_ttft_s": round(statistics.median(
-                s for s, _ in runs), 4), "first_texts": [text for _, text in runs]}
-            print(f"{name:>14} {n:>6} tokens: TTFT {rows[n]['median_ttft_s']:.3f} s", flush=True)
-            partial = Path(args.out + ".partial")
-            done = json.loads(partial.read_text()) if partial.exists() else {}
-            partial.write_text(json.dumps({**done, f"{name} {n}": rows[n]}, indent=2))  # survives an interrupted run
-        return rows
-    finally:
-        up.stop()
+            done = runs[name][n]
+            rows[name][n] = {"ttft_s": [round(s, 4) for s, _ in done],
+                             "median_ttft_s": round(statistics.median(s for s, _ in done), 4),
+                             "first_texts": [text for _, text in done]}
+    return rows
 
 
 def main() -> None:
     args = parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     cases = prompts(lengths, args.repeats)
-    results = {name: measure(name, flags, args, cases) for name, flags in DEPLOYMENTS.items()}
+    clusters: dict[str, UpProcess] = {}
+    try:
+        for name, flags in DEPLOYMENTS.items():
+            clusters[name] = start(flags, args)
+        results = measure(clusters, cases, args.out)
+    finally:
+        for up in clusters.values():
+            up.stop()
     single, group = results["1 instance"], results["2-stage group"]
     table = [{"prompt_tokens": n, "single_ttft_s": single[n]["median_ttft_s"],
               "group_ttft_s": group[n]["median_ttft_s"],

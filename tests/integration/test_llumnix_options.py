@@ -41,11 +41,16 @@ def url_of(up: UpProcess, service: str, path: str) -> str:
 
 
 def hit_len_tokens(up: UpProcess) -> float:
-    with urllib.request.urlopen(url_of(up, "conductor-0", "/metrics"), timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith("kvc_kv_cache_hit_len_tokens_total{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    """kvCacheHitLen summed over the conductor replicas (a request is placed by whichever one it reaches)."""
+    total = 0.0
+    for name in up.manifest["services"]:
+        if not name.startswith("conductor"):
+            continue
+        with urllib.request.urlopen(url_of(up, name, "/metrics"), timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith("kvc_kv_cache_hit_len_tokens_total{"):
+                    total += float(line.rsplit(" ", 1)[1])
+    return total
 
 
 def batch_query(up: UpProcess, hashes: list[str]) -> dict:

@@ -133,3 +133,13 @@ def test_prompts_below_the_cache_aware_minimum_are_placed_by_load_alone():
     assert short.prefill_id == "p1" and short.cached_tokens == 0
     long = place(conductor, {"p0": 8}, n_tokens=1000, request_id="long")
     assert long.prefill_id == "p0" and long.cached_tokens == 800
+
+
+def test_expected_blocks_do_not_bring_back_the_prefix_of_a_prompt_below_the_minimum():
+    """Blocks expected from an earlier placement (Mooncake §6.1) count as hits only where hits count at all."""
+    conductor = make_conductor(2, policy="cache_aware", cache_aware_scheduling_min_tokens=1000, expect_cache=True)
+    conductor.observe(prefill_report("p0", queue_s=0.5), 0.0)
+    first = place(conductor, {"p1": 8}, n_tokens=1000, request_id="first")
+    assert first.prefill_id == "p1"
+    short = place(conductor, {}, n_tokens=999, request_id="short")  # p1 is expected to hold its blocks
+    assert short.cached_tokens == 0

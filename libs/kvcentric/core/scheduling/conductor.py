@@ -154,8 +154,6 @@ class Conductor:
         """Place `request`; `hits` maps prefill instance id -> leading blocks of it that instance holds
         (ignored below `cache_aware_scheduling_min_tokens`). Instances in `request.avoid` (a migrated request's
         failed ones) are not considered; the stages of a prefill group are one candidate."""
-        if not self.cache_aware(request):
-            hits = {}
         alive = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
         prefills, hits = self.groups.candidates(alive, hits, now)
         decodes = [s for s in self.registry.alive_decode(now) if s.instance_id not in request.avoid]
@@ -166,6 +164,8 @@ class Conductor:
         if self.expected is not None:
             self.expected.expire(now)
             hits = self.expected.merged(request.block_hashes, hits)
+        if not self.cache_aware(request):
+            hits = {}
         choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
