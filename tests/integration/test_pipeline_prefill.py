@@ -25,10 +25,11 @@ CHUNK = 32
 
 
 @pytest.fixture(scope="module")
-def group(tmp_path_factory, nats_url, redis_url):
-    up = UpProcess(str(tmp_path_factory.mktemp("cpp")), "--nats-url", nats_url, "--redis-url", redis_url,
-                   "--prefill-pipeline", "2", "--prefill-chunk", str(CHUNK), "--restart", "never",
-                   "--conductors", "1")
+def group(tmp_path_factory):
+    """A cluster on NATS and Redis of its own (`up` starts them): on the session's, the session cluster's
+    conductors and its own prefill-0 would answer too."""
+    up = UpProcess(str(tmp_path_factory.mktemp("cpp")), "--prefill-pipeline", "2", "--prefill-chunk", str(CHUNK),
+                   "--restart", "never", "--conductors", "1")
     try:
         yield up
     finally:
