@@ -18,7 +18,7 @@ from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.service import EngineService
-from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks
+from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
 
 
 class RefusingSink:
@@ -87,8 +87,12 @@ class PrefillService(EngineService):
             depth = 0
         self.pulling += 1
         try:
-            pulled = await pull_blocks(self.pusher, job.kv_source_addr, job.pull_block_hashes, self.host, depth,
-                                       self.runner.dtype_name, self.runner.block_size)
+            assert self.host is not None
+            deadline_s = pull_deadline_s(len(job.pull_block_hashes) * self.host.block_bytes,
+                                         self.pusher.bandwidth.get(job.kv_source_addr))
+            async with asyncio.timeout(deadline_s):  # a peer that does not answer: compute the prefix instead
+                pulled = await pull_blocks(self.pusher, job.kv_source_addr, job.pull_block_hashes, self.host,
+                                           depth, self.runner.dtype_name, self.runner.block_size, deadline_s)
             self.counters["blocks_pulled_total"] += pulled
         except Exception as exc:  # noqa: BLE001 - fall back to computing the prefix
             self.counters["pulls_failed_total"] += 1

@@ -46,6 +46,16 @@ def drain_deadline_s(kv_bytes: int, bandwidth_bytes_s: float | None, slack: floa
     return DRAIN_FLOOR_S + slack * kv_bytes / (bandwidth_bytes_s or DRAIN_PRIOR_BYTES_S)
 
 
+PULL_FLOOR_S = 2.0
+"""The least a hot-spot pull is given: it is optional (a failed one only means computing the prefix), so a
+peer that does not answer (stopped, overloaded) must cost the request little."""
+
+
+def pull_deadline_s(kv_bytes: int, bandwidth_bytes_s: float | None, slack: float = 4.0) -> float:
+    """How long pulling `kv_bytes` of prefix blocks may take before the prefill computes them instead."""
+    return PULL_FLOOR_S + slack * kv_bytes / (bandwidth_bytes_s or DRAIN_PRIOR_BYTES_S)
+
+
 class TransferError(RuntimeError):
     """A push that did not complete; the message says why. `retryable`: the receiver asks for a resend."""
 
