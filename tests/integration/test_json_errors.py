@@ -61,16 +61,17 @@ def test_kvs_meta_refuses_a_bad_query_in_json(kvs_meta_on_own_redis):
     assert status == 400 and body["error"]["param"] == "keys" and body["success"] is False
 
 
-async def test_a_request_in_flight_while_the_gateway_drains_nats_gets_json(nats_url):
+async def test_a_request_in_flight_while_the_gateway_drains_nats_gets_json(own_nats):
     """A conductor that takes the schedule request and never answers keeps a request in flight; the
-    gateway is then stopped (its NATS connection drains before HTTP closes) and the answer is JSON."""
-    nc = await nats.connect(nats_url)
+    gateway is then stopped (its NATS connection drains before HTTP closes) and the answer is JSON. On a NATS
+    of its own: a real conductor heartbeating on the session's would be asked instead of the silent one."""
+    nc = await nats.connect(own_nats)
     asked = asyncio.Event()
 
     async def silent_conductor(msg) -> None:
         asked.set()
     await nc.subscribe(Subjects.SCHEDULE, cb=silent_conductor)
-    process, port = spawn_service("gateway", nats_url, "--bus-timeout-s", "20")
+    process, port = spawn_service("gateway", own_nats, "--bus-timeout-s", "20")
     answers: list = []
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
     client = threading.Thread(target=lambda: answers.append(call(f"http://127.0.0.1:{port}/v1/completions",
