@@ -151,13 +151,7 @@ class PrefillService(EngineService):
         last closes it with the first token. Any failure fails the request, not the service."""
         work = chunk.work
         try:
-            if chunk.first:
-                self.open_push(work)
-            push = self.pushes[work.request_id]
-            if work.cancelled:
-                raise asyncio.CancelledError
-            if push.failed_early:  # the receiver gave up already: surface its error now, not after the prompt
-                await push.task
+            push = await self.chunk_push(chunk)
             token = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
@@ -173,6 +167,18 @@ class PrefillService(EngineService):
         except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
             self.end_push(work, str(exc))
             self.fail(work, exc)
+
+    async def chunk_push(self, chunk: PrefillChunk) -> RequestPush:
+        """The request's push for this chunk (opened at its first); raises CancelledError for a cancelled
+        request, and the push's error when its receiver gave up already (now, not after the prompt)."""
+        if chunk.first:
+            self.open_push(chunk.work)
+        push = self.pushes[chunk.work.request_id]
+        if chunk.work.cancelled:
+            raise asyncio.CancelledError
+        if push.failed_early:
+            await push.task
+        return push
 
     async def drain_push(self, work: PrefillWork, push: RequestPush) -> None:
         """The rest of a computed request's push, beside the next jobs (no head-of-line blocking): a receiver

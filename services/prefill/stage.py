@@ -138,13 +138,7 @@ class StageService(PrefillService):
         stage); the last chunk closes the push (the last stage's with the first token)."""
         work = chunk.work
         try:
-            if chunk.first:
-                self.open_push(work)
-            push = self.pushes[work.request_id]
-            if work.cancelled:
-                raise asyncio.CancelledError
-            if push.failed_early:
-                await push.task
+            push = await self.chunk_push(chunk)
             out = await self.model.run(self.engine.compute, chunk, push.hook(chunk.start))
             self.engine.update(chunk)
             if isinstance(out, bytes):
