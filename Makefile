@@ -19,7 +19,7 @@ up: $(STAMP)
 	$(BIN)/kvcentric up $(ARGS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=25 tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
