@@ -30,7 +30,8 @@ class ColocatedService(EngineService):
         super().__init__(config, with_host_pool=not config.layerkv)
         self.layerkv = self.layer_wise(config) if config.layerkv else None
         self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
-                                      config.prefill_chunk, config.max_batch, self.host, self.layerkv)
+                                      config.prefill_chunk, config.max_batch, self.host, self.layerkv,
+                                      config.layerwise_load)
         self.stepper = MixedStepper(self.engine, config.step_tokens, config.decode_attention) \
             if config.step_tokens else None
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,

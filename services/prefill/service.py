@@ -48,7 +48,7 @@ class PrefillService(EngineService):
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner)
         self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
-                                    config.prefill_chunk, self.host)
+                                    config.prefill_chunk, self.host, config.layerwise_load)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}
         self.pulling = 0

@@ -91,6 +91,11 @@ class BlockPool:
             self.hash_to_block[block_hash] = block
             self._stored.append(block_hash)
 
+    def uncache(self, blocks: list[int]) -> None:
+        """Make blocks unfindable again (their bytes never arrived); they are announced as evicted."""
+        for block in blocks:
+            self._forget_hash(block)
+
     def drain_events(self) -> tuple[list[str], list[str]]:
         """Hashes stored and evicted since the last call."""
         stored, evicted = self._stored, self._evicted

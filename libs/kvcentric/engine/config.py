@@ -47,6 +47,9 @@ class EngineConfig(BusConfig):
     kv_staging_mb: int = setting(1024, "decode: host memory that KV arriving at a full KV cache waits in until "
                                        "blocks free, MiB (0: refused at once, 429)")
     host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
+    layerwise_load: bool = setting(True, "prefill, colocated: a prefix found in the host pool loads into the KV "
+                                         "cache layer by layer while the prompt's layers compute (Mooncake "
+                                         "§5.2); false: whole, before the first chunk")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
     tbt_slo_s: float = setting(0.1, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "

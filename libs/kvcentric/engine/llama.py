@@ -256,10 +256,14 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, logit_rows: torch.Tensor, on_layer: LayerHook | None = None) -> torch.Tensor:
-        """Run the new tokens through every layer, writing their KV; return logits of `logit_rows`."""
+                v_cache: torch.Tensor, logit_rows: torch.Tensor, on_layer: LayerHook | None = None,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Run the new tokens through every layer, writing their KV; return logits of `logit_rows`.
+        `before_layer(i)` runs before layer i, `on_layer(i, k, v)` after it."""
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(index)
             x, k, v = layer(x, batch, self.rotary, k_cache[index], v_cache[index])
             if on_layer is not None:
                 on_layer(index, k, v)

@@ -10,6 +10,7 @@ prompt's references. No I/O; time is not needed.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
@@ -19,6 +20,7 @@ from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import history
 from kvcentric.engine.hostwrite import HostWriter
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.layerload import LayerwiseLoad
 from kvcentric.engine.llama import LayerHook
 from kvcentric.core.protocol import FirstToken, PrefillJob, TokenLogprob, encode
 
@@ -43,6 +45,8 @@ class PrefillWork:
     """Asked for (`sampling.logprobs`): the first generated token's, once the last chunk is computed."""
     siblings: list[tuple[int, TokenLogprob | None]] = dataclasses.field(default_factory=list)
     """With n > 1: the first token (and its logprobs) of sequences 1..n-1."""
+    loading: LayerwiseLoad | None = None
+    """Prefix blocks still coming from the host pool, layer by layer (Mooncake §5.2), until the first chunk."""
 
     @property
     def request_id(self) -> str:
@@ -83,7 +87,7 @@ class PrefillChunk:
 
 class PrefillEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
-                 host: HostBlockPool | None = None) -> None:
+                 host: HostBlockPool | None = None, layerwise_load: bool = True) -> None:
         if hasher.block_size != pool.block_size:
             raise ValueError("the hasher's block size must equal the pool's")
         if chunk_tokens < 1:
@@ -93,12 +97,17 @@ class PrefillEngine:
         """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
         computed full block is written to it behind the compute (`writer`)."""
         self.writer = HostWriter(runner, pool, host) if host is not None else None
+        self.loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-load") \
+            if host is not None and layerwise_load else None
+        """Loads prefixes from the host pool layer by layer beside the compute (Mooncake §5.2); without it
+        a prefix is copied whole before the prompt's first chunk."""
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
         self.sending: dict[str, PrefillWork] = {}
         """Prompts computed whose KV is still on its way out (`complete`): blocks held until `finish`."""
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
-                      "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0}
+                      "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0,
+                      "prefix_load_wait_seconds": 0.0}
 
     @property
     def queued_tokens(self) -> int:
@@ -163,9 +172,9 @@ class PrefillEngine:
         self.pool.share(cached)
         self.queue.popleft()
         blocks = cached + self.pool.allocate(needed)
-        self._load_from_host(blocks, hashes, len(cached), from_host)
+        loading = self._load_from_host(blocks, hashes, len(cached), from_host)
         num_cached = (len(cached) + from_host) * self.pool.block_size
-        work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached)
+        work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached, loading=loading)
         self.running[job.request_id] = work
         return work
 
@@ -184,19 +193,59 @@ class PrefillEngine:
     def hashes(self, token_ids: list[int]) -> list[str]:
         return [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
 
-    def _load_from_host(self, blocks: list[int], hashes: list[str], first: int, count: int) -> None:
-        """Copy `count` blocks found in the host pool into the cache, after the `first` already there."""
-        for index in range(first, first + count):
-            assert self.host is not None  # blocks come from the host pool only when there is one
-            self.runner.write_block(blocks[index], self.host.view(hashes[index], index))
-        self.pool.cache(blocks[first:first + count], hashes[first:first + count])
+    def _load_from_host(self, blocks: list[int], hashes: list[str], first: int, count: int) -> LayerwiseLoad | None:
+        """Copy `count` blocks found in the host pool into the cache, after the `first` already there: layer
+        by layer beside the compute when there is a loader (returned; their host slots stay pinned until it is
+        closed), else whole, now. They are findable by hash at once: only this prompt's first chunk, which
+        waits for each layer, or a step after it, can read them."""
+        assert self.host is not None or count == 0  # blocks come from the host pool only when there is one
+        if count == 0 or self.host is None:
+            return None
+        targets, found = blocks[first:first + count], hashes[first:first + count]
+        self.pool.cache(targets, found)
         self.stats["prefill_tokens_from_host"] += count * self.pool.block_size
+        if self.loader is None or self.runner.layered is not None:
+            for depth, (block, block_hash) in enumerate(zip(targets, found), start=first):
+                self.runner.write_block(block, self.host.view(block_hash, depth))
+            return None
+        slots = []
+        for depth, block_hash in enumerate(found, start=first):
+            self.host.view(block_hash, depth)  # counts the read, refreshes the eviction policy
+            self.host.pin(block_hash)
+            slots.append(self.host.slot_of[block_hash])
+        return LayerwiseLoad(self.runner, targets, slots, self.host.buffer).start(self.loader)
+
+    def settle(self, work: PrefillWork, wait: bool = True) -> None:
+        """End the prompt's layer-wise load: every layer in the cache (`wait`: the compute stream waits for
+        the copies), the copies finished, the host slots unpinned."""
+        loading, work.loading = work.loading, None
+        if loading is None:
+            return
+        try:
+            if wait:
+                loading.wait_all()
+        finally:
+            loading.close()
+            if loading.error is not None:  # the prefix is not in the cache: neither findable nor counted done
+                self.pool.uncache(loading.blocks)
+                work.done = work.num_cached = work.blocks.index(loading.blocks[0]) * self.pool.block_size
+            self.stats["prefix_load_wait_seconds"] += loading.waited_s
+            assert self.host is not None
+            for slot in loading.slots:
+                self.host.unpin(self.host.hash_of[slot])
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
         work, sampling = chunk.work, chunk.work.job.sampling
         scored = sampling.prompt_logprobs is not None
-        logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, scored)
+        if work.loading is None:
+            logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, scored)
+        else:
+            try:
+                logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer,
+                                             scored, work.loading.wait)
+            finally:
+                self.settle(work, wait=False)
         if scored:
             following = work.job.token_ids[chunk.start + 1:chunk.end + 1]
             work.prompt_logprobs += prompt_logprobs(logits, following, sampling.prompt_logprobs or 0)
@@ -238,6 +287,7 @@ class PrefillEngine:
         """Release the prompt's blocks; its computed full blocks stay findable by hash."""
         if self.running.pop(work.request_id, None) is None:
             del self.sending[work.request_id]
+        self.settle(work, wait=False)  # a prompt cancelled before its first chunk: its copies end first
         computed_blocks = self._cache_computed(work)
         if self.writer is not None:  # every computed full block enters the host pool (Mooncake §3), behind
             self.writer.submit(work.blocks[:computed_blocks], work.hashes[:computed_blocks])

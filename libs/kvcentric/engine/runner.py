@@ -8,6 +8,7 @@ allocate blocks.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -74,9 +75,11 @@ class ModelRunner:
         return slots_of(block_table, start, end, self.block_size).to(self.device)
 
     def prefill(self, token_ids: list[int], block_table: list[int], start: int, end: int | None = None,
-                on_layer: LayerHook | None = None, every_row: bool = False) -> torch.Tensor:
+                on_layer: LayerHook | None = None, every_row: bool = False,
+                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Compute positions start..end-1 of one sequence whose KV for 0..start-1 is cached; the logits of the
-        last position, or of every position ([end - start, vocab]) with `every_row`."""
+        last position, or of every position ([end - start, vocab]) with `every_row`. `before_layer(L)` is
+        called before layer L computes (a prefix still loading layer by layer waits there)."""
         end = len(token_ids) if end is None else end
         if self.layered is not None:
             return self.layered.prefill(token_ids, block_table, start, end, on_layer, every_row)
@@ -87,9 +90,9 @@ class ModelRunner:
         ids = torch.tensor(token_ids[start:end], device=self.device)
         if every_row:
             rows = torch.arange(end - start, device=self.device)
-            return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)
+            return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer, before_layer)
         rows = torch.tensor([end - start - 1], device=self.device)
-        return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer)[0]
+        return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer, before_layer)[0]
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
@@ -199,6 +202,35 @@ class ModelRunner:
         received = self.__dict__.get("_streams", {}).get("kv_in")
         if received is not None:
             torch.cuda.current_stream(self.device).wait_stream(received)
+
+    def load_host_layer(self, layer: int, buffer: torch.Tensor, slots: list[int],
+                        blocks: list[int]) -> torch.cuda.Event | None:
+        """Copy layer `layer` of host-pool rows `slots` (`buffer`: [rows, block_bytes] bytes, host pool layout)
+        into cache blocks `blocks` (Mooncake §5.2: a prefix loads layer by layer). On CPU the copy is done on
+        return; on CUDA it is enqueued on a side stream (through pinned memory) and the returned event marks
+        its end. Called from a loader thread: each op lets go of the GIL."""
+        config = self.config
+        rows = buffer.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
+                                            config.head_dim)
+        index = torch.tensor(slots, dtype=torch.long)
+        pinned = self.device.type == "cuda"
+        part = torch.empty((len(slots), 2, *rows.shape[3:]), dtype=self.dtype, pin_memory=pinned)
+        torch.index_select(rows[:, layer], 0, index, out=part)  # [blocks, 2, block_size, heads, dim]
+        target = block_slots(blocks, self.block_size).to(self.device)
+        if not pinned:
+            self._install_layer(layer, target, part)
+            return None
+        stream = self._side_stream("prefix_in")
+        with torch.cuda.stream(stream):
+            self._install_layer(layer, target, part.to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def _install_layer(self, layer: int, target: torch.Tensor, part: torch.Tensor) -> None:
+        shape = (-1, self.config.num_kv_heads, self.config.head_dim)
+        self.k_cache[layer].index_copy_(0, target, part[:, 0].reshape(shape))
+        self.v_cache[layer].index_copy_(0, target, part[:, 1].reshape(shape))
 
     def write_block(self, block: int, data: torch.Tensor) -> None:
         """Install one block's bytes (host pool layout) into cache block `block`."""

@@ -1,0 +1,148 @@
+"""Layer-wise prefix load from the host pool (Mooncake §5.2) against a whole load before the compute, side by side.
+
+Usage:
+    .venv/bin/python bench/bench_layerwise_load.py [--model small] [--prefixes 1024 3072] [--suffix 256]
+        [--requests 5] [--threads 1] [--out bench/results/layerwise_load.json]
+
+In one process, two `PrefillEngine`s with the same weights, each with a host pool that holds the prompt's prefix
+and a device cache that does not (forgotten after every request with `BlockPool.uncache`): `layerwise` loads the
+prefix one layer at a time on a worker while the layers compute (what the engines do by default), `whole` copies
+every block before the first layer runs (`--no-layerwise-load`). Requests alternate between the two, so the VM's
+drift hits both alike. TTFT is from submit to the first token (one chunk: the suffix). Also timed, alone: the
+whole load and the compute of the suffix over a cached prefix. The physical floor of TTFT is the larger of the
+two (the load entirely hidden); the whole load's cost is their sum.
+
+Writes the JSON (machine, per-mode samples, p50s, ratios to the floor and between the modes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_request_path import log, machine  # noqa: E402
+
+from kvcentric.core.block_pool import BlockPool  # noqa: E402
+from kvcentric.core.hashing import BlockHasher  # noqa: E402
+from kvcentric.core.protocol import PrefillJob, SamplingParams  # noqa: E402
+from kvcentric.engine.kvpool import HostBlockPool  # noqa: E402
+from kvcentric.engine.prefill import PrefillEngine  # noqa: E402
+from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.model.config import preset  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BLOCK = 16
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="small", help="model preset (default: small; prompts up to 4095)")
+    parser.add_argument("--prefixes", type=int, nargs="+", default=[1024, 3072], help="prefix lengths in the host pool")
+    parser.add_argument("--suffix", type=int, default=256, help="new tokens computed after the prefix")
+    parser.add_argument("--requests", type=int, default=5, help="measured requests per prefix and mode")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the compute")
+    parser.add_argument("--out", default=str(RESULTS / "layerwise_load.json"), help="JSON output path")
+    return parser.parse_args()
+
+
+def make_engine(config, blocks: int, layerwise: bool) -> PrefillEngine:
+    runner = ModelRunner(config, blocks, BLOCK, seed=0)
+    host = HostBlockPool(4 * blocks, runner.block_bytes)  # room for the prefix and many suffixes
+    return PrefillEngine(runner, BlockPool(blocks, BLOCK), BlockHasher(block_size=BLOCK), chunk_tokens=1 << 16,
+                         host=host, layerwise_load=layerwise)
+
+
+def prefill(engine: PrefillEngine, tokens: list[int], name: str) -> float:
+    """Seconds from submit to the first token; afterwards the device cache forgets every block (the host
+    pool keeps them), so the next request finds its prefix in the host pool only."""
+    job = PrefillJob(request_id=name, token_ids=tokens, sampling=SamplingParams(max_tokens=1, temperature=0.0),
+                     decode_id="d", decode_kv_addr="")
+    started = time.perf_counter()
+    engine.submit(job)
+    chunk = engine.schedule()
+    assert chunk is not None and chunk.last, "the bench runs each prompt as one chunk"
+    engine.execute(chunk)
+    ttft = time.perf_counter() - started
+    engine.update(chunk)
+    engine.finish(chunk.work)
+    assert engine.writer is not None
+    engine.writer.collect(wait=True)
+    engine.pool.uncache(list(range(engine.pool.num_blocks)))
+    return ttft
+
+
+def whole_load_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float:
+    """The whole load alone: the prefix's blocks copied from the host pool into the cache."""
+    assert engine.host is not None
+    hashes = engine.hashes(tokens)[:prefix // BLOCK]
+    blocks = engine.pool.allocate(len(hashes))
+    started = time.perf_counter()
+    for depth, (block, block_hash) in enumerate(zip(blocks, hashes)):
+        engine.runner.write_block(block, engine.host.view(block_hash, depth))
+    spent = time.perf_counter() - started
+    engine.pool.free(blocks)
+    return spent
+
+
+def compute_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float:
+    """The suffix alone, its prefix already in the cache (whatever bytes: the time does not depend on them)."""
+    blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
+    started = time.perf_counter()
+    engine.runner.prefill(tokens, blocks, prefix, len(tokens))
+    spent = time.perf_counter() - started
+    engine.pool.free(blocks)
+    return spent
+
+
+def bench(args) -> dict:
+    torch.set_num_threads(args.threads)
+    config = preset(args.model)
+    blocks = (max(args.prefixes) + args.suffix) // BLOCK + 8
+    engines = {"layerwise": make_engine(config, blocks, True), "whole": make_engine(config, blocks, False)}
+    rows = []
+    for prefix in args.prefixes:
+        generator = torch.Generator().manual_seed(prefix)
+        head = torch.randint(0, config.vocab_size, (prefix,), generator=generator).tolist()
+        for name, engine in engines.items():  # the prefix into the host pool; unmeasured
+            prefill(engine, head + [0], f"warm-{name}-{prefix}")
+        samples: dict[str, list[float]] = {"layerwise": [], "whole": [], "load": [], "compute": []}
+        for index in range(args.requests):  # a new suffix each time: only the prefix is in the host pool
+            tokens = head + torch.randint(0, config.vocab_size, (args.suffix,), generator=generator).tolist()
+            order = list(engines.items()) if index % 2 == 0 else list(reversed(engines.items()))
+            for name, engine in order:
+                samples[name].append(prefill(engine, tokens, f"{name}-{prefix}-{index}"))
+            samples["load"].append(whole_load_s(engines["whole"], tokens, prefix))
+            samples["compute"].append(compute_s(engines["whole"], tokens, prefix))
+        p50 = {name: statistics.median(values) for name, values in samples.items()}
+        floor = max(p50["load"], p50["compute"])
+        row = {"prefix": prefix, "suffix": args.suffix, "samples": samples, "p50_s": p50, "floor_s": floor,
+               "layerwise_over_floor": p50["layerwise"] / floor, "whole_over_floor": p50["whole"] / floor,
+               "layerwise_over_whole": p50["layerwise"] / p50["whole"]}
+        rows.append(row)
+        log(f"prefix {prefix}: TTFT p50 layerwise {p50['layerwise'] * 1e3:.1f} ms, whole {p50['whole'] * 1e3:.1f} "
+            f"ms (load {p50['load'] * 1e3:.1f} ms + compute {p50['compute'] * 1e3:.1f} ms); layerwise/whole "
+            f"{row['layerwise_over_whole']:.2f}, layerwise/floor {row['layerwise_over_floor']:.2f}")
+    return {"machine": machine(), "model": args.model, "threads": args.threads, "load_average": os.getloadavg(),
+            "rows": rows}
+
+
+def main() -> int:
+    args = parse_args()
+    result = bench(args)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

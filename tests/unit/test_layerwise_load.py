@@ -1,0 +1,131 @@
+"""A prefix found in the host pool loads into the cache layer by layer beside the compute (Mooncake §5.2):
+the same tokens and KV as a whole load, layer L computes as soon as layer L is there (not the whole prefix),
+and a cancelled or failed load leaves no pinned host slot, held block or findable garbage behind."""
+
+import threading
+
+import pytest
+import torch
+
+from factories import make_runner, prefill_job, prompt
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.prefill import PrefillEngine
+
+PREFIX = prompt(21)  # 5 full blocks of 4 tokens
+PROMPT = PREFIX + [7, 8, 9, 10, 11, 12]
+
+
+def run(engine: PrefillEngine, job, on_layer=None):
+    engine.submit(job)
+    chunk = engine.schedule()
+    first = engine.execute(chunk, on_layer)
+    engine.update(chunk)
+    return chunk.work, first
+
+
+def host_holding_the_prefix() -> HostBlockPool:
+    """A host pool that a first engine filled with PREFIX's full blocks."""
+    runner = make_runner(num_blocks=16, block_size=4)
+    host = HostBlockPool(64, runner.block_bytes)
+    engine = PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), host=host)
+    work, _ = run(engine, prefill_job(PREFIX))
+    engine.finish(work)
+    engine.writer.collect(wait=True)
+    assert host.prefix(work.hashes) == 5
+    return host
+
+
+def fresh_engine(host: HostBlockPool, layerwise: bool = True) -> PrefillEngine:
+    """An engine whose device cache is empty: the prefix can only come from the host pool."""
+    return PrefillEngine(make_runner(num_blocks=16, block_size=4), BlockPool(16, 4), BlockHasher(block_size=4),
+                         host=host, layerwise_load=layerwise)
+
+
+class GatedLoads:
+    """Holds the copy of every layer from `gated_from` on until `open()` (as a slow host link would)."""
+
+    def __init__(self, runner, gated_from: int = 1, fail_at: int | None = None) -> None:
+        self.gate, self.gated_from, self.fail_at = threading.Event(), gated_from, fail_at
+        self.load = runner.load_host_layer
+        runner.load_host_layer = self.gated
+
+    def gated(self, layer, *args):
+        if layer == self.fail_at:
+            raise OSError("host memory went away")
+        if layer >= self.gated_from:
+            assert self.gate.wait(10), "the load was never let through"
+        return self.load(layer, *args)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_a_layer_wise_load_gives_the_tokens_and_kv_of_a_whole_load_and_of_computing_the_prefix():
+    results = {}
+    for name, engine in (("layerwise", fresh_engine(host_holding_the_prefix())),
+                         ("whole", fresh_engine(host_holding_the_prefix(), layerwise=False)),
+                         ("computed", fresh_engine(HostBlockPool(1, make_runner(block_size=4).block_bytes)))):
+        work, first = run(engine, prefill_job(PROMPT))
+        results[name] = first, engine.runner.read_blocks(work.blocks), engine.stats
+        engine.finish(work)
+        engine.writer.collect(wait=True)  # the write-behind of the new full block holds it until collected
+        assert all(count == 0 for count in engine.pool.ref_counts) and not engine.host.pins
+    assert results["layerwise"][2]["prefill_tokens_from_host"] == 20 == results["whole"][2]["prefill_tokens_from_host"]
+    assert results["layerwise"][2]["prefill_tokens_computed"] == 7 and results["computed"][2][
+        "prefill_tokens_from_host"] == 0
+    assert results["layerwise"][0] == results["whole"][0] == results["computed"][0]
+    assert torch.equal(results["layerwise"][1], results["whole"][1])  # the same bytes, wherever they came from
+    torch.testing.assert_close(results["layerwise"][1], results["computed"][1])  # other chunking: not bitwise
+
+
+def test_layer_zero_computes_while_the_deeper_layers_are_still_loading():
+    host = host_holding_the_prefix()
+    engine = fresh_engine(host)
+    gate = GatedLoads(engine.runner, gated_from=1)
+    computed: list[int] = []
+    engine.submit(prefill_job(PROMPT))
+    chunk = engine.schedule()
+    assert chunk.work.loading is not None and len(host.pins) == 5  # slots pinned for as long as they load
+    worker = threading.Thread(target=engine.execute, args=(chunk, lambda layer, k, v: computed.append(layer)))
+    worker.start()
+    worker.join(0.5)
+    assert worker.is_alive() and computed == [0]  # layer 0 ran on its own copy; layer 1 waits for its own
+    gate.open()
+    worker.join(10)
+    assert computed == list(range(engine.runner.config.num_layers))
+    assert chunk.work.loading is None and not host.pins
+    assert engine.stats["prefix_load_wait_seconds"] >= 0.4
+
+
+def test_a_prompt_cancelled_before_its_first_chunk_frees_its_blocks_once_the_copies_end():
+    host = host_holding_the_prefix()
+    engine = fresh_engine(host)
+    gate = GatedLoads(engine.runner, gated_from=1)
+    engine.submit(prefill_job(PROMPT))
+    work = engine.schedule().work
+    engine.cancel(work.request_id)
+    threading.Timer(0.2, gate.open).start()
+    engine.finish(work)  # waits for the copies into its blocks before giving the blocks back
+    engine.writer.collect(wait=True)
+    assert gate.gate.is_set() and not host.pins
+    assert all(count == 0 for count in engine.pool.ref_counts)
+
+
+def test_a_failed_load_fails_the_prompt_and_leaves_no_garbage_findable():
+    host = host_holding_the_prefix()
+    engine = fresh_engine(host)
+    GatedLoads(engine.runner, gated_from=99, fail_at=2)
+    engine.submit(prefill_job(PROMPT))
+    chunk = engine.schedule()
+    with pytest.raises(RuntimeError, match="loading the prefix"):
+        engine.execute(chunk)
+    engine.finish(chunk.work)
+    engine.writer.collect(wait=True)
+    assert not host.pins and all(count == 0 for count in engine.pool.ref_counts)
+    assert engine.pool.cached_prefix(chunk.work.hashes) == []  # half-loaded blocks are not reused
+    engine.runner.load_host_layer = type(engine.runner).load_host_layer.__get__(engine.runner)
+    work, first = run(engine, prefill_job(PROMPT, request_id="again"))
+    reference = fresh_engine(HostBlockPool(1, engine.runner.block_bytes))
+    assert first == run(reference, prefill_job(PROMPT))[1]
