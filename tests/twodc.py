@@ -26,6 +26,8 @@ class TwoDCConfig:
     """The cross-datacenter link: the topology's link and the PrfaaS prefill's KV push rate limit."""
     adjust_s: float = 0.0
     """The conductor's short-term step interval of t (0: t stays at `threshold`)."""
+    replan_profile: str = ""
+    """The planner's profile (`--replan-profile`): a short-term trigger re-derives t from it (PrfaaS §3.4.3)."""
     pd_prefill: int = 1
     decode: int = 1
     prfaas_prefill: int = 1
@@ -116,7 +118,8 @@ class TwoDatacenters:
         self.service("kvs-meta", "kvs-meta", PD, "--redis-url", redis_url)
         self.service("conductor", "conductor", PD, "--model", c.model, "--block-size", str(c.block_size),
                      "--topology", self.topology_path, "--prfaas-threshold", str(c.threshold),
-                     "--prfaas-adjust-s", str(c.adjust_s), "--rejection", "never")
+                     "--prfaas-adjust-s", str(c.adjust_s), "--rejection", "never",
+                     *(["--replan-profile", c.replan_profile] if c.replan_profile else []))
         for i in range(c.prfaas_prefill):
             self.service(f"prefill-prfaas-{i}", "prefill", PRFAAS, *self.engine_flags(f"prefill-prfaas-{i}"),
                          "--kv-rate-limit-gbps", str(c.link_gbps))

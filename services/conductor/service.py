@@ -391,7 +391,9 @@ class ConductorService(Service):
         gauges = {"prfaas_threshold_tokens": router.threshold,
                   "prfaas_routed_local_total": float(router.stats["routed_pd"]),
                   "prfaas_routed_remote_total": float(router.stats["routed_prfaas"]),
-                  "prfaas_cross_cluster_transfers_total": float(router.stats["cross_cluster_transfers"])}
+                  "prfaas_cross_cluster_transfers_total": float(router.stats["cross_cluster_transfers"]),
+                  "prfaas_threshold_changes_total": float(router.stats["threshold_changes"]),
+                  "prfaas_threshold_rederived_total": float(router.stats["threshold_rederived"])}
         for cluster, value in status["egress_utilization"].items():
             gauges[f'prfaas_egress_utilization{{cluster="{cluster}"}}'] = value
         return gauges
