@@ -73,3 +73,39 @@ def test_a_big_budget_prefills_every_prompt_in_one_step(checkpoint):
     directory, _ = checkpoint
     _, steps = run_mixed(directory, 512, "padded")
     assert steps == OUTPUT  # the first step samples every first token; then OUTPUT - 1 decode steps
+
+
+def test_a_prefix_loading_from_the_host_pool_layer_by_layer_is_in_the_cache_before_a_mixed_step(checkpoint):
+    """A mixed step runs every chunk in one forward pass, so a prompt's host-pool prefix (which otherwise loads
+    layer by layer beside its first chunk) is settled before it; the tokens are still transformers' own."""
+    from kvcentric.engine.kvpool import HostBlockPool
+    directory, reference = checkpoint
+    runner = ModelRunner(load_model_config(str(directory)), 96, 4)
+    engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4),
+                             host=HostBlockPool(64, runner.block_bytes))
+    stepper = MixedStepper(engine, 64, "padded")
+    params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True)
+    prefix, other = prompts()[3], prompts()[1]
+
+    def generate(batch: dict[str, list[int]]) -> dict[str, list[int]]:
+        for name, tokens in batch.items():
+            engine.submit(PrefillJob(request_id=name, token_ids=tokens, sampling=params, decode_id="",
+                                     decode_kv_addr=""), DecodeJob(request_id=name, n_prompt_tokens=len(tokens),
+                                                                   sampling=params))
+        generated: dict[str, list[int]] = {name: [] for name in batch}
+        while engine.has_work:
+            step, _ = stepper.schedule()
+            firsts, tokens = stepper.execute(step)
+            for chunk in stepper.update(step, firsts, tokens):
+                generated[chunk.request_id] += chunk.token_ids
+        return generated
+
+    generate({"warm": prefix})
+    engine.prefill.writer.collect(wait=True)
+    engine.pool.uncache(list(range(engine.pool.num_blocks)))  # the prefix is in the host pool only
+    longer = prefix + [5, 6, 7, 8, 9]
+    generated = generate({"longer": longer, "other": other})
+    assert engine.prefill.stats["prefill_tokens_from_host"] == 40
+    assert generated == {"longer": transformers_greedy(reference, longer),
+                         "other": transformers_greedy(reference, other)}
+    assert not engine.prefill.host.pins
