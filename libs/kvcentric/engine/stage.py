@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -93,7 +94,7 @@ class StageRunner(ModelRunner):
 
     def prefill(self, token_ids: list[int], block_table: list[int], start: int, end: int | None = None,
                 on_layer: LayerHook | None = None, every_row: bool = False,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
+                before_layer: Callable[[int], None] | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Positions start..end-1 through this stage's layers: from the tokens (first stage) or `hidden`
         ([end - start, hidden_size], the previous stage's output; zeros when none, as in calibration).
         Returns the hidden states (not the last stage) or the logits of the last position, or of every one."""
@@ -108,13 +109,15 @@ class StageRunner(ModelRunner):
         else:
             x = hidden.to(self.device)
         rows = torch.arange(end - start) if every_row else torch.tensor([end - start - 1])
-        out = self._forward(x, batch, rows.to(self.device), on_layer)
+        out = self._forward(x, batch, rows.to(self.device), on_layer, before_layer)
         return out if every_row or not self.position.last else out[0]
 
     @torch.inference_mode()
     def _forward(self, x: torch.Tensor, batch: AttentionBatch, rows: torch.Tensor,
-                 on_layer: LayerHook | None) -> torch.Tensor:
+                 on_layer: LayerHook | None, before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         for local, (index, layer) in enumerate(zip(self.layers, self.decoder_layers)):
+            if before_layer is not None:  # this stage's own layer numbers: its cache holds only its layers
+                before_layer(local)
             x, k, v = layer(x, batch, self.model.rotary, self.k_cache[local], self.v_cache[local])
             if on_layer is not None:
                 on_layer(index, k, v)
