@@ -129,3 +129,46 @@ def test_a_failed_load_fails_the_prompt_and_leaves_no_garbage_findable():
     work, first = run(engine, prefill_job(PROMPT, request_id="again"))
     reference = fresh_engine(HostBlockPool(1, engine.runner.block_bytes))
     assert first == run(reference, prefill_job(PROMPT))[1]
+
+
+class RecordingPusher:
+    """Takes what a push streams, as a messenger's client would."""
+
+    def __init__(self) -> None:
+        self.items: list = []
+
+    async def push_with_retry(self, addr, make_chunks, retries=2, timeout_s=120.0, metadata=None) -> int:
+        async for item in make_chunks(0):
+            self.items.append(item)
+        return 0
+
+
+async def test_the_push_sends_each_layer_of_a_loading_prefix_once_it_is_in_the_cache():
+    """The prefix's KV goes to decode too: not read at once when the push opens (it is not all there yet),
+    but layer by layer from the first chunk's hook, after that layer's copy."""
+    import asyncio
+
+    from kvcentric.engine.streaming import RequestPush
+    from kvcentric.runtime.kvwire import LayerData
+    engine = fresh_engine(host_holding_the_prefix())
+    gate = GatedLoads(engine.runner, gated_from=1)
+    engine.submit(prefill_job(PROMPT))
+    chunk = engine.schedule()
+    pusher = RecordingPusher()
+    push = RequestPush(engine.runner, pusher, chunk.work)
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not [item for item in pusher.items if isinstance(item, LayerData)]  # nothing read before its load
+    gate.open()
+    first = engine.execute(chunk, push.hook(chunk.start))
+    for _ in range(5):  # the hook hands layers to the loop; they are queued before the commit
+        await asyncio.sleep(0)
+    push.finish(first)
+    await push.task
+    sent = [item for item in pusher.items if isinstance(item, LayerData)]
+    for layer in range(engine.runner.config.num_layers):
+        prefix = [item for item in sent if item.layer == layer and (item.token_start, item.token_end) == (0, 20)]
+        assert len(prefix) == 1
+        key, value, _ = engine.runner.read_layer(layer, chunk.work.blocks, 0, 20)
+        assert (prefix[0].key, prefix[0].value) == (key, value)  # the loaded bytes, not what was there before
+        assert any(item.layer == layer and (item.token_start, item.token_end) == (20, len(PROMPT)) for item in sent)

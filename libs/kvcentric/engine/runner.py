@@ -119,8 +119,12 @@ class ModelRunner:
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
         """Key bytes, value bytes and their checksum (CRC-32C) for token positions start..end-1 of a sequence."""
+        return kv_payload(*self.layer_kv(layer, block_table, start, end))
+
+    def layer_kv(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of one layer's keys and values ([end - start, kv heads, head dim]) of positions start..end-1."""
         slots = self._slots(block_table, start, end)
-        return kv_payload(self.k_cache[layer, slots], self.v_cache[layer, slots])
+        return self.k_cache[layer, slots], self.v_cache[layer, slots]
 
     @property
     def block_bytes(self) -> int:

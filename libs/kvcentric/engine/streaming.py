@@ -57,7 +57,10 @@ class RequestPush:
         self.task = asyncio.ensure_future(pusher.push_with_retry(work.job.decode_kv_addr, self._chunks, retries,
                                                                  PUSH_STREAM_TIMEOUT_S, metadata=metadata))
         self.task.add_done_callback(self._done)
-        if work.num_cached > self.skip:
+        self.prefix_loading = work.num_cached > self.skip and work.loading is not None
+        """The cached prefix is still arriving from the host pool layer by layer (Mooncake §5.2): each layer of
+        it goes out from the first chunk's hook, once that layer is in the cache, instead of all now."""
+        if work.num_cached > self.skip and not self.prefix_loading:
             self._send_cached_prefix()
 
     def _done(self, task: asyncio.Task) -> None:
@@ -81,7 +84,20 @@ class RequestPush:
 
     def hook(self, start: int):
         """The layer hook for a chunk starting at `start`; runs in the model thread. Layers go to the event
-        loop once `handoff_bytes` of them are pending, and the rest after the chunk's last layer."""
+        loop once `handoff_bytes` of them are pending, and the rest after the chunk's last layer. The first
+        chunk's hook also sends each layer of a cached prefix that was still loading."""
+        on_layer = self._chunk_hook(start)
+        if not self.prefix_loading:
+            return on_layer
+        self.prefix_loading = False
+        on_prefix = self._chunk_hook(self.skip)
+
+        def prefix_then_chunk(layer: int, keys, values) -> None:
+            on_prefix(layer, *self.runner.layer_kv(layer, self.work.blocks, self.skip, self.work.num_cached))
+            on_layer(layer, keys, values)
+        return prefix_then_chunk
+
+    def _chunk_hook(self, start: int):
         drop = max(0, self.skip - start)  # leading tokens of this chunk the receiver has already
         if self.runner.device.type == "cuda":
             return self._staged_hook(start, drop)
