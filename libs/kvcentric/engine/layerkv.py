@@ -4,19 +4,23 @@ the oldest ones' host layers back while the device has room: they come back one 
 decides whether the next queued prompt may start: its predicted prefill must fit the decoding requests' TPOT
 budget (eqs. 1–3, Algorithm 1), and its blocks must fit with at least the layers eq. 4 says to keep (the
 most that fit, spread over the depth). It learns the TPOT and the prefill correction α from the engine's own
-step timings and the link from the copies `LayeredKV` times. Time is passed in; the arithmetic is
-`core.layerkv`'s; the copies are `engine/layered.py`'s.
+step timings and the link from the copies `LayeredKV` times. On a prefill instance (no decode engine) only the
+placement applies: a prompt starts once its blocks fit with its layers split between device and host. Time is
+passed in; the arithmetic is `core.layerkv`'s; the copies are `engine/layered.py`'s.
 """
 
 from __future__ import annotations
 
+from kvcentric.core.costmodel import HARDWARE
 from kvcentric.core.layerkv.placement import min_retained_layers
 from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.layerkv.scheduler import (Decoding, Holding, PrefillCost, forecast_free, offload_victims,
                                               schedule_prefills)
+from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, DecodeRequest
 from kvcentric.engine.layered import LayeredKV
 from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.runner import ModelRunner
 
 FORECAST_STAGES = 4
 """Stages of eq. 5's forecast, each a block's worth of decode steps."""
@@ -43,16 +47,19 @@ class LayerKV:
 
     # ---------------------------------------------------------------- before each step
 
-    def admit(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> bool:
+    def admit(self, prefill: PrefillEngine, decode: DecodeEngine | None, now: float) -> bool:
         """Whether the prefill side may run this step; when it starts a prompt, `pool.placement` says which of
-        its layers stay on the device (`placed` clears it after the prefill engine allocated)."""
+        its layers stay on the device (`placed` clears it after the prefill engine allocated). `decode`: None
+        on a prefill instance, where no request decodes: no TPOT budget, no forecast, and no device blocks
+        reserved for growth (a prompt's blocks are all allocated when it starts)."""
         self._note(prefill, decode, now)
-        if not self.offload_if_short(decode):
+        if decode is not None and not self.offload_if_short(decode):
             self.reload_if_room(decode)
         if prefill.running or not prefill.queue:
             return True
         seqlen = len(prefill.queue[0].token_ids)
-        admission = schedule_prefills([seqlen], self.decoding(decode, now), self.tpot_slo_s, self.tpot_s, self.cost)
+        decoding = self.decoding(decode, now) if decode is not None else []
+        admission = schedule_prefills([seqlen], decoding, self.tpot_slo_s, self.tpot_s, self.cost)
         if admission.admitted == 0:
             self.stats["layerkv_held_for_slo"] += 1
             return False
@@ -60,7 +67,8 @@ class LayerKV:
         at_least = min_retained_layers(config.num_layers, admission.prefill_s[0], seqlen, config.num_kv_heads,
                                        config.head_dim, self.layered.runner.k_cache.element_size(),
                                        self.layered.bandwidth_bps)
-        layers = self.pool.fitting_layers(self.pool.blocks_for(seqlen), at_least, self.reserve)
+        reserve = self.reserve if decode is not None else 0
+        layers = self.pool.fitting_layers(self.pool.blocks_for(seqlen), at_least, reserve)
         if layers is None:
             self.stats["layerkv_held_for_blocks"] += 1
             return False
@@ -68,6 +76,16 @@ class LayerKV:
         self.stats["layerkv_retained_layers_sum"] += len(layers)
         self.stats["layerkv_min_retained_layers_sum"] += at_least
         return True
+
+    def unplaceable(self, seqlen: int) -> str:
+        """Why a prompt of `seqlen` tokens could never start here, even with every block free ("" if it could):
+        its layers fit neither a layer's device blocks nor, all of them, the host memory."""
+        blocks = self.pool.blocks_for(seqlen)
+        if self.pool.can_ever_place(blocks):
+            return ""
+        return (f"prompt of {seqlen} tokens: its {blocks} blocks fit no layer's {self.pool.device_blocks} device "
+                f"blocks, and its {blocks * self.pool.num_layers} layer blocks exceed the "
+                f"{self.pool.host_blocks} of host memory (--layerkv-host-mb)")
 
     def placed(self, prefill: PrefillEngine, now: float) -> None:
         """The prefill engine has allocated (or not): later allocations are a decoding request's growth."""
@@ -78,9 +96,10 @@ class LayerKV:
                 self.stats["layerkv_prefills_admitted"] += 1
                 self.stats["layerkv_queue_delay_s_sum"] += now - since
 
-    def _note(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> None:
-        for job in prefill.queue:
-            self.queued_since.setdefault(job.request_id, now)
+    def _note(self, prefill: PrefillEngine, decode: DecodeEngine | None, now: float) -> None:
+        self.queued_since = {job.request_id: self.queued_since.get(job.request_id, now) for job in prefill.queue}
+        if decode is None:
+            return
         running = {r.key for r in decode.requests.values() if r.state == "running"}
         for key in running - self.decoding_since.keys():
             self.decoding_since[key] = now
@@ -144,3 +163,16 @@ class LayerKV:
 
 def _remaining(request: DecodeRequest) -> int:
     return max(1, request.job.sampling.max_tokens - len(request.generated))
+
+
+def layer_wise(runner: ModelRunner, config: EngineConfig) -> LayerKV:
+    """LayerKV for an engine with `--layerkv`: its pool (the device cache's blocks per layer, `--layerkv-host-mb`
+    of host layer blocks; it replaces the plain pool), its layered execution (from now on the runner's) with
+    the copy bandwidth probed, and its control."""
+    layer_block_bytes = 2 * config.block_size * runner.layer_token_bytes
+    pool = LayerBlockPool(config.num_kv_blocks, config.block_size, runner.config.num_layers,
+                          (config.layerkv_host_mb << 20) // layer_block_bytes)
+    layered = LayeredKV(runner, pool)
+    layered.probe_bandwidth()
+    return LayerKV(pool, layered, config.layerkv_tpot_slo_s, config.layerkv_offload_threshold,
+                   HARDWARE[config.hardware].flops)

@@ -44,6 +44,8 @@ class LayerwiseExecution(Protocol):
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor: ...
 
+    def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]: ...
+
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
@@ -116,6 +118,8 @@ class ModelRunner:
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
         """Key bytes, value bytes and their checksum (CRC-32C) for token positions start..end-1 of a sequence."""
+        if self.layered is not None:
+            return self.layered.read_layer(layer, block_table, start, end)
         slots = self._slots(block_table, start, end)
         return kv_payload(self.k_cache[layer, slots], self.v_cache[layer, slots])
 
