@@ -11,6 +11,8 @@ passed in; the arithmetic is `core.layerkv`'s; the copies are `engine/layered.py
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvcentric.core.costmodel import HARDWARE
 from kvcentric.core.layerkv.placement import min_retained_layers
 from kvcentric.core.layerkv.pool import LayerBlockPool
@@ -42,7 +44,7 @@ class LayerKV:
         self.decoding_since: dict[str, float] = {}
         self.queued_since: dict[str, float] = {}
         self.stats = {"layerkv_prefills_admitted": 0, "layerkv_held_for_slo": 0, "layerkv_held_for_blocks": 0,
-                      "layerkv_forecast_offloads": 0, "layerkv_queue_delay_s_sum": 0.0,
+                      "layerkv_forecast_offloads": 0, "layerkv_swap_ins": 0, "layerkv_queue_delay_s_sum": 0.0,
                       "layerkv_retained_layers_sum": 0, "layerkv_min_retained_layers_sum": 0}
 
     # ---------------------------------------------------------------- before each step
@@ -115,10 +117,9 @@ class LayerKV:
         """Eq. 5: forecast the free device layer blocks; below the threshold, the newest requests' device
         layers go to the host (the copies run before the next step). Returns the requests offloaded."""
         running = [r for r in reversed(decode.requests.values()) if r.state == "running" and r.blocks]
-        holdings = [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
-                    for r in running]
-        forecast = forecast_free(self.pool.device_free_layer_blocks, holdings, FORECAST_STAGES, self.pool.block_size)
-        victims = set(offload_victims(forecast, self.reserve, holdings))
+        holdings = self.holdings(running)
+        victims = set(offload_victims(self.forecast(self.pool.device_free_layer_blocks, holdings), self.reserve,
+                                      holdings))
         for request in running:
             if request.key in victims:
                 self.pool.offload(request.blocks)
@@ -126,20 +127,34 @@ class LayerKV:
         return [r.key for r in running if r.key in victims]
 
     def reload_if_room(self, decode: DecodeEngine) -> int:
-        """Bring decoding requests' host layers back into device blocks, oldest request first, while the device
-        keeps the threshold plus a block per running request free (the copies run one layer ahead of each
-        layer's compute in the next step). Returns the layer blocks brought back."""
+        """Swap in: bring decoding requests' host layers back into device blocks, oldest request first, while
+        eq. 5's forecast with them back stays at or above the threshold (so the next step's forecast does not
+        offload them again); from then on they decode in place. The copies run one layer ahead of each layer's
+        compute in the next step. Returns the layer blocks brought back."""
         running = [r for r in decode.requests.values() if r.state == "running" and r.blocks]
-        spare = self.pool.device_free_layer_blocks - self.reserve - len(running) * self.pool.num_layers
+        holdings = self.holdings(running)
         moved = 0
-        for request in running:
+        for index, request in enumerate(running):
             on_host = self.pool.host_layer_blocks_of(request.blocks)
-            if on_host > spare:
+            if not on_host:
+                continue
+            holding = holdings[index]
+            back = dataclasses.replace(holding, device_layer_blocks=holding.device_layer_blocks + on_host)
+            trial = [*holdings[:index], back, *holdings[index + 1:]]
+            if min(self.forecast(self.pool.device_free_layer_blocks - on_host, trial)) < self.reserve:
                 break
-            if on_host:
-                moved += self.pool.reload(request.blocks)
-                spare -= on_host
+            reloaded = self.pool.reload(request.blocks)
+            moved += reloaded
+            self.stats["layerkv_swap_ins"] += reloaded > 0
+            holdings[index] = self.holdings([request])[0]
         return moved
+
+    def holdings(self, running: list[DecodeRequest]) -> list[Holding]:
+        return [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
+                for r in running]
+
+    def forecast(self, free_now: int, holdings: list[Holding]) -> list[int]:
+        return forecast_free(free_now, holdings, FORECAST_STAGES, self.pool.block_size)
 
     # ---------------------------------------------------------------- after each step
 
