@@ -1,6 +1,6 @@
 """LayerKV's control in an engine (arXiv 2410.00428 §3.1): before each step it forecasts the free device blocks
-(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else brings
-the oldest ones' host layers back while the device has room: they come back one layer ahead), then
+(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else swaps
+the oldest ones' host layers back in while the forecast with them back allows: one layer ahead), then
 decides whether the next queued prompt may start: its predicted prefill must fit the decoding requests' TPOT
 budget (eqs. 1–3, Algorithm 1), and its blocks must fit with at least the layers eq. 4 says to keep (the
 most that fit, spread over the depth). It learns the TPOT and the prefill correction α from the engine's own
