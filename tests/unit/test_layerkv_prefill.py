@@ -1,6 +1,7 @@
 """LayerKV in the prefill role: a prompt whose KV does not fit in the device blocks starts with its layers split
 between device and host; the KV its layer hook streams out, the KV a resend reads back (`runner.read_layer`)
-and its first token are exactly (fp32) the plain engine's; nothing leaks."""
+and its first token are exactly (fp32) the plain engine's; nothing leaks; a role change gives the next role a
+plain runner."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 from factories import greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.layerkv.pool import LayerBlockPool
+from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.layered import LayeredKV
 from kvcentric.engine.layerkv import LayerKV
 from kvcentric.engine.prefill import PrefillEngine, PrefillWork
+from kvc_prefill.service import PrefillService
 
 DEVICE_BLOCKS = 4
 """16 tokens per layer on the device (4-token blocks); the prompts below need more."""
@@ -108,3 +111,13 @@ def test_a_prompt_that_could_never_be_placed_is_named():
     _, control = layerkv_prefill(host_blocks=16)  # 4 device blocks a layer, 16 host layer blocks in all
     assert control.unplaceable(16) == ""  # 4 blocks: every layer on the device
     assert control.unplaceable(17) != ""  # 5 blocks: no layer's device blocks hold it, and 4 × 5 > 16 on the host
+
+
+def test_a_prefill_instance_with_layerkv_hands_a_plain_runner_to_its_next_role():
+    service = PrefillService(EngineConfig(layerkv=True, num_kv_blocks=8, layerkv_host_mb=1, calibrate=False))
+    assert isinstance(service.pool, LayerBlockPool) and service.runner.layered is not None
+    assert service.engine.pool is service.pool and service.host is None
+    service.role_change.next_role = "decode"
+    successor = service.successor()
+    assert successor is not None and successor.role == "decode"
+    assert service.runner.layered is None and not isinstance(successor.pool, LayerBlockPool)
