@@ -176,7 +176,8 @@ def main() -> None:
                 gauges = engine.layerkv.gauges()
                 row["layerkv"] = {k: gauges[k] for k in ("layerkv_prompt_layers_offloaded", "layerkv_bytes_to_host",
                                                          "layerkv_bytes_to_device", "layerkv_held_for_slo",
-                                                         "layerkv_forecast_offloads", "layerkv_retained_layers_sum")}
+                                                         "layerkv_forecast_offloads", "layerkv_retained_layers_sum",
+                                                         "layerkv_swap_ins", "layerkv_layer_blocks_reloaded")}
                 engine.layerkv.layered.close()
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "layerkv"}), flush=True)

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import time
 
-from kvcentric.core.costmodel import HARDWARE
-from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.layered import LayeredKV
-from kvcentric.engine.layerkv import LayerKV
+from kvcentric.engine.layerkv import layer_wise
 from kvcentric.engine.mixed import MixedStep, MixedStepper
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load, prefills_of
@@ -28,7 +25,9 @@ class ColocatedService(EngineService):
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config, with_host_pool=not config.layerkv)
-        self.layerkv = self.layer_wise(config) if config.layerkv else None
+        self.layerkv = layer_wise(self.runner, config) if config.layerkv else None
+        if self.layerkv is not None:
+            self.pool = self.layerkv.pool
         self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
                                       config.prefill_chunk, config.max_batch, self.host, self.layerkv,
                                       config.layerwise_load)
@@ -37,18 +36,6 @@ class ColocatedService(EngineService):
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
-
-    def layer_wise(self, config: EngineConfig) -> LayerKV:
-        """LayerKV's pool (replacing the plain one), its layered execution and its scheduler."""
-        runner = self.runner
-        layer_block_bytes = 2 * config.block_size * runner.layer_token_bytes
-        pool = LayerBlockPool(config.num_kv_blocks, config.block_size, runner.config.num_layers,
-                              (config.layerkv_host_mb << 20) // layer_block_bytes)
-        self.pool = pool
-        layered = LayeredKV(runner, pool)
-        layered.probe_bandwidth()
-        return LayerKV(pool, layered, config.layerkv_tpot_slo_s, config.layerkv_offload_threshold,
-                       HARDWARE[config.hardware].flops)
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, "prefill", self.instance_id, PrefillJob, self.on_prefill)
@@ -69,6 +56,8 @@ class ColocatedService(EngineService):
                                      f"not {job.decode_id}")
         if self.layerkv is not None and job.sampling.n > 1:
             return SubmitAck.refused("--layerkv serves one sequence per request (n = 1)")
+        if self.layerkv is not None and (why := self.layerkv.unplaceable(len(job.token_ids))):
+            return SubmitAck.refused(why)
         # The decode side of the request comes with it: the gateway sends a colocated instance one submit.
         decode_job = None if job.request_id in self.engine.decode.requests else \
             DecodeJob(request_id=job.request_id, n_prompt_tokens=len(job.token_ids), sampling=job.sampling)

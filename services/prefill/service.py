@@ -1,7 +1,9 @@
 """The prefill service's asyncio shell: takes jobs from NATS, runs the prefill engine chunk by chunk in
 the model thread, and pushes each layer's KV to the decode instance's messenger over gRPC as soon as
 that layer of the chunk is computed, so the transfer overlaps the remaining layers and chunks. A computed
-request's push finishes beside the next jobs, so a slow or stopped receiver delays no one else.
+request's push finishes beside the next jobs, so a slow or stopped receiver delays no one else. With
+--layerkv a prompt whose KV does not fit in device blocks starts with some of its layers in host memory
+(LayerKV, `engine/layerkv.py`); its layers stream out as they are computed, wherever they are kept.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import ClassVar
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import NO_ROOM
+from kvcentric.engine.layerkv import layer_wise
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
 from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.streaming import RequestPush
 from kvcentric.engine.service import EngineService
+from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
 
 
@@ -46,7 +50,11 @@ class PrefillService(EngineService):
 
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
-        super().__init__(config, runner)
+        super().__init__(config, runner, with_host_pool=not config.layerkv)
+        self.layerkv = layer_wise(self.runner, config) if config.layerkv else None
+        """With --layerkv: the pool is LayerKV's, and a prompt starts once its layers are placed."""
+        if self.layerkv is not None:
+            self.pool = self.layerkv.pool
         self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
                                     config.prefill_chunk, self.host, config.layerwise_load)
         self.attach(RefusingSink())
@@ -63,6 +71,8 @@ class PrefillService(EngineService):
             self.engine.check(job)
         except PrefillRejected as exc:
             return SubmitAck.refused(str(exc))
+        if self.layerkv is not None and (why := self.layerkv.unplaceable(len(job.token_ids))):
+            return SubmitAck.refused(why)
         self.spans.received(job.request_id)
         if job.pull_block_hashes and job.kv_source_addr and self.host is not None:
             self.tasks.spawn(self.pull_then_submit(job), f"pull-{job.request_id}")
@@ -130,13 +140,19 @@ class PrefillService(EngineService):
 
     def gauges(self) -> dict[str, float]:
         work = {"requests_queued": len(self.engine.queue), "requests_running": len(self.engine.running)}
-        return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats()}
+        layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
+        return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats(), **layerkv}
+
+    def successor(self) -> Service | None:
+        if self.layerkv is not None:  # the next role runs the model over whole device blocks
+            self.layerkv.layered.detach()
+        return super().successor()
 
     # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            chunk = self.engine.schedule()
+            chunk = self.schedule()
             if chunk is None:
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
@@ -144,7 +160,19 @@ class PrefillService(EngineService):
             started = time.perf_counter()  # the chunk's whole turn, as the queue behind it sees it
             await self.prefill_chunk(chunk)
             await self.reporter.publish_cache_changes()
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.speed.prefill(chunk.end - chunk.start, chunk.start, seconds)
+            if self.layerkv is not None:
+                self.layerkv.observe_prefill(chunk.end - chunk.start, chunk.start, seconds)
+
+    def schedule(self) -> PrefillChunk | None:
+        """The engine's next chunk; with LayerKV a new prompt starts only once its layers are placed."""
+        if self.layerkv is None:
+            return self.engine.schedule()
+        now = time.monotonic()
+        chunk = self.engine.schedule() if self.layerkv.admit(self.engine, None, now) else None
+        self.layerkv.placed(self.engine, now)
+        return chunk
 
     async def prefill_chunk(self, chunk: PrefillChunk) -> None:
         """Compute one chunk while its layers stream to decode; the first chunk opens the push, the

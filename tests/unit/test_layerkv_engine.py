@@ -99,3 +99,42 @@ def test_the_slo_aware_scheduler_holds_prompts_while_decoding_requests_would_mis
     assert stats["layerkv_held_for_slo"] > 0
     assert stats["layerkv_prefills_admitted"] == len(PROMPTS)
     assert engine.decode.stats["batch_size_sum"] == engine.decode.stats["decode_steps"]  # one decoding at a time
+
+
+def test_offloaded_layers_swap_back_in_once_the_forecast_has_room_and_then_decode_in_place():
+    engine = layerkv_engine(device_blocks=16, host_blocks=400, threshold=0.0)
+    plain_runner = make_runner(block_size=4)
+    plain = ColocatedEngine(plain_runner, make_pool(plain_runner), BlockHasher(block_size=4), chunk_tokens=6)
+    control, pool, layers = engine.layerkv, engine.pool, engine.runner.config.num_layers
+    assert control is not None and isinstance(pool, LayerBlockPool)
+    tokens, out = [], []
+    for each in (plain, engine):
+        job = prefill_job(PROMPTS[0], greedy(40), request_id="r")
+        each.submit(job, decode_job("r", len(PROMPTS[0]), greedy(40)))
+    while plain.has_work:
+        tokens += [t for chunk in plain.step() for t in chunk.token_ids]
+    while "r" not in engine.decode.requests:
+        out += [t for chunk in engine.step() for t in chunk.token_ids]
+    request = engine.decode.requests["r"]
+    pool.offload(request.blocks)  # as eq. 5 would, then a burst takes all but 4 device blocks of each layer
+    pool.placement = list(range(layers))
+    burst = pool.allocate(12)
+    pool.placement = None
+
+    def step() -> dict[str, float]:
+        out.extend(t for chunk in engine.step() for t in chunk.token_ids)
+        return control.gauges()
+    before = step()
+    after = [step() for _ in range(5)]
+    assert after[-1]["layerkv_layer_blocks_reloaded"] == 0  # with it back, the forecast would dip below 0
+    assert after[-1]["layerkv_layers_reloaded"] > before["layerkv_layers_reloaded"]  # read from the host each step
+    pool.free(burst)
+    swapped = step()
+    assert swapped["layerkv_swap_ins"] == 1 and swapped["layerkv_layer_blocks_reloaded"] > 0
+    assert all(pool.device_layers(request.blocks))
+    in_place = [step() for _ in range(3)]
+    assert in_place[-1]["layerkv_layers_reloaded"] == in_place[0]["layerkv_layers_reloaded"]  # no host reads
+    while engine.has_work:
+        step()
+    assert out == tokens
+    assert_all_free(engine)

@@ -70,7 +70,19 @@ def test_environment_variables_reach_the_engines_through_up(monkeypatch):
     assert (engine.max_batch, engine.prefill_chunk) == (1, 32)
 
 
+def test_layerkv_reaches_the_prefill_instances_and_prefill_kv_blocks_only_them():
+    config = up_config("--prefill", "1", "--decode", "1", "--layerkv", "--num-kv-blocks", "64",
+                       "--prefill-kv-blocks", "8")
+    prefill = engine_config(config.engine_flags("prefill", threads=1))
+    decode = engine_config(config.engine_flags("decode", threads=1))
+    assert (prefill.layerkv, prefill.num_kv_blocks) == (True, 8)
+    assert (decode.layerkv, decode.num_kv_blocks) == (False, 64)
+    assert engine_config(up_config().engine_flags("prefill", threads=1)).num_kv_blocks == 2048
+
+
 @pytest.mark.parametrize("argv, flag", [
+    (["--layerkv", "--prefill-pipeline", "2"], "--layerkv"),
+    (["--prefill-kv-blocks", "-1"], "--prefill-kv-blocks"),
     (["--prefill-chunk", "0"], "--prefill-chunk"),
     (["--max-batch", "0"], "--max-batch"),
     (["--device", "tpu"], "--device"),

@@ -70,10 +70,10 @@ class EngineConfig(BusConfig):
     kv_wait_s: float = setting(300.0, "decode: the longest a request waits for its KV after its job or its latest "
                                       "layer (the job asks for max(30 s, 3 x its predicted TTFT)); then it fails "
                                       "with a 503 ('KV did not arrive in time')")
-    layerkv: bool = setting(False, "colocated: LayerKV (arXiv 2410.00428): allocate KV blocks per layer, keep only "
-                                   "some layers of a prompt on the device and the rest in host memory (moved layer "
-                                   "by layer beside the compute), and admit prompts by the decoding requests' TPOT "
-                                   "SLO (no prefix caching, no host block pool)")
+    layerkv: bool = setting(False, "colocated or prefill: LayerKV (arXiv 2410.00428): allocate KV blocks per layer, "
+                                   "keep only some layers of a prompt on the device and the rest in host memory "
+                                   "(moved layer by layer beside the compute), and (colocated) admit prompts by the "
+                                   "decoding requests' TPOT SLO (no prefix caching, no host block pool)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: TPOT SLO, seconds, the SLO-aware scheduler admits "
                                              "prompts by (0: admit whenever the blocks fit)")
     layerkv_offload_threshold: float = setting(0.1, "with --layerkv: share of device layer blocks kept free; when "
@@ -113,6 +113,8 @@ class EngineConfig(BusConfig):
         require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
         require(not (self.layerkv and self.step_tokens), "step_tokens",
                 "mixed steps do not run LayerKV's layer-wise KV yet: use --step-tokens 0 with --layerkv")
+        require(not (self.layerkv and self.pipeline_group), "layerkv",
+                "a prefill stage (--pipeline-group) does not run LayerKV: drop one of the two")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")

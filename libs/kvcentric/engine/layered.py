@@ -2,7 +2,8 @@
 blocks is read where it lies; a layer with blocks on the host is gathered into a scratch buffer, its host
 blocks copied in one layer ahead while the layer before computes, and the new tokens' KV is copied back to
 their homes while the next layer computes (the offload). On the CPU a worker thread does the copies; on CUDA
-a side stream, the host blocks pinned. It executes what `core.layerkv` decided; it decides nothing.
+a side stream, the host blocks pinned. `read_layer` reads a layer's KV from wherever each block lies (a push
+that resends). It executes what `core.layerkv` decided; it decides nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from kvcentric.core.layerkv.pool import LayerBlockPool, Move
 from kvcentric.engine.llama import AttentionBatch, LayerHook, SequenceSlice
-from kvcentric.engine.runner import ModelRunner, block_slots, slots_of
+from kvcentric.engine.runner import ModelRunner, block_slots, kv_payload, slots_of
 
 SCRATCH_BUFFERS = 3
 """Scratch buffers in turn: one being loaded, one computed in, one being written back."""
@@ -143,6 +144,29 @@ class LayeredKV:
         steps = [SequenceStep(table, position, position + 1) for table, position in zip(block_tables, positions)]
         rows = torch.arange(len(steps), device=self.runner.device)
         return self.forward(torch.tensor(token_ids, device=self.runner.device), steps, rows, decoding=True)
+
+    def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
+        """Key bytes, value bytes and their checksum for positions start..end-1 of one layer, read from each
+        block's home in that layer: device blocks from the cache, host blocks from host memory (a KV push that
+        resends, or sends what was not computed in this step)."""
+        keys, values = self.layer_kv(layer, block_table, start, end)
+        return kv_payload(keys, values)
+
+    def layer_kv(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[end - start, kv_heads, head_dim] keys and values of one layer, on the host."""
+        size = self.block_size
+        positions = torch.arange(start, end)
+        homes = torch.tensor(self.pool.layer_table(block_table, layer), dtype=torch.long)[positions // size]
+        within = positions % size
+        on_device = homes >= 0
+        shape = (end - start, *self.host_k.shape[1:])
+        keys, values = torch.empty(shape, dtype=self.host_k.dtype), torch.empty(shape, dtype=self.host_v.dtype)
+        device_slots = (homes[on_device] * size + within[on_device]).to(self.runner.device)
+        keys[on_device] = self.runner.k_cache[layer, device_slots].cpu()
+        values[on_device] = self.runner.v_cache[layer, device_slots].cpu()
+        host_slots = (-homes[~on_device] - 1) * size + within[~on_device]
+        keys[~on_device], values[~on_device] = self.host_k[host_slots], self.host_v[host_slots]
+        return keys, values
 
     # ---------------------------------------------------------------- the layer pipeline
 
@@ -371,6 +395,11 @@ class LayeredKV:
 
     def close(self) -> None:
         self.copier.close()
+
+    def detach(self) -> None:
+        """The runner goes back to whole device blocks (a role change), and the copy worker stops."""
+        self.runner.layered = None
+        self.close()
 
 
 def _joined(parts: list[list[tuple[str, Any, Any]]]) -> Copies:

@@ -1,22 +1,28 @@
 """LayerKV's control in an engine (arXiv 2410.00428 §3.1): before each step it forecasts the free device blocks
-(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else brings
-the oldest ones' host layers back while the device has room: they come back one layer ahead), then
+(eq. 5) and offloads the retained layers of the newest decoding requests when they would run short (else swaps
+the oldest ones' host layers back in while the forecast with them back allows: one layer ahead), then
 decides whether the next queued prompt may start: its predicted prefill must fit the decoding requests' TPOT
 budget (eqs. 1–3, Algorithm 1), and its blocks must fit with at least the layers eq. 4 says to keep (the
 most that fit, spread over the depth). It learns the TPOT and the prefill correction α from the engine's own
-step timings and the link from the copies `LayeredKV` times. Time is passed in; the arithmetic is
-`core.layerkv`'s; the copies are `engine/layered.py`'s.
+step timings and the link from the copies `LayeredKV` times. On a prefill instance (no decode engine) only the
+placement applies: a prompt starts once its blocks fit with its layers split between device and host. Time is
+passed in; the arithmetic is `core.layerkv`'s; the copies are `engine/layered.py`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from kvcentric.core.costmodel import HARDWARE
 from kvcentric.core.layerkv.placement import min_retained_layers
 from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.layerkv.scheduler import (Decoding, Holding, PrefillCost, forecast_free, offload_victims,
                                               schedule_prefills)
+from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, DecodeRequest
 from kvcentric.engine.layered import LayeredKV
 from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.runner import ModelRunner
 
 FORECAST_STAGES = 4
 """Stages of eq. 5's forecast, each a block's worth of decode steps."""
@@ -38,21 +44,24 @@ class LayerKV:
         self.decoding_since: dict[str, float] = {}
         self.queued_since: dict[str, float] = {}
         self.stats = {"layerkv_prefills_admitted": 0, "layerkv_held_for_slo": 0, "layerkv_held_for_blocks": 0,
-                      "layerkv_forecast_offloads": 0, "layerkv_queue_delay_s_sum": 0.0,
+                      "layerkv_forecast_offloads": 0, "layerkv_swap_ins": 0, "layerkv_queue_delay_s_sum": 0.0,
                       "layerkv_retained_layers_sum": 0, "layerkv_min_retained_layers_sum": 0}
 
     # ---------------------------------------------------------------- before each step
 
-    def admit(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> bool:
+    def admit(self, prefill: PrefillEngine, decode: DecodeEngine | None, now: float) -> bool:
         """Whether the prefill side may run this step; when it starts a prompt, `pool.placement` says which of
-        its layers stay on the device (`placed` clears it after the prefill engine allocated)."""
+        its layers stay on the device (`placed` clears it after the prefill engine allocated). `decode`: None
+        on a prefill instance, where no request decodes: no TPOT budget, no forecast, and no device blocks
+        reserved for growth (a prompt's blocks are all allocated when it starts)."""
         self._note(prefill, decode, now)
-        if not self.offload_if_short(decode):
+        if decode is not None and not self.offload_if_short(decode):
             self.reload_if_room(decode)
         if prefill.running or not prefill.queue:
             return True
         seqlen = len(prefill.queue[0].token_ids)
-        admission = schedule_prefills([seqlen], self.decoding(decode, now), self.tpot_slo_s, self.tpot_s, self.cost)
+        decoding = self.decoding(decode, now) if decode is not None else []
+        admission = schedule_prefills([seqlen], decoding, self.tpot_slo_s, self.tpot_s, self.cost)
         if admission.admitted == 0:
             self.stats["layerkv_held_for_slo"] += 1
             return False
@@ -60,7 +69,8 @@ class LayerKV:
         at_least = min_retained_layers(config.num_layers, admission.prefill_s[0], seqlen, config.num_kv_heads,
                                        config.head_dim, self.layered.runner.k_cache.element_size(),
                                        self.layered.bandwidth_bps)
-        layers = self.pool.fitting_layers(self.pool.blocks_for(seqlen), at_least, self.reserve)
+        reserve = self.reserve if decode is not None else 0
+        layers = self.pool.fitting_layers(self.pool.blocks_for(seqlen), at_least, reserve)
         if layers is None:
             self.stats["layerkv_held_for_blocks"] += 1
             return False
@@ -68,6 +78,16 @@ class LayerKV:
         self.stats["layerkv_retained_layers_sum"] += len(layers)
         self.stats["layerkv_min_retained_layers_sum"] += at_least
         return True
+
+    def unplaceable(self, seqlen: int) -> str:
+        """Why a prompt of `seqlen` tokens could never start here, even with every block free ("" if it could):
+        its layers fit neither a layer's device blocks nor, all of them, the host memory."""
+        blocks = self.pool.blocks_for(seqlen)
+        if self.pool.can_ever_place(blocks):
+            return ""
+        return (f"prompt of {seqlen} tokens: its {blocks} blocks fit no layer's {self.pool.device_blocks} device "
+                f"blocks, and its {blocks * self.pool.num_layers} layer blocks exceed the "
+                f"{self.pool.host_blocks} of host memory (--layerkv-host-mb)")
 
     def placed(self, prefill: PrefillEngine, now: float) -> None:
         """The prefill engine has allocated (or not): later allocations are a decoding request's growth."""
@@ -78,9 +98,10 @@ class LayerKV:
                 self.stats["layerkv_prefills_admitted"] += 1
                 self.stats["layerkv_queue_delay_s_sum"] += now - since
 
-    def _note(self, prefill: PrefillEngine, decode: DecodeEngine, now: float) -> None:
-        for job in prefill.queue:
-            self.queued_since.setdefault(job.request_id, now)
+    def _note(self, prefill: PrefillEngine, decode: DecodeEngine | None, now: float) -> None:
+        self.queued_since = {job.request_id: self.queued_since.get(job.request_id, now) for job in prefill.queue}
+        if decode is None:
+            return
         running = {r.key for r in decode.requests.values() if r.state == "running"}
         for key in running - self.decoding_since.keys():
             self.decoding_since[key] = now
@@ -96,10 +117,9 @@ class LayerKV:
         """Eq. 5: forecast the free device layer blocks; below the threshold, the newest requests' device
         layers go to the host (the copies run before the next step). Returns the requests offloaded."""
         running = [r for r in reversed(decode.requests.values()) if r.state == "running" and r.blocks]
-        holdings = [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
-                    for r in running]
-        forecast = forecast_free(self.pool.device_free_layer_blocks, holdings, FORECAST_STAGES, self.pool.block_size)
-        victims = set(offload_victims(forecast, self.reserve, holdings))
+        holdings = self.holdings(running)
+        victims = set(offload_victims(self.forecast(self.pool.device_free_layer_blocks, holdings), self.reserve,
+                                      holdings))
         for request in running:
             if request.key in victims:
                 self.pool.offload(request.blocks)
@@ -107,20 +127,34 @@ class LayerKV:
         return [r.key for r in running if r.key in victims]
 
     def reload_if_room(self, decode: DecodeEngine) -> int:
-        """Bring decoding requests' host layers back into device blocks, oldest request first, while the device
-        keeps the threshold plus a block per running request free (the copies run one layer ahead of each
-        layer's compute in the next step). Returns the layer blocks brought back."""
+        """Swap in: bring decoding requests' host layers back into device blocks, oldest request first, while
+        eq. 5's forecast with them back stays at or above the threshold (so the next step's forecast does not
+        offload them again); from then on they decode in place. The copies run one layer ahead of each layer's
+        compute in the next step. Returns the layer blocks brought back."""
         running = [r for r in decode.requests.values() if r.state == "running" and r.blocks]
-        spare = self.pool.device_free_layer_blocks - self.reserve - len(running) * self.pool.num_layers
+        holdings = self.holdings(running)
         moved = 0
-        for request in running:
+        for index, request in enumerate(running):
             on_host = self.pool.host_layer_blocks_of(request.blocks)
-            if on_host > spare:
+            if not on_host:
+                continue
+            holding = holdings[index]
+            back = dataclasses.replace(holding, device_layer_blocks=holding.device_layer_blocks + on_host)
+            trial = [*holdings[:index], back, *holdings[index + 1:]]
+            if min(self.forecast(self.pool.device_free_layer_blocks - on_host, trial)) < self.reserve:
                 break
-            if on_host:
-                moved += self.pool.reload(request.blocks)
-                spare -= on_host
+            reloaded = self.pool.reload(request.blocks)
+            moved += reloaded
+            self.stats["layerkv_swap_ins"] += reloaded > 0
+            holdings[index] = self.holdings([request])[0]
         return moved
+
+    def holdings(self, running: list[DecodeRequest]) -> list[Holding]:
+        return [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
+                for r in running]
+
+    def forecast(self, free_now: int, holdings: list[Holding]) -> list[int]:
+        return forecast_free(free_now, holdings, FORECAST_STAGES, self.pool.block_size)
 
     # ---------------------------------------------------------------- after each step
 
@@ -144,3 +178,16 @@ class LayerKV:
 
 def _remaining(request: DecodeRequest) -> int:
     return max(1, request.job.sampling.max_tokens - len(request.generated))
+
+
+def layer_wise(runner: ModelRunner, config: EngineConfig) -> LayerKV:
+    """LayerKV for an engine with `--layerkv`: its pool (the device cache's blocks per layer, `--layerkv-host-mb`
+    of host layer blocks; it replaces the plain pool), its layered execution (from now on the runner's) with
+    the copy bandwidth probed, and its control."""
+    layer_block_bytes = 2 * config.block_size * runner.layer_token_bytes
+    pool = LayerBlockPool(config.num_kv_blocks, config.block_size, runner.config.num_layers,
+                          (config.layerkv_host_mb << 20) // layer_block_bytes)
+    layered = LayeredKV(runner, pool)
+    layered.probe_bandwidth()
+    return LayerKV(pool, layered, config.layerkv_tpot_slo_s, config.layerkv_offload_threshold,
+                   HARDWARE[config.hardware].flops)

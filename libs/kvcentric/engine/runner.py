@@ -45,6 +45,8 @@ class LayerwiseExecution(Protocol):
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor: ...
 
+    def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]: ...
+
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
@@ -119,10 +121,13 @@ class ModelRunner:
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
         """Key bytes, value bytes and their checksum (CRC-32C) for token positions start..end-1 of a sequence."""
+        if self.layered is not None:
+            return self.layered.read_layer(layer, block_table, start, end)
         return kv_payload(*self.layer_kv(layer, block_table, start, end))
 
     def layer_kv(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies of one layer's keys and values ([end - start, kv heads, head dim]) of positions start..end-1."""
+        """Copies of one layer's keys and values ([end - start, kv heads, head dim]) of positions start..end-1
+        (a plain cache: with LayerKV, `read_layer` asks the layer's own tables)."""
         slots = self._slots(block_table, start, end)
         return self.k_cache[layer, slots], self.v_cache[layer, slots]
 

@@ -50,6 +50,7 @@ class UpConfig:
     profile: str = setting("", "cost model from `kvcentric profile` for the conductor and, with --tbt-slo-s, the "
                                "decode instances (default: a roofline of the model on this machine)")
     num_kv_blocks: int = setting(2048, "KV blocks per engine instance")
+    prefill_kv_blocks: int = setting(0, "device KV blocks per prefill instance (0: --num-kv-blocks)")
     block_size: int = setting(16, "tokens per KV block")
     prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
     max_batch: int = setting(64, "most sequences in one decode step of an engine")
@@ -58,7 +59,8 @@ class UpConfig:
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
-    layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission)")
+    layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission); "
+                                   "without --colocated, the prefill instances do (layer-wise KV offloading)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
@@ -78,8 +80,9 @@ class UpConfig:
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
-        require(not self.layerkv or self.colocated > 0, "layerkv",
-                "LayerKV runs in colocated instances: add --colocated N")
+        require(not (self.layerkv and self.prefill_pipeline > 1 and not self.colocated), "layerkv",
+                "pipelined prefill stages do not run LayerKV: use --prefill-pipeline 1")
+        require(self.prefill_kv_blocks >= 0, "prefill_kv_blocks", "must be 0 (--num-kv-blocks) or positive")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
 
@@ -106,10 +109,11 @@ class UpConfig:
 
     def engine_flags(self, command: str, threads: int) -> list[str]:
         """The flags of one engine instance (`command`: prefill, decode or colocated)."""
-        flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(self.num_kv_blocks),
+        blocks = self.prefill_kv_blocks if command == "prefill" and self.prefill_kv_blocks else self.num_kv_blocks
+        flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(blocks),
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
                  str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", self.device]
-        if command == "colocated" and self.layerkv:
+        if command in ("colocated", "prefill") and self.layerkv:
             flags += ["--layerkv", "--layerkv-tpot-slo-s", str(self.layerkv_tpot_slo_s)]
         if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
             flags += ["--tbt-slo-s", str(self.tbt_slo_s)]

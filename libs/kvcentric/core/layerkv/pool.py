@@ -78,6 +78,11 @@ class LayerBlockPool(BlockPool):
         short = sum(max(0, num_blocks - len(free)) for free in self.device_free)
         return short <= len(self.host_free)
 
+    def can_ever_place(self, num_blocks: int) -> bool:
+        """Whether `num_blocks` blocks fit with every block free: each layer on the device, else all on the host
+        (a prompt's layer is placed whole, `fitting_layers`)."""
+        return num_blocks <= self.device_blocks or num_blocks * self.num_layers <= self.host_blocks
+
     def fitting_layers(self, num_blocks: int, at_least: int, reserve: int) -> list[int] | None:
         """The most layers (at least `at_least`), spread evenly, whose `num_blocks` blocks each fit on the
         device leaving `reserve` layer blocks free, the rest fitting on the host; None when none do. Keeping
