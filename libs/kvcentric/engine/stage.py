@@ -83,6 +83,7 @@ class StageRunner(ModelRunner):
         self.config = dataclasses.replace(config, num_layers=len(self.layers))
         self.block_size, self.dtype, self.dtype_name = block_size, DTYPES[dtype], dtype
         self.device = torch.device(device)
+        self.layered = None  # a stage's cache is whole blocks (no LayerKV)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval())
