@@ -5,7 +5,7 @@ import pytest
 import msgspec
 
 from factories import decode_report, make_conductor, prefill_report, schedule_request
-from kvcentric.core.protocol import Placement, Rejection, RequestOutcome
+from kvcentric.core.protocol import MeasuredCost, Placement, Rejection, RequestOutcome
 from kvcentric.core.scheduling.correction import TtftCorrection
 
 
@@ -106,3 +106,31 @@ def test_an_outcome_teaches_what_no_first_token_did_and_ends_the_wait():
     assert conductor.correction.factor("p0", 4.0) == pytest.approx(1.25)
     conductor.on_first_token(first_token("a", 2.0, 1.0), 4.1)  # told twice: counted once
     assert conductor.correction.factor("p0", 4.1) == pytest.approx(1.25)
+
+
+def test_each_new_prefill_chunk_moves_the_chunk_ratio_and_a_repeated_one_does_not():
+    correction = TtftCorrection(min_predicted_s=0.5)
+    assert correction.learn_chunk("p0", samples=12, predicted_s=0.2, measured_s=0.6) == pytest.approx(1.5)  # 3x
+    assert correction.learn_chunk("p0", samples=12, predicted_s=0.2, measured_s=0.6) is None  # the same chunk
+    assert correction.learn_chunk("p0", samples=13, predicted_s=0.2, measured_s=2.0) == pytest.approx(2.125)  # 10x: 4
+    assert correction.factor("p0", now=0.0) == pytest.approx(2.125)  # over a learned TTFT ratio of 1
+    correction.learn("p0", "a", predicted_s=1.0, actual_s=4.0)
+    assert correction.factor("p0", now=0.0) == pytest.approx(2.125)  # the larger of 1.75 and 2.125
+    correction.forget("p0")
+    assert correction.factor("p0", now=0.0) == 1.0
+
+
+def test_prefill_chunks_that_run_slower_than_the_model_turn_an_admission_into_a_429():
+    # the instance's own model: 1 ms per token, its chunks of 1000 tokens timed at 3 s
+    slow = MeasuredCost(prefill=[0.0, 1e-3, 0.0, 0.0], prefill_error=0.05, last_prefill=[1000.0, 0.0, 3.0])
+    decisions = {}
+    for enabled in (True, False):
+        conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction=enabled)
+        for samples in range(1, 9):
+            report = msgspec.structs.replace(prefill_report("p0"),
+                                             cost=msgspec.structs.replace(slow, prefill_samples=samples))
+            conductor.observe(report, samples / 10)
+        decisions[enabled] = conductor.schedule(schedule_request(1500, "next"), {}, 0.9)
+    assert isinstance(decisions[False], Placement) and decisions[False].predicted_ttft_s == pytest.approx(1.5)
+    assert isinstance(decisions[True], Rejection)  # 1.5 s x (3 - 2 x 0.75^8 = 2.8) = 4.2 s
+    assert decisions[True].retry_after_s == pytest.approx(1.2)

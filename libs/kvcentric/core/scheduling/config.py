@@ -42,8 +42,9 @@ class SchedulerConfig:
                                        "blocks before its KV events say so (Mooncake §6.1)")
     ttft_correction: bool = setting(True, "admission multiplies each prefill instance's predicted TTFT by the "
                                           "ratio of actual to predicted TTFT learned from its first tokens "
-                                          "(exponentially weighted, clamped to [0.5, 4]) and raised to what its "
-                                          "placements still waiting for theirs show already")
+                                          "(exponentially weighted, clamped to [0.5, 4]), raised to the ratio its "
+                                          "latest prefill chunks ran at against its own model and to what its "
+                                          "placements still waiting for a first token show already")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")

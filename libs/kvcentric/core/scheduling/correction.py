@@ -1,13 +1,16 @@
 """Predicted TTFT corrected from what came, per prefill instance: an exponentially weighted ratio of actual to
-predicted TTFT, clamped to a sane range, floored by the placements that are late already. Pure: time is
-passed in; it corrects a prediction, it admits and rejects nothing.
+predicted TTFT, clamped to a sane range, raised to the ratio its latest prefill chunks ran at and to what the
+placements that are late already show. Pure: time is passed in; it corrects a prediction, it admits and
+rejects nothing.
 
 Mooncake §7 rejects on predicted load; a prediction that is consistently short (a machine slower than its
 fitted model, a queue that runs behind its estimate) admits requests that then miss the SLO. Each first token
 teaches the ratio actual / predicted of its prefill instance (`learn`); until first tokens come, the
 placements still waiting for theirs bound it from below (`overdue_ratio`: one placed 6 s ago with a predicted
 TTFT of 2 s has a ratio of at least 3), so the correction grows from the first late request of a step of load
-instead of one TTFT later.
+instead of one TTFT later. Sooner still, each prefill chunk an instance times (in its load reports) against its
+own model says how much slower than its model it runs now (`learn_chunk`: a machine shared with other work),
+which stretches its queue and its prefill alike.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class TtftCorrection:
         self.min_predicted_s, self.weight, self.low, self.high = min_predicted_s, weight, low, high
         self.max_wait_s = max_wait_s
         self.factors: dict[str, float] = {}
+        self.speeds: dict[str, float] = {}
+        """instance id -> the ratio measured / predicted its recent prefill chunks ran at."""
+        self.chunks_seen: dict[str, int] = {}
         self.waiting: dict[str, dict[str, Outstanding]] = {}
         """instance id -> request id -> its placement, for placements whose first token has not come."""
         self.learned: dict[str, None] = {}
@@ -64,6 +70,16 @@ class TtftCorrection:
         old = self.factors.get(instance_id, 1.0)
         new = self.factors[instance_id] = self.clamp(old + self.weight * (self.ratio(predicted_s, actual_s) - old))
         self.observations += 1
+        return new
+
+    def learn_chunk(self, instance_id: str, samples: int, predicted_s: float, measured_s: float) -> float | None:
+        """The instance's latest timed prefill chunk, its `samples`-th, took `measured_s` where its model says
+        `predicted_s`; returns its new chunk ratio (None: that chunk was counted already, or a time unknown)."""
+        if samples <= self.chunks_seen.get(instance_id, 0) or predicted_s <= 0 or measured_s <= 0:
+            return None
+        self.chunks_seen[instance_id] = samples
+        old = self.speeds.get(instance_id, 1.0)
+        new = self.speeds[instance_id] = self.clamp(old + self.weight * (self.clamp(measured_s / predicted_s) - old))
         return new
 
     def placed(self, instance_id: str, request_id: str, predicted_s: float, now: float) -> None:
@@ -92,10 +108,11 @@ class TtftCorrection:
         return self.clamp(worst)
 
     def factor(self, instance_id: str, now: float) -> float:
-        """What to multiply `instance_id`'s predicted TTFT by: its learned ratio, raised to what its late
-        placements show already."""
-        return max(self.factors.get(instance_id, 1.0), self.overdue_ratio(instance_id, now))
+        """What to multiply `instance_id`'s predicted TTFT by: its learned ratio, raised to the ratio its chunks
+        run at and to what its late placements show already."""
+        return max(self.factors.get(instance_id, 1.0), self.speeds.get(instance_id, 1.0),
+                   self.overdue_ratio(instance_id, now))
 
     def forget(self, instance_id: str) -> None:
-        self.factors.pop(instance_id, None)
-        self.waiting.pop(instance_id, None)
+        for table in (self.factors, self.speeds, self.chunks_seen, self.waiting):
+            table.pop(instance_id, None)
