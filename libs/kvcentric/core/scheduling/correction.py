@@ -16,12 +16,16 @@ which stretches its queue and its prefill alike.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 WEIGHT = 0.25
 """How much one observed ratio moves the factor (an exponentially weighted mean of about 4 observations)."""
 LOW, HIGH = 0.5, 4.0
 """The factor stays in [LOW, HIGH]: a prediction is never trusted to be more than 2x too long nor corrected by
 more than 4x, whatever one outlier says."""
+OLDEST_WAITING = 16
+"""Placements still waiting for a first token looked at per instance (the oldest: the latest against their
+predictions), so a decision costs the same however many are waiting."""
 LEARNED_MEMORY = 10_000
 """Requests remembered as learned from (a request's first token and its end both carry its TTFT)."""
 
@@ -95,9 +99,10 @@ class TtftCorrection:
 
     def overdue_ratio(self, instance_id: str, now: float) -> float:
         """The least ratio the placements still waiting on `instance_id` are known to have: the largest of
-        waited / predicted over them (1.0 when none is late)."""
+        waited / predicted over the OLDEST_WAITING longest waiting (1.0 when none is late; in a FIFO queue the
+        later ones waited less for a longer prediction). Placements past `max_wait_s` are dropped as lost."""
         worst, lost = 1.0, []
-        for request_id, placement in self.waiting.get(instance_id, {}).items():
+        for request_id, placement in itertools.islice(self.waiting.get(instance_id, {}).items(), OLDEST_WAITING):
             waited = now - placement.placed_at
             if waited > self.max_wait_s:
                 lost.append(request_id)
