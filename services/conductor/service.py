@@ -119,7 +119,7 @@ class ConductorService(Service):
         self.log.info("policy %s, rejection %s (TTFT SLO %g s, TBT SLO %g s), queue time %s%s, cost model %s (%s), "
                       "prefix index %s", self.config.policy, self.config.rejection, self.config.ttft_slo_s,
                       self.config.tbt_slo_s, self.config.queue_time,
-                      ", blocks expected at placement" if self.config.expect_cache else ""
+                      (", blocks expected at placement" if self.config.expect_cache else "")
                       + (", TTFT corrected from outcomes" if self.config.ttft_correction else ""),
                       self.core.estimator.cost.source,
                       "trusted" if self.config.prior_trusted else "ranks only until measured", self.config.prefix_index)

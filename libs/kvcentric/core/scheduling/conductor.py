@@ -7,7 +7,7 @@ Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance
 are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
 in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
 its KV events say so). Admission judges each predicted TTFT times its instance's learned correction
-(`correction`: actual over predicted, from first tokens and late placements). It decides where
+(`correction`: actual over predicted, from first tokens, timed chunks and late placements). It decides where
 a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
 the simulator drive this same class.
 """
