@@ -134,3 +134,16 @@ def test_prefill_chunks_that_run_slower_than_the_model_turn_an_admission_into_a_
     assert isinstance(decisions[False], Placement) and decisions[False].predicted_ttft_s == pytest.approx(1.5)
     assert isinstance(decisions[True], Rejection)  # 1.5 s x (3 - 2 x 0.75^8 = 2.8) = 4.2 s
     assert decisions[True].retry_after_s == pytest.approx(1.2)
+
+
+def test_placement_ranks_on_corrected_predictions_and_returns_the_raw_one():
+    for policy in ("kvcentric", "cache_aware"):
+        conductor = make_conductor(2, 1, ttft_slo_s=10.0, policy=policy)
+        conductor.observe(prefill_report("p1", queue_s=0.5), 0.0)  # p0 idle, p1 0.5 s queued
+        assert conductor.correction is not None
+        for i in range(8):  # p0's first tokens came 3x later than predicted: 1 s predicted counts as 2.8
+            conductor.correction.learn("p0", f"w{i}", predicted_s=1.0, actual_s=3.0)
+        placed = conductor.schedule(schedule_request(1000, "a"), {}, 0.1)
+        # p1: 0.4 s left in its queue + 1 s = 1.4 s, uncorrected; p0: 1 s x 2.8
+        assert isinstance(placed, Placement) and placed.prefill_id == "p1", policy
+        assert placed.predicted_ttft_s == pytest.approx(1.4)

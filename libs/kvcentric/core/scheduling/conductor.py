@@ -6,8 +6,9 @@ Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance
 (`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
 are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
 in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
-its KV events say so). Admission judges each predicted TTFT times its instance's learned correction
-(`correction`: actual over predicted, from first tokens, timed chunks and late placements). It decides where
+its KV events say so). Placement ranks, and admission judges, each predicted TTFT times its instance's learned
+correction (`correction`: actual over predicted, from first tokens, timed chunks and late placements). It
+decides where
 a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
 the simulator drive this same class.
 """
@@ -195,11 +196,14 @@ class Conductor:
             hits = self.expected.merged(request.block_hashes, hits)
         if not self.cache_aware(request):
             hits = {}
+        if self.correction is not None:
+            for state in prefills:
+                state.ttft_factor = self.correction.factor(state.instance_id, now)
         choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
-        judged_ttft_s = self.judged_ttft_s(choice, now)
+        judged_ttft_s = self.judged_ttft_s(choice)
         verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d)
         if verdict is not None:
             self.stats[f"rejected_{verdict.stage}"] += 1
@@ -208,14 +212,13 @@ class Conductor:
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
 
-    def judged_ttft_s(self, choice: PrefillChoice, now: float) -> float:
-        """The TTFT admission holds to the SLO: the prediction times its instance's correction; 0 where the
-        prediction is only the prior's guess (never a reason to reject)."""
+    @staticmethod
+    def judged_ttft_s(choice: PrefillChoice) -> float:
+        """The TTFT admission holds to the SLO: the prediction times its instance's correction (1 without); 0
+        where the prediction is only the prior's guess (never a reason to reject)."""
         if not choice.instance.trusted:
             return 0.0
-        if self.correction is None:
-            return choice.ttft_s
-        return choice.ttft_s * self.correction.factor(choice.instance.instance_id, now)
+        return choice.ttft_s * choice.instance.ttft_factor
 
     def cache_aware(self, request: ScheduleRequest) -> bool:
         """Whether the prompt is long enough for its prefix hits to count (Llumnix's minimum tokens)."""

@@ -99,9 +99,9 @@ class TtftCorrection:
 
     def overdue_ratio(self, instance_id: str, now: float) -> float:
         """The least ratio the placements still waiting on `instance_id` are known to have: the largest of
-        waited / predicted over the OLDEST_WAITING longest waiting (1.0 when none is late; in a FIFO queue the
-        later ones waited less for a longer prediction). Placements past `max_wait_s` are dropped as lost."""
-        worst, lost = 1.0, []
+        waited / predicted over the OLDEST_WAITING longest waiting (in a FIFO queue the later ones waited less for
+        a longer prediction), LOW when none waits. Placements past `max_wait_s` are dropped as lost."""
+        worst, lost = self.low, []
         for request_id, placement in itertools.islice(self.waiting.get(instance_id, {}).items(), OLDEST_WAITING):
             waited = now - placement.placed_at
             if waited > self.max_wait_s:
