@@ -101,6 +101,7 @@ class ConductorService(Service):
                              "prefix-index-leases")
         await self.bus.subscribe(Subjects.LOAD_ALL, LoadReport, self.on_load)
         await self.bus.subscribe(Subjects.OUTCOME, RequestOutcome, self.on_outcome)
+        await self.bus.subscribe(Subjects.FIRST_TOKEN, RequestOutcome, self.on_first_token)
         await self.bus.subscribe(Subjects.SCHEDULE, ScheduleRequest, self.on_schedule, queue=SCHEDULERS,
                                  bad_reply=lambda error: Rejection.bad_request("", error))
         await self.bus.subscribe(Subjects.schedule_at(self.instance_id), ScheduleRequest, self.on_schedule,
@@ -118,7 +119,8 @@ class ConductorService(Service):
         self.log.info("policy %s, rejection %s (TTFT SLO %g s, TBT SLO %g s), queue time %s%s, cost model %s (%s), "
                       "prefix index %s", self.config.policy, self.config.rejection, self.config.ttft_slo_s,
                       self.config.tbt_slo_s, self.config.queue_time,
-                      ", blocks expected at placement" if self.config.expect_cache else "",
+                      (", blocks expected at placement" if self.config.expect_cache else "")
+                      + (", TTFT corrected from outcomes" if self.config.ttft_correction else ""),
                       self.core.estimator.cost.source,
                       "trusted" if self.config.prior_trusted else "ranks only until measured", self.config.prefix_index)
         if self.core.router is not None:
@@ -150,6 +152,10 @@ class ConductorService(Service):
 
     async def on_outcome(self, outcome: RequestOutcome) -> None:
         self.core.on_outcome(outcome, time.monotonic())
+
+    async def on_first_token(self, outcome: RequestOutcome) -> None:
+        self.counters["first_tokens_heard_total"] += 1
+        self.core.on_first_token(outcome, time.monotonic())
 
     async def on_schedule(self, request: ScheduleRequest):
         problem = bad_dispatch(request)
@@ -373,6 +379,18 @@ class ConductorService(Service):
             gauges["ttft_prediction_abs_error_mean_s"] = stats["ttft_abs_error_sum_s"] / outcomes
             gauges["ttft_prediction_rel_error_mean"] = stats["ttft_rel_error_sum"] / outcomes
         gauges.update(self.tbt_gauges())
+        gauges.update(self.correction_gauges())
+        return gauges
+
+    def correction_gauges(self) -> dict[str, float]:
+        """Each alive prefill instance's TTFT correction as admission applies it now (1: none)."""
+        correction = self.core.correction
+        if correction is None:
+            return {}
+        now = time.monotonic()
+        gauges = {"ttft_correction_observations_total": float(correction.observations)}
+        for state in self.registry.alive_prefill(now):
+            gauges[f'ttft_correction{{prefill="{state.instance_id}"}}'] = correction.factor(state.instance_id, now)
         return gauges
 
     def tbt_gauges(self) -> dict[str, float]:

@@ -71,6 +71,8 @@ class Job:
     """time.perf_counter() of the last token before a migration, until a token comes after it."""
     cached_tokens: int | None = None
     """Prompt tokens found cached at its first placement (the usage's `cached_tokens`)."""
+    first_token_told: bool = False
+    """Its first token was told to the conductors (kvc.conductor.first_token), or will not be."""
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id

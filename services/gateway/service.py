@@ -407,6 +407,8 @@ class GatewayService(Service):
                 if chunk.index == 0:
                     job.received += chunk.token_ids
                 self.migrations.received(job, len(chunk.token_ids))
+                if chunk.token_ids and not job.first_token_told:
+                    await self.tell_first_token(job)
                 yield chunk
             if job.failure is None:
                 break
@@ -438,6 +440,21 @@ class GatewayService(Service):
         self.counters[labelled("cancels_sent_total", outcome=outcome)] += 1
         await self.bus.publish(Subjects.cancel(job.bus_id),
                                Cancel(request_id=job.bus_id, reason=f"gateway: {outcome}"))
+
+    async def tell_first_token(self, job: relay.Job) -> None:
+        """The conductors learn how long first tokens take against their predictions (their TTFT correction)
+        as soon as each comes, not at the request's end; a request migrated before it has no one prediction."""
+        job.first_token_told = True
+        if job.placement is None or job.migrations:
+            return
+        ttft = time.perf_counter() - job.started
+        try:
+            await self.bus.publish(Subjects.FIRST_TOKEN, RequestOutcome(
+                request_id=job.bus_id, prefill_id=job.placement.prefill_id, decode_id=job.placement.decode_id,
+                finish_reason="", ttft_s=ttft, e2e_s=ttft, prompt_tokens=len(job.token_ids), completion_tokens=1,
+                predicted_ttft_s=job.placement.predicted_ttft_s))
+        except BUS_DOWN:
+            self.counters["outcomes_unsent_total"] += 1
 
     async def report_outcome(self, job: relay.Job, outcome: str) -> None:
         """Observe the request's latencies and publish its RequestOutcome (the conductor learns from it)."""

@@ -8,6 +8,7 @@ import asyncio
 import json
 import urllib.request
 
+import msgspec
 import nats
 
 from kvc_conductor.config import ConductorConfig
@@ -146,3 +147,45 @@ def test_the_live_gateway_reports_outcomes_to_the_conductor(cluster):
         lines = [line for url in urls for line in fetch(url).splitlines() if line.startswith("kvc_ttft_outcomes_total")]
         return sum(float(line.split()[-1]) for line in lines)
     eventually(outcomes, "a conductor recorded an outcome", until=lambda count: count >= 1)
+
+    def first_tokens() -> float:  # every conductor hears each first token (their TTFT correction learns from it)
+        lines = [line for url in urls for line in fetch(url).splitlines()
+                 if line.startswith("kvc_first_tokens_heard_total")]
+        return min((float(line.split()[-1]) for line in lines), default=0.0)
+    eventually(first_tokens, "every conductor heard the first token", until=lambda count: count >= 1)
+
+
+async def test_slow_first_tokens_turn_an_admission_into_a_429(own_nats):
+    """The same request is placed before, and refused after, first tokens that came 10x later than predicted
+    (with --no-ttft-correction it is placed both times)."""
+    predicted = ConductorConfig(cost_source="prior").cost_model().t_prefill(1000, 0)
+    after, text = await after_slow_first_tokens(own_nats, predicted, corrected=True)
+    assert isinstance(after, Rejection) and after.stage == "prefill"
+    # ten ratios of 10, clamped to 4: 4 - 3 * 0.75^10 = 3.83
+    assert 'kvc_ttft_correction{role="conductor",instance="conductor-test",prefill="p0"} 3.83' in text
+    after, _ = await after_slow_first_tokens(own_nats, predicted, corrected=False)
+    assert isinstance(after, Placement)
+
+
+async def after_slow_first_tokens(own_nats: str, predicted: float, corrected: bool):
+    """A request predicted at half the TTFT SLO is placed; then ten first tokens on kvc.conductor.first_token
+    come 10x later than predicted: the decision on the same request again, and the conductor's /metrics."""
+    conductor = await start_conductor(own_nats, cost_source="prior", ttft_slo_s=2 * predicted,
+                                      ttft_correction=corrected)
+    nc = await nats.connect(own_nats)
+    try:
+        await announce(nc, conductor, prefills=("p0",))
+        ask = ScheduleRequest(request_id="before", n_tokens=1000, block_hashes=[], max_tokens=8)
+        assert isinstance(await schedule(nc, ask), Placement)
+        conductor.core.forget("before")  # out of the queue: the same request is predicted the same again
+        for i in range(10):
+            slow = RequestOutcome(request_id=f"slow{i}", prefill_id="p0", decode_id="d0", finish_reason="",
+                                  ttft_s=10 * predicted, e2e_s=10 * predicted, prompt_tokens=1000,
+                                  completion_tokens=1, predicted_ttft_s=predicted)
+            await nc.publish(Subjects.FIRST_TOKEN, encode(slow))
+        await eventually_async(lambda: conductor.counters["first_tokens_heard_total"], "it heard them all",
+                               until=lambda heard: heard == 10)
+        return await schedule(nc, msgspec.structs.replace(ask, request_id="after")), await metrics(conductor)
+    finally:
+        await nc.close()
+        await conductor.close()

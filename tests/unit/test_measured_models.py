@@ -154,3 +154,19 @@ def test_a_simulated_pool_announces_its_model_once():
     prefill = sim.prefills["p0"]
     assert prefill.load_report(1.0).cost is None  # announced in the report the cluster sent at start
     assert as_measured(base, "p0").prefill == list(base.prefill)
+
+
+def test_an_instance_that_measured_nothing_yet_is_predicted_and_judged_by_a_peer_of_its_role_and_cluster():
+    core = conductor(prior_trusted=False, policy="cache_aware", ttft_slo_s=1.0)
+    core.observe(prefill_report("p1"), 0.0)  # nothing measured: on its own, the prior's guess (1 s per 1000 tokens)
+    core.observe(prefill_report("p2", cluster="elsewhere"), 0.0)
+    announce(core, decode_cost=FAST_DECODE, prefill_cost=FAST_PREFILL)
+    core.observe(prefill_report("p1"), 0.05)
+    core.observe(prefill_report("p2", cluster="elsewhere"), 0.05)
+    p1, p2 = core.registry.prefill["p1"], core.registry.prefill["p2"]
+    assert p1.trusted and p1.cost is not None and p1.cost.prefill == (0.002, 2e-4, 0.0, 0.0)
+    assert not p2.trusted and p2.cost is None  # no measured peer in its cluster
+    assert core.models.source("p1", "prefill") == "peer" and core.models.source("p2", "prefill") == "guess"
+    core.observe(decode_report("d1"), 0.05)
+    assert core.models.source("d1", "decode") == "peer"  # d0's decode model; p0's prefill model is not a decode's
+    assert core.registry.decode["d1"].cost.decode == (0.005, 1e-4, 1e-6)

@@ -141,3 +141,18 @@ def test_decode_room_counts_the_requests_still_in_prefill():
     decisions = [conductor.schedule(schedule_request(1000, f"r{i}"), {}, 0.0) for i in range(3)]
     assert [type(d).__name__ for d in decisions] == ["Placement", "Placement", "Rejection"]
     assert decisions[2].stage == "decode"
+
+
+def test_a_burst_is_refused_from_its_fourth_request_though_the_reports_lag_behind_it():
+    """A step of load: the instance's reports, computed before the burst reached it, show an empty queue; the
+    placements they do not list still count, so rejection starts as soon as the queue they make is too long."""
+    conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction=False)
+    burst = [conductor.schedule(schedule_request(1000, f"r{i}"), {}, i / 100) for i in range(3)]
+    assert [d.predicted_ttft_s for d in burst if isinstance(d, Placement)] == pytest.approx([1.0, 2.0, 3.0])
+    conductor.observe(listing_report("p0", 0.0, [], uncached=0, age_s=0.05), 0.03)  # computed before the burst
+    fourth = conductor.schedule(schedule_request(1000, "r3"), {}, 0.04)
+    assert isinstance(fourth, Rejection) and fourth.retry_after_s == pytest.approx(1.0)  # 3 s queued + 1 s
+    # the burst reaches the instance: r0 half done, r1 and r2 queued (2.5 s in all, its own estimate)
+    conductor.observe(listing_report("p0", 2.5, ["r0", "r1", "r2"], uncached=2500), 0.5)
+    assert isinstance(conductor.schedule(schedule_request(1000, "r4"), {}, 0.5), Rejection)  # 3.5 s
+    assert isinstance(conductor.schedule(schedule_request(400, "r5"), {}, 0.5), Placement)  # 2.9 s

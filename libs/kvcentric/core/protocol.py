@@ -29,6 +29,9 @@ class Subjects:
 
     SCHEDULE = "kvc.conductor.schedule"
     OUTCOME = "kvc.conductor.outcome"
+    FIRST_TOKEN = "kvc.conductor.first_token"
+    """The gateway's RequestOutcome of a request whose first token just went out (finish_reason "", e2e_s =
+    ttft_s): the conductors learn their TTFT correction from it without waiting for the request's end."""
     INSTANCES = "kvc.conductor.instances"
     CONDUCTORS = "kvc.conductor.alive"
     LOAD_ALL = "kvc.load.>"

@@ -6,7 +6,9 @@ Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance
 (`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
 are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
 in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
-its KV events say so). It decides where
+its KV events say so). Placement ranks, and admission judges, each predicted TTFT times its instance's learned
+correction (`correction`: actual over predicted, from first tokens, timed chunks and late placements). It
+decides where
 a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
 the simulator drive this same class.
 """
@@ -18,10 +20,11 @@ import math
 from collections.abc import Mapping
 
 from kvcentric.core.costmodel import CostModel
-from kvcentric.core.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest
+from kvcentric.core.protocol import LoadReport, MeasuredCost, Placement, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.core.scheduling.admission import Admission, DecodeChoice
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
+from kvcentric.core.scheduling.correction import TtftCorrection
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
 from kvcentric.core.scheduling.groups import PrefillGroups
 from kvcentric.core.scheduling.models import InstanceModels
@@ -73,6 +76,9 @@ class Conductor:
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
         self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
                                    config.priority_step, config.top_priority)
+        self.correction = TtftCorrection(config.ttft_slo_s / 20, max_wait_s=3 * config.ttft_slo_s) \
+            if config.ttft_correction else None
+        """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
         self.stats = Tally()
@@ -94,9 +100,20 @@ class Conductor:
             self.router.observe(report, now)
         if report.link_bandwidth:
             self._learn_links(report)
+        if self.correction is not None and isinstance(state, PrefillState) and report.cost is not None:
+            self._learn_chunk(state, report.cost)
         if isinstance(state, DecodeState):
             state.forecast.expire(now, self.t_d)
             state.forecast.reconcile(state.running, state.kv_tokens, now, self.t_d)
+
+    def _learn_chunk(self, state: PrefillState, measured: MeasuredCost) -> None:
+        """The latest prefill chunk the instance timed against what its own model predicts for it."""
+        assert self.correction is not None
+        if state.cost is None or len(measured.last_prefill) != 3:
+            return
+        n_new, n_cached, seconds = measured.last_prefill
+        self.correction.learn_chunk(state.instance_id, measured.prefill_samples,
+                                    state.cost.t_prefill(int(n_new), int(n_cached)), seconds)
 
     def _learn_links(self, report: LoadReport) -> None:
         """Measured bandwidth from this instance to peers (keyed by messenger address) for T_transfer."""
@@ -106,8 +123,16 @@ class Conductor:
             if bytes_per_s > 0:
                 self.links.set_bandwidth(report.instance_id, by_addr.get(addr, addr), bytes_per_s)
 
+    def on_first_token(self, outcome: RequestOutcome, now: float) -> None:
+        """A request's first token is out (the gateway's RequestOutcome sent then, on kvc.conductor.first_token):
+        its prefill instance's TTFT correction learns from it, whichever replica placed it."""
+        if self.correction is not None:
+            self.correction.learn(outcome.prefill_id, outcome.request_id, outcome.predicted_ttft_s, outcome.ttft_s)
+
     def on_outcome(self, outcome: RequestOutcome, now: float) -> None:
-        """A request ended: compare predicted with actual TTFT and TBT, and learn the decode duration t_d."""
+        """A request ended: compare predicted with actual TTFT and TBT, and learn the decode duration t_d (and
+        its TTFT correction, when its first token was not heard of)."""
+        self.on_first_token(outcome, now)
         pending = self.pending.pop(outcome.request_id, None)
         if pending is None:
             return
@@ -147,6 +172,11 @@ class Conductor:
         prefill = self.registry.prefill.get(pending.prefill_id)
         if prefill is not None:
             prefill.in_flight.discard(request_id)
+        self._forget_waiting(request_id, pending)
+
+    def _forget_waiting(self, request_id: str, pending: Pending) -> None:
+        if self.correction is not None:
+            self.correction.placed_done(pending.prefill_id, request_id)
 
     # ---------------------------------------------------------------- the decision
 
@@ -166,11 +196,14 @@ class Conductor:
             hits = self.expected.merged(request.block_hashes, hits)
         if not self.cache_aware(request):
             hits = {}
+        if self.correction is not None:
+            for state in prefills:
+                state.ttft_factor = self.correction.factor(state.instance_id, now)
         choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
         decode = self._decode_for(request, choice, decodes, now)
-        judged_ttft_s = choice.ttft_s if choice.instance.trusted else 0.0  # never rejected on the prior's guess
+        judged_ttft_s = self.judged_ttft_s(choice)
         verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d)
         if verdict is not None:
             self.stats[f"rejected_{verdict.stage}"] += 1
@@ -178,6 +211,14 @@ class Conductor:
                                         stage=verdict.stage, load=round(verdict.load, 4))
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode)
+
+    @staticmethod
+    def judged_ttft_s(choice: PrefillChoice) -> float:
+        """The TTFT admission holds to the SLO: the prediction times its instance's correction (1 without); 0
+        where the prediction is only the prior's guess (never a reason to reject)."""
+        if not choice.instance.trusted:
+            return 0.0
+        return choice.ttft_s * choice.instance.ttft_factor
 
     def cache_aware(self, request: ScheduleRequest) -> bool:
         """Whether the prompt is long enough for its prefix hits to count (Llumnix's minimum tokens)."""
@@ -222,10 +263,13 @@ class Conductor:
             self.stats["pulled_blocks"] += choice.pull_blocks
         decode.instance.forecast.add(request.request_id, now + choice.ttft_s, request.n_tokens)
         if len(self.pending) >= MAX_PENDING:
-            self.pending.pop(next(iter(self.pending)))
+            oldest = next(iter(self.pending))
+            self._forget_waiting(oldest, self.pending.pop(oldest))
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
         self.pending[request.request_id] = Pending(choice.ttft_s, decode.instance.instance_id, tbt,
                                                    instance.instance_id)
+        if self.correction is not None:
+            self.correction.placed(instance.instance_id, request.request_id, choice.ttft_s, now)
         self.stats["placed"] += 1
         self.stats["placed_unjudged"] += not (choice.instance.trusted and decode.instance.trusted)
 

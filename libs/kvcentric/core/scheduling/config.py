@@ -40,6 +40,12 @@ class SchedulerConfig:
                     "before instances reported one)")
     expect_cache: bool = setting(True, "on placement, expect the chosen prefill instance to hold the prompt's "
                                        "blocks before its KV events say so (Mooncake §6.1)")
+    ttft_correction: bool = setting(True, "admission and placement (kvcentric, cache_aware) multiply each "
+                                          "prefill instance's predicted TTFT by the "
+                                          "ratio of actual to predicted TTFT learned from its first tokens "
+                                          "(exponentially weighted, clamped to [0.5, 4]), raised to the ratio its "
+                                          "latest prefill chunks ran at against its own model and to what its "
+                                          "placements still waiting for a first token show already")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")

@@ -3,8 +3,12 @@ reports), else the prior (`--profile`, else a roofline of `--model` on `--hardwa
 may trust it; and the view of predicted against measured times that the conductor's /health shows. Pure; it
 predicts nothing itself and rejects nothing.
 
-A measured model, or a prior that came from an explicit profile, is trusted. A roofline prior only ranks
-instances: the Conductor places on an instance with no measured model by load, and never rejects on its guess.
+A measured model, or a prior that came from an explicit profile, is trusted. An instance that has not measured
+a part yet (its calibration ran out of time on a loaded machine, or serving one prompt shape cannot fit it)
+is predicted by a peer's measured model of that part, a peer of the same cluster (the same hardware and model
+there), trusted as the peer's is: otherwise its roofline guess would rank it and admission could never
+judge its queue. A roofline prior only ranks instances: the Conductor places on an instance with no measured
+model (and no measured peer) by load, and never rejects on its guess.
 """
 
 from __future__ import annotations
@@ -41,9 +45,15 @@ class InstanceModels:
         self.prior, self.prior_trusted, self.use_measured = prior, prior_trusted, use_measured
         self.measured: dict[str, MeasuredCost] = {}
         self.models: dict[str, CostModel] = {}
+        self.clusters: dict[str, str] = {}
+        """instance id -> its cluster (the peers whose measured model it may borrow)."""
+        self.roles: dict[str, set[str]] = {}
+        """instance id -> the roles it reported in (a peer serves the same role)."""
 
     def learn(self, report: LoadReport) -> bool:
         """Take the measured model a report carries; True when it is this instance's first."""
+        self.clusters[report.instance_id] = report.cluster
+        self.roles.setdefault(report.instance_id, set()).add(report.role)
         if report.cost is None or not self.use_measured:
             return False
         first = report.instance_id not in self.models
@@ -53,20 +63,37 @@ class InstanceModels:
 
     def model_of(self, instance_id: str, role: str) -> tuple[CostModel, bool]:
         """The model predicting `role`'s work on the instance, and whether rejection may trust it."""
+        if self._measures(instance_id, role):
+            return self.models[instance_id], True
+        peer = self.peer(instance_id, role)
+        return (self.models[peer], True) if peer is not None else (self.prior, self.prior_trusted)
+
+    def _measures(self, instance_id: str, role: str) -> bool:
         measured = self.measured.get(instance_id)
-        if measured is None or not (measured.prefill if role == "prefill" else measured.decode):
-            return self.prior, self.prior_trusted
-        return self.models[instance_id], True
+        return measured is not None and bool(measured.prefill if role == "prefill" else measured.decode)
+
+    def peer(self, instance_id: str, role: str) -> str | None:
+        """The first instance of `instance_id`'s cluster serving `role` that measured its part (None: none)."""
+        cluster = self.clusters.get(instance_id, "")
+        for other in self.measured:
+            if other != instance_id and self.clusters.get(other) == cluster and role in self.roles.get(other, ()) \
+                    and self._measures(other, role):
+                return other
+        return None
 
     def forget(self, instance_id: str) -> None:
         self.measured.pop(instance_id, None)
         self.models.pop(instance_id, None)
+        self.clusters.pop(instance_id, None)
+        self.roles.pop(instance_id, None)
 
     def source(self, instance_id: str, role: str) -> str:
-        """"measured", "prior" (trusted to reject: a profile, or --cost-source prior) or "guess" (a roofline
-        prior that only ranks)."""
+        """"measured", "peer" (a peer's measured model), "prior" (trusted to reject: a profile, or --cost-source
+        prior) or "guess" (a roofline prior that only ranks)."""
         model, trusted = self.model_of(instance_id, role)
-        return "measured" if model is not self.prior else "prior" if trusted else "guess"
+        if model is not self.prior:
+            return "measured" if self._measures(instance_id, role) else "peer"
+        return "prior" if trusted else "guess"
 
     def view(self, instance_id: str, roles: list[str]) -> dict:
         """What /health shows of one instance: where its model comes from, the fit's error and samples, and

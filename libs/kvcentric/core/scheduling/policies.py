@@ -114,7 +114,7 @@ class CacheAwarePolicy(_Policy):
             prefill_s = memo.get(key)
             if prefill_s is None:
                 prefill_s = memo[key] = estimator.t_prefill(n, prefix, cost)
-            ttft = instance.queue_s(now) + prefill_s
+            ttft = (instance.queue_s(now) + prefill_s) * instance.ttft_factor
             if ttft < best_ttft:
                 best, best_ttft = instance, ttft
         return self.local(request, best, hits, now)
@@ -139,7 +139,7 @@ class KVCentricPolicy(_Policy):
         held = getattr(hits, "held", hits)  # blocks only expected somewhere cannot be pulled from there yet
         source, best_prefix = best_holder(prefills, held) if held else (None, 0)
         memo: dict[object, float] = {}
-        best, best_ttft, best_pull, get = prefills[0], math.inf, False, hits.get
+        best, best_ttft, best_score, best_pull, get = prefills[0], math.inf, math.inf, False, hits.get
         for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
             prefix, cost = get(instance.instance_id, 0), instance.cost
             pull = best_prefix > prefix * threshold
@@ -154,8 +154,9 @@ class KVCentricPolicy(_Policy):
                 assert source is not None  # best_prefix > 0, so some instance holds it
                 nbytes = estimator.block_bytes(best_prefix - prefix)
                 ttft += self.links.t_transfer(source.instance_id, instance.instance_id, nbytes, now)
-            if ttft < best_ttft:
-                best, best_ttft, best_pull = instance, ttft, pull
+            score = ttft * instance.ttft_factor  # ranked on the corrected prediction, the raw one returned
+            if score < best_score:
+                best, best_ttft, best_score, best_pull = instance, ttft, score, pull
         prefix = get(best.instance_id, 0)
         reused = best_prefix if best_pull else prefix
         key = reused if best.cost is None else (id(best.cost), reused)

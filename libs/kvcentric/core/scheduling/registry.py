@@ -45,6 +45,9 @@ class PrefillState:
     """Its own measured cost model (None: the estimator's prior predicts for it)."""
     trusted: bool = True
     """Whether its predictions may reject a request (a measured model, or a prior from a profile)."""
+    ttft_factor: float = 1.0
+    """What the TTFT-ranking placement policies multiply its predicted TTFT by: the Conductor's correction of
+    it from what came (`correction`), 1 without."""
 
     def queue_s(self, now: float) -> float:
         """T_queue: seconds before a request placed now would start its prefill."""

@@ -1,0 +1,123 @@
+"""Predicted TTFT corrected from what came, per prefill instance: an exponentially weighted ratio of actual to
+predicted TTFT, clamped to a sane range, raised to the ratio its latest prefill chunks ran at and to what the
+placements that are late already show. Pure: time is passed in; it corrects a prediction, it admits and
+rejects nothing.
+
+Mooncake §7 rejects on predicted load; a prediction that is consistently short (a machine slower than its
+fitted model, a queue that runs behind its estimate) admits requests that then miss the SLO. Each first token
+teaches the ratio actual / predicted of its prefill instance (`learn`); until first tokens come, the
+placements still waiting for theirs bound it from below (`overdue_ratio`: one placed 6 s ago with a predicted
+TTFT of 2 s has a ratio of at least 3), so the correction grows from the first late request of a step of load
+instead of one TTFT later. Sooner still, each prefill chunk an instance times (in its load reports) against its
+own model says how much slower than its model it runs now (`learn_chunk`: a machine shared with other work),
+which stretches its queue and its prefill alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+WEIGHT = 0.25
+"""How much one observed ratio moves the factor (an exponentially weighted mean of about 4 observations)."""
+LOW, HIGH = 0.5, 4.0
+"""The factor stays in [LOW, HIGH]: a prediction is never trusted to be more than 2x too long nor corrected by
+more than 4x, whatever one outlier says."""
+OLDEST_WAITING = 16
+"""Placements still waiting for a first token looked at per instance (the oldest: the latest against their
+predictions), so a decision costs the same however many are waiting."""
+LEARNED_MEMORY = 10_000
+"""Requests remembered as learned from (a request's first token and its end both carry its TTFT)."""
+
+
+@dataclasses.dataclass(slots=True)
+class Outstanding:
+    placed_at: float
+    predicted_s: float
+
+
+class TtftCorrection:
+    def __init__(self, min_predicted_s: float, weight: float = WEIGHT, low: float = LOW, high: float = HIGH,
+                 max_wait_s: float = float("inf")) -> None:
+        """`min_predicted_s`: predictions below it count as it in a ratio (a 10 ms prediction missed by 100 ms
+        is noise, not a 10x slower machine). `max_wait_s`: a placement waiting longer than this for its first
+        token is taken as lost (its request ended without one) and bounds nothing."""
+        if not 0 < weight <= 1 or not 0 < low <= 1 <= high or min_predicted_s <= 0:
+            raise ValueError("need 0 < weight <= 1, 0 < low <= 1 <= high and min_predicted_s > 0")
+        self.min_predicted_s, self.weight, self.low, self.high = min_predicted_s, weight, low, high
+        self.max_wait_s = max_wait_s
+        self.factors: dict[str, float] = {}
+        self.speeds: dict[str, float] = {}
+        """instance id -> the ratio measured / predicted its recent prefill chunks ran at."""
+        self.chunks_seen: dict[str, int] = {}
+        self.waiting: dict[str, dict[str, Outstanding]] = {}
+        """instance id -> request id -> its placement, for placements whose first token has not come."""
+        self.learned: dict[str, None] = {}
+        self.observations = 0
+
+    def clamp(self, ratio: float) -> float:
+        return min(self.high, max(self.low, ratio))
+
+    def ratio(self, predicted_s: float, actual_s: float) -> float:
+        """actual / predicted TTFT, the prediction floored at `min_predicted_s`, clamped."""
+        return self.clamp(actual_s / max(predicted_s, self.min_predicted_s))
+
+    def learn(self, instance_id: str, request_id: str, predicted_s: float, actual_s: float) -> float | None:
+        """A request's first token came `actual_s` after it arrived, predicted `predicted_s`; returns the
+        instance's new factor (None: nothing learned, a prediction or TTFT unknown or already counted)."""
+        self.placed_done(instance_id, request_id)
+        if predicted_s <= 0 or actual_s <= 0 or request_id in self.learned:
+            return None
+        self.learned[request_id] = None
+        if len(self.learned) > LEARNED_MEMORY:
+            del self.learned[next(iter(self.learned))]
+        old = self.factors.get(instance_id, 1.0)
+        new = self.factors[instance_id] = self.clamp(old + self.weight * (self.ratio(predicted_s, actual_s) - old))
+        self.observations += 1
+        return new
+
+    def learn_chunk(self, instance_id: str, samples: int, predicted_s: float, measured_s: float) -> float | None:
+        """The instance's latest timed prefill chunk, its `samples`-th, took `measured_s` where its model says
+        `predicted_s`; returns its new chunk ratio (None: that chunk was counted already, or a time unknown)."""
+        if samples <= self.chunks_seen.get(instance_id, 0) or predicted_s <= 0 or measured_s <= 0:
+            return None
+        self.chunks_seen[instance_id] = samples
+        old = self.speeds.get(instance_id, 1.0)
+        new = self.speeds[instance_id] = self.clamp(old + self.weight * (self.clamp(measured_s / predicted_s) - old))
+        return new
+
+    def placed(self, instance_id: str, request_id: str, predicted_s: float, now: float) -> None:
+        """A request placed on `instance_id` now waits for its first token."""
+        if predicted_s > 0:
+            self.waiting.setdefault(instance_id, {})[request_id] = Outstanding(now, predicted_s)
+
+    def placed_done(self, instance_id: str, request_id: str) -> None:
+        """Its first token came, or it ended, or it will not run: it bounds nothing any more."""
+        waiting = self.waiting.get(instance_id)
+        if waiting is not None and waiting.pop(request_id, None) is not None and not waiting:
+            del self.waiting[instance_id]
+
+    def overdue_ratio(self, instance_id: str, now: float) -> float:
+        """The least ratio the placements still waiting on `instance_id` are known to have: the largest of
+        waited / predicted over the OLDEST_WAITING longest waiting (in a FIFO queue the later ones waited less for
+        a longer prediction), LOW when none waits. Placements past `max_wait_s` are dropped as lost."""
+        worst, lost = self.low, []
+        for request_id, placement in itertools.islice(self.waiting.get(instance_id, {}).items(), OLDEST_WAITING):
+            waited = now - placement.placed_at
+            if waited > self.max_wait_s:
+                lost.append(request_id)
+            else:
+                worst = max(worst, waited / max(placement.predicted_s, self.min_predicted_s))
+        for request_id in lost:
+            self.placed_done(instance_id, request_id)
+        return self.clamp(worst)
+
+    def factor(self, instance_id: str, now: float) -> float:
+        """What to multiply `instance_id`'s predicted TTFT by: its learned ratio, raised to the ratio its chunks
+        run at and to what its late placements show already."""
+        return max(self.factors.get(instance_id, 1.0), self.speeds.get(instance_id, 1.0),
+                   self.overdue_ratio(instance_id, now))
+
+    def forget(self, instance_id: str) -> None:
+        for table in (self.factors, self.speeds, self.chunks_seen, self.waiting):
+            table.pop(instance_id, None)
