@@ -30,9 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from harness import UpProcess  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PATIENT = {"KVC_REJECTION": "never", "KVC_KV_WAIT_S": "3600", "KVC_REQUEST_TIMEOUT_S": "3600", "KVC_TBT_SLO_S": "0"}
+PATIENT = {"KVC_REJECTION": "never", "KVC_KV_WAIT_S": "3600", "KVC_REQUEST_TIMEOUT_S": "3600", "KVC_TBT_SLO_S": "60"}
 """A long prompt alone on a 2-core box takes minutes: the conductor admits it, decode and gateway wait, and
-decode's TBT double-check is off (an 8K context's step predicts past 0.1 s here; this measures TTFT)."""
+decode's TBT double-check is as good as off (a 60 s SLO: an 8K context's step predicts past 0.1 s here, and
+this bench measures TTFT)."""
 DEPLOYMENTS = {"1 instance": ["--prefill", "1"], "2-stage group": ["--prefill", "1", "--prefill-pipeline", "2"]}
 
 

@@ -270,8 +270,10 @@ class Simulation:
 
     def prefill_done(self, record: Record, now: float, compute_s: float, local: bool = False,
                      sender: PrefillInstance | None = None) -> bool:
-        """First token out. Returns whether the request goes on decoding (output longer than one token)."""
+        """First token out (the conductor hears of it, as from a gateway). Returns whether the request goes on
+        decoding (output longer than one token)."""
         record.first_token = now
+        self.conductor.on_first_token(self.outcome(record, now), now)
         if record.request.output_len <= 1:
             record.finish = now
             self.finished(record, now)
@@ -319,12 +321,15 @@ class Simulation:
 
     def finished(self, record: Record, now: float) -> None:
         record.status = "completed"
+        self.conductor.on_outcome(self.outcome(record, now, finish_reason="length"), now)
+
+    def outcome(self, record: Record, now: float, finish_reason: str = "") -> RequestOutcome:
+        """What a gateway tells the conductor of a request: at its first token, and again at its end."""
         request = record.request
-        outcome = RequestOutcome(request_id=request.request_id, prefill_id=record.prefill_id,
-                                 decode_id=record.decode_id, finish_reason="length", ttft_s=record.ttft_s,
-                                 e2e_s=now - request.arrival_s, prompt_tokens=request.input_len,
-                                 completion_tokens=request.output_len, predicted_ttft_s=record.predicted_ttft_s)
-        self.conductor.on_outcome(outcome, now)
+        return RequestOutcome(request_id=request.request_id, prefill_id=record.prefill_id,
+                              decode_id=record.decode_id, finish_reason=finish_reason, ttft_s=record.ttft_s,
+                              e2e_s=now - request.arrival_s, prompt_tokens=request.input_len,
+                              completion_tokens=request.output_len, predicted_ttft_s=record.predicted_ttft_s)
 
 
 class Progress:
