@@ -42,7 +42,9 @@ def prefill(engine: PrefillEngine, job):
 def make_engine(num_blocks=16, host_blocks=64):
     runner = make_runner(num_blocks=num_blocks, block_size=4)
     host = HostBlockPool(host_blocks, runner.block_bytes)
-    return PrefillEngine(runner, BlockPool(num_blocks, 4), BlockHasher(block_size=4), host=host), host
+    # The whole-block write-behind of a finished prompt (a chunk's layer-wise store: test_layerwise_load.py)
+    return PrefillEngine(runner, BlockPool(num_blocks, 4), BlockHasher(block_size=4), host=host,
+                         layerwise_store=False), host
 
 
 def test_blocks_are_announced_only_once_their_bytes_are_in_the_host_pool():

@@ -1,6 +1,8 @@
-"""A prefix found in the host pool loads into the cache layer by layer beside the compute (Mooncake §5.2):
-the same tokens and KV as a whole load, layer L computes as soon as layer L is there (not the whole prefix),
-and a cancelled or failed load leaves no pinned host slot, held block or findable garbage behind."""
+"""Mooncake §5.2 on prefill, both ways. A prefix found in the host pool loads into the cache layer by layer
+beside the compute: the same tokens and KV as a whole load, layer L computes as soon as layer L is there (not
+the whole prefix), and a cancelled or failed load leaves no pinned host slot, held block or findable garbage
+behind. A chunk's new full blocks go into the host pool layer by layer as each layer is computed: the same
+bytes as the cache holds, and a chunk that fails gives its slots and blocks back."""
 
 import threading
 
@@ -172,3 +174,50 @@ async def test_the_push_sends_each_layer_of_a_loading_prefix_once_it_is_in_the_c
         key, value, _ = engine.runner.read_layer(layer, chunk.work.blocks, 0, 20)
         assert (prefix[0].key, prefix[0].value) == (key, value)  # the loaded bytes, not what was there before
         assert any(item.layer == layer and (item.token_start, item.token_end) == (20, len(PROMPT)) for item in sent)
+
+
+def stored_engine(chunk_tokens: int = 512) -> tuple[PrefillEngine, HostBlockPool]:
+    runner = make_runner(num_blocks=16, block_size=4)
+    host = HostBlockPool(64, runner.block_bytes)
+    return PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), chunk_tokens, host=host), host
+
+
+@pytest.mark.parametrize("chunk_tokens", [512, 6])
+def test_a_chunks_new_blocks_go_to_the_host_pool_layer_by_layer_with_the_caches_bytes(chunk_tokens):
+    engine, host = stored_engine(chunk_tokens)
+    engine.submit(prefill_job(PROMPT))  # 27 tokens: 6 full blocks; chunks of 6 leave blocks across two chunks
+    layers_sent_before: list[int] = []
+    while (chunk := engine.schedule()) is not None:
+        engine.execute(chunk, lambda layer, k, v, store=chunk.store: layers_sent_before.append(
+            len(store.layers) if store else -1))
+        engine.update(chunk)
+        if chunk.last:
+            break
+    work = chunk.work
+    if chunk_tokens == 512:  # at each layer, the copies of the layers before it were already on their way
+        assert layers_sent_before == list(range(engine.runner.config.num_layers))
+    expected = engine.runner.read_blocks(work.blocks[:6])
+    engine.finish(work)
+    engine.writer.collect(wait=True)
+    assert engine.writer.stats["host_writes_layerwise"] == 6 == engine.writer.stats["host_writes_queued"]
+    for depth, block_hash in enumerate(work.hashes):  # nothing went twice: the whole-block path found them held
+        stored = host.view(block_hash, depth).view(torch.float32).view(expected[depth].shape)
+        assert torch.equal(stored, expected[depth])
+    assert all(count == 0 for count in engine.pool.ref_counts)
+
+
+def test_a_chunk_that_fails_half_way_gives_its_host_slots_and_blocks_back():
+    engine, host = stored_engine()
+    engine.submit(prefill_job(PROMPT))
+    chunk = engine.schedule()
+    assert chunk.store is not None and len(host.reserved) == 6
+
+    def broken(layer, keys, values):
+        if layer == 2:
+            raise RuntimeError("the device went away")
+    with pytest.raises(RuntimeError):
+        engine.execute(chunk, broken)
+    engine.finish(chunk.work)  # as the service does when a chunk fails
+    engine.writer.collect(wait=True)
+    assert not host.reserved and len(host) == 0 and host.prefix(chunk.work.hashes) == 0
+    assert engine.writer.stats["host_writes_failed"] == 6 and all(c == 0 for c in engine.pool.ref_counts)

@@ -19,11 +19,12 @@ from kvcentric.core.protocol import DecodeJob, PrefillJob, TokenChunk
 class ColocatedEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
                  max_batch: int = 64, host: HostBlockPool | None = None, layerkv: LayerKV | None = None,
-                 layerwise_load: bool = True) -> None:
+                 layerwise_load: bool = True, layerwise_store: bool = True) -> None:
         """`layerkv`: admit prompts and place their layers as LayerKV does (its pool is `pool`);
-        `layerwise_load`: host-pool prefixes load layer by layer beside the compute (Mooncake §5.2)."""
+        `layerwise_load`, `layerwise_store`: host-pool prefixes load, and new blocks are stored, layer by layer
+        beside the compute (Mooncake §5.2)."""
         self.runner, self.pool, self.layerkv = runner, pool, layerkv
-        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host, layerwise_load)
+        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host, layerwise_load, layerwise_store)
         self.decode = DecodeEngine(runner, pool, max_batch)
         self.jobs: dict[str, DecodeJob] = {}
 

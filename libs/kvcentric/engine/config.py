@@ -50,6 +50,9 @@ class EngineConfig(BusConfig):
     layerwise_load: bool = setting(True, "prefill, colocated: a prefix found in the host pool loads into the KV "
                                          "cache layer by layer while the prompt's layers compute (Mooncake "
                                          "§5.2); false: whole, before the first chunk")
+    layerwise_store: bool = setting(True, "prefill, colocated: a prefill chunk's new full blocks go into the host "
+                                          "pool layer by layer as each layer is computed (Mooncake §5.2); false: "
+                                          "a prompt's blocks go whole when it ends")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
     tbt_slo_s: float = setting(0.1, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "

@@ -95,7 +95,7 @@ class StageEngine(PrefillEngine):
         hidden = arrived.popleft()
         if hidden.start != work.done:
             raise ValueError(f"{work.request_id}: hidden states of tokens {hidden.start}.. while {work.done} are done")
-        return StageChunk(work, hidden.start, hidden.end, hidden.tensor)
+        return StageChunk(work, hidden.start, hidden.end, hidden=hidden.tensor)
 
     def _start_next(self) -> PrefillWork | None:
         if self.stage.position.first:

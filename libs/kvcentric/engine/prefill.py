@@ -18,7 +18,7 @@ from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import history
-from kvcentric.engine.hostwrite import HostWriter
+from kvcentric.engine.hostwrite import HostWriter, LayerStore
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.layerload import LayerwiseLoad
 from kvcentric.engine.llama import LayerHook
@@ -47,6 +47,8 @@ class PrefillWork:
     """With n > 1: the first token (and its logprobs) of sequences 1..n-1."""
     loading: LayerwiseLoad | None = None
     """Prefix blocks still coming from the host pool, layer by layer (Mooncake §5.2), until the first chunk."""
+    storing: LayerStore | None = None
+    """The scheduled chunk's blocks on their way into the host pool layer by layer, until `update`."""
 
     @property
     def request_id(self) -> str:
@@ -75,6 +77,8 @@ class PrefillChunk:
     work: PrefillWork
     start: int
     end: int
+    store: LayerStore | None = None
+    """The blocks this chunk fills, going into the host pool layer by layer as it computes (Mooncake §5.2)."""
 
     @property
     def first(self) -> bool:
@@ -87,7 +91,8 @@ class PrefillChunk:
 
 class PrefillEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
-                 host: HostBlockPool | None = None, layerwise_load: bool = True) -> None:
+                 host: HostBlockPool | None = None, layerwise_load: bool = True,
+                 layerwise_store: bool = True) -> None:
         if hasher.block_size != pool.block_size:
             raise ValueError("the hasher's block size must equal the pool's")
         if chunk_tokens < 1:
@@ -97,6 +102,9 @@ class PrefillEngine:
         """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
         computed full block is written to it behind the compute (`writer`)."""
         self.writer = HostWriter(runner, pool, host) if host is not None else None
+        self.layerwise_store = layerwise_store
+        """A chunk's new full blocks go into the host pool layer by layer as it computes (Mooncake §5.2);
+        without, a prompt's blocks go whole when it ends."""
         self.loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-load") \
             if host is not None and layerwise_load else None
         """Loads prefixes from the host pool layer by layer beside the compute (Mooncake §5.2); without it
@@ -153,7 +161,18 @@ class PrefillEngine:
         if work is None:
             return None
         end = min(work.done + self.chunk_tokens, work.num_tokens)
-        return PrefillChunk(work, work.done, end)
+        work.storing = self._store_for(work, work.done, end)
+        return PrefillChunk(work, work.done, end, work.storing)
+
+    def _store_for(self, work: PrefillWork, start: int, end: int) -> LayerStore | None:
+        """Host slots for the full blocks that positions start..end-1 complete (Mooncake §5.2's layer-wise
+        store), when there is a host pool and a plain cache."""
+        if self.writer is None or self.runner.layered is not None or not self.layerwise_store:
+            return None
+        first, last = start // self.pool.block_size, min(end // self.pool.block_size, len(work.hashes))
+        if first >= last:
+            return None
+        return self.writer.reserve_layers(work.blocks[first:last], work.hashes[first:last], first)
 
     def _start_next(self) -> PrefillWork | None:
         if not self.queue:
@@ -215,6 +234,12 @@ class PrefillEngine:
             slots.append(self.host.slot_of[block_hash])
         return LayerwiseLoad(self.runner, targets, slots, self.host.buffer).start(self.loader)
 
+    def _end_store(self, work: PrefillWork, computed: bool) -> None:
+        if work.storing is not None:
+            assert self.writer is not None
+            self.writer.end_store(work.storing, computed)
+            work.storing = None
+
     def settle(self, work: PrefillWork, wait: bool = True) -> None:
         """End the prompt's layer-wise load: every layer in the cache (`wait`: the compute stream waits for
         the copies), the copies finished, the host slots unpinned."""
@@ -238,6 +263,8 @@ class PrefillEngine:
         """Compute one chunk; after the last chunk, return the first generated token."""
         work, sampling = chunk.work, chunk.work.job.sampling
         scored = sampling.prompt_logprobs is not None
+        if chunk.store is not None:
+            on_layer = self._storing(chunk.store, on_layer)
         if work.loading is None:
             logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, scored)
         else:
@@ -252,6 +279,17 @@ class PrefillEngine:
             logits = logits[-1]
         return self.sample_first(work, logits) if chunk.last else None
 
+    def _storing(self, store: LayerStore, on_layer: LayerHook | None) -> LayerHook:
+        """`on_layer`, then the layer's part of the chunk's new blocks into the host pool."""
+        writer = self.writer
+        assert writer is not None  # a chunk has a store only when there is a host pool
+
+        def hook(layer: int, keys, values) -> None:
+            if on_layer is not None:
+                on_layer(layer, keys, values)
+            writer.store_layer(store, layer)
+        return hook
+
     def sample_first(self, work: PrefillWork, logits) -> int:
         """The prompt's first generated token from its last position's logits (and its siblings' with n > 1);
         a migrated request's resumed tokens count as output (`history`)."""
@@ -265,6 +303,7 @@ class PrefillEngine:
     def update(self, chunk: PrefillChunk) -> None:
         """Record a computed chunk."""
         chunk.work.done = chunk.end
+        self._end_store(chunk.work, computed=True)
         self.stats["prefill_tokens_computed"] += chunk.end - chunk.start
         self.stats["prefill_chunks"] += 1
 
@@ -288,6 +327,7 @@ class PrefillEngine:
         if self.running.pop(work.request_id, None) is None:
             del self.sending[work.request_id]
         self.settle(work, wait=False)  # a prompt cancelled before its first chunk: its copies end first
+        self._end_store(work, computed=False)  # a chunk that failed or never ran: its slots go back
         computed_blocks = self._cache_computed(work)
         if self.writer is not None:  # every computed full block enters the host pool (Mooncake §3), behind
             self.writer.submit(work.blocks[:computed_blocks], work.hashes[:computed_blocks])

@@ -187,6 +187,33 @@ class ModelRunner:
         done.synchronize()
         rows[index] = pinned
 
+    def copy_layer_to_host(self, layer: int, blocks: list[int], host: torch.Tensor, slots: list[int],
+                           ready: torch.cuda.Event | None = None) -> None:
+        """Copy one layer of cache blocks into rows `slots` of `host` (host pool layout), returning once the
+        bytes are there (Mooncake §5.2: new KV stored layer by layer as each layer is computed). Runs in the
+        host-write worker; on CUDA on its side stream from `ready` (`copy_point` after the layer)."""
+        config = self.config
+        rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
+                                          config.head_dim)
+        index = torch.tensor(slots, dtype=torch.long)
+        target = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        shape = (-1, self.block_size, config.num_kv_heads, config.head_dim)
+        if self.device.type != "cuda":
+            for which, cache in enumerate((self.k_cache, self.v_cache)):
+                rows[index, layer, which] = cache[layer].view(shape)[target]
+            return
+        stream = self._side_stream("host_write")
+        with torch.cuda.stream(stream):
+            if ready is not None:
+                stream.wait_event(ready)
+            staged = torch.stack([cache[layer].view(shape)[target] for cache in (self.k_cache, self.v_cache)], dim=1)
+            pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
+            pinned.copy_(staged, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()
+        rows[index, layer] = pinned
+
     def _gather_blocks(self, cache: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """[layers, len(blocks), block_size, heads, dim]: the blocks' slots of every layer (a copy)."""
         by_block = cache.view(cache.shape[0], -1, self.block_size, *cache.shape[2:])
