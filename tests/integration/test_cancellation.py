@@ -52,7 +52,10 @@ def slow_prefill(tmp_path):
 
 @pytest.fixture
 def impatient_decode(tmp_path):
-    up = UpProcess(str(tmp_path), "--prefill-chunk", "16", env={"KVC_KV_WAIT_S": str(KV_WAIT_S)})
+    # Every request admitted (the conductor's early rejection, with its TTFT correction, would refuse most of
+    # this burst up front): what is under test is what follows when the decode gives up.
+    up = UpProcess(str(tmp_path), "--prefill-chunk", "16", env={"KVC_KV_WAIT_S": str(KV_WAIT_S),
+                                                                "KVC_REJECTION": "never"})
     try:
         yield up
     finally:
