@@ -115,4 +115,5 @@ class DecodeSink:
         else:
             if self.prefixes is not None:
                 self.prefixes.forget(request_id)
-            self.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}")])
+            # the sender stopped or failed: our side, so 503 (retry later), not 500
+            self.emit([self.engine.abort(request_id, "error", f"KV transfer failed: {reason}", status=503)])
