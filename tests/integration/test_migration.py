@@ -193,7 +193,10 @@ def test_a_request_that_may_not_be_migrated_ends_soon_with_a_503_and_retry_after
         answered_s = time.monotonic() - killed_at
         response = opened[0].response
         assert response.status == 503 and response.getheader("Retry-After") == "1"
-        assert "not migrated" in opened[0].errors[0]["message"]
+        # Two reports race: the gateway's (the prefill went silent, and this request may not move) and the
+        # decode's (the push it was waiting for broke off). Either is a clean 503 with Retry-After.
+        message = opened[0].errors[0]["message"]
+        assert "not migrated" in message or "KV transfer failed" in message, message
         print(f"not migrated: 503 {answered_s:.2f} s after the kill")
         assert answered_s < DETECTION_BOUND_S
     finally:
