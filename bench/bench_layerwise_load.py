@@ -2,7 +2,10 @@
 
 Usage:
     .venv/bin/python bench/bench_layerwise_load.py [--model small] [--prefixes 1024 3072] [--suffix 256]
-        [--requests 5] [--threads 1] [--out bench/results/layerwise_load.json]
+        [--requests 5] [--threads 1] [--device cpu] [--dtype float32] [--out bench/results/layerwise_load.json]
+
+On a GPU machine (bench/gpu_check.sh): `--device cuda --dtype bfloat16 --model llama3-8b`; the host pool is then
+pinned and the layer copies run on a side stream.
 
 In one process, two `PrefillEngine`s with the same weights, each with a host pool that holds the prompt's prefix
 and a device cache that does not (forgotten after every request with `BlockPool.uncache`): `layerwise` loads the
@@ -49,13 +52,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--suffix", type=int, default=256, help="new tokens computed after the prefix")
     parser.add_argument("--requests", type=int, default=5, help="measured requests per prefix and mode")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the compute")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
+    parser.add_argument("--dtype", default="float32", help="compute and KV dtype: float32 or bfloat16")
     parser.add_argument("--out", default=str(RESULTS / "layerwise_load.json"), help="JSON output path")
     return parser.parse_args()
 
 
-def make_engine(config, blocks: int, layerwise: bool) -> PrefillEngine:
-    runner = ModelRunner(config, blocks, BLOCK, seed=0)
-    host = HostBlockPool(4 * blocks, runner.block_bytes)  # room for the prefix and many suffixes
+def make_engine(config, blocks: int, layerwise: bool, device: str, dtype: str) -> PrefillEngine:
+    runner = ModelRunner(config, blocks, BLOCK, seed=0, dtype=dtype, device=device)
+    host = HostBlockPool(4 * blocks, runner.block_bytes, pin_memory=device.startswith("cuda"))  # prefix + suffixes
     return PrefillEngine(runner, BlockPool(blocks, BLOCK), BlockHasher(block_size=BLOCK), chunk_tokens=1 << 16,
                          host=host, layerwise_load=layerwise)
 
@@ -84,9 +89,11 @@ def whole_load_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float
     assert engine.host is not None
     hashes = engine.hashes(tokens)[:prefix // BLOCK]
     blocks = engine.pool.allocate(len(hashes))
+    sync(engine)
     started = time.perf_counter()
     for depth, (block, block_hash) in enumerate(zip(blocks, hashes)):
         engine.runner.write_block(block, engine.host.view(block_hash, depth))
+    sync(engine)
     spent = time.perf_counter() - started
     engine.pool.free(blocks)
     return spent
@@ -95,18 +102,26 @@ def whole_load_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float
 def compute_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float:
     """The suffix alone, its prefix already in the cache (whatever bytes: the time does not depend on them)."""
     blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
+    sync(engine)
     started = time.perf_counter()
     engine.runner.prefill(tokens, blocks, prefix, len(tokens))
+    sync(engine)
     spent = time.perf_counter() - started
     engine.pool.free(blocks)
     return spent
+
+
+def sync(engine: PrefillEngine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
 
 
 def bench(args) -> dict:
     torch.set_num_threads(args.threads)
     config = preset(args.model)
     blocks = (max(args.prefixes) + args.suffix) // BLOCK + 8
-    engines = {"layerwise": make_engine(config, blocks, True), "whole": make_engine(config, blocks, False)}
+    engines = {"layerwise": make_engine(config, blocks, True, args.device, args.dtype),
+               "whole": make_engine(config, blocks, False, args.device, args.dtype)}
     rows = []
     for prefix in args.prefixes:
         generator = torch.Generator().manual_seed(prefix)
@@ -130,7 +145,8 @@ def bench(args) -> dict:
         log(f"prefix {prefix}: TTFT p50 layerwise {p50['layerwise'] * 1e3:.1f} ms, whole {p50['whole'] * 1e3:.1f} "
             f"ms (load {p50['load'] * 1e3:.1f} ms + compute {p50['compute'] * 1e3:.1f} ms); layerwise/whole "
             f"{row['layerwise_over_whole']:.2f}, layerwise/floor {row['layerwise_over_floor']:.2f}")
-    return {"machine": machine(), "model": args.model, "threads": args.threads, "load_average": os.getloadavg(),
+    device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
+    return {"machine": machine(), "device": device, "dtype": args.dtype, "model": args.model, "threads": args.threads, "load_average": os.getloadavg(),
             "rows": rows}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import zlib
 
 from kvcentric.core.block_pool import BlockPool
@@ -12,9 +13,13 @@ from kvcentric.core.protocol import DecodeJob, LoadReport, PrefillJob, SamplingP
 
 _ids = itertools.count()
 
+# The engine tests run on the CPU; KVC_TEST_DEVICE=cuda runs the same tests through the CUDA paths (side streams,
+# events, pinned copies) on a GPU machine (bench/gpu_check.sh).
+TEST_DEVICE = os.environ.get("KVC_TEST_DEVICE", "cpu")
+
 
 def make_runner(num_blocks: int = 64, block_size: int = 4, seed: int = 0, model: str = "tiny") -> ModelRunner:
-    return ModelRunner(preset(model), num_blocks, block_size, seed)
+    return ModelRunner(preset(model), num_blocks, block_size, seed, device=TEST_DEVICE)
 
 
 def make_pool(runner: ModelRunner) -> BlockPool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+from factories import TEST_DEVICE
 from harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import SamplingParams
@@ -33,7 +34,7 @@ def test_bf16_disaggregated_equals_one_process_and_moves_raw_kv_bytes(tmp_path):
         after = up.health("decode-0")["stats"]["kv_bytes_received"]
     finally:
         up.stop()
-    runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16")
+    runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16", device=TEST_DEVICE)
     token_ids = ByteTokenizer().encode(prompt)
     pool = BlockPool(runner.k_cache.shape[1] // runner.block_size, runner.block_size)
     expected = generate(runner, pool, token_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,

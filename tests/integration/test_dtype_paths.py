@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 import torch
 
-from factories import greedy, prefill_job, prompt
+from factories import TEST_DEVICE, greedy, prefill_job, prompt
 from harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
@@ -29,7 +29,7 @@ from test_role_switch import complete as complete_role_prompt, switch, wait_for_
 
 
 def node(dtype: str) -> PrefillEngine:
-    runner = ModelRunner(preset("tiny"), 16, 4, 0, dtype=dtype)
+    runner = ModelRunner(preset("tiny"), 16, 4, 0, dtype=dtype, device=TEST_DEVICE)
     host = HostBlockPool(64, runner.block_bytes)
     return PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), host=host)
 
@@ -63,7 +63,7 @@ async def test_a_prefix_pulled_over_grpc_is_the_holders_bytes_and_gives_the_same
         assert torch.equal(puller.host.view(block_hash), holder.host.view(block_hash))
     assert prefill(puller, prompt(21)) == first
     assert puller.stats["prefill_tokens_from_host"] == 20 and puller.stats["prefill_tokens_computed"] == 1
-    reference = ModelRunner(preset("tiny"), 64, 4, 0, dtype=dtype)
+    reference = ModelRunner(preset("tiny"), 64, 4, 0, dtype=dtype, device=TEST_DEVICE)
     assert first == generate(reference, BlockPool(64, 4), prompt(21), greedy(1))[0][0]
 
 
@@ -79,7 +79,7 @@ def test_bf16_colocated_equals_one_process(tmp_path):
         health = up.health("colocated-0")
     finally:
         up.stop()
-    runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16")
+    runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16", device=TEST_DEVICE)
     expected, _ = generate(runner, BlockPool(64, 16), ByteTokenizer().encode(prompt_text),
                            SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     assert text == ByteTokenizer().decode(expected)

@@ -5,7 +5,7 @@ model whose KV size is that of the dtype. Every dtype the engine accepts (fp32 i
 import pytest
 import torch
 
-from factories import greedy, prefill_job, prompt
+from factories import TEST_DEVICE, greedy, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.hashing import BlockHasher
@@ -31,7 +31,7 @@ def prefill(engine: PrefillEngine, token_ids: list[int]):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_blocks_reloaded_from_the_host_pool_are_the_cache_bytes_and_give_the_same_tokens(dtype):
-    runner = ModelRunner(preset("tiny"), 8, 4, 0, dtype=dtype)
+    runner = ModelRunner(preset("tiny"), 8, 4, 0, dtype=dtype, device=TEST_DEVICE)
     host = HostBlockPool(64, runner.block_bytes)
     engine = PrefillEngine(runner, BlockPool(8, 4), BlockHasher(block_size=4), host=host)
     work, first = prefill(engine, prompt(21))
@@ -45,7 +45,7 @@ def test_blocks_reloaded_from_the_host_pool_are_the_cache_bytes_and_give_the_sam
     assert engine.stats["prefill_tokens_from_host"] == 16
     for block_hash, block in zip(again.hashes, again.blocks):
         assert torch.equal(runner.read_blocks([block])[0], computed[block_hash])
-    reference = ModelRunner(preset("tiny"), 64, 4, 0, dtype=dtype)
+    reference = ModelRunner(preset("tiny"), 64, 4, 0, dtype=dtype, device=TEST_DEVICE)
     expected, _ = generate(reference, BlockPool(64, 4), prompt(21), greedy(1))
     assert first == first_again == expected[0]
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint, hf_model
+from factories import TEST_DEVICE
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
@@ -38,7 +39,7 @@ def transformers_greedy(model, tokens: list[int]) -> list[int]:
 
 def run_mixed(directory, step_tokens: int, decode_attention: str) -> tuple[dict[str, list[int]], int]:
     """Every prompt submitted at once and stepped to the end; the tokens of each and the number of steps."""
-    runner = ModelRunner(load_model_config(str(directory)), 96, 4)
+    runner = ModelRunner(load_model_config(str(directory)), 96, 4, device=TEST_DEVICE)
     engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4))
     stepper = MixedStepper(engine, step_tokens, decode_attention)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True)
@@ -80,7 +81,7 @@ def test_a_prefix_loading_from_the_host_pool_layer_by_layer_is_in_the_cache_befo
     layer by layer beside its first chunk) is settled before it; the tokens are still transformers' own."""
     from kvcentric.engine.kvpool import HostBlockPool
     directory, reference = checkpoint
-    runner = ModelRunner(load_model_config(str(directory)), 96, 4)
+    runner = ModelRunner(load_model_config(str(directory)), 96, 4, device=TEST_DEVICE)
     engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4),
                              host=HostBlockPool(64, runner.block_bytes))
     stepper = MixedStepper(engine, 64, "padded")

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The CUDA paths of the engine checked on a GPU machine in one short run (the device tool; see
+# ../shared/gpu/README.md). CI has no GPU, so this is where the side streams, CUDA events and pinned copies of
+# the KV path run for real: the engine unit tests and the `kvcentric up` integration tests that cover them, with
+# KVC_TEST_DEVICE=cuda (the tests' runners) and KVC_DEVICE=cuda (every engine `up` starts), then Mooncake §5.2's
+# layer-wise prefix load timed on an 8B-shaped model in bf16.
+#
+# Usage, from the project root on the GPU host:  source .whl/setup.sh && bash bench/gpu_check.sh [OUT_DIR]
+# Writes gpu_unit.log, gpu_integration.log and layerwise_load_gpu.json into OUT_DIR (default: bench/results).
+# Every step runs under its own time limit and the script goes on after a failure; it exits non-zero if any
+# step failed.
+set -u
+out=${1:-bench/results}
+mkdir -p "$out"
+status=0
+step() {  # step NAME SECONDS LOG COMMAND...: run one step into LOG, say how it ended, remember a failure
+    local name=$1 limit=$2 log=$3
+    shift 3
+    local started=$SECONDS
+    timeout "$limit" "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    echo "== $name: rc=$rc in $((SECONDS - started)) s"
+    [ "$rc" -eq 0 ] || status=1
+}
+
+nvidia-smi -L
+python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+export KVC_TEST_DEVICE=cuda
+step "engine unit tests on cuda" 120 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf -o timeout=120 \
+    tests/unit/test_layerwise_load.py tests/unit/test_host_write_behind.py tests/unit/test_decode_staging.py \
+    tests/unit/test_layerkv_engine.py tests/unit/test_layerkv_prefill.py tests/unit/test_mixed_step.py \
+    tests/unit/test_pipeline_engine.py tests/unit/test_dtype_paths_engine.py tests/unit/test_model_and_engines.py \
+    tests/unit/test_prefix_kv.py tests/unit/test_streaming.py tests/unit/test_decode_sink.py \
+    tests/unit/test_kvpool.py tests/unit/test_engine_parts.py tests/unit/test_migration_engines.py \
+    tests/unit/test_parallel_sampling.py tests/unit/test_eos_stop.py
+
+step "kvcentric up on cuda" 200 "$out/gpu_integration.log" env KVC_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf -o timeout=150 \
+    tests/integration/test_bf16_path.py tests/integration/test_dtype_paths.py tests/integration/test_layerkv.py \
+    tests/integration/test_pipeline_prefill.py
+
+step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 bench/bench_layerwise_load.py --device cuda \
+    --dtype bfloat16 --model llama3-8b --prefixes 1024 4096 --suffix 256 --requests 5 \
+    --out "$out/layerwise_load_gpu.json"
+exit $status
