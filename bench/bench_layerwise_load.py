@@ -99,6 +99,32 @@ def whole_load_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float
     return spent
 
 
+def loader_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> tuple[float, float]:
+    """The layer-wise loader's own work, alone: every layer's `load_host_layer` back to back (how fast the
+    worker can feed the compute), and of that the host-side gather of each layer's rows."""
+    assert engine.host is not None
+    hashes = engine.hashes(tokens)[:prefix // BLOCK]
+    slots = [engine.host.slot_of[block_hash] for block_hash in hashes]
+    blocks = engine.pool.allocate(len(hashes))
+    runner, layers = engine.runner, engine.runner.config.num_layers
+    sync(engine)
+    started = time.perf_counter()
+    for layer in range(layers):
+        runner.load_host_layer(layer, engine.host.buffer, slots, blocks)
+    sync(engine)
+    loader = time.perf_counter() - started
+    rows = engine.host.buffer.view(runner.dtype).view(-1, layers, 2, runner.block_size * runner.config.num_kv_heads
+                                                      * runner.config.head_dim)
+    index = torch.tensor(slots, dtype=torch.long)
+    part = torch.empty((len(slots), 2, rows.shape[-1]), dtype=runner.dtype)
+    started = time.perf_counter()
+    for layer in range(layers):
+        torch.index_select(rows[:, layer], 0, index, out=part)
+    gather = time.perf_counter() - started
+    engine.pool.free(blocks)
+    return loader, gather
+
+
 def compute_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> float:
     """The suffix alone, its prefix already in the cache (whatever bytes: the time does not depend on them)."""
     blocks = engine.pool.allocate(engine.pool.blocks_for(len(tokens)))
@@ -128,7 +154,8 @@ def bench(args) -> dict:
         head = torch.randint(0, config.vocab_size, (prefix,), generator=generator).tolist()
         for name, engine in engines.items():  # the prefix into the host pool; unmeasured
             prefill(engine, head + [0], f"warm-{name}-{prefix}")
-        samples: dict[str, list[float]] = {"layerwise": [], "whole": [], "load": [], "compute": []}
+        samples: dict[str, list[float]] = {"layerwise": [], "whole": [], "load": [], "compute": [], "loader": [],
+                                           "gather": []}
         for index in range(args.requests):  # a new suffix each time: only the prefix is in the host pool
             tokens = head + torch.randint(0, config.vocab_size, (args.suffix,), generator=generator).tolist()
             order = list(engines.items()) if index % 2 == 0 else list(reversed(engines.items()))
@@ -136,6 +163,9 @@ def bench(args) -> dict:
                 samples[name].append(prefill(engine, tokens, f"{name}-{prefix}-{index}"))
             samples["load"].append(whole_load_s(engines["whole"], tokens, prefix))
             samples["compute"].append(compute_s(engines["whole"], tokens, prefix))
+            loader, gather = loader_s(engines["whole"], tokens, prefix)
+            samples["loader"].append(loader)
+            samples["gather"].append(gather)
         p50 = {name: statistics.median(values) for name, values in samples.items()}
         floor = max(p50["load"], p50["compute"])
         row = {"prefix": prefix, "suffix": args.suffix, "samples": samples, "p50_s": p50, "floor_s": floor,
@@ -144,7 +174,8 @@ def bench(args) -> dict:
         rows.append(row)
         log(f"prefix {prefix}: TTFT p50 layerwise {p50['layerwise'] * 1e3:.1f} ms, whole {p50['whole'] * 1e3:.1f} "
             f"ms (load {p50['load'] * 1e3:.1f} ms + compute {p50['compute'] * 1e3:.1f} ms); layerwise/whole "
-            f"{row['layerwise_over_whole']:.2f}, layerwise/floor {row['layerwise_over_floor']:.2f}")
+            f"{row['layerwise_over_whole']:.2f}, layerwise/floor {row['layerwise_over_floor']:.2f}; the loader alone "
+            f"{p50['loader'] * 1e3:.1f} ms, its host gathers {p50['gather'] * 1e3:.1f} ms")
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     return {"machine": machine(), "device": device, "dtype": args.dtype, "model": args.model, "threads": args.threads, "load_average": os.getloadavg(),
             "rows": rows}

@@ -24,6 +24,7 @@ step() {  # step NAME SECONDS LOG COMMAND...: run one step into LOG, say how it 
 }
 
 nvidia-smi -L
+chmod +x /tmp/site/bin/* 2>/dev/null; ls -l /tmp/site/bin | head -4
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 export KVC_TEST_DEVICE=cuda

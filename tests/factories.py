@@ -18,8 +18,9 @@ _ids = itertools.count()
 TEST_DEVICE = os.environ.get("KVC_TEST_DEVICE", "cpu")
 
 
-def make_runner(num_blocks: int = 64, block_size: int = 4, seed: int = 0, model: str = "tiny") -> ModelRunner:
-    return ModelRunner(preset(model), num_blocks, block_size, seed, device=TEST_DEVICE)
+def make_runner(num_blocks: int = 64, block_size: int = 4, seed: int = 0, model: str = "tiny",
+                device: str = TEST_DEVICE) -> ModelRunner:
+    return ModelRunner(preset(model), num_blocks, block_size, seed, device=device)
 
 
 def make_pool(runner: ModelRunner) -> BlockPool:

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import torch
 
-from factories import decode_job, make_pool, make_runner, prefill_job, prompt
+from factories import TEST_DEVICE, decode_job, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.pipeline import StagePosition
@@ -24,7 +24,7 @@ from kvcentric.model.config import preset
 
 
 def stage(index: int, stages: int = 2, blocks: int = 64) -> StageRunner:
-    return StageRunner(preset("tiny"), StagePosition("g", index, stages), blocks, 4, seed=0)
+    return StageRunner(preset("tiny"), StagePosition("g", index, stages), blocks, 4, seed=0, device=TEST_DEVICE)
 
 
 def test_a_stage_holds_only_its_layers_and_their_kv():

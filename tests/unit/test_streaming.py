@@ -38,7 +38,7 @@ class RecordingPusher:
 
 
 def start_push(n_tokens: int, **kwargs):
-    runner = make_runner()
+    runner = make_runner(device="cpu")  # the CPU hand-off (on CUDA each layer is staged on its own)
     engine = PrefillEngine(runner, make_pool(runner), BlockHasher("sha256_hex", runner.block_size), 512)
     engine.submit(prefill_job(prompt(n_tokens)))
     chunk = engine.schedule()

