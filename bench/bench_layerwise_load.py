@@ -177,8 +177,8 @@ def bench(args) -> dict:
             f"{row['layerwise_over_whole']:.2f}, layerwise/floor {row['layerwise_over_floor']:.2f}; the loader alone "
             f"{p50['loader'] * 1e3:.1f} ms, its host gathers {p50['gather'] * 1e3:.1f} ms")
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    return {"machine": machine(), "device": device, "dtype": args.dtype, "model": args.model, "threads": args.threads, "load_average": os.getloadavg(),
-            "rows": rows}
+    return {"machine": machine(), "device": device, "dtype": args.dtype, "model": args.model, "threads": args.threads,
+            "load_average": os.getloadavg(), "rows": rows}
 
 
 def main() -> int:

