@@ -30,7 +30,7 @@ class ColocatedService(EngineService):
             self.pool = self.layerkv.pool
         self.engine = ColocatedEngine(self.runner, self.pool, config.hasher(),
                                       config.prefill_chunk, config.max_batch, self.host, self.layerkv,
-                                      config.layerwise_load, config.layerwise_store)
+                                      config.layerwise_prefix_load, config.layerwise_store)
         self.stepper = MixedStepper(self.engine, config.step_tokens, config.decode_attention) \
             if config.step_tokens else None
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,

@@ -56,7 +56,7 @@ class PrefillService(EngineService):
         if self.layerkv is not None:
             self.pool = self.layerkv.pool
         self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
-                                    config.prefill_chunk, self.host, config.layerwise_load,
+                                    config.prefill_chunk, self.host, config.layerwise_prefix_load,
                                     config.layerwise_store)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}

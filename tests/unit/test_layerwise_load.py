@@ -221,3 +221,11 @@ def test_a_chunk_that_fails_half_way_gives_its_host_slots_and_blocks_back():
     engine.writer.collect(wait=True)
     assert not host.reserved and len(host) == 0 and host.prefix(chunk.work.hashes) == 0
     assert engine.writer.stats["host_writes_failed"] == 6 and all(c == 0 for c in engine.pool.ref_counts)
+
+
+@pytest.mark.parametrize(("device", "mode", "layerwise"), [
+    ("cpu", "auto", True), ("cuda", "auto", False), ("cuda:1", "auto", False), ("cuda", "on", True),
+    ("cpu", "off", False)])
+def test_layerwise_load_auto_is_on_for_cpu_engines_and_off_on_cuda(device, mode, layerwise):
+    from kvcentric.engine.config import EngineConfig
+    assert EngineConfig(device=device, layerwise_load=mode).layerwise_prefix_load is layerwise

@@ -47,9 +47,11 @@ class EngineConfig(BusConfig):
     kv_staging_mb: int = setting(1024, "decode: host memory that KV arriving at a full KV cache waits in until "
                                        "blocks free, MiB (0: refused at once, 429)")
     host_pool_policy: EvictionName = setting("lru", "eviction policy of the host pool")
-    layerwise_load: bool = setting(True, "prefill, colocated: a prefix found in the host pool loads into the KV "
-                                         "cache layer by layer while the prompt's layers compute (Mooncake "
-                                         "§5.2); false: whole, before the first chunk")
+    layerwise_load: Literal["auto", "on", "off"] = setting(
+        "auto", "prefill, colocated: a prefix found in the host pool loads into the KV cache layer by layer while "
+                "the prompt's layers compute (Mooncake §5.2), or whole before the first chunk (off); auto: on for "
+                "CPU engines, off on CUDA, where the host-side gather of each layer measured slower than a whole "
+                "load (docs/performance.md)")
     layerwise_store: bool = setting(True, "prefill, colocated: a prefill chunk's new full blocks go into the host "
                                           "pool layer by layer as each layer is computed (Mooncake §5.2); false: "
                                           "a prompt's blocks go whole when it ends")
@@ -150,6 +152,13 @@ class EngineConfig(BusConfig):
         layers = load_model_config(self.model).num_layers
         require(stages <= layers, "stage", f"{stages} stages but the model has {layers} layers")
         require(stages == 1 or bool(self.pipeline_group), "stage", "a stage of several needs --pipeline-group")
+
+    @property
+    def layerwise_prefix_load(self) -> bool:
+        """--layerwise-load resolved for this engine's device."""
+        if self.layerwise_load == "auto":
+            return not self.device.startswith("cuda")
+        return self.layerwise_load == "on"
 
     @property
     def stage_position(self) -> StagePosition | None:
