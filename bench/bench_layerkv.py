@@ -8,7 +8,7 @@ The TTFT SLO is the paper's 3 s scaled to this machine: 3 s times the ratio of t
 the mean prompt to the Llama-2-7B/A100 roofline's; the TPOT SLO is the paper's 200 ms.
 
 Usage: .venv/bin/python bench/bench_layerkv.py [--model small] [--min-prompt 1024] [--max-prompt 4096]
-       [--rates 0.05,0.1,0.2] [--duration-s 60] [--device-tokens 6144]
+       [--rates 0.05,0.1,0.2] [--duration-s 60] [--device-tokens 6144] [--decode swap|stream]
 Writes bench/results/layerkv_live.json and bench/results/layerkv_live.png.
 """
 
@@ -73,7 +73,7 @@ def build(config: str, args) -> ColocatedEngine:
     layered = LayeredKV(runner, pool)
     layered.probe_bandwidth()
     slo = PAPER_TPOT_SLO_S if config == "layerkv" else 0.0
-    control = LayerKV(pool, layered, slo, args.threshold, flops=300e9)
+    control = LayerKV(pool, layered, slo, args.threshold, flops=300e9, decode_mode=args.decode)
     return ColocatedEngine(runner, pool, hasher, args.chunk, args.max_batch, layerkv=control)
 
 
@@ -153,6 +153,9 @@ def main() -> None:
     parser.add_argument("--device-tokens", type=int, default=6144, help="device KV cache per layer, tokens")
     parser.add_argument("--host-mb", type=int, default=2048)
     parser.add_argument("--threshold", type=float, default=0.1)
+    parser.add_argument("--decode", choices=("swap", "stream"), default="swap",
+                        help="a decoding request with host layers waits to swap in (swap, the paper's vLLM base) "
+                             "or reads them every step (stream)")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)

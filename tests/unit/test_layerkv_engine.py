@@ -4,6 +4,7 @@ holds a prompt while it would break the decoding requests' TPOT SLO; nothing lea
 
 import functools
 
+import pytest
 import torch
 
 from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
@@ -16,12 +17,13 @@ from kvcentric.engine.layerkv import LayerKV
 PROMPTS = [prompt(n, offset=n) for n in (7, 19, 30)]
 
 
-def layerkv_engine(device_blocks: int, host_blocks: int, threshold: float, tpot_slo_s: float = 0.0) -> ColocatedEngine:
+def layerkv_engine(device_blocks: int, host_blocks: int, threshold: float, tpot_slo_s: float = 0.0,
+                   decode_mode: str = "swap") -> ColocatedEngine:
     runner = make_runner(num_blocks=device_blocks, block_size=4)
     pool = LayerBlockPool(device_blocks, 4, runner.config.num_layers, host_blocks)
     layered = LayeredKV(runner, pool)
     layered.bandwidth_bps = 1e12  # eq. 4 lets every layer leave
-    control = LayerKV(pool, layered, tpot_slo_s, threshold, flops=1e12)
+    control = LayerKV(pool, layered, tpot_slo_s, threshold, flops=1e12, decode_mode=decode_mode)
     return ColocatedEngine(runner, pool, BlockHasher(block_size=4), chunk_tokens=6, layerkv=control)
 
 
@@ -49,8 +51,10 @@ def assert_all_free(engine: ColocatedEngine) -> None:
     assert len(pool.host_free) == pool.host_blocks
 
 
-def test_every_layer_on_the_host_gives_the_same_greedy_tokens():
-    engine = layerkv_engine(device_blocks=16, host_blocks=400, threshold=1.0)  # nothing may stay on the device
+@pytest.mark.parametrize("decode_mode", ["swap", "stream"])
+def test_every_layer_on_the_host_gives_the_same_greedy_tokens(decode_mode):
+    engine = layerkv_engine(device_blocks=16, host_blocks=400, threshold=1.0,  # nothing may stay on the device
+                            decode_mode=decode_mode)
     assert generate_all(engine) == reference()
     assert engine.layerkv is not None
     stats = engine.layerkv.gauges()
@@ -138,3 +142,37 @@ def test_offloaded_layers_swap_back_in_once_the_forecast_has_room_and_then_decod
         step()
     assert out == tokens
     assert_all_free(engine)
+
+
+def test_swap_holds_a_request_with_host_layers_out_of_the_batch_and_stream_does_not():
+    """The paper's vLLM base: a request whose layers are not all on the device waits to swap in. With every
+    layer kept on the host (threshold 1: nothing ever swaps back), swap decodes one request at a time (the
+    oldest; someone must), stream decodes them all at once, reading their layers every step; same tokens."""
+    steps = {}
+    for mode in ("swap", "stream"):
+        engine = layerkv_engine(device_blocks=16, host_blocks=400, threshold=1.0, decode_mode=mode)
+        assert generate_all(engine) == reference()
+        assert engine.layerkv is not None
+        steps[mode] = engine.decode.stats["batch_size_sum"], engine.decode.stats["decode_steps"]
+        held = engine.layerkv.gauges()["layerkv_decode_held_steps"]
+        assert (held > 0) == (mode == "swap")
+        assert_all_free(engine)
+    assert steps["swap"][0] == steps["swap"][1]  # one request per decode step
+    assert steps["stream"][0] > steps["stream"][1]  # several
+
+
+def test_a_held_request_rejoins_the_batch_once_its_layers_are_back():
+    engine = layerkv_engine(device_blocks=64, host_blocks=400, threshold=0.0)
+    control, pool = engine.layerkv, engine.pool
+    assert control is not None and isinstance(pool, LayerBlockPool)
+    for index, tokens in enumerate(PROMPTS[:2]):
+        job = prefill_job(tokens, greedy(12), request_id=f"r{index}")
+        engine.submit(job, decode_job(job.request_id, len(tokens), greedy(12)))
+    while len([r for r in engine.decode.requests.values() if r.state == "running"]) < 2:
+        engine.step()
+    newest = engine.decode.requests["r1"]
+    pool.offload(newest.blocks)  # as eq. 5 would when short of blocks
+    assert control.held(engine.decode) == {"r1"}  # r0 decodes alone
+    _, batch, _ = engine.schedule()  # admit() swaps r1 back in: the forecast has room again
+    assert [r.key for r in batch] == ["r0", "r1"] and not pool.host_layer_blocks_of(newest.blocks)
+    assert control.gauges()["layerkv_swap_ins"] >= 1

@@ -48,10 +48,11 @@ class ColocatedEngine:
         """`now`: the time LayerKV's scheduler measures the decoding requests' progress by."""
         if self.layerkv is None:
             chunk = self.prefill.schedule()
+            batch, failed = self.decode.schedule()
         else:
             chunk = self.prefill.schedule() if self.layerkv.admit(self.prefill, self.decode, now) else None
             self.layerkv.placed(self.prefill, now)
-        batch, failed = self.decode.schedule()
+            batch, failed = self.decode.schedule(hold=self.layerkv.held(self.decode))
         return chunk, batch, failed
 
     def execute(self, chunk: PrefillChunk | None, batch: list[DecodeRequest]) -> tuple[int | None, list[int]]:

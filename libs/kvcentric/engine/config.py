@@ -85,6 +85,10 @@ class EngineConfig(BusConfig):
                                                     "the forecast (eq. 5) dips below it, the newest requests' "
                                                     "device layers go to host memory")
     layerkv_host_mb: int = setting(1024, "with --layerkv: host memory for offloaded layers, MiB")
+    layerkv_decode: Literal["swap", "stream"] = setting(
+        "swap", "with --layerkv, colocated: a decoding request with layers in host memory waits out of the batch "
+                "until they are swapped back into device blocks, as the paper's vLLM base does (swap; the oldest "
+                "decodes anyway when every request waits), or decodes at once, reading them every step (stream)")
     step_tokens: int = setting(0, "colocated: token budget of a mixed step, one forward pass over the decode "
                                   "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
                                   "one prompt chunk and the decode batch as two passes)")

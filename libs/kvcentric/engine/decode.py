@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
@@ -273,10 +273,11 @@ class DecodeEngine:
 
     # ---------------------------------------------------------------- steps
 
-    def schedule(self) -> tuple[list[DecodeRequest], list[TokenChunk]]:
-        """Requests for the next step, each with a slot for its new token; preempts when blocks run out."""
+    def schedule(self, hold: Collection[str] = ()) -> tuple[list[DecodeRequest], list[TokenChunk]]:
+        """Requests for the next step, each with a slot for its new token; preempts when blocks run out.
+        `hold`: requests that sit this step out (LayerKV's swap: their layers are not all on the device)."""
         failed = self._resume_preempted()
-        running = [r for r in self.requests.values() if r.state == "running"]
+        running = [r for r in self.requests.values() if r.state == "running" and r.key not in hold]
         batch = []
         for request in running[: self.max_batch]:
             if request.state != "running":

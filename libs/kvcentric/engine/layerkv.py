@@ -32,11 +32,16 @@ TPOT_WEIGHT = 0.2
 
 class LayerKV:
     def __init__(self, pool: LayerBlockPool, layered: LayeredKV, tpot_slo_s: float, offload_threshold: float,
-                 flops: float) -> None:
+                 flops: float, decode_mode: str = "swap") -> None:
         """`tpot_slo_s`: 0 admits every prompt whose blocks fit (LayerKV without its SLO-aware scheduler);
-        `offload_threshold`: the share of device layer blocks kept free (eq. 5's threshold)."""
+        `offload_threshold`: the share of device layer blocks kept free (eq. 5's threshold); `decode_mode`:
+        "swap", a request with host layers waits out of the decode batch until they are back (`held`), or
+        "stream", it decodes reading them every step."""
+        if decode_mode not in ("swap", "stream"):
+            raise ValueError(f"decode_mode must be swap or stream, got {decode_mode!r}")
         config = layered.runner.config
         self.pool, self.layered, self.config = pool, layered, config
+        self.decode_mode = decode_mode
         self.tpot_slo_s = tpot_slo_s
         self.reserve = int(offload_threshold * pool.device_layer_blocks)
         self.cost = PrefillCost(config.num_params, config.num_layers, config.hidden_size, flops)
@@ -45,6 +50,7 @@ class LayerKV:
         self.queued_since: dict[str, float] = {}
         self.stats = {"layerkv_prefills_admitted": 0, "layerkv_held_for_slo": 0, "layerkv_held_for_blocks": 0,
                       "layerkv_forecast_offloads": 0, "layerkv_swap_ins": 0, "layerkv_queue_delay_s_sum": 0.0,
+                      "layerkv_decode_held_steps": 0,
                       "layerkv_retained_layers_sum": 0, "layerkv_min_retained_layers_sum": 0}
 
     # ---------------------------------------------------------------- before each step
@@ -149,6 +155,20 @@ class LayerKV:
             holdings[index] = self.holdings([request])[0]
         return moved
 
+    def held(self, decode: DecodeEngine) -> set[str]:
+        """With "swap": the decoding requests that sit out this step because some of their layers are in host
+        memory (`reload_if_room` brings them back, oldest first, when eq. 5's forecast has room). So that
+        someone always decodes, the oldest waits no longer once every running request would wait. Nothing is
+        held with "stream"."""
+        if self.decode_mode != "swap":
+            return set()
+        running = [r for r in decode.requests.values() if r.state == "running"]
+        waiting = [r.key for r in running if r.blocks and self.pool.host_layer_blocks_of(r.blocks)]
+        if waiting and len(waiting) == len(running):
+            waiting = waiting[1:]
+        self.stats["layerkv_decode_held_steps"] += len(waiting)
+        return set(waiting)
+
     def holdings(self, running: list[DecodeRequest]) -> list[Holding]:
         return [Holding(r.key, _remaining(r), self.pool.device_layer_blocks_of(r.blocks), self.pool.num_layers)
                 for r in running]
@@ -190,4 +210,4 @@ def layer_wise(runner: ModelRunner, config: EngineConfig) -> LayerKV:
     layered = LayeredKV(runner, pool)
     layered.probe_bandwidth()
     return LayerKV(pool, layered, config.layerkv_tpot_slo_s, config.layerkv_offload_threshold,
-                   HARDWARE[config.hardware].flops)
+                   HARDWARE[config.hardware].flops, config.layerkv_decode)
