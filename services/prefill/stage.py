@@ -41,7 +41,8 @@ class StageService(PrefillService):
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         runner = runner or StageRunner(load_model_config(config.model), position, config.num_kv_blocks,
-                                       config.block_size, config.seed, config.dtype, config.device)
+                                       config.block_size, config.seed, config.dtype, config.device,
+                                       config.onednn)
         EngineService.__init__(self, config, runner, with_host_pool=False)
         self.position = position
         self.stage_runner: StageRunner = runner  # type: ignore[assignment]

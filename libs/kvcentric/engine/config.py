@@ -25,6 +25,9 @@ class EngineConfig(BusConfig):
                                  + ", ".join(PRESETS))
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
+    onednn: bool = setting(True, "fp32 on the CPU: the layers' projections run through oneDNN's GEMM, their "
+                                 "weights packed in its layout at load (2.2x torch's default GEMM for a prompt "
+                                 "on this project's box, docs/performance.md); --no-onednn: torch's default")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")

@@ -96,6 +96,26 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weightᵀ + bias; a weight packed by `pack_weight` runs through oneDNN's GEMM."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN takes fp32 weights on the CPU (where torch has it)."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor, pack: bool) -> torch.Tensor:
+    """`weight` in oneDNN's own layout when `pack` (and possible), else as it is. On this project's CPU box
+    (2 cores, AVX-512) oneDNN's fp32 GEMM ran 1.6-2.2x faster than the default (MKL's): 444 against 202
+    GFLOP/s for 256 x 512 x 2816, 59 against 37 for one row; the results agree to fp32 rounding."""
+    weight = weight.detach()
+    return weight.to_mkldnn() if pack and can_pack(weight) else weight
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -106,20 +126,29 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
-    def fuse(self) -> None:
-        """One q|k|v matmul instead of three (same numbers, bigger and faster GEMM); call after loading."""
+    def fuse(self, pack: bool = False) -> None:
+        """One q|k|v matmul instead of three (same numbers, bigger and faster GEMM); call after loading.
+        `pack`: the weights go into oneDNN's layout (`pack_weight`), o_proj's too."""
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
         bias = torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]) if self.q_proj.bias is not None \
             else None
-        self.qkv = (weight.detach(), None if bias is None else bias.detach())
+        self.qkv = (pack_weight(weight, pack), None if bias is None else bias.detach())
         del self.q_proj, self.k_proj, self.v_proj
+        if pack and can_pack(self.o_proj.weight):
+            bias = self.o_proj.bias
+            self.out = (pack_weight(self.o_proj.weight, pack), None if bias is None else bias.detach())
+            del self.o_proj
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.qkv is None:
             return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
-        return F.linear(x, *self.qkv).split(sizes, dim=-1)
+        return linear(x, *self.qkv).split(sizes, dim=-1)
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(x) if self.out is None else linear(x, *self.out)
 
     def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache):
         tokens = x.shape[0]
@@ -151,7 +180,7 @@ class Attention(nn.Module):
                     q[seq.start:seq.end].transpose(0, 1)[None], keys[None], values[None], attn_mask=seq.mask,
                     is_causal=seq.causal)
                 out[seq.start:seq.end] = attended[0].transpose(0, 1)
-        return self.o_proj(out.reshape(tokens, -1)), k, v
+        return self.output(out.reshape(tokens, -1)), k, v
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -170,17 +199,22 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
         self.gate_up: torch.Tensor | None = None
+        self.down: torch.Tensor | None = None
 
-    def fuse(self) -> None:
-        """One gate|up matmul instead of two; call after loading."""
-        self.gate_up = torch.cat([self.gate_proj.weight, self.up_proj.weight]).detach()
+    def fuse(self, pack: bool = False) -> None:
+        """One gate|up matmul instead of two; call after loading. `pack`: oneDNN's layout, down_proj's too."""
+        self.gate_up = pack_weight(torch.cat([self.gate_proj.weight, self.up_proj.weight]), pack)
         del self.gate_proj, self.up_proj
+        if pack and can_pack(self.down_proj.weight):
+            self.down = pack_weight(self.down_proj.weight, pack)
+            del self.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        return self.down_proj(hidden) if self.down is None else linear(hidden, self.down)
 
 
 class DecoderLayer(nn.Module):
@@ -247,11 +281,12 @@ class LlamaModel(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def fuse(self) -> LlamaModel:
-        """Fuse q|k|v and gate|up projections of every layer (after weights are loaded)."""
+    def fuse(self, pack: bool = False) -> LlamaModel:
+        """Fuse q|k|v and gate|up projections of every layer (after weights are loaded); `pack`: the layers'
+        projections in oneDNN's layout (fp32 on the CPU; elsewhere nothing changes)."""
         for layer in cast("list[DecoderLayer]", self.layers):
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+            layer.self_attn.fuse(pack)
+            layer.mlp.fuse(pack)
         return self
 
     @torch.inference_mode()

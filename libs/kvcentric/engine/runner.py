@@ -31,12 +31,14 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
     return blocks * block_size + positions % block_size
 
 
-def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device,
+                onednn: bool = True) -> LlamaModel:
     """The checkpoint's weights when the config has a path, else seeded random weights; either way made
-    on `device` in `dtype` (never a full fp32 copy on the host first)."""
+    on `device` in `dtype` (never a full fp32 copy on the host first). `onednn`: fp32 projections on the CPU
+    run through oneDNN's GEMM (`llama.pack_weight`)."""
     model = empty_model(config, dtype, device)
     model = load_checkpoint(model, config.path) if config.path else random_init(model, seed)
-    return model.eval().fuse()
+    return model.eval().fuse(pack=onednn)
 
 
 class LayerwiseExecution(Protocol):
@@ -52,7 +54,7 @@ class LayerwiseExecution(Protocol):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 dtype: str = "float32", device: str = "cpu") -> None:
+                 dtype: str = "float32", device: str = "cpu", onednn: bool = True) -> None:
         self.config = config
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
@@ -62,7 +64,7 @@ class ModelRunner:
         kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
         if self.device.type == "cpu":
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
-        self.model = build_model(config, seed, self.dtype, self.device)
+        self.model = build_model(config, seed, self.dtype, self.device, onednn)
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

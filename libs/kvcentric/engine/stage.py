@@ -65,10 +65,10 @@ def load_stage_checkpoint(model: LlamaModel, directory: str) -> LlamaModel:
     return model
 
 
-def _fuse(model: LlamaModel) -> LlamaModel:
+def _fuse(model: LlamaModel, onednn: bool) -> LlamaModel:
     for layer in model.layers.values():  # type: ignore[operator]
-        layer.self_attn.fuse()
-        layer.mlp.fuse()
+        layer.self_attn.fuse(pack=onednn)
+        layer.mlp.fuse(pack=onednn)
     return model
 
 
@@ -77,7 +77,7 @@ class StageRunner(ModelRunner):
     model's; KV is addressed by local layer (0..len(layers)-1), `layers[local]` is the global index."""
 
     def __init__(self, config: ModelConfig, position: StagePosition, num_blocks: int, block_size: int,
-                 seed: int = 0, dtype: str = "float32", device: str = "cpu") -> None:
+                 seed: int = 0, dtype: str = "float32", device: str = "cpu", onednn: bool = True) -> None:
         self.whole, self.position = config, position
         self.layers = stage_layers(config.num_layers, position.stages, position.index)
         self.config = dataclasses.replace(config, num_layers=len(self.layers))
@@ -86,7 +86,7 @@ class StageRunner(ModelRunner):
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
-        self.model = _fuse(model.eval())
+        self.model = _fuse(model.eval(), onednn)
         by_name = dict(model.layers.named_children())
         self.decoder_layers = [cast(DecoderLayer, by_name[str(index)]) for index in self.layers]
         shape = (len(self.layers), num_blocks * block_size, config.num_kv_heads, config.head_dim)

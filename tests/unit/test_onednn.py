@@ -1,0 +1,36 @@
+"""fp32 projections through oneDNN (weights packed in its layout at load): the same logits as torch's default
+GEMM to fp32 rounding, the same greedy tokens, and off with --no-onednn."""
+
+import torch
+
+from factories import greedy, make_pool, prompt
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.local import generate
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import preset
+
+
+def runner(onednn: bool) -> ModelRunner:
+    return ModelRunner(preset("tiny"), 64, 4, seed=0, device="cpu", onednn=onednn)
+
+
+def test_packed_weights_give_the_default_gemms_logits_and_greedy_tokens():
+    packed, plain = runner(True), runner(False)
+    layer = packed.model.layers[0]
+    assert layer.self_attn.qkv[0].is_mkldnn and layer.mlp.down.is_mkldnn and layer.self_attn.out[0].is_mkldnn
+    assert not plain.model.layers[0].self_attn.qkv[0].is_mkldnn
+    tokens = prompt(40)
+    logits = [r.prefill(tokens, list(range(10)), 0, 40, every_row=True) for r in (packed, plain)]
+    assert torch.allclose(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+    assert generate(packed, make_pool(packed), tokens, greedy(16))[0] == \
+        generate(plain, make_pool(plain), tokens, greedy(16))[0]
+
+
+def test_onednn_is_on_by_default_and_off_with_no_onednn():
+    assert EngineConfig().onednn is True
+    assert EngineConfig(onednn=False).onednn is False
+
+
+def test_bf16_weights_are_left_to_torch():
+    model = ModelRunner(preset("tiny"), 16, 4, dtype="bfloat16", onednn=True).model
+    assert not model.layers[0].self_attn.qkv[0].is_mkldnn
