@@ -8,7 +8,7 @@ It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); w
 
 Usage:
     bench/vllm_peer/setup.sh /work/vllm-venv
-    .venv/bin/python bench/bench_vs_vllm.py [--peer-venv /work/vllm-venv] [--rounds 3] [--only colocated]
+    .venv/bin/python bench/bench_vs_vllm.py [--peer-venv /work/vllm-venv] [--rounds 3] [--only "colocated mixed"]
 
 Writes bench/results/vs_vllm.json and vs_vllm.png and prints the ratio table.
 """
@@ -40,7 +40,7 @@ from harness import UpProcess  # noqa: E402
 
 RESULTS = HERE / "results"
 DEPLOYMENTS: dict[str, tuple[list[str], dict[str, str]]] = {
-    "colocated": (["--colocated", "1"], {}),
+    "colocated split": (["--colocated", "1"], {"KVC_STEP_TOKENS": "0"}),
     "colocated mixed": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048"}),
     "colocated mixed slices": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048", "KVC_DECODE_ATTENTION": "slices"}),
     "1P+1D": (["--prefill", "1", "--decode", "1"], {}),
@@ -65,7 +65,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tbt-output-len", type=int, default=128, help="output tokens of the TBT test")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--only", nargs="*", default=["colocated", "colocated mixed", "1P+1D"],
+    parser.add_argument("--only", nargs="*", default=["colocated split", "colocated mixed", "1P+1D"],
                         choices=list(DEPLOYMENTS))
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
     parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))

@@ -32,7 +32,9 @@ class ColocatedService(EngineService):
                                       config.prefill_chunk, config.max_batch, self.host, self.layerkv,
                                       config.layerwise_prefix_load, config.layerwise_store)
         self.stepper = MixedStepper(self.engine, config.step_tokens, config.decode_attention) \
-            if config.step_tokens else None
+            if config.step_tokens and self.layerkv is None else None
+        """Mixed steps (one forward pass for decode rows and prompt chunks); LayerKV's layer-wise KV runs
+        split steps only."""
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""

@@ -17,7 +17,7 @@ from kvcentric.core.protocol import SamplingParams
 
 @pytest.fixture(scope="module", params=["split steps", "mixed steps"])
 def colocated(request, tmp_path_factory):
-    env = {"KVC_STEP_TOKENS": "64"} if request.param == "mixed steps" else {}
+    env = {"KVC_STEP_TOKENS": "64" if request.param == "mixed steps" else "0"}
     up = UpProcess(str(tmp_path_factory.mktemp("up-colocated")), "--colocated", "1", env=env)
     try:
         yield up

@@ -110,3 +110,21 @@ def test_a_prefix_loading_from_the_host_pool_layer_by_layer_is_in_the_cache_befo
     assert generated == {"longer": transformers_greedy(reference, longer),
                          "other": transformers_greedy(reference, other)}
     assert not engine.prefill.host.pins
+
+
+def test_a_step_of_prompts_that_all_ask_for_prompt_logprobs_and_no_decode_rows_ends_them():
+    """Each such prompt runs alone (it needs every row's logits), so the batched pass has nothing to do: it must
+    not run (it raised on an empty batch, and the echo request hung)."""
+    from factories import decode_job, make_pool, make_runner, prefill_job
+    runner = make_runner(block_size=4)
+    engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4), chunk_tokens=6)
+    stepper = MixedStepper(engine, 2048)
+    params = SamplingParams(max_tokens=0, temperature=0.0, prompt_logprobs=1)
+    job = prefill_job([256, 5, 6, 7, 8, 9, 10, 11, 12], params, request_id="echo")
+    engine.submit(job, decode_job("echo", 9, params))
+    step, failed = stepper.schedule()
+    assert not failed and not step.batch and [(c.start, c.end) for c in step.chunks] == [(0, 9)]
+    firsts, tokens = stepper.execute(step)
+    out = stepper.update(step, firsts, tokens)
+    assert tokens == [] and len(out) == 1 and out[0].finish_reason == "length" and out[0].error == ""
+    assert len(out[0].prompt_logprobs) == 8 and not engine.has_work

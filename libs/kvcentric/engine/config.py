@@ -92,9 +92,10 @@ class EngineConfig(BusConfig):
         "swap", "with --layerkv, colocated: a decoding request with layers in host memory waits out of the batch "
                 "until they are swapped back into device blocks, as the paper's vLLM base does (swap; the oldest "
                 "decodes anyway when every request waits), or decodes at once, reading them every step (stream)")
-    step_tokens: int = setting(0, "colocated: token budget of a mixed step, one forward pass over the decode "
-                                  "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
-                                  "one prompt chunk and the decode batch as two passes)")
+    step_tokens: int = setting(2048, "colocated: token budget of a mixed step, one forward pass over the decode "
+                                     "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
+                                     "one prompt chunk and the decode batch as two passes; --layerkv always runs "
+                                     "split steps)")
     decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
                                                             "attend through one padded block-table gather per "
                                                             "layer (padded) or one sequence at a time over its "
@@ -123,8 +124,6 @@ class EngineConfig(BusConfig):
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
-        require(not (self.layerkv and self.step_tokens), "step_tokens",
-                "mixed steps do not run LayerKV's layer-wise KV yet: use --step-tokens 0 with --layerkv")
         require(not (self.layerkv and self.pipeline_group), "layerkv",
                 "a prefill stage (--pipeline-group) does not run LayerKV: drop one of the two")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")

@@ -75,6 +75,8 @@ class MixedStepper:
         decode._recompute([r for r in step.batch if r.recompute])
         scored = {id(c): prefill.execute(c) for c in step.chunks if c.work.job.sampling.prompt_logprobs is not None}
         plain = [c for c in step.chunks if id(c) not in scored]
+        if not plain and not step.batch:  # every chunk asked for prompt logprobs: nothing else to run
+            return [scored[id(c)] for c in step.chunks], []
         for chunk in plain:  # one batched forward for all chunks: their prefixes are loaded before it
             prefill.settle(chunk.work)
         last_logits, decode_logits = forward(self.engine.runner, plain, step.batch, self.decode_attention)
