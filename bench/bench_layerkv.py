@@ -162,6 +162,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", default=str(RESULTS / "layerkv_live.json"))
     args = parser.parse_args()
+    context = preset(args.model).max_position
+    if args.max_prompt + args.output > context:
+        parser.error(f"--max-prompt {args.max_prompt} + --output {args.output} exceed the {args.model} context "
+                     f"({context} positions): use --max-prompt {context - args.output} or less")
     torch.set_num_threads(args.threads)
     ttft_slo_s, mean_prefill_s = scaled_ttft_slo(args)
     print(f"mean prompt prefill here {mean_prefill_s:.2f} s -> TTFT SLO {ttft_slo_s:.2f} s; TPOT SLO "
