@@ -41,8 +41,9 @@ def measure(model: str, layers: int, dtype: str, device: str) -> dict:
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    weights += sum(t.numel() * t.element_size() for layer in runner.model.layers
-                   for t in (layer.self_attn.qkv[0], layer.mlp.gate_up))
+    fused = [(layer.self_attn.qkv[0], layer.mlp.gate_up, layer.self_attn.out and layer.self_attn.out[0],
+              layer.mlp.down) for layer in runner.model.layers]  # out and down: packed for oneDNN (or None)
+    weights += sum(t.numel() * t.element_size() for group in fused for t in group if t is not None)
     return {"model": model, "layers": config.num_layers, "dtype": dtype, "device": device,
             "params": config.num_params, "seconds": round(seconds, 2),
             "cpu_seconds": round(cpu_seconds, 2),
