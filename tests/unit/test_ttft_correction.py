@@ -69,7 +69,7 @@ def test_a_run_of_slow_first_tokens_turns_an_admission_into_a_429():
     # simple_cost: 1 s per 1000 tokens; a 1500-token prompt on an idle instance is predicted 1.5 s, SLO 3 s
     decisions = {}
     for enabled in (True, False):
-        conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction=enabled)
+        conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction=enabled, ttft_correction_spread=0.0)
         for i in range(8):  # each predicted 1 s, each took 3 s
             placed = conductor.schedule(schedule_request(1000, f"w{i}"), {}, i / 10)
             assert isinstance(placed, Placement) and placed.predicted_ttft_s == pytest.approx(1.0)
@@ -97,7 +97,7 @@ def test_a_placement_late_for_its_first_token_makes_the_next_one_rejected():
 
 
 def test_an_outcome_teaches_what_no_first_token_did_and_ends_the_wait():
-    conductor = make_conductor(1, 1, ttft_slo_s=3.0)
+    conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction_spread=0.0)
     conductor.schedule(schedule_request(1000, "a"), {}, 0.0)
     outcome = RequestOutcome(request_id="a", prefill_id="p0", decode_id="d0", finish_reason="length", ttft_s=2.0,
                              e2e_s=4.0, prompt_tokens=1000, completion_tokens=16, predicted_ttft_s=1.0)
@@ -147,3 +147,38 @@ def test_placement_ranks_on_corrected_predictions_and_returns_the_raw_one():
         # p1: 0.4 s left in its queue + 1 s = 1.4 s, uncorrected; p0: 1 s x 2.8
         assert isinstance(placed, Placement) and placed.prefill_id == "p1", policy
         assert placed.predicted_ttft_s == pytest.approx(1.4)
+
+
+def test_the_spread_adds_mean_deviations_of_the_ratios_to_their_mean():
+    """As TCP's retransmission timeout: mean plus `spread` mean deviations. Ratios 1 then 3: the mean moves to
+    1.5 and the deviation to |3 - 1| / 4 = 0.5, so with spread 1 the factor is 2.0; steady ratios then wear the
+    deviation away (a quarter a time) and the factor comes back to the mean."""
+    plain, spread = TtftCorrection(min_predicted_s=0.5), TtftCorrection(min_predicted_s=0.5, spread=1.0)
+    for correction in (plain, spread):
+        correction.learn("p0", "a", predicted_s=2.0, actual_s=2.0)  # ratio 1: mean 1, deviation 0
+        correction.learn("p0", "b", predicted_s=2.0, actual_s=6.0)  # ratio 3
+    assert plain.factor("p0", now=0.0) == pytest.approx(1.5)
+    assert spread.factor("p0", now=0.0) == pytest.approx(1.5 + 0.5)
+    for i in range(60):
+        spread.learn("p0", f"steady{i}", predicted_s=2.0, actual_s=3.0)  # ratio 1.5, the mean already
+    assert spread.factor("p0", now=0.0) == pytest.approx(1.5, abs=1e-6)
+    with pytest.raises(ValueError):
+        TtftCorrection(min_predicted_s=0.5, spread=-1.0)
+
+
+def test_scattered_first_tokens_make_the_conductor_reject_with_a_spread_where_the_mean_admits():
+    # simple_cost: a 2200-token prompt on an idle instance is predicted 2.2 s; SLO 3 s. First tokens alternating
+    # 0.5x and 1.5x their prediction: mean ratio about 1, deviation about 0.5.
+    decisions = {}
+    for spread in (0.0, 1.0):
+        conductor = make_conductor(1, 1, ttft_slo_s=3.0, ttft_correction_spread=spread)
+        for i in range(16):
+            placed = conductor.schedule(schedule_request(1000, f"w{i}"), {}, i / 100)
+            assert isinstance(placed, Placement)
+            ratio = 0.5 if i % 2 else 1.5
+            conductor.on_first_token(first_token(f"w{i}", ratio * placed.predicted_ttft_s, placed.predicted_ttft_s),
+                                     i / 100)
+            conductor.forget(f"w{i}")
+        decisions[spread] = conductor.schedule(schedule_request(2200, "next"), {}, 0.17)
+    assert isinstance(decisions[0.0], Placement)  # 2.2 s x ~0.94 is under 3 s
+    assert isinstance(decisions[1.0], Rejection) and decisions[1.0].stage == "prefill"  # 2.2 s x ~1.43 is not

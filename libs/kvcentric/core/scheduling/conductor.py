@@ -76,8 +76,8 @@ class Conductor:
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
         self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
                                    config.priority_step, config.top_priority)
-        self.correction = TtftCorrection(config.ttft_slo_s / 20, max_wait_s=3 * config.ttft_slo_s) \
-            if config.ttft_correction else None
+        self.correction = TtftCorrection(config.ttft_slo_s / 20, max_wait_s=3 * config.ttft_slo_s,
+                                         spread=config.ttft_correction_spread) if config.ttft_correction else None
         """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}

@@ -4,6 +4,7 @@ a flag of both: `--policy`, `--rejection`, `--ttft-slo-s`, ...). It holds values
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, get_args
 
 from kvcentric.config import require, setting
@@ -46,6 +47,9 @@ class SchedulerConfig:
                                           "(exponentially weighted, clamped to [0.5, 4]), raised to the ratio its "
                                           "latest prefill chunks ran at against its own model and to what its "
                                           "placements still waiting for a first token show already")
+    ttft_correction_spread: float = setting(1.0, "with --ttft-correction: the learned ratio is its weighted mean "
+                                                 "plus this many weighted mean deviations (as TCP's "
+                                                 "retransmission timeout; 0: the mean alone)")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
@@ -55,6 +59,8 @@ class SchedulerConfig:
         require(self.link_gbps > 0, "link_gbps", "must be positive")
         require(self.decode_time_s > 0, "decode_time_s", "must be positive")
         require(0 <= self.priority_step <= 1, "priority_step", "must be in [0, 1]")
+        require(math.isfinite(self.ttft_correction_spread) and self.ttft_correction_spread >= 0,
+                "ttft_correction_spread", "must be 0 or more")
         require(self.cache_aware_scheduling_min_tokens >= 0, "cache_aware_scheduling_min_tokens", "must be >= 0")
         require(self.queue_time in get_args(QueueTime), "queue_time",
                 f"choose {' or '.join(get_args(QueueTime))}, got {self.queue_time!r}")

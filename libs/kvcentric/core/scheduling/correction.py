@@ -11,6 +11,11 @@ TTFT of 2 s has a ratio of at least 3), so the correction grows from the first l
 instead of one TTFT later. Sooner still, each prefill chunk an instance times (in its load reports) against its
 own model says how much slower than its model it runs now (`learn_chunk`: a machine shared with other work),
 which stretches its queue and its prefill alike.
+
+The learned ratio is a mean; a request admitted at a corrected prediction just under the SLO misses it whenever
+its own ratio lands above that mean. So, as TCP sets its retransmission timeout from the smoothed round trip
+plus a multiple of its mean deviation (Jacobson, 1988; RFC 6298), the learned part of the factor is the
+weighted mean ratio plus `spread` times the weighted mean absolute deviation of the ratios from it.
 """
 
 from __future__ import annotations
@@ -38,15 +43,19 @@ class Outstanding:
 
 class TtftCorrection:
     def __init__(self, min_predicted_s: float, weight: float = WEIGHT, low: float = LOW, high: float = HIGH,
-                 max_wait_s: float = float("inf")) -> None:
+                 max_wait_s: float = float("inf"), spread: float = 0.0) -> None:
         """`min_predicted_s`: predictions below it count as it in a ratio (a 10 ms prediction missed by 100 ms
         is noise, not a 10x slower machine). `max_wait_s`: a placement waiting longer than this for its first
-        token is taken as lost (its request ended without one) and bounds nothing."""
-        if not 0 < weight <= 1 or not 0 < low <= 1 <= high or min_predicted_s <= 0:
-            raise ValueError("need 0 < weight <= 1, 0 < low <= 1 <= high and min_predicted_s > 0")
+        token is taken as lost (its request ended without one) and bounds nothing. `spread`: how many mean
+        deviations of the ratios the learned factor adds to their mean (0: the mean alone)."""
+        if not 0 < weight <= 1 or not 0 < low <= 1 <= high or min_predicted_s <= 0 or spread < 0:
+            raise ValueError("need 0 < weight <= 1, 0 < low <= 1 <= high, min_predicted_s > 0 and spread >= 0")
         self.min_predicted_s, self.weight, self.low, self.high = min_predicted_s, weight, low, high
-        self.max_wait_s = max_wait_s
+        self.max_wait_s, self.spread = max_wait_s, spread
         self.factors: dict[str, float] = {}
+        """instance id -> the weighted mean of its ratios actual / predicted TTFT."""
+        self.deviations: dict[str, float] = {}
+        """instance id -> the weighted mean absolute deviation of its ratios from that mean."""
         self.speeds: dict[str, float] = {}
         """instance id -> the ratio measured / predicted its recent prefill chunks ran at."""
         self.chunks_seen: dict[str, int] = {}
@@ -72,9 +81,17 @@ class TtftCorrection:
         if len(self.learned) > LEARNED_MEMORY:
             del self.learned[next(iter(self.learned))]
         old = self.factors.get(instance_id, 1.0)
-        new = self.factors[instance_id] = self.clamp(old + self.weight * (self.ratio(predicted_s, actual_s) - old))
+        ratio = self.ratio(predicted_s, actual_s)
+        deviation = self.deviations.get(instance_id, 0.0)
+        self.deviations[instance_id] = deviation + self.weight * (abs(ratio - old) - deviation)
+        new = self.factors[instance_id] = self.clamp(old + self.weight * (ratio - old))
         self.observations += 1
         return new
+
+    def learned_factor(self, instance_id: str) -> float:
+        """The learned part of the factor: the mean ratio plus `spread` mean deviations, clamped."""
+        mean = self.factors.get(instance_id, 1.0)
+        return self.clamp(mean + self.spread * self.deviations.get(instance_id, 0.0))
 
     def learn_chunk(self, instance_id: str, samples: int, predicted_s: float, measured_s: float) -> float | None:
         """The instance's latest timed prefill chunk, its `samples`-th, took `measured_s` where its model says
@@ -115,9 +132,9 @@ class TtftCorrection:
     def factor(self, instance_id: str, now: float) -> float:
         """What to multiply `instance_id`'s predicted TTFT by: its learned ratio, raised to the ratio its chunks
         run at and to what its late placements show already."""
-        return max(self.factors.get(instance_id, 1.0), self.speeds.get(instance_id, 1.0),
+        return max(self.learned_factor(instance_id), self.speeds.get(instance_id, 1.0),
                    self.overdue_ratio(instance_id, now))
 
     def forget(self, instance_id: str) -> None:
-        for table in (self.factors, self.speeds, self.chunks_seen, self.waiting):
+        for table in (self.factors, self.deviations, self.speeds, self.chunks_seen, self.waiting):
             table.pop(instance_id, None)
