@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -65,5 +66,8 @@ def test_a_burst_beyond_decode_capacity_ends_in_200_or_429_and_leaks_nothing(sta
 
     eventually(idle_stats, "the decode instance's blocks all free again",
                until=lambda s: s["kv_blocks_free"] == s["kv_blocks_total"] and s["kv_staging_bytes_used"] == 0)
-    status, _, error = post(stack.url, 999)
-    assert status == 200 and not error
+    status, retry, error = post(stack.url, 999)
+    if status == 429:  # the conductor's view of the decode's room may lag its idle report: a client retries
+        time.sleep(float(retry))
+        status, retry, error = post(stack.url, 999)
+    assert status == 200 and not error, (status, error)

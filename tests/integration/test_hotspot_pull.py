@@ -67,15 +67,21 @@ async def test_node_b_pulls_the_prefix_from_node_a_and_generates_the_same_tokens
     other = "prefill-1" if holder == "prefill-0" else "prefill-0"
     token_ids = ByteTokenizer().encode(PROMPT)
     hashes = [to_hex(h) for h in BlockHasher(block_size=16).hash_blocks(token_ids)]
-    a, b = two_prefills.health(holder), two_prefills.health(other)
+    # A's blocks enter its host pool behind the compute (write-behind): pull once they are there, else B rightly
+    # computes the prefix itself
+    a = eventually(lambda: two_prefills.health(holder), "node A's host pool holds the prefix",
+                   until=lambda health: health["stats"]["host_blocks"] >= len(hashes), timeout_s=10)
+    b = two_prefills.health(other)
     tokens = await prefill_on(two_prefills.manifest["nats_url"], other, token_ids, a["kv_addr"], hashes,
                               two_prefills.health("decode-0")["kv_addr"])
     runner = make_runner(num_blocks=64, block_size=16)
     assert tokens == generate(runner, make_pool(runner), token_ids, PARAMS)[0]  # no cache anywhere
     assert ByteTokenizer().decode(tokens) == text
-    after = two_prefills.health(other)["stats"]
     pulled_tokens = len(hashes) * 16
-    assert after["prefill_tokens_from_host"] - b["stats"].get("prefill_tokens_from_host", 0) == pulled_tokens
+    before = b["stats"].get("prefill_tokens_from_host", 0)
+    after = eventually(lambda: two_prefills.health(other)["stats"], "node B's stats count the prefix it loaded",
+                       until=lambda stats: stats["prefill_tokens_from_host"] > before, timeout_s=10)  # a snapshot
+    assert after["prefill_tokens_from_host"] - before == pulled_tokens
     assert after["prefill_tokens_computed"] - b["stats"].get("prefill_tokens_computed", 0) == \
         len(token_ids) - pulled_tokens
     assert two_prefills.health(holder)["stats"]["blocks_served"] == len(hashes)
