@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
         config = from_namespace(_config_class(args.command), args)
     except ConfigError as exc:
         parser.exit(2, f"kvcentric: error: {exc}\n")
-    from kvcentric.runtime.service import run_service
+    from kvcentric.runtime.service import Service, run_service
     try:
-        run_service(service_class(args.command)(config))
+        service: type[Service] = service_class(args.command)
+        run_service(service(service.prepare_process(config)))
     except (MemoryError, ConnectionError, OSError) as exc:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
 
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SubmitAck, TokenChunk
@@ -38,14 +37,14 @@ class StageService(PrefillService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         position = config.stage_position
         assert position is not None  # PrefillService makes a StageService only with --pipeline-group
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
-        runner = runner or StageRunner(load_model_config(config.model), position, config.num_kv_blocks,
-                                       config.block_size, config.seed, config.dtype, config.device,
-                                       config.onednn)
-        EngineService.__init__(self, config, runner, with_host_pool=False)
+
+        def build(config: EngineConfig, runner: ModelRunner | None) -> ModelRunner:
+            return runner or StageRunner(load_model_config(config.model), position, config.num_kv_blocks,
+                                         config.block_size, config.seed, config.dtype, config.device, config.onednn)
+
+        EngineService.__init__(self, config, runner, with_host_pool=False, build=build)
         self.position = position
-        self.stage_runner: StageRunner = runner  # type: ignore[assignment]
+        self.stage_runner: StageRunner = self.runner
         self.engine: StageEngine = StageEngine(self.stage_runner, self.pool,
                                                BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk)
         self.attach(RefusingSink())

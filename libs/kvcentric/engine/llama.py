@@ -34,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -87,13 +89,24 @@ class Rotary(nn.Module):
         self.cos = angles.cos().to(device, dtype)
         self.sin = angles.sin().to(device, dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+    def forward(self, x: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """x: [tokens, heads, head_dim], rotated by the batch's positions into a new tensor. The halves are
+        computed apart (x1·cos - x2·sin, x2·cos + x1·sin), with no concatenated copy of x; the position
+        tables are gathered once per batch and shared by every layer."""
+        if batch.rotation is None:
+            half = x.shape[-1] // 2
+            batch.rotation = (self.cos[batch.positions, :half].unsqueeze(1).to(x.dtype),
+                              self.sin[batch.positions, :half].unsqueeze(1).to(x.dtype))
+        cos, sin = batch.rotation
+        half = cos.shape[-1]
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty_like(x)
+        first, second = out[..., :half], out[..., half:]
+        torch.mul(x1, cos, out=first)
+        first.sub_(x2 * sin)
+        torch.mul(x2, cos, out=second)
+        second.add_(x1 * sin)
+        return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,6 +114,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ weightᵀ + bias; with a packed weight the sum is the GEMM's own post-op (no pass of its
+    own over the result; the same fp32 sum)."""
+    if weight.is_mkldnn and residual.is_contiguous():
+        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
+    return residual + linear(x, weight, bias)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -147,15 +169,26 @@ class Attention(nn.Module):
         sizes = (self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim)
         return linear(x, *self.qkv).split(sizes, dim=-1)
 
-    def output(self, x: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(x) if self.out is None else linear(x, *self.out)
+    def output(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + o_proj(x)."""
+        return residual + self.o_proj(x) if self.out is None else linear_add(x, *self.out, residual)
 
-    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache):
+    def rotated(self, x: torch.Tensor, batch: AttentionBatch, rotary: Rotary) -> tuple[torch.Tensor, ...]:
+        """q and k rotated (in one pass when q|k|v came from one GEMM), v: [tokens, heads, head_dim] each."""
+        tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv is None:
+            q, k, v = self.project(x)
+            return (rotary(q.reshape(tokens, heads, self.head_dim), batch),
+                    rotary(k.reshape(tokens, kv_heads, self.head_dim), batch),
+                    v.reshape(tokens, kv_heads, self.head_dim))
+        qkv = linear(x, *self.qkv).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = rotary(qkv[:, :heads + kv_heads], batch)
+        return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+
+    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache, residual):
+        """residual + the attention output, and this step's k and v."""
         tokens = x.shape[0]
-        q, k, v = self.project(x)
-        q = rotary(q.reshape(tokens, self.num_heads, self.head_dim), batch.positions)
-        k = rotary(k.reshape(tokens, self.num_kv_heads, self.head_dim), batch.positions)
-        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.rotated(x, batch, rotary)
         k_cache.index_copy_(0, batch.write_slots, k)
         v_cache.index_copy_(0, batch.write_slots, v)
         gqa = self.num_heads != self.num_kv_heads
@@ -171,16 +204,29 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             if padded is not None:
                 out[batch.padded_start:] = padded
-            group = self.num_heads // self.num_kv_heads
+            for run in fresh_runs(batch.sequences):  # whole prompts of one length: one call, their own KV
+                start, end, length = run[0].start, run[-1].end, run[0].end - run[0].start
+                attended = F.scaled_dot_product_attention(
+                    self.heads_first(q[start:end], len(run), length), self.heads_first(k[start:end], len(run), length),
+                    self.heads_first(v[start:end], len(run), length), is_causal=True)
+                out[start:end] = attended.transpose(1, 2).reshape(end - start, self.num_heads, self.head_dim)
             for seq in batch.sequences:
-                # Repeat KV heads rather than enable_gqa: the fused CPU kernels take only equal head counts.
-                keys = k_cache[seq.context_slots].transpose(0, 1).repeat_interleave(group, dim=0)
-                values = v_cache[seq.context_slots].transpose(0, 1).repeat_interleave(group, dim=0)
+                if seq.fresh:
+                    continue
+                keys = self.heads_first(k_cache[seq.context_slots], 1, seq.context_slots.shape[0])
+                values = self.heads_first(v_cache[seq.context_slots], 1, seq.context_slots.shape[0])
                 attended = F.scaled_dot_product_attention(  # 4-D: the fused kernels want a batch dim
-                    q[seq.start:seq.end].transpose(0, 1)[None], keys[None], values[None], attn_mask=seq.mask,
+                    q[seq.start:seq.end].transpose(0, 1)[None], keys, values, attn_mask=seq.mask,
                     is_causal=seq.causal)
                 out[seq.start:seq.end] = attended[0].transpose(0, 1)
-        return self.output(out.reshape(tokens, -1)), k, v
+        return self.output(out.reshape(tokens, -1), residual), k, v
+
+    def heads_first(self, x: torch.Tensor, count: int, length: int) -> torch.Tensor:
+        """[count, heads, length, head_dim] from `count` runs of `length` rows of [rows, heads, head_dim],
+        KV heads repeated to the query heads: the fused CPU kernels take only equal head counts (no GQA)."""
+        x = x.view(count, length, x.shape[1], self.head_dim).transpose(1, 2)
+        group = self.num_heads // x.shape[1]
+        return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -209,12 +255,14 @@ class MLP(nn.Module):
             self.down = pack_weight(self.down_proj.weight, pack)
             del self.down_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + the MLP of x."""
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return residual + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
-        return self.down_proj(hidden) if self.down is None else linear(hidden, self.down)
+        hidden = F.silu(gate).mul_(up)
+        return residual + self.down_proj(hidden) if self.down is None else linear_add(hidden, self.down, None,
+                                                                                      residual)
 
 
 class DecoderLayer(nn.Module):
@@ -226,9 +274,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, batch, rotary, k_cache, v_cache):
-        attended, k, v = self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache)
-        x = x + attended
-        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+        x, k, v = self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache, x)
+        return self.mlp(self.post_attention_layernorm(x), x), k, v
 
 
 class SequenceSlice:
@@ -239,6 +286,8 @@ class SequenceSlice:
         self.start, self.end, self.context_slots = start, end, context_slots
         new, context = end - start, context_slots.shape[0]
         self.causal = first_position == 0 and new == context and not _window_applies(sliding_window, context)
+        self.fresh = self.causal
+        """A whole prompt with nothing cached: it attends to its own new keys and values (no cache read)."""
         self.mask = None
         if not self.causal:
             query_pos = torch.arange(first_position, first_position + new, device=context_slots.device).unsqueeze(1)
@@ -246,6 +295,20 @@ class SequenceSlice:
             self.mask = key_pos <= query_pos
             if _window_applies(sliding_window, context):
                 self.mask &= key_pos > query_pos - sliding_window
+
+
+def fresh_runs(sequences: Sequence[SequenceSlice]) -> list[list[SequenceSlice]]:
+    """The fresh sequences (`SequenceSlice.fresh`) in runs of adjacent rows and equal lengths."""
+    runs: list[list[SequenceSlice]] = []
+    for seq in sequences:
+        if not seq.fresh:
+            continue
+        last = runs[-1][-1] if runs else None
+        if last is not None and last.end == seq.start and last.end - last.start == seq.end - seq.start:
+            runs[-1].append(seq)
+        else:
+            runs.append([seq])
+    return runs
 
 
 def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
@@ -263,6 +326,8 @@ class AttentionBatch:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
         self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
         self.padded_start = padded_start
+        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+        """cos and sin of `positions` (first halves), made by the first layer's rotary and kept for the rest."""
 
 
 class LlamaModel(nn.Module):

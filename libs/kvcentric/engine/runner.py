@@ -69,6 +69,8 @@ class ModelRunner:
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.threads = 0
+        """The torch threads its model thread computes with (set by the service that runs it)."""
         self.layered: LayerwiseExecution | None = None
         """With LayerKV: block tables name logical blocks whose layers live apart; this runs the steps."""
 

@@ -7,7 +7,11 @@ work loop; this class decides nothing about a request.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import msgspec
+import torch
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import Cancel, Role
@@ -15,7 +19,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.messenger import Messenger
-from kvcentric.engine.node import ModelThread, Wakeup, host_pool, load_runner
+from kvcentric.engine.node import ModelThread, Wakeup, engine_threads, host_pool, load_runner, serial_elsewhere
 from kvcentric.engine.outbox import TokenOutbox
 from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
@@ -31,14 +35,17 @@ class EngineService(Service):
 
     role: Role | str = "engine"
 
-    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, with_host_pool: bool = True) -> None:
-        """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None, with_host_pool: bool = True,
+                 build: Callable[[EngineConfig, ModelRunner | None], ModelRunner] = load_runner) -> None:
+        """`runner`: the model (weights and paged KV memory) of the service this one takes over from; `build`
+        makes it (or takes the one handed over), in the model thread."""
         super().__init__(config)
         self.config: EngineConfig = config
-        self.runner = load_runner(config, runner)
+        self.model = ModelThread(self.role, engine_threads(config, runner))
+        self.runner = self.model.call(build, config, runner)
+        self.runner.threads = self.model.threads
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         self.host: HostBlockPool | None = host_pool(config, self.runner.block_bytes) if with_host_pool else None
-        self.model = ModelThread(self.role)
         self.wake = Wakeup()
         self.spans = RequestSpans()
         self.outbox = TokenOutbox(self.spans)
@@ -113,6 +120,14 @@ class EngineService(Service):
     @property
     def hands_over(self) -> bool:
         return self.role_change.next_role is not None
+
+    @classmethod
+    def prepare_process(cls, config: EngineConfig) -> EngineConfig:
+        """The model thread's OpenMP team is the process's only one (see `ModelThread`): its thread count is
+        fixed now, and every other thread, the event loop's first, computes serially."""
+        threads = config.torch_threads or torch.get_num_threads()
+        serial_elsewhere()
+        return dataclasses.replace(config, torch_threads=threads)
 
     def successor(self) -> Service | None:
         return self.role_change.successor(self.config, self.instance_id, self.runner)

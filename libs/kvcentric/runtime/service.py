@@ -81,6 +81,12 @@ class Service:
         """Another service goes on in this process once this one stops (see `run_service`)."""
         return False
 
+    @classmethod
+    def prepare_process(cls, config):
+        """Called once in a process this service has to itself (its command), before the service is built:
+        settings of the whole process; returns the config to build it with."""
+        return config
+
     def successor(self) -> Service | None:
         """The service this process runs next, once this one has stopped (None: the process ends)."""
         return None

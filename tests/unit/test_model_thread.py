@@ -1,0 +1,39 @@
+"""The model thread owns the process's only parallel torch team (`kvcentric.engine.node.ModelThread`).
+
+Run in a child interpreter: the thread counts it sets are process-wide state."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CHILD = textwrap.dedent("""
+    import threading
+    import torch
+    from kvcentric.engine.node import ModelThread, serial_elsewhere
+
+    serial_elsewhere()
+    model = ModelThread("test", 2)
+    later = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    print(torch.get_num_threads(), model.call(torch.get_num_threads), later[0])
+    handed_over = ModelThread("next", model.threads)  # a role change: the next service's thread
+    print(torch.get_num_threads(), handed_over.call(torch.get_num_threads))
+""")
+
+
+def test_the_model_thread_computes_in_parallel_and_every_other_thread_serially():
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120, check=True)
+    first, second = done.stdout.split("\n")[:2]
+    assert first.split() == ["1", "2", "1"]  # event loop's thread, model thread, a thread started later
+    assert second.split() == ["1", "2"]
+
+
+def test_in_a_shared_process_the_model_thread_still_takes_its_own_count():
+    child = "import torch\nfrom kvcentric.engine.node import ModelThread\n" \
+            "torch.set_num_threads(2)\nm = ModelThread('t', 1)\nprint(m.call(torch.get_num_threads))"
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["1"]
