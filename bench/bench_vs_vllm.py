@@ -67,6 +67,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=["colocated split", "colocated mixed", "1P+1D"],
                         choices=list(DEPLOYMENTS))
+    parser.add_argument("--together", action="store_true",
+                        help="every server up for the whole run (default: vLLM and one kvcentric cluster at a time)")
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
     parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))
     return parser.parse_args()
@@ -140,12 +142,15 @@ FAILED: list[str] = []
 """Requests that ended in an error (server and message): left out of the figures, reported."""
 
 
-def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: float,
+               count_tokens: bool = False) -> dict:
     """One streamed greedy completion, retried after Retry-After when rejected (429) as a client would: TTFT
-    (from `start`, retries included), first/last token times, text, tokens."""
+    (from `start`, retries included), first/last token times, text, tokens. `count_tokens`: ask for the
+    sampled tokens' logprobs, whose entries say how many tokens each event carries (`first_tokens`: those of
+    the first)."""
     while True:
         try:
-            return stream_once(url, model, prompt, max_tokens, start)
+            return stream_once(url, model, prompt, max_tokens, start, count_tokens)
         except urllib.error.HTTPError as error:
             if error.code != 429:
                 FAILED.append(f"{url}: HTTP {error.code} {error.read()[:200]!r}")
@@ -154,13 +159,16 @@ def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: 
             time.sleep(float(error.headers.get("Retry-After") or 1))
 
 
-def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start: float) -> dict:
+def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start: float,
+                count_tokens: bool = False) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if count_tokens:
+        body["logprobs"] = 0
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     first = last = None
-    text, tokens = [], 0
+    text, tokens, first_tokens = [], 0, 1
     with urllib.request.urlopen(request, timeout=900) as response:
         for line in response:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -168,14 +176,17 @@ def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start:
             event = json.loads(line[6:])
             if event.get("choices"):  # a token's event, its text maybe empty (bytes of a character held back)
                 last = time.perf_counter()
-                first = first or last
+                if first is None:
+                    first = last
+                    first_tokens = len((event["choices"][0].get("logprobs") or {}).get("tokens") or [None])
                 text.append(event["choices"][0].get("text") or "")
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if first is None or tokens != max_tokens:
         FAILED.append(f"{url}: {tokens} tokens of {max_tokens}")
         return {}
-    return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "tokens": tokens}
+    return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "tokens": tokens,
+            "first_tokens": first_tokens}
 
 
 def run_batch(url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[dict]:
@@ -196,16 +207,23 @@ def random_prompts(rng: random.Random, count: int, length: int) -> list[list[int
 def one_round(url: str, model: str, args, prompts: dict[str, list[list[int]]]) -> tuple[dict, dict]:
     """The four tests on one server: figures and the output text of every prompt."""
     ttft = [stream_one(url, model, p, 1, time.perf_counter()) for p in prompts["ttft"]]
-    tbt = [stream_one(url, model, p, args.tbt_output_len, time.perf_counter()) for p in prompts["tbt"]]
+    tbt = [stream_one(url, model, p, args.tbt_output_len, time.perf_counter(), count_tokens=True)
+           for p in prompts["tbt"]]
     burst = run_batch(url, model, prompts["burst"], args.output_len, len(prompts["burst"]))
     paced = run_batch(url, model, prompts["concurrent"], args.output_len, args.concurrency)
     figures = {"ttft_s": middle([r["ttft_s"] for r in completed(ttft)]),
-               "tbt_s": middle([(r["last"] - r["first"]) / (r["tokens"] - 1) for r in completed(tbt)]),
+               "tbt_s": middle([time_between_tokens(r) for r in completed(tbt)]),
                "burst_tokens_per_s": throughput(completed(burst)),
                "concurrent_tokens_per_s": throughput(completed(paced))}
     texts = {f"{kind}{i}": r["text"] for kind, results in (("tbt", tbt), ("burst", burst), ("concurrent", paced))
              for i, r in enumerate(results) if "text" in r}
     return figures, texts
+
+
+def time_between_tokens(result: dict) -> float:
+    """Mean seconds per token after the first event: a server that holds back the bytes of an unfinished
+    character sends some tokens together, and those of the first event came before the clock started."""
+    return (result["last"] - result["first"]) / max(1, result["tokens"] - result["first_tokens"])
 
 
 def middle(values: list[float]) -> float:
@@ -279,15 +297,12 @@ def compare_outputs(texts: dict[str, dict[str, str]]) -> dict[str, dict]:
 
 
 def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
-    """Every server started; vLLM compiles while the kvcentric clusters come up one after the other."""
+    """vLLM, and with --together every kvcentric cluster too (else each comes up in its turn: `Turns`)."""
     peer = PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log")
     servers: dict = {"vLLM": peer}
     try:
-        for name in args.only:
-            flags, env = DEPLOYMENTS[name]
-            print(f"starting {name}", file=sys.stderr, flush=True)
-            servers[name] = UpProcess(str(log_dir / name.replace(" ", "_")), "--model", str(checkpoint), *flags,
-                                      timeout_s=600, env={"KVC_DTYPE": "float32", **env})
+        for name in args.only if args.together else []:
+            servers[name] = start_cluster(name, checkpoint, log_dir)
         peer.wait_ready()
     except BaseException:
         for server in servers.values():
@@ -296,24 +311,91 @@ def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
     return servers
 
 
-def measure(args, servers: dict, report) -> None:
-    """Warm every server up, then the rounds; `report(rounds, outputs)` after each round (the JSON so far)."""
-    models = {name: served_model(server.url) for name, server in servers.items()}
+def start_cluster(name: str, checkpoint: Path, log_dir: Path) -> UpProcess:
+    flags, env = DEPLOYMENTS[name]
+    print(f"starting {name}", file=sys.stderr, flush=True)
+    return UpProcess(str(log_dir / name.replace(" ", "_")), "--model", str(checkpoint), *flags, timeout_s=600,
+                     env={"KVC_DTYPE": "float32", **env})
+
+
+def settle(timeout_s: float = 20.0, idle_share: float = 0.85) -> float:
+    """Wait until the machine is quiet (its CPUs idle at least `idle_share` of one second), at most
+    `timeout_s`; returns the seconds waited."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        before = cpu_times()
+        time.sleep(1.0)
+        after = cpu_times()
+        if (after[1] - before[1]) / max(1, after[0] - before[0]) >= idle_share:
+            break
+    return time.monotonic() - start
+
+
+def cpu_times() -> tuple[int, int]:
+    """(all, idle) jiffies of every CPU so far, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        fields = [int(f) for f in stat.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+class Turns:
+    """The servers as each turn needs them. By default vLLM is up throughout and one kvcentric cluster at a
+    time: the one measured, or during vLLM's turn the one measured next, so every figure is taken with exactly
+    one other server idle beside it (an idle 1P+1D cluster's processes switch context about 500 times a
+    second, which a second and a third cluster would add to every figure of ours and to none of vLLM's).
+    With --together every server is up from the start, as in the runs before 2026-11-26."""
+
+    def __init__(self, args, servers: dict, checkpoint: Path, log_dir: Path) -> None:
+        self.args, self.servers, self.checkpoint, self.log_dir = args, servers, checkpoint, log_dir
+        self.models: dict[str, str] = {}
+        self.warm = random_prompts(random.Random(1), args.concurrency, args.input_len)
+        for name in list(servers):
+            self.up(name)
+
+    def up(self, name: str) -> str:
+        """`name` serving (started, when it was not, and warmed up: compiled, allocated), its URL."""
+        if name not in self.servers:
+            for other in [n for n in self.servers if n != "vLLM"]:
+                self.servers.pop(other).stop()
+                self.models.pop(other, None)
+            self.servers[name] = start_cluster(name, self.checkpoint, self.log_dir)
+        server = self.servers[name]
+        if name not in self.models:
+            self.models[name] = served_model(server.url)
+            run_batch(server.url, self.models[name], self.warm, self.args.output_len, self.args.concurrency)
+        return server.url
+
+    def turn(self, name: str, following: str | None) -> tuple[str, str]:
+        """The URL and model of `name` for its turn; vLLM's brings `following` up beside it first."""
+        if name == "vLLM" and following is not None and not self.args.together:
+            self.up(following)
+        return self.up(name), self.models[name]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+def measure(args, turns: Turns, report) -> None:
+    """The rounds, the servers' turns in an order rotated each round, each after the machine is quiet;
+    `report(rounds, outputs)` after each round (the JSON so far)."""
+    names = ["vLLM", *args.only]
     rng = random.Random(0)
-    warm = random_prompts(rng, args.concurrency, args.input_len)
-    for name, server in servers.items():  # compile, allocate, fill caches of code paths
-        run_batch(server.url, models[name], warm, args.output_len, args.concurrency)
     rounds: list[dict] = []
     outputs: dict = {}
     for index in range(args.rounds):
         prompts = {"ttft": random_prompts(rng, 3, args.input_len), "tbt": random_prompts(rng, 2, args.input_len),
                    "burst": random_prompts(rng, args.requests, args.input_len),
                    "concurrent": random_prompts(rng, args.requests, args.input_len)}
-        order = list(servers)[index % len(servers):] + list(servers)[:index % len(servers)]
+        order = names[index % len(names):] + names[:index % len(names)]
         figures = {}
-        for name in order:
-            print(f"round {index + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
-            figures[name], texts = one_round(servers[name].url, models[name], args, prompts)
+        for position, name in enumerate(order):
+            following = next((n for n in order[position + 1:] + order[:position] if n != "vLLM"), None)
+            url, model = turns.turn(name, following)
+            waited = settle()
+            print(f"round {index + 1}/{args.rounds}: {name} (machine quiet after {waited:.0f} s)",
+                  file=sys.stderr, flush=True)
+            figures[name], texts = one_round(url, model, args, prompts)
             print(f"  {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
             outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in texts.items()})
         rounds.append(figures)
@@ -355,12 +437,11 @@ def main() -> None:
     checkpoint = build_small_checkpoint(Path(args.checkpoint))
     report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
-        servers = start_servers(args, checkpoint, python, Path(logs))
+        turns = Turns(args, start_servers(args, checkpoint, python, Path(logs)), checkpoint, Path(logs))
         try:
-            measure(args, servers, report)
+            measure(args, turns, report)
         finally:
-            for server in servers.values():
-                server.stop()
+            turns.stop()
 
 
 if __name__ == "__main__":
