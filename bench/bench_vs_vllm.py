@@ -1,7 +1,9 @@
 """kvcentric next to a real vLLM on this machine: the same random-weight `small` Llama checkpoint served by
 `kvcentric up --colocated 1` (2 threads), `kvcentric up --prefill 1 --decode 1` (1 thread each) and vLLM's
-OpenAI server (fp32, its defaults, 2 threads), all up together and measured in interleaved rounds by one
-streaming client; each figure is given as a ratio to vLLM's in the same round, and greedy outputs are compared.
+OpenAI server (fp32, its defaults, 2 threads), measured in interleaved rounds by one streaming client; each
+figure is given as a ratio to vLLM's in the same round, and greedy outputs are compared. vLLM stays up for the
+whole run and one kvcentric cluster at a time beside it (`Turns`; --together: all of them), each turn once the
+machine is quiet.
 
 It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); without it, it says so and exits
 0 (skipped). It is never run by `make test`.
