@@ -154,6 +154,13 @@ def test_a_prefill_report_carries_its_queue_time_from_the_measured_model_and_its
     assert report.est_queue_s == pytest.approx(0.01 + 0.2 + 0.01 + 0.2, rel=0.02)
     decode = reporter.load_report("decode", Load(1, 500, 1, prefills=prefills), "a:1", draining=False)
     assert (decode.est_queue_s, decode.prefill_ids) == (-1.0, None)
+    # every prefill report, the cost model in it or not, carries the latest chunk timed and its number
+    assert (before.last_prefill, before.prefill_samples) == ([], 0)
+    reporter.speed.prefill(300, 100, 0.5)
+    after = [reporter.load_report("prefill", Load(1, 500, 1, prefills=prefills), "a:1", draining=False)
+             for _ in range(3)]
+    assert [(r.last_prefill, r.prefill_samples) for r in after] == [([300.0, 100.0, 0.5], 9)] * 3
+    assert any(r.cost is None for r in after) and (decode.last_prefill, decode.prefill_samples) == ([], 0)
 
 
 

@@ -136,6 +136,21 @@ def test_prefill_chunks_that_run_slower_than_the_model_turn_an_admission_into_a_
     assert decisions[True].retry_after_s == pytest.approx(1.2)
 
 
+def test_a_slow_chunk_in_every_load_report_teaches_the_ratio_without_the_cost_model_being_resent():
+    # The model travels once (refits come every few chunks); each later report carries only its latest chunk.
+    model = MeasuredCost(prefill=[0.0, 1e-3, 0.0, 0.0], prefill_error=0.05)
+    conductor = make_conductor(1, 1, ttft_slo_s=3.0)
+    conductor.observe(msgspec.structs.replace(prefill_report("p0"), cost=model), 0.0)
+    for samples in range(1, 9):  # chunks of 1000 tokens timed at 3 s: 3x the model's 1 s
+        report = msgspec.structs.replace(prefill_report("p0"), last_prefill=[1000.0, 0.0, 3.0],
+                                         prefill_samples=samples)
+        conductor.observe(report, samples / 10)
+        conductor.observe(report, samples / 10 + 0.05)  # the same chunk again in the next report: counted once
+    assert conductor.correction is not None
+    assert conductor.correction.factor("p0", 0.9) == pytest.approx(3 - 2 * 0.75 ** 8)
+    assert isinstance(conductor.schedule(schedule_request(1500, "next"), {}, 0.9), Rejection)
+
+
 def test_placement_ranks_on_corrected_predictions_and_returns_the_raw_one():
     for policy in ("kvcentric", "cache_aware"):
         conductor = make_conductor(2, 1, ttft_slo_s=10.0, policy=policy)

@@ -361,6 +361,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     prefill_ids: list[str] | None = None
     """Prefill: the requests queued or running there (the newest few hundred), so the conductor knows
     which of its placements `est_queue_s` covers; None: not listed, the report covers every placement."""
+    last_prefill: list[float] = []
+    """Prefill: the latest prefill chunk it timed, (n_new, n_cached, seconds), in every report (the cost model
+    travels only when refitted, every few chunks): how much slower than its model it runs now reaches the
+    conductor within a report of the chunk."""
+    prefill_samples: int = 0
+    """Prefill chunks it has timed so far (`last_prefill` is the one with this number)."""
     pipeline_group: str = ""
     """Prefill: the pipelined prefill group it is a stage of (Mooncake §5.1; "": a whole instance)."""
     stage: int = 0

@@ -107,9 +107,19 @@ class Reporter:
                             kv_bytes_sent=self.pusher.stats["bytes_streamed"], draining=draining,
                             cost=self.speed.for_report() if self.speed is not None else None,
                             **pipeline_fields(self.pipeline))
-        if role != "prefill" or load.prefills is None:
+        if role != "prefill":
+            return report
+        report = msgspec.structs.replace(report, **self.latest_chunk())
+        if load.prefills is None:
             return report
         return msgspec.structs.replace(report, **self.prefill_queue(load.prefills))
+
+    def latest_chunk(self) -> dict:
+        """The latest prefill chunk this engine timed and its number (none timed yet: nothing)."""
+        fit = self.speed.fit if self.speed is not None else None
+        if fit is None or not fit.prefill.last:
+            return {}
+        return {"last_prefill": list(fit.prefill.last), "prefill_samples": fit.prefill.seen}
 
     def prefill_queue(self, prefills: tuple[QueuedPrefill, ...]) -> dict:
         """The queue fields of a prefill report: T_queue predicted from this engine's measured model (Mooncake

@@ -20,7 +20,7 @@ import math
 from collections.abc import Mapping
 
 from kvcentric.core.costmodel import CostModel
-from kvcentric.core.protocol import LoadReport, MeasuredCost, Placement, Rejection, RequestOutcome, ScheduleRequest
+from kvcentric.core.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.core.scheduling.admission import Admission, DecodeChoice
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
@@ -100,20 +100,24 @@ class Conductor:
             self.router.observe(report, now)
         if report.link_bandwidth:
             self._learn_links(report)
-        if self.correction is not None and isinstance(state, PrefillState) and report.cost is not None:
-            self._learn_chunk(state, report.cost)
+        if self.correction is not None and isinstance(state, PrefillState):
+            self._learn_chunk(state, report)
         if isinstance(state, DecodeState):
             state.forecast.expire(now, self.t_d)
             state.forecast.reconcile(state.running, state.kv_tokens, now, self.t_d)
 
-    def _learn_chunk(self, state: PrefillState, measured: MeasuredCost) -> None:
-        """The latest prefill chunk the instance timed against what its own model predicts for it."""
+    def _learn_chunk(self, state: PrefillState, report: LoadReport) -> None:
+        """The latest prefill chunk the instance timed against what its own model predicts for it: from every
+        report that carries one, else from the cost model's (a sender from before reports carried it)."""
         assert self.correction is not None
-        if state.cost is None or len(measured.last_prefill) != 3:
+        chunk, samples = report.last_prefill, report.prefill_samples
+        if len(chunk) != 3 and report.cost is not None:
+            chunk, samples = report.cost.last_prefill, report.cost.prefill_samples
+        if state.cost is None or len(chunk) != 3:
             return
-        n_new, n_cached, seconds = measured.last_prefill
-        self.correction.learn_chunk(state.instance_id, measured.prefill_samples,
-                                    state.cost.t_prefill(int(n_new), int(n_cached)), seconds)
+        n_new, n_cached, seconds = chunk
+        self.correction.learn_chunk(state.instance_id, samples, state.cost.t_prefill(int(n_new), int(n_cached)),
+                                    seconds)
 
     def _learn_links(self, report: LoadReport) -> None:
         """Measured bandwidth from this instance to peers (keyed by messenger address) for T_transfer."""
