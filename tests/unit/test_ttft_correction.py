@@ -108,6 +108,29 @@ def test_an_outcome_teaches_what_no_first_token_did_and_ends_the_wait():
     assert conductor.correction.factor("p0", 4.1) == pytest.approx(1.25)
 
 
+def chunk_factor(ratios: list[float], spread: float = 1.0, weight: float = 0.25) -> float:
+    """The chunk part of the factor by hand: the weighted mean of the ratios (from 1) plus `spread` weighted mean
+    absolute deviations from it, as the learned part."""
+    mean, deviation = 1.0, 0.0
+    for ratio in ratios:
+        deviation += weight * (abs(ratio - mean) - deviation)
+        mean += weight * (ratio - mean)
+    return min(4.0, mean + spread * deviation)
+
+
+def test_the_chunk_ratio_gets_the_spread_too():
+    steady, scattered = (TtftCorrection(min_predicted_s=0.5, spread=1.0) for _ in range(2))
+    for i in range(40):
+        steady.learn_chunk("p0", samples=i + 1, predicted_s=1.0, measured_s=1.3)
+        scattered.learn_chunk("p0", samples=i + 1, predicted_s=1.0, measured_s=1.1 if i % 2 else 1.5)
+    assert steady.factor("p0", now=0.0) == pytest.approx(1.3, abs=1e-3)  # the ramp's deviation worn away
+    assert scattered.factor("p0", now=0.0) == pytest.approx(chunk_factor([1.5, 1.1] * 20))
+    assert scattered.factor("p0", now=0.0) > 1.3 + 0.15  # same mean, scattered: a margin of its deviation
+    plain = TtftCorrection(min_predicted_s=0.5)
+    plain.learn_chunk("p0", samples=1, predicted_s=1.0, measured_s=2.0)
+    assert plain.factor("p0", now=0.0) == pytest.approx(1.25)  # spread 0: the mean alone
+
+
 def test_each_new_prefill_chunk_moves_the_chunk_ratio_and_a_repeated_one_does_not():
     correction = TtftCorrection(min_predicted_s=0.5)
     assert correction.learn_chunk("p0", samples=12, predicted_s=0.2, measured_s=0.6) == pytest.approx(1.5)  # 3x
@@ -132,8 +155,9 @@ def test_prefill_chunks_that_run_slower_than_the_model_turn_an_admission_into_a_
             conductor.observe(report, samples / 10)
         decisions[enabled] = conductor.schedule(schedule_request(1500, "next"), {}, 0.9)
     assert isinstance(decisions[False], Placement) and decisions[False].predicted_ttft_s == pytest.approx(1.5)
-    assert isinstance(decisions[True], Rejection)  # 1.5 s x (3 - 2 x 0.75^8 = 2.8) = 4.2 s
-    assert decisions[True].retry_after_s == pytest.approx(1.2)
+    factor = chunk_factor([3.0] * 8)  # the mean 3 - 2 x 0.75^8 = 2.8 plus one mean deviation: 3.33
+    assert isinstance(decisions[True], Rejection)  # 1.5 s x 3.33 = 5.0 s against the 3 s SLO
+    assert decisions[True].retry_after_s == pytest.approx(round(1.5 * factor - 3.0, 1))
 
 
 def test_a_slow_chunk_in_every_load_report_teaches_the_ratio_without_the_cost_model_being_resent():
@@ -147,7 +171,7 @@ def test_a_slow_chunk_in_every_load_report_teaches_the_ratio_without_the_cost_mo
         conductor.observe(report, samples / 10)
         conductor.observe(report, samples / 10 + 0.05)  # the same chunk again in the next report: counted once
     assert conductor.correction is not None
-    assert conductor.correction.factor("p0", 0.9) == pytest.approx(3 - 2 * 0.75 ** 8)
+    assert conductor.correction.factor("p0", 0.9) == pytest.approx(chunk_factor([3.0] * 8))
     assert isinstance(conductor.schedule(schedule_request(1500, "next"), {}, 0.9), Rejection)
 
 

@@ -15,7 +15,8 @@ which stretches its queue and its prefill alike.
 The learned ratio is a mean; a request admitted at a corrected prediction just under the SLO misses it whenever
 its own ratio lands above that mean. So, as TCP sets its retransmission timeout from the smoothed round trip
 plus a multiple of its mean deviation (Jacobson, 1988; RFC 6298), the learned part of the factor is the
-weighted mean ratio plus `spread` times the weighted mean absolute deviation of the ratios from it.
+weighted mean ratio plus `spread` times the weighted mean absolute deviation of the ratios from it; so is the
+chunk part (a queue's wait is the sum of many chunks: where they scatter, admission keeps a margin of that).
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class TtftCorrection:
         """instance id -> the weighted mean absolute deviation of its ratios from that mean."""
         self.speeds: dict[str, float] = {}
         """instance id -> the ratio measured / predicted its recent prefill chunks ran at."""
+        self.speed_deviations: dict[str, float] = {}
+        """instance id -> the weighted mean absolute deviation of its chunk ratios from that."""
         self.chunks_seen: dict[str, int] = {}
         self.waiting: dict[str, dict[str, Outstanding]] = {}
         """instance id -> request id -> its placement, for placements whose first token has not come."""
@@ -100,8 +103,16 @@ class TtftCorrection:
             return None
         self.chunks_seen[instance_id] = samples
         old = self.speeds.get(instance_id, 1.0)
-        new = self.speeds[instance_id] = self.clamp(old + self.weight * (self.clamp(measured_s / predicted_s) - old))
+        ratio = self.clamp(measured_s / predicted_s)
+        deviation = self.speed_deviations.get(instance_id, 0.0)
+        self.speed_deviations[instance_id] = deviation + self.weight * (abs(ratio - old) - deviation)
+        new = self.speeds[instance_id] = self.clamp(old + self.weight * (ratio - old))
         return new
+
+    def speed_factor(self, instance_id: str) -> float:
+        """The chunk ratio with its spread: the mean plus `spread` mean deviations, clamped (as the learned part)."""
+        mean = self.speeds.get(instance_id, 1.0)
+        return self.clamp(mean + self.spread * self.speed_deviations.get(instance_id, 0.0))
 
     def placed(self, instance_id: str, request_id: str, predicted_s: float, now: float) -> None:
         """A request placed on `instance_id` now waits for its first token."""
@@ -132,9 +143,10 @@ class TtftCorrection:
     def factor(self, instance_id: str, now: float) -> float:
         """What to multiply `instance_id`'s predicted TTFT by: its learned ratio, raised to the ratio its chunks
         run at and to what its late placements show already."""
-        return max(self.learned_factor(instance_id), self.speeds.get(instance_id, 1.0),
+        return max(self.learned_factor(instance_id), self.speed_factor(instance_id),
                    self.overdue_ratio(instance_id, now))
 
     def forget(self, instance_id: str) -> None:
-        for table in (self.factors, self.deviations, self.speeds, self.chunks_seen, self.waiting):
+        for table in (self.factors, self.deviations, self.speeds, self.speed_deviations, self.chunks_seen,
+                      self.waiting):
             table.pop(instance_id, None)
