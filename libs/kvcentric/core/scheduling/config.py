@@ -47,9 +47,9 @@ class SchedulerConfig:
                                           "(exponentially weighted, clamped to [0.5, 4]), raised to the ratio its "
                                           "latest prefill chunks ran at against its own model and to what its "
                                           "placements still waiting for a first token show already")
-    ttft_correction_spread: float = setting(1.0, "with --ttft-correction: the learned ratio is its weighted mean "
-                                                 "plus this many weighted mean deviations (as TCP's "
-                                                 "retransmission timeout; 0: the mean alone)")
+    ttft_correction_spread: float = setting(1.0, "with --ttft-correction: the learned ratio and the prefill chunks' "
+                                                 "ratio are each their weighted mean plus this many weighted mean "
+                                                 "deviations (as TCP's retransmission timeout; 0: the mean alone)")
 
     def __post_init__(self) -> None:
         require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
