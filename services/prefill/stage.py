@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig

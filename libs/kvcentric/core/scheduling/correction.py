@@ -83,18 +83,12 @@ class TtftCorrection:
         self.learned[request_id] = None
         if len(self.learned) > LEARNED_MEMORY:
             del self.learned[next(iter(self.learned))]
-        old = self.factors.get(instance_id, 1.0)
-        ratio = self.ratio(predicted_s, actual_s)
-        deviation = self.deviations.get(instance_id, 0.0)
-        self.deviations[instance_id] = deviation + self.weight * (abs(ratio - old) - deviation)
-        new = self.factors[instance_id] = self.clamp(old + self.weight * (ratio - old))
         self.observations += 1
-        return new
+        return self._observe(self.factors, self.deviations, instance_id, self.ratio(predicted_s, actual_s))
 
     def learned_factor(self, instance_id: str) -> float:
         """The learned part of the factor: the mean ratio plus `spread` mean deviations, clamped."""
-        mean = self.factors.get(instance_id, 1.0)
-        return self.clamp(mean + self.spread * self.deviations.get(instance_id, 0.0))
+        return self._with_spread(self.factors, self.deviations, instance_id)
 
     def learn_chunk(self, instance_id: str, samples: int, predicted_s: float, measured_s: float) -> float | None:
         """The instance's latest timed prefill chunk, its `samples`-th, took `measured_s` where its model says
@@ -102,17 +96,22 @@ class TtftCorrection:
         if samples <= self.chunks_seen.get(instance_id, 0) or predicted_s <= 0 or measured_s <= 0:
             return None
         self.chunks_seen[instance_id] = samples
-        old = self.speeds.get(instance_id, 1.0)
-        ratio = self.clamp(measured_s / predicted_s)
-        deviation = self.speed_deviations.get(instance_id, 0.0)
-        self.speed_deviations[instance_id] = deviation + self.weight * (abs(ratio - old) - deviation)
-        new = self.speeds[instance_id] = self.clamp(old + self.weight * (ratio - old))
-        return new
+        return self._observe(self.speeds, self.speed_deviations, instance_id, self.clamp(measured_s / predicted_s))
 
     def speed_factor(self, instance_id: str) -> float:
         """The chunk ratio with its spread: the mean plus `spread` mean deviations, clamped (as the learned part)."""
-        mean = self.speeds.get(instance_id, 1.0)
-        return self.clamp(mean + self.spread * self.speed_deviations.get(instance_id, 0.0))
+        return self._with_spread(self.speeds, self.speed_deviations, instance_id)
+
+    def _observe(self, means: dict[str, float], deviations: dict[str, float], instance_id: str,
+                 ratio: float) -> float:
+        """One more ratio into an instance's weighted mean (from 1) and mean absolute deviation; the new mean."""
+        old, deviation = means.get(instance_id, 1.0), deviations.get(instance_id, 0.0)
+        deviations[instance_id] = deviation + self.weight * (abs(ratio - old) - deviation)
+        new = means[instance_id] = self.clamp(old + self.weight * (ratio - old))
+        return new
+
+    def _with_spread(self, means: dict[str, float], deviations: dict[str, float], instance_id: str) -> float:
+        return self.clamp(means.get(instance_id, 1.0) + self.spread * deviations.get(instance_id, 0.0))
 
     def placed(self, instance_id: str, request_id: str, predicted_s: float, now: float) -> None:
         """A request placed on `instance_id` now waits for its first token."""
