@@ -14,7 +14,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeGuard, cast
+from typing import Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -143,6 +143,7 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.sliding_window = c.sliding_window
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -194,10 +195,14 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         padded = None
         if batch.padded_blocks is not None:  # decode: one new token per sequence, one batched call
-            keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
-            values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
-            padded = F.scaled_dot_product_attention(q[batch.padded_start:].unsqueeze(2), keys, values,
-                                                    attn_mask=batch.padded_mask, enable_gqa=gqa).squeeze(2)
+            if batch.paged is not None and batch.padded_lengths is not None:  # in place (CPU kernel), else a copy
+                padded = batch.paged(q[batch.padded_start:], k_cache, v_cache, batch.padded_blocks,
+                                     batch.padded_lengths, batch.block_size, self.sliding_window)
+            if padded is None:
+                keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
+                values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
+                padded = F.scaled_dot_product_attention(q[batch.padded_start:].unsqueeze(2), keys, values,
+                                                        attn_mask=batch.padded_mask, enable_gqa=gqa).squeeze(2)
         if padded is not None and batch.padded_start == 0:
             out = padded
         else:  # prefill slices, and in a mixed step the decode rows after them
@@ -315,17 +320,29 @@ def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
     return window is not None and context > window
 
 
+class PagedKernel(Protocol):
+    """Decode attention read in place through block tables (`engine/kernels`): None when it does not take
+    these tensors."""
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None: ...
+
+
 class AttentionBatch:
     """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or a
-    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask for the rows
-    from `padded_start` on (decode, one token per sequence; a mixed step puts them after the slices)."""
+    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask and the
+    [batch] context lengths for the rows from `padded_start` on (decode, one token per sequence; a mixed step
+    puts them after the slices). With `paged` the decode rows attend through it, over the cache in place; else
+    (or where it declines) over a gathered copy of their blocks."""
 
     def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
                  padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
-                 block_size: int = 0, padded_start: int = 0) -> None:
+                 block_size: int = 0, padded_start: int = 0, padded_lengths: torch.Tensor | None = None,
+                 paged: PagedKernel | None = None) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
         self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
-        self.padded_start = padded_start
+        self.padded_start, self.padded_lengths = padded_start, padded_lengths
+        self.paged = paged if padded_lengths is not None else None
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         """cos and sin of `positions` (first halves), made by the first layer's rotary and kept for the rest."""
 

@@ -130,7 +130,7 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
         padded = padded_decode(at, [r.blocks for r in batch], runner.block_size, window, device)
         writes.append(padded.pop("write"))
     attention = AttentionBatch(torch.cat(positions).to(device), torch.cat([w.to(device) for w in writes]), sequences,
-                               block_size=runner.block_size, padded_start=decode_start, **padded)
+                               block_size=runner.block_size, padded_start=decode_start, paged=runner.paged, **padded)
     logits = runner.model(torch.tensor(ids, device=device), attention, runner.k_cache, runner.v_cache,
                           torch.tensor(rows, dtype=torch.long, device=device))
     ends = sum(chunk.last for chunk in chunks)
@@ -139,7 +139,8 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
 
 def padded_decode(positions: list[int], tables: list[list[int]], block_size: int, window: int | None,
                   device: torch.device) -> dict[str, torch.Tensor]:
-    """The decode rows' [batch, max_blocks] block table, its attention mask and the slots their new tokens take."""
+    """The decode rows' [batch, max_blocks] block table, its attention mask, their context lengths and the slots
+    their new tokens take."""
     count = max(p // block_size + 1 for p in positions)
     blocks = torch.zeros((len(positions), count), dtype=torch.long)
     for row, (position, table) in enumerate(zip(positions, tables)):
@@ -151,4 +152,5 @@ def padded_decode(positions: list[int], tables: list[list[int]], block_size: int
     if window is not None:
         mask &= key_pos > query_pos - window
     write = torch.cat([slots_of(table, p, p + 1, block_size) for p, table in zip(positions, tables)])
-    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write}
+    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write,
+            "padded_lengths": query_pos[:, 0].add(1).to(device)}

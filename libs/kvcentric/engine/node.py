@@ -21,7 +21,8 @@ def load_runner(config: EngineConfig, runner: ModelRunner | None = None) -> Mode
     """The model with its paged KV memory: `runner` when one is handed over, else loaded from `config` (in the
     model thread: see `ModelThread`)."""
     return runner or ModelRunner(load_model_config(config.model), config.num_kv_blocks, config.block_size,
-                                 config.seed, config.dtype, config.device, config.onednn)
+                                 config.seed, config.dtype, config.device, config.onednn,
+                                 config.paged_kernel)
 
 
 def host_pool(config: EngineConfig, block_bytes: int) -> HostBlockPool | None:

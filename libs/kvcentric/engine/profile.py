@@ -79,7 +79,8 @@ def run_profile(config: ProfileConfig) -> dict:
     model = load_model_config(config.model)
     limit = min(config.max_tokens, model.max_position - 1)
     blocks = (limit + 1) * 32 // config.block_size + 64
-    runner = ModelRunner(model, blocks, config.block_size, dtype=config.dtype, device=config.device)
+    runner = ModelRunner(model, blocks, config.block_size, dtype=config.dtype, device=config.device,
+                         paged_kernel=config.paged_kernel)
     pool = BlockPool(blocks, config.block_size)
     table = pool.allocate(pool.blocks_for(limit))
     points = [("prefill", p) for p in prefill_grid(limit)] + [("decode", d) for d in decode_grid(limit)]

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, SequenceSlice, empty_model, load_checkpoint,
-                                    random_init)
+from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, PagedKernel, SequenceSlice, empty_model,
+                                    load_checkpoint, random_init)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -54,7 +54,9 @@ class LayerwiseExecution(Protocol):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 dtype: str = "float32", device: str = "cpu", onednn: bool = True) -> None:
+                 dtype: str = "float32", device: str = "cpu", onednn: bool = True, paged_kernel: bool = True) -> None:
+        """`paged_kernel`: decode attention reads the cache in place through the CPU kernel (`engine/kernels`,
+        built on first use; fp32 and bf16), where it builds; else (and on CUDA) over a gathered copy."""
         self.config = config
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
@@ -69,6 +71,10 @@ class ModelRunner:
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.paged: PagedKernel | None = None
+        if paged_kernel and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            from kvcentric.engine import kernels
+            self.paged = kernels.load()
         self.threads = 0
         """The torch threads its model thread computes with (set by the service that runs it)."""
         self.layered: LayerwiseExecution | None = None
@@ -121,7 +127,8 @@ class ModelRunner:
         write = blocks[rows, query_pos[:, 0] // self.block_size] * self.block_size + query_pos[:, 0] % self.block_size
         batch = AttentionBatch(torch.tensor(positions, device=self.device), write.to(self.device),
                                padded_blocks=blocks.to(self.device), padded_mask=mask[:, None, None, :].to(self.device),
-                               block_size=self.block_size)
+                               block_size=self.block_size, padded_lengths=query_pos[:, 0].add(1).to(self.device),
+                               paged=self.paged)
         ids = torch.tensor(token_ids, device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows.to(self.device))
 

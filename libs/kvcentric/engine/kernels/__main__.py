@@ -1,0 +1,3 @@
+from kvcentric.engine.kernels import main
+
+main()

@@ -1,0 +1,146 @@
+"""The CPU paged decode attention kernel (`engine/kernels`): the same numbers as gathering the blocks and
+running SDPA, in fp32 and bf16, with GQA, sliding windows and any block layout; the engine's decode steps
+give the same tokens with it as without; without a working compiler the engine falls back to the gather."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcentric.engine import kernels
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import preset
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> kernels.PagedAttention:
+    loaded = kernels.load()
+    assert loaded is not None, "the kernel did not build on a machine with a compiler"
+    return loaded
+
+
+def gathered(q, k_cache, v_cache, tables, lengths, block_size, window=None):
+    """What the engine computed before the kernel: every block copied out, then one masked SDPA call."""
+    blocks = k_cache.shape[0] // block_size
+    keys, values = (c.view(blocks, block_size, *c.shape[1:])[tables].flatten(1, 2).transpose(1, 2)
+                    for c in (k_cache, v_cache))
+    key_pos = torch.arange(tables.shape[1] * block_size)[None]
+    mask = key_pos < lengths[:, None]
+    if window is not None:
+        mask &= key_pos >= lengths[:, None] - window
+    return F.scaled_dot_product_attention(q[:, :, None].float(), keys.float(), values.float(),
+                                          attn_mask=mask[:, None, None], enable_gqa=True)[:, :, 0]
+
+
+def case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, max_len: int, seed: int,
+         dtype=torch.float32):
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    per_row = -(-max_len // block_size)
+    blocks = batch * per_row + 3
+    k_cache, v_cache = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    order = torch.randperm(blocks, generator=generator)[:batch * per_row]
+    tables = order.view(batch, per_row).contiguous()
+    lengths = torch.tensor([rng.randint(1, max_len) for _ in range(batch)])
+    q = torch.randn(batch, heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, lengths
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,max_len", [
+    (1, 8, 4, 64, 16, 300),    # one sequence: its heads split over the team
+    (3, 4, 1, 32, 4, 70),      # multi-query, small blocks
+    (9, 8, 8, 16, 16, 50),     # enough sequences for a whole row of heads per item, no GQA
+    (32, 8, 2, 64, 16, 289),   # a decode batch of `small`'s shape, groups of 4
+])
+def test_matches_gather_and_sdpa_in_fp32(kernel, batch, heads, kv_heads, head_dim, block_size, max_len):
+    q, k_cache, v_cache, tables, lengths = case(batch, heads, kv_heads, head_dim, block_size, max_len, seed=batch)
+    out = kernel(q, k_cache, v_cache, tables, lengths, block_size)
+    assert out is not None and out.shape == q.shape
+    torch.testing.assert_close(out, gathered(q, k_cache, v_cache, tables, lengths, block_size), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_sliding_window_attends_to_the_last_positions_only(kernel, window):
+    q, k_cache, v_cache, tables, lengths = case(5, 4, 2, 32, 8, 60, seed=window)
+    out = kernel(q, k_cache, v_cache, tables, lengths, 8, window)
+    torch.testing.assert_close(out, gathered(q, k_cache, v_cache, tables, lengths, 8, window), atol=2e-6, rtol=1e-5)
+
+
+def test_bf16_within_its_rounding(kernel):
+    q, k_cache, v_cache, tables, lengths = case(12, 8, 4, 64, 16, 200, seed=3, dtype=torch.bfloat16)
+    out = kernel(q, k_cache, v_cache, tables, lengths, 16)
+    assert out is not None and out.dtype == torch.bfloat16
+    expected = gathered(q, k_cache, v_cache, tables, lengths, 16)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_declines_what_it_does_not_take(kernel):
+    q, k_cache, v_cache, tables, lengths = case(2, 4, 2, 32, 16, 20, seed=1)
+    assert kernel(q.half(), k_cache.half(), v_cache.half(), tables, lengths, 16) is None  # fp16
+    assert kernel(q, k_cache.transpose(1, 2).contiguous().transpose(1, 2), v_cache, tables, lengths, 16) is None
+    assert kernel(q, k_cache, v_cache, tables.int(), lengths, 16) is None  # int32 tables
+    assert kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, tables, lengths, 16) is None
+
+
+def test_one_openmp_runtime_in_the_process(kernel):
+    """The library links the libgomp torch loaded, so its loops run on torch's team, not a second one."""
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if "libgomp" in line}
+    assert len(runtimes) == 1, runtimes
+
+
+def decode_tokens(paged_kernel: bool) -> list[list[int]]:
+    """Greedy tokens of three sequences of different lengths, decoded together for 12 steps."""
+    config = preset("tiny")
+    runner = ModelRunner(config, 64, 4, seed=7, paged_kernel=paged_kernel)
+    assert (runner.paged is not None) == paged_kernel
+    prompts = [[1, 5, 9, 13, 17, 21, 25], [1, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    tables = [list(range(16 * i, 16 * i + 16)) for i in range(3)]
+    tokens = []
+    for prompt, table in zip(prompts, tables):
+        logits = runner.prefill(prompt, table, 0, len(prompt))
+        tokens.append([int(logits.argmax())])
+    positions = [len(p) for p in prompts]
+    for _ in range(12):
+        logits = runner.decode([t[-1] for t in tokens], positions, tables)
+        for row, sequence in enumerate(tokens):
+            sequence.append(int(logits[row].argmax()))
+        positions = [p + 1 for p in positions]
+    return tokens
+
+
+def test_engine_decodes_the_same_tokens_with_the_kernel():
+    assert decode_tokens(True) == decode_tokens(False)
+
+
+def test_without_a_compiler_the_engine_gathers(tmp_path: Path, monkeypatch, caplog):
+    failing = tmp_path / "cxx"
+    failing.write_text("#!/bin/sh\necho 'no such compiler here' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    monkeypatch.setenv("CXX", str(failing))
+    monkeypatch.setenv("KVC_KERNEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(RuntimeError, match="no such compiler here"):
+        kernels.build()
+    assert kernels.load() is None
+    assert "decode gathers the KV instead" in caplog.text
+    runner = ModelRunner(preset("tiny"), 8, 4, seed=0)
+    assert runner.paged is None
+    logits = runner.decode([1], [0], [[0]])
+    assert logits.shape == (1, preset("tiny").vocab_size) and torch.isfinite(logits).all()
+
+
+def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("KVC_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    modified = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == modified  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
+    assert shutil.which(kernels.compiler() or "")
