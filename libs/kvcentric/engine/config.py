@@ -28,11 +28,11 @@ class EngineConfig(BusConfig):
     onednn: bool = setting(True, "fp32 on the CPU: the layers' projections run through oneDNN's GEMM, their "
                                  "weights packed in its layout at load (2.2x torch's default GEMM for a prompt "
                                  "on this project's box, docs/performance.md); --no-onednn: torch's default")
-    paged_kernel: bool = setting(True, "CPU, fp32/bf16: decode attention reads the KV cache in place through a "
-                                       "C++ kernel built on first use with the machine's compiler (cached in "
-                                       "$KVC_KERNEL_CACHE or ~/.cache/kvcentric/kernels; 30-40%% faster decode "
-                                       "steps at batch 32, docs/performance.md); without a compiler, or "
-                                       "--no-paged-kernel: over a gathered copy of the blocks")
+    cpu_kernels: bool = setting(True, "CPU, fp32/bf16: attention runs through C++ kernels built on first use with "
+                                      "the machine's compiler (cached in $KVC_KERNEL_CACHE or "
+                                      "~/.cache/kvcentric/kernels): decode rows read the paged KV cache in place, "
+                                      "whole prompts attend in one flash-style pass (docs/performance.md); "
+                                      "without a compiler, or --no-cpu-kernels: torch's SDPA over a gathered copy")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")
@@ -188,8 +188,8 @@ class EngineConfig(BusConfig):
 class ProfileConfig:
     model: str = setting("tiny", "checkpoint directory or preset to profile")
     out: str = setting("profile.json", "where to write the samples and the fitted cost model")
-    paged_kernel: bool = setting(True, "time decode with the in-place CPU attention kernel, as the engines run "
-                                       "it (--no-paged-kernel: with the gathered copy)")
+    cpu_kernels: bool = setting(True, "time steps with the CPU attention kernels, as the engines run them "
+                                      "(--no-cpu-kernels: torch's SDPA)")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")

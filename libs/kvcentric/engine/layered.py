@@ -275,7 +275,8 @@ class LayeredKV:
         device, config = self.runner.device, self.runner.config
         context = slots_of(table, 0, step.end, self.block_size).to(device)
         sequence = SequenceSlice(0, step.end - step.start, context, step.start, config.sliding_window)
-        return AttentionBatch(torch.arange(step.start, step.end, device=device), context[step.start:], [sequence])
+        return AttentionBatch(torch.arange(step.start, step.end, device=device), context[step.start:], [sequence],
+                              kernels=self.runner.kernels)
 
     def _decode_batch(self, steps: list[SequenceStep], tables: list[list[int]]) -> AttentionBatch:
         size, device, window = self.block_size, self.runner.device, self.runner.config.sliding_window
@@ -294,7 +295,8 @@ class LayeredKV:
         write = blocks[rows, query_pos[:, 0] // size] * size + query_pos[:, 0] % size
         return AttentionBatch(torch.tensor(positions, device=device), write.to(device),
                               padded_blocks=blocks.to(device), padded_mask=mask[:, None, None, :].to(device),
-                              block_size=size)
+                              block_size=size, padded_lengths=query_pos[:, 0].add(1).to(device),
+                              kernels=self.runner.kernels)
 
     # ---------------------------------------------------------------- the copies
 

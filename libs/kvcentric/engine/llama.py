@@ -195,9 +195,9 @@ class Attention(nn.Module):
         gqa = self.num_heads != self.num_kv_heads
         padded = None
         if batch.padded_blocks is not None:  # decode: one new token per sequence, one batched call
-            if batch.paged is not None and batch.padded_lengths is not None:  # in place (CPU kernel), else a copy
-                padded = batch.paged(q[batch.padded_start:], k_cache, v_cache, batch.padded_blocks,
-                                     batch.padded_lengths, batch.block_size, self.sliding_window)
+            if batch.kernels is not None and batch.padded_lengths is not None:  # in place (CPU kernel)
+                padded = batch.kernels.decode(q[batch.padded_start:], k_cache, v_cache, batch.padded_blocks,
+                                              batch.padded_lengths, batch.block_size, self.sliding_window)
             if padded is None:
                 keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
                 values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
@@ -209,7 +209,11 @@ class Attention(nn.Module):
             out = torch.empty_like(q)
             if padded is not None:
                 out[batch.padded_start:] = padded
-            for run in fresh_runs(batch.sequences):  # whole prompts of one length: one call, their own KV
+            fresh = batch.fresh_rows()
+            if fresh is not None and batch.kernels is not None and self.sliding_window is None and \
+                    batch.kernels.prefill(q, k, v, out, *fresh):
+                fresh = None  # every whole prompt computed by the kernel in one call
+            for run in fresh_runs(batch.sequences) if fresh is not None else ():  # one length: one SDPA call
                 start, end, length = run[0].start, run[-1].end, run[0].end - run[0].start
                 attended = F.scaled_dot_product_attention(
                     self.heads_first(q[start:end], len(run), length), self.heads_first(k[start:end], len(run), length),
@@ -320,31 +324,49 @@ def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
     return window is not None and context > window
 
 
-class PagedKernel(Protocol):
-    """Decode attention read in place through block tables (`engine/kernels`): None when it does not take
-    these tensors."""
+class AttentionKernels(Protocol):
+    """Attention kernels of the device (`engine/kernels`, the CPU's), each declining what it does not take."""
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None: ...
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None:
+        """One query row per sequence over its block table's first `lengths` positions, read in place; None
+        when declined."""
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                lengths: torch.Tensor) -> bool:
+        """Causal attention of whole prompts (rows starts[s] .. + lengths[s]) over their own k and v, written into
+        those rows of `out`; False when declined (nothing written)."""
 
 
 class AttentionBatch:
     """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or a
     padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask and the
     [batch] context lengths for the rows from `padded_start` on (decode, one token per sequence; a mixed step
-    puts them after the slices). With `paged` the decode rows attend through it, over the cache in place; else
-    (or where it declines) over a gathered copy of their blocks."""
+    puts them after the slices). With `kernels` the decode rows attend through them over the cache in place and
+    whole prompts in one call; else (or where they decline) through SDPA, decode rows over a gathered copy."""
 
     def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
                  padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
                  block_size: int = 0, padded_start: int = 0, padded_lengths: torch.Tensor | None = None,
-                 paged: PagedKernel | None = None) -> None:
+                 kernels: AttentionKernels | None = None) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
         self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
         self.padded_start, self.padded_lengths = padded_start, padded_lengths
-        self.paged = paged if padded_lengths is not None else None
+        self.kernels = kernels
+        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._fresh_made = False
         self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None
         """cos and sin of `positions` (first halves), made by the first layer's rotary and kept for the rest."""
+
+    def fresh_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """First rows and lengths of the whole prompts (`SequenceSlice.fresh`), None without any; made once
+        per batch and shared by every layer."""
+        if not self._fresh_made:
+            fresh = [seq for seq in self.sequences if seq.fresh]
+            self._fresh = (torch.tensor([seq.start for seq in fresh]),
+                           torch.tensor([seq.end - seq.start for seq in fresh])) if fresh else None
+            self._fresh_made = True
+        return self._fresh
 
 
 class LlamaModel(nn.Module):

@@ -130,7 +130,8 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
         padded = padded_decode(at, [r.blocks for r in batch], runner.block_size, window, device)
         writes.append(padded.pop("write"))
     attention = AttentionBatch(torch.cat(positions).to(device), torch.cat([w.to(device) for w in writes]), sequences,
-                               block_size=runner.block_size, padded_start=decode_start, paged=runner.paged, **padded)
+                               block_size=runner.block_size, padded_start=decode_start, kernels=runner.kernels,
+                               **padded)
     logits = runner.model(torch.tensor(ids, device=device), attention, runner.k_cache, runner.v_cache,
                           torch.tensor(rows, dtype=torch.long, device=device))
     ends = sum(chunk.last for chunk in chunks)

@@ -80,7 +80,7 @@ def run_profile(config: ProfileConfig) -> dict:
     limit = min(config.max_tokens, model.max_position - 1)
     blocks = (limit + 1) * 32 // config.block_size + 64
     runner = ModelRunner(model, blocks, config.block_size, dtype=config.dtype, device=config.device,
-                         paged_kernel=config.paged_kernel)
+                         cpu_kernels=config.cpu_kernels)
     pool = BlockPool(blocks, config.block_size)
     table = pool.allocate(pool.blocks_for(limit))
     points = [("prefill", p) for p in prefill_grid(limit)] + [("decode", d) for d in decode_grid(limit)]

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, PagedKernel, SequenceSlice, empty_model,
+from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, AttentionKernels, SequenceSlice, empty_model,
                                     load_checkpoint, random_init)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
@@ -41,6 +41,15 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
     return model.eval().fuse(pack=onednn)
 
 
+def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype) -> AttentionKernels | None:
+    """The CPU attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model on the CPU
+    when `enabled` and they build; else None (torch's SDPA)."""
+    if not enabled or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    from kvcentric.engine import kernels  # builds nothing until asked: CUDA engines never load it
+    return kernels.load()
+
+
 class LayerwiseExecution(Protocol):
     """Runs prefill and decode over per-layer block tables instead (`engine/layered.py`, LayerKV)."""
 
@@ -54,9 +63,9 @@ class LayerwiseExecution(Protocol):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 dtype: str = "float32", device: str = "cpu", onednn: bool = True, paged_kernel: bool = True) -> None:
-        """`paged_kernel`: decode attention reads the cache in place through the CPU kernel (`engine/kernels`,
-        built on first use; fp32 and bf16), where it builds; else (and on CUDA) over a gathered copy."""
+                 dtype: str = "float32", device: str = "cpu", onednn: bool = True, cpu_kernels: bool = True) -> None:
+        """`cpu_kernels`: attention runs through the CPU kernels (`engine/kernels`, built on first use; fp32 and
+        bf16) where they build; else (and on CUDA) through SDPA, decode rows over a gathered copy."""
         self.config = config
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
@@ -71,10 +80,7 @@ class ModelRunner:
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.paged: PagedKernel | None = None
-        if paged_kernel and self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            from kvcentric.engine import kernels
-            self.paged = kernels.load()
+        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype)
         self.threads = 0
         """The torch threads its model thread computes with (set by the service that runs it)."""
         self.layered: LayerwiseExecution | None = None
@@ -100,7 +106,8 @@ class ModelRunner:
         self._wait_for_received_kv()
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
-        batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
+        batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence],
+                               kernels=self.kernels)
         ids = torch.tensor(token_ids[start:end], device=self.device)
         if every_row:
             rows = torch.arange(end - start, device=self.device)
@@ -128,7 +135,7 @@ class ModelRunner:
         batch = AttentionBatch(torch.tensor(positions, device=self.device), write.to(self.device),
                                padded_blocks=blocks.to(self.device), padded_mask=mask[:, None, None, :].to(self.device),
                                block_size=self.block_size, padded_lengths=query_pos[:, 0].add(1).to(self.device),
-                               paged=self.paged)
+                               kernels=self.kernels)
         ids = torch.tensor(token_ids, device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows.to(self.device))
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from kvcentric.core.pipeline import StagePosition, stage_layers
 from kvcentric.engine.llama import AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice, random_init
-from kvcentric.engine.runner import DTYPES, ModelRunner
+from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels
 from kvcentric.model.config import ModelConfig
 
 
@@ -77,13 +77,15 @@ class StageRunner(ModelRunner):
     model's; KV is addressed by local layer (0..len(layers)-1), `layers[local]` is the global index."""
 
     def __init__(self, config: ModelConfig, position: StagePosition, num_blocks: int, block_size: int,
-                 seed: int = 0, dtype: str = "float32", device: str = "cpu", onednn: bool = True) -> None:
+                 seed: int = 0, dtype: str = "float32", device: str = "cpu", onednn: bool = True,
+                 cpu_kernels: bool = True) -> None:
         self.whole, self.position = config, position
         self.layers = stage_layers(config.num_layers, position.stages, position.index)
         self.config = dataclasses.replace(config, num_layers=len(self.layers))
         self.block_size, self.dtype, self.dtype_name = block_size, DTYPES[dtype], dtype
         self.device = torch.device(device)
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
+        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval(), onednn)
@@ -102,7 +104,8 @@ class StageRunner(ModelRunner):
         end = len(token_ids) if end is None else end
         context = self._slots(block_table, 0, end)
         sequence = SequenceSlice(0, end - start, context, start, self.config.sliding_window)
-        batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence])
+        batch = AttentionBatch(torch.arange(start, end, device=self.device), context[start:], [sequence],
+                               kernels=self.kernels)
         if self.position.first:
             x = self.model.embed_tokens(torch.tensor(token_ids[start:end], device=self.device))
         elif hidden is None:

@@ -1,9 +1,15 @@
-"""CPU kernels torch does not have, written in C++ and built on first use with the machine's C++ compiler.
+"""CPU attention kernels torch does not have, written in C++ (`attention.cpp`) and built on first use with the
+machine's C++ compiler.
 
-`paged_decode_attention`: decode attention over the paged KV cache, read in place through each sequence's
-block table (`paged_attention.cpp`). Torch has no such op on the CPU; the fallback gathers every key and
-value into a padded batch and runs SDPA over the copy, which on this project's 2-core box took 2.6 ms a
-layer at 32 sequences x 288 tokens of `small` against the kernel's 0.64 ms (docs/performance.md).
+`CpuAttention.decode`: decode attention over the paged KV cache, read in place through each sequence's block
+table. Torch has no such op on the CPU; the fallback gathers every key and value into a padded batch and runs
+SDPA over the copy, which on this project's 2-core box took 2.6 ms a layer at 32 sequences x 288 tokens of
+`small` against the kernel's 0.64 ms.
+
+`CpuAttention.prefill`: causal attention of whole prompts over their own keys and values, flash style (key
+tiles with an online softmax, grouped query heads sharing each key tile), every prompt of a step in one call
+whatever its length; torch's CPU flash SDPA took 1.0 ms a layer for one 256-token prompt of `small`, the
+kernel 0.6 (docs/performance.md).
 
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's
@@ -36,14 +42,14 @@ import torch
 
 log = logging.getLogger("kvcentric.kernels")
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+SOURCE = Path(__file__).with_name("attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Where the compiler does not take -march=native."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 BUILD_TIMEOUT_S = 120.0
 
-_loaded: dict[str, PagedAttention | None] = {}
+_loaded: dict[str, CpuAttention | None] = {}
 
 
 def cache_dir() -> Path:
@@ -81,7 +87,7 @@ def build(directory: Path | None = None) -> Path:
     errors = []
     for flags in (FLAGS, PORTABLE_FLAGS):
         key = hashlib.sha256(source + " ".join((cxx, *flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
-        target = directory / f"paged_attention-{key}.so"
+        target = directory / f"attention-{key}.so"
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
@@ -96,35 +102,66 @@ def build(directory: Path | None = None) -> Path:
     raise RuntimeError("the kernels did not compile:\n" + "\n".join(errors))
 
 
-class PagedAttention:
-    """The loaded library's decode attention, callable on CPU tensors."""
+class CpuAttention:
+    """The loaded library's attention kernels, callable on CPU tensors (`llama.AttentionKernels`)."""
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
         self.path = path
-        self.function = library.kvc_paged_decode_attention
         pointer, size = ctypes.c_void_p, ctypes.c_int64
-        self.function.argtypes = [ctypes.c_int, pointer, size, pointer, pointer, pointer, size, pointer, pointer,
-                                  size, size, size, size, size, size, ctypes.c_float]
-        self.function.restype = ctypes.c_int
+        self.decode_function = library.kvc_paged_decode_attention
+        self.decode_function.argtypes = [ctypes.c_int, pointer, size, pointer, pointer, pointer, size, pointer,
+                                         pointer, size, size, size, size, size, size, ctypes.c_float]
+        self.decode_function.restype = ctypes.c_int
+        self.prefill_function = library.kvc_prefill_attention
+        self.prefill_function.argtypes = [ctypes.c_int, pointer, size, pointer, size, pointer, size, pointer, size,
+                                          pointer, pointer, size, size, size, size, ctypes.c_float]
+        self.prefill_function.restype = ctypes.c_int
 
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                 lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None:
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None:
         """[batch, heads, head_dim] attention output of one query row per sequence (q: [batch, heads, head_dim])
         over the first lengths[b] positions of its block table (the last `window` of them with a sliding
         window); None when these tensors are not ones it takes (the caller gathers instead)."""
-        if not self.takes(q, k_cache, v_cache, tables, lengths):
+        if not self.takes_decode(q, k_cache, v_cache, tables, lengths):
             return None
         batch, heads, head_dim = q.shape
         out = torch.empty((batch, heads, head_dim), dtype=q.dtype)
-        status = self.function(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
+        status = self.decode_function(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                                v_cache.data_ptr(), tables.data_ptr(), tables.shape[1], lengths.data_ptr(),
                                out.data_ptr(), batch, heads, k_cache.shape[1], head_dim, block_size, window or 0,
                                1.0 / math.sqrt(head_dim))
         return out if status == 0 else None
 
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                lengths: torch.Tensor) -> bool:
+        """Causal attention of whole prompts: rows starts[s] .. starts[s] + lengths[s] - 1 of q ([tokens, heads,
+        head_dim]) over the same rows of k and v ([tokens, kv_heads, head_dim]), into those rows of `out`; False
+        (nothing written) when these tensors are not ones it takes."""
+        if not self.takes_prefill(q, k, v, out, starts, lengths):
+            return False
+        heads, head_dim = q.shape[1], q.shape[2]
+        status = self.prefill_function(DTYPE_CODES[q.dtype], q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0),
+                                       v.data_ptr(), v.stride(0), out.data_ptr(), out.stride(0), starts.data_ptr(),
+                                       lengths.data_ptr(), starts.shape[0], heads, k.shape[1], head_dim,
+                                       1.0 / math.sqrt(head_dim))
+        return status == 0
+
     @staticmethod
-    def takes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+    def takes_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
+                      lengths: torch.Tensor) -> bool:
+        rows = (q, k, v, out)
+        return (all(t.device.type == "cpu" and t.dim() == 3 and t.dtype == q.dtype and t.stride(2) == 1
+                    and t.stride(1) == t.shape[2] and t.shape[0] == q.shape[0] and t.shape[2] == q.shape[2]
+                    for t in rows)
+                and q.dtype in DTYPE_CODES and out.shape[1] == q.shape[1] and k.shape[1] == v.shape[1]
+                and q.shape[1] % k.shape[1] == 0 and starts.dtype == lengths.dtype == torch.int64
+                and starts.is_contiguous() and lengths.is_contiguous() and starts.shape == lengths.shape
+                and starts.device.type == lengths.device.type == "cpu" and bool(starts.numel())
+                and int((starts + lengths).max()) <= q.shape[0] and int(starts.min()) >= 0)
+
+    @staticmethod
+    def takes_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
               lengths: torch.Tensor) -> bool:
         tensors = (q, k_cache, v_cache, tables, lengths)
         return (all(t.device.type == "cpu" for t in tensors) and q.dtype in DTYPE_CODES
@@ -136,14 +173,15 @@ class PagedAttention:
                 == q.shape[0])
 
 
-def load() -> PagedAttention | None:
+def load() -> CpuAttention | None:
     """The kernels of this process (built on first use), or None when they cannot be built here (logged once)."""
     key = str(cache_dir())
     if key not in _loaded:
         try:
-            _loaded[key] = PagedAttention(build())
+            _loaded[key] = CpuAttention(build())
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-            log.warning("paged decode attention kernel unavailable, decode gathers the KV instead: %s", exc)
+            log.warning("CPU attention kernels unavailable, attention runs through torch's SDPA (decode over a "
+                        "gathered copy of the KV): %s", exc)
             _loaded[key] = None
     return _loaded[key]
 
@@ -152,23 +190,32 @@ def main() -> None:
     """Build the kernels (or say why not) and check one call against the gather + SDPA it replaces."""
     import torch.nn.functional as F
 
-    kernel = PagedAttention(build())
+    kernel = CpuAttention(build())
     generator = torch.Generator().manual_seed(0)
     block_size, blocks, kv_heads, heads, head_dim = 16, 64, 2, 4, 32
     k_cache, v_cache = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator) for _ in range(2))
     tables = torch.randperm(blocks, generator=generator)[:12].view(3, 4)
     lengths = torch.tensor([64, 33, 1])
     q = torch.randn(3, heads, head_dim, generator=generator)
-    out = kernel(q, k_cache, v_cache, tables, lengths, block_size)
+    out = kernel.decode(q, k_cache, v_cache, tables, lengths, block_size)
     assert out is not None
     keys, values = (c.view(blocks, block_size, kv_heads, head_dim)[tables].flatten(1, 2).transpose(1, 2)
                     for c in (k_cache, v_cache))
     mask = (torch.arange(4 * block_size)[None] < lengths[:, None])[:, None, None]
     expected = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
     error = float((out - expected).abs().max())
-    print(f"{kernel.path}: max |kernel - gather + SDPA| = {error:.1e}")
-    if error > 1e-4:
-        raise SystemExit("the kernel disagrees with SDPA")
+    print(f"{kernel.path}: decode, max |kernel - gather + SDPA| = {error:.1e}")
+    rows = torch.randn(40, heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = rows[:, :heads], rows[:, heads:heads + kv_heads], rows[:, heads + kv_heads:]
+    out = torch.empty(40, heads, head_dim)
+    assert kernel.prefill(q, k, v, out, torch.tensor([0, 25]), torch.tensor([25, 15]))
+    expected = torch.cat([F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1),
+                                                         v[a:b].transpose(0, 1), is_causal=True, enable_gqa=True)
+                          .transpose(0, 1) for a, b in ((0, 25), (25, 40))])
+    prefill_error = float((out - expected).abs().max())
+    print(f"{kernel.path}: prefill, max |kernel - SDPA| = {prefill_error:.1e}")
+    if max(error, prefill_error) > 1e-4:
+        raise SystemExit("the kernels disagree with SDPA")
 
 
 if __name__ == "__main__":

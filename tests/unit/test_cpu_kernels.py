@@ -1,6 +1,7 @@
-"""The CPU paged decode attention kernel (`engine/kernels`): the same numbers as gathering the blocks and
-running SDPA, in fp32 and bf16, with GQA, sliding windows and any block layout; the engine's decode steps
-give the same tokens with it as without; without a working compiler the engine falls back to the gather."""
+"""The CPU attention kernels (`engine/kernels`): decode over the paged cache in place gives the numbers of
+gathering the blocks and running SDPA, prefill of whole prompts those of causal SDPA per prompt, in fp32 and
+bf16, with GQA, sliding windows, any block layout and prompt lengths; the engine's steps give the same tokens
+with them as without; without a working compiler the engine falls back to SDPA."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compi
 
 
 @pytest.fixture(scope="module")
-def kernel() -> kernels.PagedAttention:
+def kernel() -> kernels.CpuAttention:
     loaded = kernels.load()
     assert loaded is not None, "the kernel did not build on a machine with a compiler"
     return loaded
@@ -62,7 +63,7 @@ def case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, 
 ])
 def test_matches_gather_and_sdpa_in_fp32(kernel, batch, heads, kv_heads, head_dim, block_size, max_len):
     q, k_cache, v_cache, tables, lengths = case(batch, heads, kv_heads, head_dim, block_size, max_len, seed=batch)
-    out = kernel(q, k_cache, v_cache, tables, lengths, block_size)
+    out = kernel.decode(q, k_cache, v_cache, tables, lengths, block_size)
     assert out is not None and out.shape == q.shape
     torch.testing.assert_close(out, gathered(q, k_cache, v_cache, tables, lengths, block_size), atol=2e-6, rtol=1e-5)
 
@@ -70,13 +71,13 @@ def test_matches_gather_and_sdpa_in_fp32(kernel, batch, heads, kv_heads, head_di
 @pytest.mark.parametrize("window", [1, 7, 40])
 def test_sliding_window_attends_to_the_last_positions_only(kernel, window):
     q, k_cache, v_cache, tables, lengths = case(5, 4, 2, 32, 8, 60, seed=window)
-    out = kernel(q, k_cache, v_cache, tables, lengths, 8, window)
+    out = kernel.decode(q, k_cache, v_cache, tables, lengths, 8, window)
     torch.testing.assert_close(out, gathered(q, k_cache, v_cache, tables, lengths, 8, window), atol=2e-6, rtol=1e-5)
 
 
 def test_bf16_within_its_rounding(kernel):
     q, k_cache, v_cache, tables, lengths = case(12, 8, 4, 64, 16, 200, seed=3, dtype=torch.bfloat16)
-    out = kernel(q, k_cache, v_cache, tables, lengths, 16)
+    out = kernel.decode(q, k_cache, v_cache, tables, lengths, 16)
     assert out is not None and out.dtype == torch.bfloat16
     expected = gathered(q, k_cache, v_cache, tables, lengths, 16)
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
@@ -84,10 +85,17 @@ def test_bf16_within_its_rounding(kernel):
 
 def test_declines_what_it_does_not_take(kernel):
     q, k_cache, v_cache, tables, lengths = case(2, 4, 2, 32, 16, 20, seed=1)
-    assert kernel(q.half(), k_cache.half(), v_cache.half(), tables, lengths, 16) is None  # fp16
-    assert kernel(q, k_cache.transpose(1, 2).contiguous().transpose(1, 2), v_cache, tables, lengths, 16) is None
-    assert kernel(q, k_cache, v_cache, tables.int(), lengths, 16) is None  # int32 tables
-    assert kernel(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, tables, lengths, 16) is None
+    assert kernel.decode(q.half(), k_cache.half(), v_cache.half(), tables, lengths, 16) is None  # fp16
+    assert kernel.decode(q, k_cache.transpose(1, 2).contiguous().transpose(1, 2), v_cache, tables, lengths, 16) is None
+    assert kernel.decode(q, k_cache, v_cache, tables.int(), lengths, 16) is None  # int32 tables
+    assert kernel.decode(q.transpose(1, 2).contiguous().transpose(1, 2), k_cache, v_cache, tables, lengths, 16) is None
+    rows = torch.randn(10, 8, 32)
+    out = torch.full((10, 4, 32), 7.0)
+    starts, lengths = torch.tensor([0, 4]), torch.tensor([4, 6])
+    assert not kernel.prefill(rows[:, :4].half(), rows[:, 4:6].half(), rows[:, 6:].half(), out.half(), starts, lengths)
+    assert not kernel.prefill(rows[:, :4], rows[:, 4:6], rows[:, 6:], out, starts, torch.tensor([4, 7]))  # past the end
+    assert not kernel.prefill(rows[:, :4, :24], rows[:, 4:6, :24], rows[:, 6:, :24], out[..., :24], starts, lengths)
+    assert bool((out == 7.0).all())  # declined: nothing written
 
 
 def test_one_openmp_runtime_in_the_process(kernel):
@@ -97,11 +105,60 @@ def test_one_openmp_runtime_in_the_process(kernel):
     assert len(runtimes) == 1, runtimes
 
 
-def decode_tokens(paged_kernel: bool) -> list[list[int]]:
-    """Greedy tokens of three sequences of different lengths, decoded together for 12 steps."""
+def prompt_rows(lengths: list[int], heads: int, kv_heads: int, head_dim: int, seed: int, dtype=torch.float32):
+    """q, k, v as the engine has them: views of one [tokens, heads + 2 kv_heads, head_dim] projection."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(sum(lengths), heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+    return rows[:, :heads], rows[:, heads:heads + kv_heads], rows[:, heads + kv_heads:], starts, torch.tensor(lengths)
+
+
+def causal_sdpa(q, k, v, starts, lengths):
+    out = torch.zeros(q.shape, dtype=torch.float32)
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        rows = slice(start, start + length)
+        out[rows] = F.scaled_dot_product_attention(*(t[rows].float().transpose(0, 1) for t in (q, k, v)),
+                                                   is_causal=True, enable_gqa=True).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("lengths,heads,kv_heads,head_dim", [
+    ([256], 8, 4, 64),                 # one prompt of `small`'s shape
+    ([1, 2, 63, 64, 65, 130], 4, 1, 32),  # lengths around the tiles, multi-query
+    ([300, 17], 6, 6, 16),             # no GQA, an odd group of rows
+    ([129], 12, 4, 128),               # groups of three, a wide head
+])
+def test_prefill_matches_causal_sdpa_in_fp32(kernel, lengths, heads, kv_heads, head_dim):
+    q, k, v, starts, lengths_ = prompt_rows(lengths, heads, kv_heads, head_dim, seed=len(lengths))
+    out = torch.empty(q.shape)
+    assert kernel.prefill(q, k, v, out, starts, lengths_)
+    torch.testing.assert_close(out, causal_sdpa(q, k, v, starts, lengths_), atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_writes_only_the_prompts_rows(kernel):
+    q, k, v, _, _ = prompt_rows([50], 4, 2, 32, seed=5)
+    out = torch.full(q.shape, 3.0)
+    assert kernel.prefill(q, k, v, out, torch.tensor([10, 30]), torch.tensor([12, 8]))
+    untouched = torch.ones(50, dtype=torch.bool)
+    untouched[10:22] = untouched[30:38] = False
+    assert bool((out[untouched] == 3.0).all())
+    starts, lengths = torch.tensor([10, 30]), torch.tensor([12, 8])
+    expected = causal_sdpa(q, k, v, starts, lengths)
+    torch.testing.assert_close(out[~untouched], expected[~untouched], atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_bf16_within_its_rounding(kernel):
+    q, k, v, starts, lengths = prompt_rows([100, 200], 8, 4, 64, seed=9, dtype=torch.bfloat16)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    assert kernel.prefill(q, k, v, out, starts, lengths)
+    torch.testing.assert_close(out.float(), causal_sdpa(q, k, v, starts, lengths), atol=1e-2, rtol=1e-2)
+
+
+def decode_tokens(cpu_kernels: bool) -> list[list[int]]:
+    """Greedy tokens of three prompts of different lengths (prefilled), then decoded together for 12 steps."""
     config = preset("tiny")
-    runner = ModelRunner(config, 64, 4, seed=7, paged_kernel=paged_kernel)
-    assert (runner.paged is not None) == paged_kernel
+    runner = ModelRunner(config, 64, 4, seed=7, cpu_kernels=cpu_kernels)
+    assert (runner.kernels is not None) == cpu_kernels
     prompts = [[1, 5, 9, 13, 17, 21, 25], [1, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
     tables = [list(range(16 * i, 16 * i + 16)) for i in range(3)]
     tokens = []
@@ -117,7 +174,7 @@ def decode_tokens(paged_kernel: bool) -> list[list[int]]:
     return tokens
 
 
-def test_engine_decodes_the_same_tokens_with_the_kernel():
+def test_engine_computes_the_same_tokens_with_the_kernels():
     assert decode_tokens(True) == decode_tokens(False)
 
 
@@ -130,9 +187,9 @@ def test_without_a_compiler_the_engine_gathers(tmp_path: Path, monkeypatch, capl
     with pytest.raises(RuntimeError, match="no such compiler here"):
         kernels.build()
     assert kernels.load() is None
-    assert "decode gathers the KV instead" in caplog.text
+    assert "attention runs through torch's SDPA" in caplog.text
     runner = ModelRunner(preset("tiny"), 8, 4, seed=0)
-    assert runner.paged is None
+    assert runner.kernels is None
     logits = runner.decode([1], [0], [[0]])
     assert logits.shape == (1, preset("tiny").vocab_size) and torch.isfinite(logits).all()
 

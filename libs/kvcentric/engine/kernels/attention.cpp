@@ -1,0 +1,337 @@
+// Decode attention over the paged KV cache, read where it lies: one query token per sequence attends to
+// its own slots through its block table, with no gathered copy of the keys and values (what
+// `gather_blocks` + SDPA does costs a copy of every key and value each layer, and reads them twice).
+//
+// q:       [batch, heads, head_dim], row stride `q_row` elements (heads contiguous, head_dim contiguous)
+// cache:   [slots, kv_heads, head_dim] per layer (slot = block * block_size + offset), keys and values
+// tables:  [batch, max_blocks] int64 block tables; lengths: [batch] int64 context lengths (the new token
+//          included); window > 0: only the last `window` positions are attended (sliding window)
+// out:     [batch, heads, head_dim], contiguous
+//
+// Each (sequence, kv head) is one work item for the OpenMP team of the calling thread (torch's own team:
+// libgomp is loaded once per process). Scores, softmax and sums are fp32; bf16 is read and written as its
+// upper 16 bits of an fp32.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+    uint32_t bits = static_cast<uint32_t>(x) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+inline void store(float* dst, float x) { *dst = x; }
+inline void store(uint16_t* dst, float x) {
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+        *dst = static_cast<uint16_t>((bits >> 16) | 0x40u);
+        return;
+    }
+    bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest even
+    *dst = static_cast<uint16_t>(bits >> 16);
+}
+
+// A row as fp32: fp32 rows are read in place, bf16 rows widened into `scratch`.
+inline const float* widen(const float* src, float*, int64_t) { return src; }
+inline const float* widen(const uint16_t* src, float* scratch, int64_t size) {
+    for (int64_t d = 0; d < size; ++d) scratch[d] = to_float(src[d]);
+    return scratch;
+}
+
+template <typename T>
+void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* tables,
+                      int64_t max_blocks, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
+                      int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t window, float scale) {
+    const int64_t group = heads / kv_heads;
+    const int64_t slot_stride = kv_heads * head_dim;
+    // A work item is a sequence's run of `span` kv heads: with enough sequences all of a slot's heads (one
+    // contiguous row of the cache) are read together; with few, the heads are split so every thread works.
+    const int64_t span = batch >= 8 ? kv_heads : 1;
+    const int64_t spans = kv_heads / span;
+    const int64_t items = batch * spans;
+    const int64_t width = span * head_dim;  // elements of one slot's row an item reads
+    const int64_t rows = span * group;      // query heads of one item
+#pragma omp parallel
+    {
+        std::vector<float> query(rows * head_dim), acc(rows * head_dim), scores, row(width);
+        std::vector<float> top(rows), total(rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            const int64_t b = item / spans, first_head = (item % spans) * span;
+            const int64_t length = lengths[b];
+            const int64_t first = window > 0 && length > window ? length - window : 0;
+            const int64_t n = length - first;
+            const int64_t* table = tables + b * max_blocks;
+            scores.resize(rows * n);
+            for (int64_t r = 0; r < rows; ++r) {
+                const T* src = q + b * q_row + (first_head * group + r) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_float(src[d]) * scale;
+                top[r] = -INFINITY;
+            }
+            for (int64_t t = first; t < length;) {  // scores, a block at a time; each key read once
+                const int64_t offset = t % block_size;
+                const int64_t run = std::min(block_size - offset, length - t);
+                const T* keys = k_cache + (table[t / block_size] * block_size + offset) * slot_stride
+                                + first_head * head_dim;
+                for (int64_t i = 0; i < run; ++i) {
+                    const float* key = widen(keys + i * slot_stride, row.data(), width);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float* qr = query.data() + r * head_dim;
+                        const float* kr = key + (r / group) * head_dim;
+                        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                        for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
+                        scores[r * n + (t + i - first)] = s;
+                        top[r] = s > top[r] ? s : top[r];
+                    }
+                }
+                t += run;
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                float sum = 0.f;
+                float* sr = scores.data() + r * n;
+                for (int64_t i = 0; i < n; ++i) {
+                    sr[i] = std::exp(sr[i] - top[r]);
+                    sum += sr[i];
+                }
+                total[r] = sum;
+            }
+            std::fill(acc.begin(), acc.end(), 0.f);
+            for (int64_t t = first; t < length;) {  // values, likewise
+                const int64_t offset = t % block_size;
+                const int64_t run = std::min(block_size - offset, length - t);
+                const T* values = v_cache + (table[t / block_size] * block_size + offset) * slot_stride
+                                  + first_head * head_dim;
+                for (int64_t i = 0; i < run; ++i) {
+                    const float* value = widen(values + i * slot_stride, row.data(), width);
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float p = scores[r * n + (t + i - first)];
+                        const float* vr = value + (r / group) * head_dim;
+                        float* ar = acc.data() + r * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vr[d];
+                    }
+                }
+                t += run;
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                T* dst = out + (b * heads + first_head * group + r) * head_dim;
+                const float inverse = 1.f / total[r];
+                for (int64_t d = 0; d < head_dim; ++d) store(dst + d, acc[r * head_dim + d] * inverse);
+            }
+        }
+    }
+}
+
+
+constexpr int64_t TILE_KEYS = 64;     // keys per tile: four 16-lane vectors of scores per query row
+constexpr int64_t TILE_QUERIES = 64;  // query positions per work item
+constexpr int64_t LANES = 16;         // the vector width the loops are written for (head_dim a multiple)
+
+// e^x for x <= 0 in plain arithmetic the compiler vectorizes: x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its
+// Taylor series to the 7th power (relative error ~2e-8, under fp32's rounding), 2^n in the exponent bits.
+inline void exp_tile(const float* x, float* y) {
+    float whole[TILE_KEYS], fraction[TILE_KEYS], scale[TILE_KEYS];
+    int32_t bits[TILE_KEYS];
+    for (int64_t j = 0; j < TILE_KEYS; ++j) {
+        const float t = std::max(x[j], -87.f) * 1.4426950408889634f;
+        whole[j] = std::nearbyint(t);
+        fraction[j] = (t - whole[j]) * 0.6931471805599453f;
+        bits[j] = (static_cast<int32_t>(whole[j]) + 127) << 23;
+    }
+    std::memcpy(scale, bits, sizeof(scale));
+    for (int64_t j = 0; j < TILE_KEYS; ++j) {
+        const float f = fraction[j];
+        const float series = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+        y[j] = x[j] == -INFINITY ? 0.f : series * scale[j];
+    }
+}
+
+// Scores of four query rows against a key tile ([d][j]): each key vector loaded once for the four.
+inline void scores_of_four(const float* query, int64_t head_dim, const float* keys, float* out) {
+    float s0[TILE_KEYS] = {}, s1[TILE_KEYS] = {}, s2[TILE_KEYS] = {}, s3[TILE_KEYS] = {};
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const float* kd = keys + d * TILE_KEYS;
+        const float a0 = query[d], a1 = query[head_dim + d], a2 = query[2 * head_dim + d], a3 = query[3 * head_dim + d];
+        for (int64_t j = 0; j < TILE_KEYS; ++j) {
+            s0[j] += a0 * kd[j];
+            s1[j] += a1 * kd[j];
+            s2[j] += a2 * kd[j];
+            s3[j] += a3 * kd[j];
+        }
+    }
+    std::memcpy(out, s0, sizeof(s0));
+    std::memcpy(out + TILE_KEYS, s1, sizeof(s1));
+    std::memcpy(out + 2 * TILE_KEYS, s2, sizeof(s2));
+    std::memcpy(out + 3 * TILE_KEYS, s3, sizeof(s3));
+}
+
+// acc[r] += sum_j p[r][j] values[j] for four rows, a vector of head_dim at a time: each value vector loaded once
+// for the four rows, the accumulators in registers across the tile.
+inline void accumulate_four(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys) {
+    for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {
+        float a0[LANES], a1[LANES], a2[LANES], a3[LANES];
+        std::memcpy(a0, acc + d0, sizeof(a0));
+        std::memcpy(a1, acc + head_dim + d0, sizeof(a1));
+        std::memcpy(a2, acc + 2 * head_dim + d0, sizeof(a2));
+        std::memcpy(a3, acc + 3 * head_dim + d0, sizeof(a3));
+        for (int64_t j = 0; j < keys; ++j) {
+            const float* vj = values + j * head_dim + d0;
+            const float p0 = p[j], p1 = p[TILE_KEYS + j], p2 = p[2 * TILE_KEYS + j], p3 = p[3 * TILE_KEYS + j];
+            for (int64_t l = 0; l < LANES; ++l) {
+                a0[l] += p0 * vj[l];
+                a1[l] += p1 * vj[l];
+                a2[l] += p2 * vj[l];
+                a3[l] += p3 * vj[l];
+            }
+        }
+        std::memcpy(acc + d0, a0, sizeof(a0));
+        std::memcpy(acc + head_dim + d0, a1, sizeof(a1));
+        std::memcpy(acc + 2 * head_dim + d0, a2, sizeof(a2));
+        std::memcpy(acc + 3 * head_dim + d0, a3, sizeof(a3));
+    }
+}
+
+// Causal attention of whole prompts over their own new keys and values (nothing cached before them), flash
+// style: per (sequence, kv head, tile of query positions), key tiles up to the tile's last position with an
+// online softmax, so no [queries, keys] matrix is ever written. Rows are [tokens, heads, head_dim] with row
+// strides q_row/k_row/v_row/out_row; sequence s is rows starts[s] .. starts[s] + lengths[s] - 1. The query
+// rows of an item are its positions x the kv head's group of query heads, padded to a multiple of four.
+template <typename T>
+void prefill_attention(const T* q, int64_t q_row, const T* k, int64_t k_row, const T* v, int64_t v_row, T* out,
+                       int64_t out_row, const int64_t* starts, const int64_t* lengths, int64_t sequences,
+                       int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    const int64_t group = heads / kv_heads;
+    std::vector<int64_t> items;  // (sequence, kv head, first query), the longest (last) tiles first
+    for (int64_t s = 0; s < sequences; ++s)
+        for (int64_t q0 = 0; q0 < lengths[s]; q0 += TILE_QUERIES)
+            for (int64_t h = 0; h < kv_heads; ++h) items.insert(items.end(), {s, h, q0});
+    const int64_t count = static_cast<int64_t>(items.size()) / 3;
+    std::vector<int64_t> order(count);
+    for (int64_t i = 0; i < count; ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return items[3 * a + 2] > items[3 * b + 2]; });
+    const int64_t max_rows = (TILE_QUERIES * group + 3) / 4 * 4;
+#pragma omp parallel
+    {
+        std::vector<float> query(max_rows * head_dim), acc(max_rows * head_dim), keys(head_dim * TILE_KEYS),
+            values(TILE_KEYS * head_dim), scores(max_rows * TILE_KEYS), top(max_rows), total(max_rows);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t index = 0; index < count; ++index) {
+            const int64_t* item = items.data() + 3 * order[index];
+            const int64_t base = starts[item[0]], kvh = item[1], q0 = item[2];
+            const int64_t q1 = std::min(q0 + TILE_QUERIES, lengths[item[0]]);
+            const int64_t rows = (q1 - q0) * group;  // row r: position q0 + r / group, head kvh * group + r % group
+            const int64_t padded = (rows + 3) / 4 * 4;
+            std::fill(query.begin(), query.begin() + padded * head_dim, 0.f);
+            for (int64_t r = 0; r < rows; ++r) {
+                const T* src = q + (base + q0 + r / group) * q_row + (kvh * group + r % group) * head_dim;
+                for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_float(src[d]) * scale;
+            }
+            std::fill(top.begin(), top.begin() + padded, -INFINITY);
+            std::fill(total.begin(), total.begin() + padded, 0.f);
+            std::fill(acc.begin(), acc.begin() + padded * head_dim, 0.f);
+            for (int64_t k0 = 0; k0 < q1; k0 += TILE_KEYS) {
+                const int64_t nk = std::min(TILE_KEYS, q1 - k0);
+                for (int64_t j = 0; j < TILE_KEYS; ++j) {  // keys transposed [d][j], values [j][d]; zeros past nk
+                    const T* kr = k + (base + k0 + j) * k_row + kvh * head_dim;
+                    const T* vr = v + (base + k0 + j) * v_row + kvh * head_dim;
+                    for (int64_t d = 0; d < head_dim; ++d) {
+                        keys[d * TILE_KEYS + j] = j < nk ? to_float(kr[d]) : 0.f;
+                        values[j * head_dim + d] = j < nk ? to_float(vr[d]) : 0.f;
+                    }
+                }
+                for (int64_t r = 0; r < padded; r += 4)
+                    scores_of_four(query.data() + r * head_dim, head_dim, keys.data(), scores.data() + r * TILE_KEYS);
+                for (int64_t r = 0; r < padded; ++r) {  // mask, online softmax; scores become probabilities
+                    float* sr = scores.data() + r * TILE_KEYS;
+                    const int64_t seen = r < rows ? std::max<int64_t>(0, std::min(nk, q0 + r / group - k0 + 1)) : 0;
+                    for (int64_t j = seen; j < TILE_KEYS; ++j) sr[j] = -INFINITY;
+                    float tile_top = -INFINITY;
+                    for (int64_t j = 0; j < TILE_KEYS; ++j) tile_top = std::max(tile_top, sr[j]);
+                    if (tile_top == -INFINITY) {  // nothing visible: adds nothing
+                        std::fill(sr, sr + TILE_KEYS, 0.f);
+                        continue;
+                    }
+                    const float new_top = std::max(top[r], tile_top);
+                    for (int64_t j = 0; j < TILE_KEYS; ++j) sr[j] -= new_top;
+                    exp_tile(sr, sr);
+                    if (new_top != top[r]) {
+                        const float rescale = top[r] == -INFINITY ? 0.f : std::exp(top[r] - new_top);
+                        total[r] *= rescale;
+                        float* ar = acc.data() + r * head_dim;
+                        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
+                        top[r] = new_top;
+                    }
+                    float sum = 0.f;
+                    for (int64_t j = 0; j < TILE_KEYS; ++j) sum += sr[j];
+                    total[r] += sum;
+                }
+                for (int64_t r = 0; r < padded; r += 4)
+                    accumulate_four(scores.data() + r * TILE_KEYS, values.data(), head_dim,
+                                    acc.data() + r * head_dim, nk);
+            }
+            for (int64_t r = 0; r < rows; ++r) {
+                T* dst = out + (base + q0 + r / group) * out_row + (kvh * group + r % group) * head_dim;
+                const float inverse = 1.f / total[r];
+                for (int64_t d = 0; d < head_dim; ++d) store(dst + d, acc[r * head_dim + d] * inverse);
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvc_kernels_version() { return 2; }
+
+// dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 for a shape it does not take.
+int kvc_paged_decode_attention(int dtype, const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
+                               const int64_t* tables, int64_t max_blocks, const int64_t* lengths, void* out,
+                               int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                               int64_t window, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || block_size <= 0 || head_dim <= 0) return -1;
+    if (dtype == 0) {
+        decode_attention(static_cast<const float*>(q), q_row, static_cast<const float*>(k_cache),
+                         static_cast<const float*>(v_cache), tables, max_blocks, lengths, static_cast<float*>(out),
+                         batch, heads, kv_heads, head_dim, block_size, window, scale);
+    } else if (dtype == 1) {
+        decode_attention(static_cast<const uint16_t*>(q), q_row, static_cast<const uint16_t*>(k_cache),
+                         static_cast<const uint16_t*>(v_cache), tables, max_blocks, lengths,
+                         static_cast<uint16_t*>(out), batch, heads, kv_heads, head_dim, block_size, window, scale);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+// dtype as above. Returns 0, or -1 for a shape it does not take.
+int kvc_prefill_attention(int dtype, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
+                          int64_t v_row, void* out, int64_t out_row, const int64_t* starts, const int64_t* lengths,
+                          int64_t sequences, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim % LANES != 0) return -1;
+    if (dtype == 0) {
+        prefill_attention(static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
+                          static_cast<const float*>(v), v_row, static_cast<float*>(out), out_row, starts, lengths,
+                          sequences, heads, kv_heads, head_dim, scale);
+    } else if (dtype == 1) {
+        prefill_attention(static_cast<const uint16_t*>(q), q_row, static_cast<const uint16_t*>(k), k_row,
+                          static_cast<const uint16_t*>(v), v_row, static_cast<uint16_t*>(out), out_row, starts,
+                          lengths, sequences, heads, kv_heads, head_dim, scale);
+    } else {
+        return -1;
+    }
+    return 0;
+}
+
+}
