@@ -153,49 +153,69 @@ class PrefillService(EngineService):
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            chunk = self.schedule()
-            if chunk is None:
+            chunks = self.schedule()
+            if not chunks:
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
-            started = time.perf_counter()  # the chunk's whole turn, as the queue behind it sees it
-            await self.prefill_chunk(chunk)
+            started = time.perf_counter()  # the step's whole turn, as the queue behind it sees it
+            await self.prefill_step(chunks)
             await self.reporter.publish_cache_changes()
             seconds = time.perf_counter() - started
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, seconds)
-            if self.layerkv is not None:
-                self.layerkv.observe_prefill(chunk.end - chunk.start, chunk.start, seconds)
+            tokens = sum(chunk.end - chunk.start for chunk in chunks)
+            for chunk in chunks:  # a shared pass is timed to its chunks by their tokens
+                share = seconds * (chunk.end - chunk.start) / tokens
+                self.speed.prefill(chunk.end - chunk.start, chunk.start, share)
+                if self.layerkv is not None:
+                    self.layerkv.observe_prefill(chunk.end - chunk.start, chunk.start, share)
 
-    def schedule(self) -> PrefillChunk | None:
-        """The engine's next chunk; with LayerKV a new prompt starts only once its layers are placed."""
+    def schedule(self) -> list[PrefillChunk]:
+        """The engine's next step: chunks of as many prompts as --prefill-step-tokens holds (one pass); with
+        LayerKV one chunk, and a new prompt starts only once its layers are placed."""
         if self.layerkv is None:
-            return self.engine.schedule()
+            return self.engine.schedule_step(self.config.prefill_step_tokens)
         now = time.monotonic()
         chunk = self.engine.schedule() if self.layerkv.admit(self.engine, None, now) else None
         self.layerkv.placed(self.engine, now)
-        return chunk
+        return [chunk] if chunk is not None else []
 
-    async def prefill_chunk(self, chunk: PrefillChunk) -> None:
-        """Compute one chunk while its layers stream to decode; the first chunk opens the push, the
-        last closes it with the first token. Any failure fails the request, not the service."""
-        work = chunk.work
+    async def prefill_step(self, chunks: list[PrefillChunk]) -> None:
+        """Compute one step's chunks in one pass while each prompt's layers stream to its decode instance; a
+        prompt's first chunk opens its push, its last closes it with the first token. Any failure fails the
+        requests it concerns, not the service: a cancelled or already failed push only its own."""
+        pushes: list[RequestPush] = []
+        live: list[PrefillChunk] = []
+        for chunk in chunks:
+            try:
+                pushes.append(await self.chunk_push(chunk))
+                live.append(chunk)
+            except asyncio.CancelledError:
+                if not chunk.work.cancelled:
+                    raise
+                self.end_push(chunk.work)
+            except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
+                self.end_push(chunk.work, str(exc))
+                self.fail(chunk.work, exc)
+        if not live:
+            return
         try:
-            push = await self.chunk_push(chunk)
-            token = await self.model.run(self.engine.execute, chunk, push.hook(chunk.start))
+            tokens = await self.model.run(self.engine.execute_step, live,
+                                          [push.hook(chunk.start) for chunk, push in zip(live, pushes)])
+        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the service lives on
+            for chunk in live:
+                self.end_push(chunk.work, str(exc))
+                self.fail(chunk.work, exc)
+            return
+        for chunk, push, token in zip(live, pushes, tokens):
+            work = chunk.work
             self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})
             if chunk.last:
+                assert token is not None
                 push.finish(token, work.first_token_extras())
                 self.engine.complete(work)
                 self.tasks.spawn(self.drain_push(work, push), f"push-{work.request_id}")
-        except asyncio.CancelledError:
-            if not work.cancelled:
-                raise
-            self.end_push(work)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
-            self.end_push(work, str(exc))
-            self.fail(work, exc)
 
     async def chunk_push(self, chunk: PrefillChunk) -> RequestPush:
         """The request's push for this chunk (opened at its first); raises CancelledError for a cancelled

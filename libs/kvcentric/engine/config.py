@@ -101,6 +101,12 @@ class EngineConfig(BusConfig):
                                      "batch's tokens and prompt chunks of as many prompts as fit (0: split steps, "
                                      "one prompt chunk and the decode batch as two passes; --layerkv always runs "
                                      "split steps)")
+    prefill_step_tokens: int = setting(0, "prefill: token budget of one forward pass over chunks (each at most "
+                                          "--prefill-chunk) of as many queued prompts as fit; 0: one prompt's "
+                                          "chunk per pass. On the 2-core CPU box with one core per instance it "
+                                          "measured slower (a single core's GEMM is no faster on more rows, and "
+                                          "the first prompts wait for the whole pass: docs/performance.md); "
+                                          "--layerkv and pipeline stages always compute one chunk per pass")
     decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
                                                             "attend through one padded block-table gather per "
                                                             "layer (padded) or one sequence at a time over its "
@@ -129,6 +135,7 @@ class EngineConfig(BusConfig):
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
+        require(self.prefill_step_tokens >= 0, "prefill_step_tokens", "must be 0 (one chunk per pass) or positive")
         require(not (self.layerkv and self.pipeline_group), "layerkv",
                 "a prefill stage (--pipeline-group) does not run LayerKV: drop one of the two")
         require(self.torch_threads >= 0, "torch_threads", "must be 0 or more")

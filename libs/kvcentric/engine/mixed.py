@@ -105,16 +105,9 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
     chunk that ends its prompt, and of every decode row."""
     runner._wait_for_received_kv()
     device, window = runner.device, runner.config.sliding_window
-    ids: list[int] = []
-    positions, writes, sequences, rows = [], [], [], []
-    for chunk in chunks:
-        context = runner._slots(chunk.work.blocks, 0, chunk.end)
-        sequences.append(SequenceSlice(len(ids), len(ids) + chunk.end - chunk.start, context, chunk.start, window))
-        ids += chunk.work.job.token_ids[chunk.start:chunk.end]
-        positions.append(torch.arange(chunk.start, chunk.end))
-        writes.append(context[chunk.start:])
-        if chunk.last:
-            rows.append(len(ids) - 1)
+    prompts = runner.prompt_rows([(c.work.job.token_ids, c.work.blocks, c.start, c.end) for c in chunks])
+    ids, positions, writes, sequences = prompts.ids, prompts.positions, prompts.writes, prompts.sequences
+    rows = [row for row, chunk in zip(prompts.last_rows, chunks) if chunk.last]
     decode_start = len(ids)
     ids += [r.generated[-1] for r in batch]
     rows += range(decode_start, len(ids))

@@ -114,7 +114,7 @@ class PrefillEngine:
         self.sending: dict[str, PrefillWork] = {}
         """Prompts computed whose KV is still on its way out (`complete`): blocks held until `finish`."""
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
-                      "prefill_chunks": 0, "requests_prefilled": 0, "requests_cancelled": 0,
+                      "prefill_chunks": 0, "prefill_passes": 0, "requests_prefilled": 0, "requests_cancelled": 0,
                       "prefix_load_wait_seconds": 0.0}
 
     @property
@@ -163,6 +163,54 @@ class PrefillEngine:
         end = min(work.done + self.chunk_tokens, work.num_tokens)
         work.storing = self._store_for(work, work.done, end)
         return PrefillChunk(work, work.done, end, work.storing)
+
+    def schedule_step(self, budget: int) -> list[PrefillChunk]:
+        """Chunks of as many prompts as fit `budget` tokens, computed in one pass (`execute_step`): the next
+        chunk as `schedule` picks it, then the other prompts in progress and queued ones while their blocks
+        fit, each chunk at most `chunk_tokens`. A prompt that needs every row's logits (prompt logprobs) or
+        whose prefix is still loading from the host pool layer by layer (Mooncake §5.2) runs alone; so does
+        everything with `budget` 0 or under LayerKV."""
+        first = self.schedule()
+        if first is None:
+            return []
+        chunks = [first]
+        left = budget - (first.end - first.start)
+        if budget <= 0 or self.runner.layered is not None or not self._batchable(first.work):
+            return chunks
+        taken = {first.work.request_id}
+        while left > 0:
+            work = next((w for key, w in self.running.items() if key not in taken), None) or self._start_next()
+            if work is None or not self._batchable(work):
+                break
+            taken.add(work.request_id)
+            end = min(work.done + min(self.chunk_tokens, left), work.num_tokens)
+            work.storing = self._store_for(work, work.done, end)
+            chunks.append(PrefillChunk(work, work.done, end, work.storing))
+            left -= end - work.done
+        return chunks
+
+    @staticmethod
+    def _batchable(work: PrefillWork) -> bool:
+        return work.job.sampling.prompt_logprobs is None and work.loading is None
+
+    def execute_step(self, chunks: list[PrefillChunk], hooks: list[LayerHook | None]) -> list[int | None]:
+        """Compute the chunks of `schedule_step` (one pass for several), each with its own layer hook (its rows
+        of every layer); the first generated token of each chunk that ends its prompt, None for the others."""
+        self.stats["prefill_passes"] += 1
+        if len(chunks) == 1:
+            return [self.execute(chunks[0], hooks[0])]
+        hooks = [self._storing(c.store, hook) if c.store is not None else hook for c, hook in zip(chunks, hooks)]
+        sizes = [c.end - c.start for c in chunks]
+
+        def on_layer(layer: int, keys, values) -> None:
+            row = 0
+            for size, hook in zip(sizes, hooks):
+                if hook is not None:
+                    hook(layer, keys[row:row + size], values[row:row + size])
+                row += size
+        logits = self.runner.prefill_many([(c.work.job.token_ids, c.work.blocks, c.start, c.end) for c in chunks],
+                                          on_layer)
+        return [self.sample_first(c.work, logits[i]) if c.last else None for i, c in enumerate(chunks)]
 
     def _store_for(self, work: PrefillWork, start: int, end: int) -> LayerStore | None:
         """Host slots for the full blocks that positions start..end-1 complete (Mooncake §5.2's layer-wise

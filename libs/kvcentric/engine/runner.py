@@ -8,9 +8,10 @@ allocate blocks.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -48,6 +49,21 @@ def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype) -
         return None
     from kvcentric.engine import kernels  # builds nothing until asked: CUDA engines never load it
     return kernels.load()
+
+
+PromptChunk = tuple[list[int], list[int], int, int]
+"""(token_ids, block_table, start, end): positions start..end-1 of a prompt to compute."""
+
+
+@dataclasses.dataclass
+class PromptRows:
+    """Prompt chunks laid out as the rows of one pass (`ModelRunner.prompt_rows`)."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    positions: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    writes: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    sequences: list[SequenceSlice] = dataclasses.field(default_factory=list)
+    last_rows: list[int] = dataclasses.field(default_factory=list)
 
 
 class LayerwiseExecution(Protocol):
@@ -114,6 +130,34 @@ class ModelRunner:
             return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer, before_layer)
         rows = torch.tensor([end - start - 1], device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, rows, on_layer, before_layer)[0]
+
+    def prompt_rows(self, chunks: Sequence[PromptChunk]) -> PromptRows:
+        """The flat rows of several prompts' chunks in one pass: token ids, positions, the slots their KV goes to,
+        one `SequenceSlice` each, and the row of each chunk's last position."""
+        rows = PromptRows()
+        for token_ids, block_table, start, end in chunks:
+            context = self._slots(block_table, 0, end)
+            rows.sequences.append(SequenceSlice(len(rows.ids), len(rows.ids) + end - start, context, start,
+                                                self.config.sliding_window))
+            rows.ids += token_ids[start:end]
+            rows.positions.append(torch.arange(start, end))
+            rows.writes.append(context[start:])
+            rows.last_rows.append(len(rows.ids) - 1)
+        return rows
+
+    def prefill_many(self, chunks: Sequence[PromptChunk], on_layer: LayerHook | None = None) -> torch.Tensor:
+        """Chunks of several prompts ((token_ids, block_table, start, end), each cached before `start`) in one
+        pass; the logits of each chunk's last position, [chunks, vocab]. `on_layer` sees every chunk's rows
+        of a layer together, in the order given."""
+        if self.layered is not None:
+            raise ValueError("LayerKV computes one prompt's chunk per step")
+        self._wait_for_received_kv()
+        rows = self.prompt_rows(chunks)
+        batch = AttentionBatch(torch.cat(rows.positions).to(self.device),
+                               torch.cat([w.to(self.device) for w in rows.writes]), rows.sequences,
+                               kernels=self.kernels)
+        return self.model(torch.tensor(rows.ids, device=self.device), batch, self.k_cache, self.v_cache,
+                          torch.tensor(rows.last_rows, dtype=torch.long, device=self.device), on_layer)
 
     def decode(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> torch.Tensor:
         """One new token per sequence at `positions`; returns logits [sequences, vocab]."""
