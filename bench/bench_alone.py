@@ -1,0 +1,95 @@
+"""One server alone on the box, measured by the client of `bench_vs_vllm.py`: for A/B runs of one engine setting
+(the environment's KVC_* settings reach `kvcentric up`'s children) or of vLLM by itself, without a second server
+idling beside it.
+
+Tests: the median time between tokens of 32 streams of 96 tokens from 16-token prompts (`--streams` at once;
+the tokens after each stream's first event, as `logprobs: 0` counts them),
+then output tokens/s of 32 requests (256-token prompts, 32 tokens each) sent at once and of 32 at concurrency 8,
+each `--repeat` times on fresh random prompts. Appends one JSON line per run to `--out`.
+
+Usage (2026-11-26 A/B of the CPU attention kernels, docs/performance.md):
+
+    KVC_CPU_KERNELS=0 .venv/bin/python bench/bench_alone.py "colocated mixed" --label sdpa
+    KVC_CPU_KERNELS=1 .venv/bin/python bench/bench_alone.py "colocated mixed" --label kernels
+    .venv/bin/python bench/bench_alone.py vLLM
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import bench_vs_vllm as vs
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("deployment", choices=["vLLM", *vs.DEPLOYMENTS])
+    parser.add_argument("--peer-venv", default="/work/vllm-venv", help="venv made by bench/vllm_peer/setup.sh")
+    parser.add_argument("--checkpoint", default="/tmp/kvc-vllm-small", help="the shared random checkpoint")
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=32)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--out", default=str(RESULTS / "alone.jsonl"))
+    return parser.parse_args()
+
+
+def stream_many(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    """Every prompt streamed at once, counting the tokens each event carries (`bench_vs_vllm.time_between_tokens`)."""
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        return list(pool.map(lambda p: vs.stream_one(url, model, p, max_tokens, start, count_tokens=True), prompts))
+
+
+def start(args, checkpoint: Path, log_dir: Path):
+    if args.deployment != "vLLM":
+        return vs.start_cluster(args.deployment, checkpoint, log_dir)
+    python = vs.peer_python(args.peer_venv)
+    if python is None:
+        print(f"SKIPPED: no vLLM in {args.peer_venv} (bench/vllm_peer/setup.sh makes one)")
+        sys.exit(0)
+    server = vs.PeerServer(python, checkpoint, 2, log_dir / "vllm.log")
+    server.wait_ready()
+    return server
+
+
+def main() -> None:
+    args = parse_args()
+    checkpoint = vs.build_small_checkpoint(Path(args.checkpoint))  # kept between runs
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-alone-"))
+    server = start(args, checkpoint, log_dir)
+    try:
+        model = vs.served_model(server.url)
+        rng = random.Random(5)
+        vs.run_batch(server.url, model, vs.random_prompts(rng, 8, 256), 32, 8)  # warm-up
+        vs.settle()
+        figures: dict[str, list[float]] = {"tbt_ms": [], "burst_tokens_per_s": [], "concurrent_tokens_per_s": []}
+        for _ in range(args.repeat):
+            streams = stream_many(server.url, model, vs.random_prompts(rng, args.streams, 16), 96)
+            gaps = [(r["last"] - r["first"]) / (r["tokens"] - r["first_tokens"]) for r in vs.completed(streams)]
+            figures["tbt_ms"].append(round(1000 * statistics.median(gaps), 2))
+            for name, concurrency in (("burst_tokens_per_s", 32), ("concurrent_tokens_per_s", 8)):
+                results = vs.run_batch(server.url, model, vs.random_prompts(rng, 32, 256), 32, concurrency)
+                figures[name].append(round(vs.throughput(results)))
+        record = {"deployment": args.deployment, "label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                             time.gmtime()),
+                  **figures, "failed": vs.FAILED}
+        print(json.dumps(record))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as out:
+            out.write(json.dumps(record) + "\n")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
