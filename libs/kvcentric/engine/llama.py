@@ -210,9 +210,8 @@ class Attention(nn.Module):
             if padded is not None:
                 out[batch.padded_start:] = padded
             fresh = batch.fresh_rows()
-            if fresh is not None and batch.kernels is not None and self.sliding_window is None and \
-                    batch.kernels.prefill(q, k, v, out, *fresh):
-                fresh = None  # every whole prompt computed by the kernel in one call
+            if fresh is not None and batch.kernels is not None and batch.kernels.prefill(q, k, v, out, *fresh):
+                fresh = None  # every whole prompt computed by the kernel in one call (fresh: inside any window)
             for run in fresh_runs(batch.sequences) if fresh is not None else ():  # one length: one SDPA call
                 start, end, length = run[0].start, run[-1].end, run[0].end - run[0].start
                 attended = F.scaled_dot_product_attention(
