@@ -17,7 +17,7 @@ import torch
 
 from kvcentric.core.layerkv.pool import LayerBlockPool, Move
 from kvcentric.engine.llama import AttentionBatch, LayerHook, SequenceSlice
-from kvcentric.engine.runner import ModelRunner, block_slots, kv_payload, slots_of
+from kvcentric.engine.runner import ModelRunner, block_slots, kv_payload, padded_decode, slots_of
 
 SCRATCH_BUFFERS = 3
 """Scratch buffers in turn: one being loaded, one computed in, one being written back."""
@@ -279,23 +279,12 @@ class LayeredKV:
                               kernels=self.runner.kernels)
 
     def _decode_batch(self, steps: list[SequenceStep], tables: list[list[int]]) -> AttentionBatch:
-        size, device, window = self.block_size, self.runner.device, self.runner.config.sliding_window
+        device = self.runner.device
         positions = [step.start for step in steps]
-        count = max(p // size + 1 for p in positions)
-        blocks = torch.zeros((len(positions), count), dtype=torch.long)
-        for row, (position, table) in enumerate(zip(positions, tables)):
-            used = position // size + 1
-            blocks[row, :used] = torch.tensor(table[:used])
-        key_pos = torch.arange(count * size).unsqueeze(0)
-        query_pos = torch.tensor(positions).unsqueeze(1)
-        mask = key_pos <= query_pos
-        if window is not None:
-            mask &= key_pos > query_pos - window
-        rows = torch.arange(len(positions))
-        write = blocks[rows, query_pos[:, 0] // size] * size + query_pos[:, 0] % size
-        return AttentionBatch(torch.tensor(positions, device=device), write.to(device),
-                              padded_blocks=blocks.to(device), padded_mask=mask[:, None, None, :].to(device),
-                              block_size=size, padded_lengths=query_pos[:, 0].add(1).to(device),
+        padded = padded_decode(positions, tables, self.block_size, self.runner.config.sliding_window, device)
+        return AttentionBatch(torch.tensor(positions, device=device), padded["write"].to(device),
+                              padded_blocks=padded["padded_blocks"], padded_mask=padded["padded_mask"],
+                              padded_lengths=padded["padded_lengths"], block_size=self.block_size,
                               kernels=self.runner.kernels)
 
     # ---------------------------------------------------------------- the copies

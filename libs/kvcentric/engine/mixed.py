@@ -20,7 +20,7 @@ from kvcentric.engine.colocated import ColocatedEngine
 from kvcentric.engine.decode import DecodeRequest
 from kvcentric.engine.llama import AttentionBatch, SequenceSlice
 from kvcentric.engine.prefill import PrefillChunk
-from kvcentric.engine.runner import ModelRunner, slots_of
+from kvcentric.engine.runner import ModelRunner, padded_decode
 
 DecodeAttention = Literal["padded", "slices"]
 
@@ -129,22 +129,3 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
                           torch.tensor(rows, dtype=torch.long, device=device))
     ends = sum(chunk.last for chunk in chunks)
     return logits[:ends], logits[ends:]
-
-
-def padded_decode(positions: list[int], tables: list[list[int]], block_size: int, window: int | None,
-                  device: torch.device) -> dict[str, torch.Tensor]:
-    """The decode rows' [batch, max_blocks] block table, its attention mask, their context lengths and the slots
-    their new tokens take."""
-    count = max(p // block_size + 1 for p in positions)
-    blocks = torch.zeros((len(positions), count), dtype=torch.long)
-    for row, (position, table) in enumerate(zip(positions, tables)):
-        used = position // block_size + 1
-        blocks[row, :used] = torch.tensor(table[:used])
-    key_pos = torch.arange(count * block_size).unsqueeze(0)
-    query_pos = torch.tensor(positions).unsqueeze(1)
-    mask = key_pos <= query_pos
-    if window is not None:
-        mask &= key_pos > query_pos - window
-    write = torch.cat([slots_of(table, p, p + 1, block_size) for p, table in zip(positions, tables)])
-    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write,
-            "padded_lengths": query_pos[:, 0].add(1).to(device)}

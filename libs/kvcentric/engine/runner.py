@@ -32,6 +32,26 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
     return blocks * block_size + positions % block_size
 
 
+def padded_decode(positions: list[int], tables: list[list[int]], block_size: int, window: int | None,
+                  device: torch.device) -> dict[str, torch.Tensor]:
+    """Decode rows (one new token each at `positions`) laid out for one attention call: their [batch, max_blocks]
+    block table (padded with block 0), its [batch, 1, 1, max_blocks * block_size] mask, their context lengths,
+    and the slots their new tokens take. Built from Python lists in one tensor each (a per-row tensor cost
+    0.7 ms a step at batch 32)."""
+    used = [p // block_size + 1 for p in positions]
+    count = max(used)
+    blocks = torch.tensor([table[:n] + [0] * (count - n) for table, n in zip(tables, used)], dtype=torch.long)
+    query_pos = torch.tensor(positions, dtype=torch.long)
+    key_pos = torch.arange(count * block_size).unsqueeze(0)
+    mask = key_pos <= query_pos[:, None]
+    if window is not None:
+        mask &= key_pos > query_pos[:, None] - window
+    write = torch.tensor([table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)],
+                         dtype=torch.long)
+    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write,
+            "padded_lengths": query_pos.add(1).to(device)}
+
+
 def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device,
                 onednn: bool = True) -> LlamaModel:
     """The checkpoint's weights when the config has a path, else seeded random weights; either way made
@@ -164,24 +184,13 @@ class ModelRunner:
         if self.layered is not None:
             return self.layered.decode(token_ids, positions, block_tables)
         self._wait_for_received_kv()
-        count = max(p // self.block_size + 1 for p in positions)
-        blocks = torch.zeros((len(positions), count), dtype=torch.long)
-        for row, (position, table) in enumerate(zip(positions, block_tables)):
-            used = position // self.block_size + 1
-            blocks[row, :used] = torch.tensor(table[:used])
-        key_pos = torch.arange(count * self.block_size).unsqueeze(0)
-        query_pos = torch.tensor(positions).unsqueeze(1)
-        mask = key_pos <= query_pos
-        if self.config.sliding_window is not None:
-            mask &= key_pos > query_pos - self.config.sliding_window
-        rows = torch.arange(len(positions))
-        write = blocks[rows, query_pos[:, 0] // self.block_size] * self.block_size + query_pos[:, 0] % self.block_size
-        batch = AttentionBatch(torch.tensor(positions, device=self.device), write.to(self.device),
-                               padded_blocks=blocks.to(self.device), padded_mask=mask[:, None, None, :].to(self.device),
-                               block_size=self.block_size, padded_lengths=query_pos[:, 0].add(1).to(self.device),
+        padded = padded_decode(positions, block_tables, self.block_size, self.config.sliding_window, self.device)
+        batch = AttentionBatch(torch.tensor(positions, device=self.device), padded["write"].to(self.device),
+                               padded_blocks=padded["padded_blocks"], padded_mask=padded["padded_mask"],
+                               padded_lengths=padded["padded_lengths"], block_size=self.block_size,
                                kernels=self.kernels)
         ids = torch.tensor(token_ids, device=self.device)
-        return self.model(ids, batch, self.k_cache, self.v_cache, rows.to(self.device))
+        return self.model(ids, batch, self.k_cache, self.v_cache, torch.arange(len(positions), device=self.device))
 
     def read_layer(self, layer: int, block_table: list[int], start: int, end: int) -> tuple[bytes, bytes, int]:
         """Key bytes, value bytes and their checksum (CRC-32C) for token positions start..end-1 of a sequence."""
