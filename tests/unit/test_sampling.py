@@ -69,3 +69,29 @@ def test_prompt_logprobs_score_each_next_token_from_the_row_before():
     table = torch.log_softmax(rows, -1)
     assert [e.logprob for e in entries] == pytest.approx([float(table[0, 3]), float(table[1, 4])])
     assert [e.top_ids for e in entries] == [[0], [4]] and [e.rank for e in entries] == [2, 1]
+
+
+def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
+    """`DecodeEngine.choose_all` takes one argmax over the plain greedy rows and `choose` for the rest: the same
+    tokens, and the logprobs of the rows that asked, as choosing each row alone."""
+    from factories import decode_job, make_pool, make_runner
+    from kvcentric.engine.decode import DecodeEngine, DecodeRequest
+    from kvcentric.engine.sampling import plain_greedy
+
+    kinds = [SamplingParams(max_tokens=4, temperature=0.0),
+             SamplingParams(max_tokens=4, temperature=0.0, logprobs=2),
+             SamplingParams(max_tokens=4, temperature=0.8, seed=3),
+             SamplingParams(max_tokens=4, temperature=0.0, min_tokens=3),
+             SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3),
+             SamplingParams(max_tokens=4, temperature=0.0)]
+    assert [plain_greedy(p) for p in kinds] == [True, False, False, False, False, True]
+    runner = make_runner()
+    engine = DecodeEngine(runner, make_pool(runner))
+    logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(1))
+    batch = [DecodeRequest(decode_job(f"r{i}", 5, params), deadline=0.0, prompt=[1, 2, 3, 4, 5], generated=[7])
+             for i, params in enumerate(kinds)]
+    expected = [engine._choose(logits[row], request) for row, request in enumerate(batch)]
+    expected_logprobs = [request.next_logprob for request in batch]
+    assert engine.choose_all(logits, batch) == expected
+    assert [request.next_logprob for request in batch] == expected_logprobs
+    assert engine.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain

@@ -82,7 +82,7 @@ class MixedStepper:
         last_logits, decode_logits = forward(self.engine.runner, plain, step.batch, self.decode_attention)
         ends = iter(last_logits)
         firsts = {id(c): prefill.sample_first(c.work, next(ends)) if c.last else None for c in plain}
-        tokens = [decode._choose(decode_logits[row], r) for row, r in enumerate(step.batch)]
+        tokens = decode.choose_all(decode_logits, step.batch) if step.batch else []
         return [{**scored, **firsts}[id(c)] for c in step.chunks], tokens
 
     def update(self, step: MixedStep, firsts: list[int | None], tokens: list[int]) -> list[TokenChunk]:

@@ -40,6 +40,13 @@ def choose(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequ
     return token, token_logprob(torch.log_softmax(logits.float(), dim=-1), token, params.logprobs)
 
 
+def plain_greedy(params: SamplingParams) -> bool:
+    """`choose` would return the argmax of the raw logits and no logprobs, whatever the history: greedy, no
+    logprobs, nothing that adjusts the logits (no min_tokens, bias or penalty)."""
+    return (params.temperature <= 0.0 and params.logprobs is None and not params.min_tokens and not params.logit_bias
+            and not params.presence_penalty and not params.frequency_penalty and params.repetition_penalty == 1.0)
+
+
 def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int],
            stop_ids: Collection[int]) -> torch.Tensor:
     """min_tokens, logit_bias and the penalties applied to float32 logits (a copy when any applies)."""
