@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import collections
 import json
 import os
@@ -57,6 +58,8 @@ async def one(session: aiohttp.ClientSession, url: str, text: str, max_tokens: i
             row["status"] = response.status
             row["predicted_ttft_s"] = float(response.headers.get("x-kvcentric-predicted-ttft-s", -1))
             row["prefill"] = response.headers.get("x-kvcentric-prefill", "")
+            row["decode"] = response.headers.get("x-kvcentric-decode", "")
+            row["request_id"] = response.headers.get("x-request-id", "")
             if response.status != 200:
                 row["retry_after"] = response.headers.get("Retry-After", "")
                 row["error"] = (await response.text())[:200]
@@ -143,7 +146,10 @@ def conductor_gauges(up: UpProcess) -> dict[str, float]:
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     env = {**MODES[mode], "KVC_TTFT_SLO_S": str(args.ttft_slo_s), "KVC_TBT_SLO_S": str(args.tbt_slo_s)}
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--model", args.model]
-    with tempfile.TemporaryDirectory() as logs:
+    kept = Path(args.logs) / mode if args.logs else None
+    if kept is not None:
+        kept.mkdir(parents=True, exist_ok=True)
+    with contextlib.nullcontext(str(kept)) if kept is not None else tempfile.TemporaryDirectory() as logs:
         up = UpProcess(logs, *flags, timeout_s=300.0, env=env)
         try:
             unloaded = asyncio.run(poisson(up.url, 1 / args.unloaded_gap_s, args.unloaded_gap_s * args.unloaded,
@@ -190,6 +196,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--logs", default="", help="keep every service's log under DIR/<mode> (with "
+                                                   "OTEL_TRACES_EXPORTER=console, each request's spans too)")
     args = parser.parse_args()
     runs = {}
     for mode in args.modes.split(","):
