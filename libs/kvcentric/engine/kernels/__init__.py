@@ -193,7 +193,8 @@ def main() -> None:
     try:
         kernel = CpuAttention(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-        raise SystemExit(f"the CPU attention kernels cannot be built here (engines will use torch's SDPA): {exc}")
+        raise SystemExit(f"the CPU attention kernels cannot be built here (engines will use torch's SDPA): {exc}") \
+            from None
     generator = torch.Generator().manual_seed(0)
     block_size, blocks, kv_heads, heads, head_dim = 16, 64, 2, 4, 32
     k_cache, v_cache = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator) for _ in range(2))
