@@ -282,10 +282,8 @@ class LayeredKV:
         device = self.runner.device
         positions = [step.start for step in steps]
         padded = padded_decode(positions, tables, self.block_size, self.runner.config.sliding_window, device)
-        return AttentionBatch(torch.tensor(positions, device=device), padded["write"].to(device),
-                              padded_blocks=padded["padded_blocks"], padded_mask=padded["padded_mask"],
-                              padded_lengths=padded["padded_lengths"], block_size=self.block_size,
-                              kernels=self.runner.kernels)
+        return AttentionBatch(torch.tensor(positions, device=device), padded.write.to(device), padded=padded,
+                              block_size=self.block_size, kernels=self.runner.kernels)
 
     # ---------------------------------------------------------------- the copies
 

@@ -14,7 +14,7 @@ import math
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol, TypeGuard, cast
+from typing import NamedTuple, Protocol, TypeGuard, cast
 
 import torch
 import torch.nn.functional as F
@@ -194,15 +194,16 @@ class Attention(nn.Module):
         v_cache.index_copy_(0, batch.write_slots, v)
         gqa = self.num_heads != self.num_kv_heads
         padded = None
-        if batch.padded_blocks is not None:  # decode: one new token per sequence, one batched call
-            if batch.kernels is not None and batch.padded_lengths is not None:  # in place (CPU kernel)
-                padded = batch.kernels.decode(q[batch.padded_start:], k_cache, v_cache, batch.padded_blocks,
-                                              batch.padded_lengths, batch.block_size, self.sliding_window)
+        rows = batch.padded
+        if rows is not None:  # decode: one new token per sequence, one batched call
+            if batch.kernels is not None:  # over the cache in place (CPU kernel)
+                padded = batch.kernels.decode(q[batch.padded_start:], k_cache, v_cache, rows.blocks, rows.lengths,
+                                              batch.block_size, self.sliding_window)
             if padded is None:
-                keys = gather_blocks(k_cache, batch.padded_blocks, batch.block_size)
-                values = gather_blocks(v_cache, batch.padded_blocks, batch.block_size)
+                keys = gather_blocks(k_cache, rows.blocks, batch.block_size)
+                values = gather_blocks(v_cache, rows.blocks, batch.block_size)
                 padded = F.scaled_dot_product_attention(q[batch.padded_start:].unsqueeze(2), keys, values,
-                                                        attn_mask=batch.padded_mask, enable_gqa=gqa).squeeze(2)
+                                                        attn_mask=rows.mask, enable_gqa=gqa).squeeze(2)
         if padded is not None and batch.padded_start == 0:
             out = padded
         else:  # prefill slices, and in a mixed step the decode rows after them
@@ -337,20 +338,31 @@ class AttentionKernels(Protocol):
         those rows of `out`; False when declined (nothing written)."""
 
 
+class PaddedRows(NamedTuple):
+    """Decode rows (one new token each) laid out for one attention call (`runner.padded_decode`)."""
+
+    blocks: torch.Tensor
+    """[batch, max_blocks] block tables, padded with block 0."""
+    mask: torch.Tensor
+    """[batch, 1, 1, max_blocks * block_size]: the positions each row attends to."""
+    lengths: torch.Tensor
+    """[batch] context lengths, the new token included."""
+    write: torch.Tensor
+    """The slots their new tokens' KV goes to (on the host)."""
+
+
 class AttentionBatch:
-    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or a
-    padded [batch, max_blocks] block table with its [batch, 1, 1, max_blocks * block_size] mask and the
-    [batch] context lengths for the rows from `padded_start` on (decode, one token per sequence; a mixed step
-    puts them after the slices). With `kernels` the decode rows attend through them over the cache in place and
+    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or the
+    `PaddedRows` of the rows from `padded_start` on (decode, one token per sequence; a mixed step puts them
+    after the slices). With `kernels` the decode rows attend through them over the cache in place and
     whole prompts in one call; else (or where they decline) through SDPA, decode rows over a gathered copy."""
 
     def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
-                 padded_blocks: torch.Tensor | None = None, padded_mask: torch.Tensor | None = None,
-                 block_size: int = 0, padded_start: int = 0, padded_lengths: torch.Tensor | None = None,
+                 padded: PaddedRows | None = None, block_size: int = 0, padded_start: int = 0,
                  kernels: AttentionKernels | None = None) -> None:
         self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
-        self.padded_blocks, self.padded_mask, self.block_size = padded_blocks, padded_mask, block_size
-        self.padded_start, self.padded_lengths = padded_start, padded_lengths
+        self.padded = padded
+        self.block_size, self.padded_start = block_size, padded_start
         self.kernels = kernels
         self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
         self._fresh_made = False

@@ -113,7 +113,7 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
     rows += range(decode_start, len(ids))
     at = [r.position for r in batch]
     positions.append(torch.tensor(at, dtype=torch.long))
-    padded: dict = {}
+    padded = None
     if decode_attention == "slices" or not batch:
         for row, request in enumerate(batch):
             context = runner._slots(request.blocks, 0, request.position + 1)
@@ -121,10 +121,10 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
             writes.append(context[-1:])
     else:
         padded = padded_decode(at, [r.blocks for r in batch], runner.block_size, window, device)
-        writes.append(padded.pop("write"))
+        writes.append(padded.write)
     attention = AttentionBatch(torch.cat(positions).to(device), torch.cat([w.to(device) for w in writes]), sequences,
-                               block_size=runner.block_size, padded_start=decode_start, kernels=runner.kernels,
-                               **padded)
+                               padded=padded, block_size=runner.block_size, padded_start=decode_start,
+                               kernels=runner.kernels)
     logits = runner.model(torch.tensor(ids, device=device), attention, runner.k_cache, runner.v_cache,
                           torch.tensor(rows, dtype=torch.long, device=device))
     ends = sum(chunk.last for chunk in chunks)

@@ -17,8 +17,8 @@ from typing import Protocol
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (AttentionBatch, LayerHook, LlamaModel, AttentionKernels, SequenceSlice, empty_model,
-                                    load_checkpoint, random_init)
+from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LlamaModel, PaddedRows, SequenceSlice,
+                                    empty_model, load_checkpoint, random_init)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -33,7 +33,7 @@ def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> t
 
 
 def padded_decode(positions: list[int], tables: list[list[int]], block_size: int, window: int | None,
-                  device: torch.device) -> dict[str, torch.Tensor]:
+                  device: torch.device) -> PaddedRows:
     """Decode rows (one new token each at `positions`) laid out for one attention call: their [batch, max_blocks]
     block table (padded with block 0), its [batch, 1, 1, max_blocks * block_size] mask, their context lengths,
     and the slots their new tokens take. Built from Python lists in one tensor each (a per-row tensor cost
@@ -48,8 +48,7 @@ def padded_decode(positions: list[int], tables: list[list[int]], block_size: int
         mask &= key_pos > query_pos[:, None] - window
     write = torch.tensor([table[p // block_size] * block_size + p % block_size for table, p in zip(tables, positions)],
                          dtype=torch.long)
-    return {"padded_blocks": blocks.to(device), "padded_mask": mask[:, None, None, :].to(device), "write": write,
-            "padded_lengths": query_pos.add(1).to(device)}
+    return PaddedRows(blocks.to(device), mask[:, None, None, :].to(device), query_pos.add(1).to(device), write)
 
 
 def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device,
@@ -185,10 +184,8 @@ class ModelRunner:
             return self.layered.decode(token_ids, positions, block_tables)
         self._wait_for_received_kv()
         padded = padded_decode(positions, block_tables, self.block_size, self.config.sliding_window, self.device)
-        batch = AttentionBatch(torch.tensor(positions, device=self.device), padded["write"].to(self.device),
-                               padded_blocks=padded["padded_blocks"], padded_mask=padded["padded_mask"],
-                               padded_lengths=padded["padded_lengths"], block_size=self.block_size,
-                               kernels=self.kernels)
+        batch = AttentionBatch(torch.tensor(positions, device=self.device), padded.write.to(self.device),
+                               padded=padded, block_size=self.block_size, kernels=self.kernels)
         ids = torch.tensor(token_ids, device=self.device)
         return self.model(ids, batch, self.k_cache, self.v_cache, torch.arange(len(positions), device=self.device))
 

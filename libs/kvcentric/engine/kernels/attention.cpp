@@ -47,6 +47,20 @@ inline const float* widen(const uint16_t* src, float* scratch, int64_t size) {
     return scratch;
 }
 
+// visit(i, slot) for positions first..length-1 of a sequence (i counted from `first`), `slot` pointing at the
+// position's row of `cache` plus `column`: a block at a time, so no division per position.
+template <typename T, typename Visit>
+inline void each_slot(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride, int64_t column,
+                      int64_t first, int64_t length, Visit&& visit) {
+    for (int64_t t = first; t < length;) {
+        const int64_t offset = t % block_size;
+        const int64_t run = std::min(block_size - offset, length - t);
+        const T* slots = cache + (table[t / block_size] * block_size + offset) * slot_stride + column;
+        for (int64_t i = 0; i < run; ++i) visit(t + i - first, slots + i * slot_stride);
+        t += run;
+    }
+}
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* tables,
                       int64_t max_blocks, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
@@ -77,25 +91,19 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
                 for (int64_t d = 0; d < head_dim; ++d) query[r * head_dim + d] = to_float(src[d]) * scale;
                 top[r] = -INFINITY;
             }
-            for (int64_t t = first; t < length;) {  // scores, a block at a time; each key read once
-                const int64_t offset = t % block_size;
-                const int64_t run = std::min(block_size - offset, length - t);
-                const T* keys = k_cache + (table[t / block_size] * block_size + offset) * slot_stride
-                                + first_head * head_dim;
-                for (int64_t i = 0; i < run; ++i) {
-                    const float* key = widen(keys + i * slot_stride, row.data(), width);
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const float* qr = query.data() + r * head_dim;
-                        const float* kr = key + (r / group) * head_dim;
-                        float s = 0.f;
+            const int64_t column = first_head * head_dim;
+            each_slot(k_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const T* slot) {
+                const float* key = widen(slot, row.data(), width);  // each key read once for every row
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float* qr = query.data() + r * head_dim;
+                    const float* kr = key + (r / group) * head_dim;
+                    float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                        for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
-                        scores[r * n + (t + i - first)] = s;
-                        top[r] = s > top[r] ? s : top[r];
-                    }
+                    for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
+                    scores[r * n + i] = s;
+                    top[r] = s > top[r] ? s : top[r];
                 }
-                t += run;
-            }
+            });
             for (int64_t r = 0; r < rows; ++r) {
                 float sum = 0.f;
                 float* sr = scores.data() + r * n;
@@ -106,23 +114,16 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
                 total[r] = sum;
             }
             std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t = first; t < length;) {  // values, likewise
-                const int64_t offset = t % block_size;
-                const int64_t run = std::min(block_size - offset, length - t);
-                const T* values = v_cache + (table[t / block_size] * block_size + offset) * slot_stride
-                                  + first_head * head_dim;
-                for (int64_t i = 0; i < run; ++i) {
-                    const float* value = widen(values + i * slot_stride, row.data(), width);
-                    for (int64_t r = 0; r < rows; ++r) {
-                        const float p = scores[r * n + (t + i - first)];
-                        const float* vr = value + (r / group) * head_dim;
-                        float* ar = acc.data() + r * head_dim;
+            each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const T* slot) {
+                const float* value = widen(slot, row.data(), width);  // likewise each value
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float p = scores[r * n + i];
+                    const float* vr = value + (r / group) * head_dim;
+                    float* ar = acc.data() + r * head_dim;
 #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vr[d];
-                    }
+                    for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vr[d];
                 }
-                t += run;
-            }
+            });
             for (int64_t r = 0; r < rows; ++r) {
                 T* dst = out + (b * heads + first_head * group + r) * head_dim;
                 const float inverse = 1.f / total[r];
