@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import random
 import statistics
 import sys
@@ -34,8 +35,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("deployment", choices=["vLLM", *vs.DEPLOYMENTS])
-    parser.add_argument("--peer-venv", default="/work/vllm-venv", help="venv made by bench/vllm_peer/setup.sh")
-    parser.add_argument("--checkpoint", default="/tmp/kvc-vllm-small", help="the shared random checkpoint")
+    parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
+                        help="venv made by bench/vllm_peer/setup.sh (as bench_vs_vllm.py)")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-small"),
+                        help="the random checkpoint bench_vs_vllm.py builds and keeps")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--label", default="")
