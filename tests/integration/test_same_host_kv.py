@@ -46,7 +46,7 @@ def test_a_disaggregated_request_moves_its_kv_through_shared_memory(tmp_path):
         up.stop()
     runner = ModelRunner(preset("tiny"), 64, 16, 0)
     token_ids = ByteTokenizer().encode(prompt)
-    pool = BlockPool(runner.k_cache.shape[1] // runner.block_size, runner.block_size)
+    pool = BlockPool(runner.num_blocks, runner.block_size)
     expected = generate(runner, pool, token_ids, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                ignore_eos=True))[0]
     assert body["choices"][0]["text"] == ByteTokenizer().decode(expected)

@@ -1,4 +1,7 @@
-"""Our model and paged cache against `transformers` on tiny random checkpoints of each architecture."""
+"""Our model and paged cache against `transformers` on tiny random checkpoints of each architecture.
+
+With KVC_TEST_DEVICE=cuda (bench/gpu_check.sh) ours runs on the GPU in fp32, its decode steps through the Triton
+paged kernel replayed from CUDA graphs, against transformers on the CPU."""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint, hf_model
+from factories import TEST_DEVICE
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import ModelRunner
@@ -32,7 +36,9 @@ def checkpoint(request, tmp_path_factory):
 
 
 def runner_for(directory, num_blocks=64, block_size=4) -> tuple[ModelRunner, BlockPool]:
-    return ModelRunner(load_model_config(str(directory)), num_blocks, block_size), BlockPool(num_blocks, block_size)
+    runner = ModelRunner(load_model_config(str(directory)), num_blocks, block_size, device=TEST_DEVICE)
+    assert runner.capture_decode_graphs(4) == (TEST_DEVICE == "cuda")
+    return runner, BlockPool(num_blocks, block_size)
 
 
 def hf_last_logits(model, token_ids: list[int]) -> torch.Tensor:
@@ -49,7 +55,7 @@ def test_prefill_logits_match_transformers(checkpoint):
     runner, pool = runner_for(directory)
     tokens = prompt(37)
     blocks = pool.allocate(pool.blocks_for(len(tokens)))
-    torch.testing.assert_close(runner.prefill(tokens, blocks, 0), hf_last_logits(reference, tokens),
+    torch.testing.assert_close(runner.prefill(tokens, blocks, 0).cpu(), hf_last_logits(reference, tokens),
                                atol=ATOL, rtol=0)
 
 
@@ -61,7 +67,7 @@ def test_twenty_decode_steps_on_the_paged_cache_match_transformers(checkpoint):
     runner.prefill(tokens, blocks, 0)
     for step in range(20):  # beyond Mistral's 24-token window on purpose
         tokens.append((step * 37 + 5) % 300)
-        ours = runner.decode([tokens[-1]], [len(tokens) - 1], [blocks])[0]
+        ours = runner.decode([tokens[-1]], [len(tokens) - 1], [blocks])[0].cpu()
         torch.testing.assert_close(ours, hf_last_logits(reference, tokens), atol=ATOL, rtol=0)
 
 
@@ -72,7 +78,7 @@ def test_prefill_reusing_a_cached_prefix_and_chunks_match_transformers(checkpoin
     blocks = pool.allocate(pool.blocks_for(len(tokens)))
     runner.prefill(tokens, blocks, 0, 16)  # the cached prefix: 4 full blocks
     runner.prefill(tokens, blocks, 16, 30)  # a middle chunk
-    torch.testing.assert_close(runner.prefill(tokens, blocks, 30), hf_last_logits(reference, tokens),
+    torch.testing.assert_close(runner.prefill(tokens, blocks, 30).cpu(), hf_last_logits(reference, tokens),
                                atol=ATOL, rtol=0)
 
 

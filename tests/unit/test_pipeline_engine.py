@@ -46,8 +46,9 @@ def test_stages_compute_exactly_the_whole_models_logits_and_kv_chunk_by_chunk(st
         for part in parts:
             hidden = part.prefill(tokens, table, start, end, hidden=hidden)
         assert torch.equal(hidden, expected)
+    slots = whole.num_blocks * whole.block_size  # on CUDA the whole model's cache has a spare block (CUDA graphs)
     for part in parts:
-        assert torch.equal(part.k_cache, whole.k_cache[part.layers.start:part.layers.stop])
+        assert torch.equal(part.k_cache, whole.k_cache[part.layers.start:part.layers.stop, :slots])
 
 
 def test_hidden_states_travel_as_raw_bytes_with_their_positions_and_the_job():

@@ -33,6 +33,11 @@ class EngineConfig(BusConfig):
                                       "~/.cache/kvcentric/kernels): decode rows read the paged KV cache in place, "
                                       "whole prompts attend in one flash-style pass (docs/performance.md); "
                                       "without a compiler, or --no-cpu-kernels: torch's SDPA over a gathered copy")
+    gpu_kernels: bool = setting(True, "CUDA: decode attention reads the paged KV cache in place through a Triton "
+                                      "kernel (--no-gpu-kernels: torch's SDPA over a gathered copy)")
+    cuda_graphs: bool = setting(True, "CUDA, decode and colocated: decode steps are captured as CUDA graphs per "
+                                      "batch-size bucket at load and replayed (needs the Triton kernel); "
+                                      "--no-cuda-graphs: every step launched eagerly")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     block_size: int = setting(16, "tokens per KV block")

@@ -343,8 +343,9 @@ class PaddedRows(NamedTuple):
 
     blocks: torch.Tensor
     """[batch, max_blocks] block tables, padded with block 0."""
-    mask: torch.Tensor
-    """[batch, 1, 1, max_blocks * block_size]: the positions each row attends to."""
+    mask: torch.Tensor | None
+    """[batch, 1, 1, max_blocks * block_size]: the positions each row attends to (None where the kernels always
+    take the rows: CUDA graphs)."""
     lengths: torch.Tensor
     """[batch] context lengths, the new token included."""
     write: torch.Tensor

@@ -22,7 +22,7 @@ def load_runner(config: EngineConfig, runner: ModelRunner | None = None) -> Mode
     model thread: see `ModelThread`)."""
     return runner or ModelRunner(load_model_config(config.model), config.num_kv_blocks, config.block_size,
                                  config.seed, config.dtype, config.device, config.onednn,
-                                 config.cpu_kernels)
+                                 config.cpu_kernels, config.gpu_kernels, config.cuda_graphs)
 
 
 def host_pool(config: EngineConfig, block_bytes: int) -> HostBlockPool | None:

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -21,6 +21,9 @@ from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook,
                                     empty_model, load_checkpoint, random_init)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
+
+if TYPE_CHECKING:
+    from kvcentric.engine.graphs import DecodeGraphs
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,13 +64,28 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
     return model.eval().fuse(pack=onednn)
 
 
-def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype) -> AttentionKernels | None:
-    """The CPU attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model on the CPU
-    when `enabled` and they build; else None (torch's SDPA)."""
+def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype,
+                      gpu: bool = True) -> AttentionKernels | None:
+    """The attention kernels of the device: on the CPU the C++ ones (`engine/kernels`, built on first use) for an
+    fp32 or bf16 model when `enabled` and they build; on CUDA the Triton paged decode (`kernels/paged.py`) when
+    `gpu` and Triton imports. Else None (torch's SDPA over a gathered copy)."""
+    if device.type == "cuda":
+        return gpu_kernels() if gpu else None
     if not enabled or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None
     from kvcentric.engine import kernels  # builds nothing until asked: CUDA engines never load it
     return kernels.load()
+
+
+def gpu_kernels() -> AttentionKernels | None:
+    """The Triton paged decode kernel, or None (with a warning) where Triton is missing."""
+    try:
+        from kvcentric.engine.kernels import paged
+    except ImportError as error:
+        warnings.warn(f"Triton is not importable ({error}): CUDA decode attention gathers the KV into a padded copy "
+                      "and steps run without CUDA graphs", RuntimeWarning, stacklevel=2)
+        return None
+    return paged.load()
 
 
 PromptChunk = tuple[list[int], list[int], int, int]
@@ -98,10 +116,16 @@ class LayerwiseExecution(Protocol):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, seed: int = 0,
-                 dtype: str = "float32", device: str = "cpu", onednn: bool = True, cpu_kernels: bool = True) -> None:
+                 dtype: str = "float32", device: str = "cpu", onednn: bool = True, cpu_kernels: bool = True,
+                 gpu_kernels: bool = True, cuda_graphs: bool = True) -> None:
         """`cpu_kernels`: attention runs through the CPU kernels (`engine/kernels`, built on first use; fp32 and
-        bf16) where they build; else (and on CUDA) through SDPA, decode rows over a gathered copy."""
+        bf16) where they build; else through SDPA, decode rows over a gathered copy. `gpu_kernels`: on CUDA,
+        decode attention reads the paged cache in place through a Triton kernel (`kernels/paged.py`).
+        `cuda_graphs`: with that kernel, the cache gets one spare block for the padding rows of decode steps
+        replayed from CUDA graphs (`capture_decode_graphs`, `engine/graphs.py`)."""
         self.config = config
+        self.num_blocks = num_blocks
+        """KV blocks the allocator may hand out (the cache may hold one more: the graphs' spare block)."""
         self.block_size = block_size
         self.dtype = DTYPES[dtype]
         self.dtype_name = dtype
@@ -111,15 +135,28 @@ class ModelRunner:
         if self.device.type == "cpu":
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
+        spare = int(cuda_graphs and self.device.type == "cuda" and self.kernels is not None)
+        shape = (config.num_layers, (num_blocks + spare) * block_size, config.num_kv_heads, config.head_dim)
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype)
+        self.graphs: DecodeGraphs | None = None
+        """Decode steps replayed from CUDA graphs, once `capture_decode_graphs` has run."""
         self.threads = 0
         """The torch threads its model thread computes with (set by the service that runs it)."""
         self.layered: LayerwiseExecution | None = None
         """With LayerKV: block tables name logical blocks whose layers live apart; this runs the steps."""
+
+    def capture_decode_graphs(self, max_batch: int) -> bool:
+        """Capture decode steps of up to `max_batch` sequences as CUDA graphs (`engine/graphs.py`), used by every
+        later `decode` that fits; False (nothing captured) where the runner has no spare block for them (not
+        CUDA, no Triton kernel, or built with cuda_graphs off) or runs LayerKV."""
+        if self.k_cache.shape[1] == self.num_blocks * self.block_size or self.layered is not None:
+            return False
+        from kvcentric.engine.graphs import DecodeGraphs
+        self.graphs = DecodeGraphs(self, max_batch, self.num_blocks * self.block_size, capture=True)
+        return True
 
     @property
     def layer_token_bytes(self) -> int:
@@ -183,6 +220,10 @@ class ModelRunner:
         if self.layered is not None:
             return self.layered.decode(token_ids, positions, block_tables)
         self._wait_for_received_kv()
+        if self.graphs is not None:
+            logits = self.graphs.run(token_ids, positions, block_tables)
+            if logits is not None:
+                return logits
         padded = padded_decode(positions, block_tables, self.block_size, self.config.sliding_window, self.device)
         batch = AttentionBatch(torch.tensor(positions, device=self.device), padded.write.to(self.device),
                                padded=padded, block_size=self.block_size, kernels=self.kernels)

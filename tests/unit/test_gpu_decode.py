@@ -1,0 +1,175 @@
+"""The GPU decode path: the Triton paged attention kernel (`kernels/paged.py`) and decode steps through fixed buffers
+replayed from CUDA graphs (`engine/graphs.py`).
+
+On the CPU the kernel runs in Triton's interpreter and the buffers run eagerly (the CPU kernel reads the same
+tables and lengths); with KVC_TEST_DEVICE=cuda (bench/gpu_check.sh) the kernel is compiled for the GPU and the
+steps are captured and replayed as graphs, checked against eager steps."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from factories import TEST_DEVICE
+
+if TEST_DEVICE != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated: before the import below
+
+from kvcentric.core.block_pool import BlockPool  # noqa: E402
+from kvcentric.engine.graphs import DecodeGraphs, batch_buckets  # noqa: E402
+from kvcentric.engine.kernels.paged import PagedAttention, splits_for  # noqa: E402
+from kvcentric.engine.llama import gather_blocks  # noqa: E402
+from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.model.config import preset  # noqa: E402
+
+DEVICE = torch.device(TEST_DEVICE)
+
+
+def reference(q, k_cache, v_cache, tables, lengths, block_size, window=None):
+    """Gather + SDPA in fp32 (the path the kernel replaces)."""
+    keys, values = (gather_blocks(c.float(), tables, block_size) for c in (k_cache, v_cache))
+    positions = torch.arange(tables.shape[1] * block_size, device=q.device)[None]
+    newest = (lengths - 1)[:, None]
+    mask = positions <= newest
+    if window:
+        mask &= positions > newest - window
+    return F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values, attn_mask=mask[:, None, None],
+                                          enable_gqa=True).squeeze(2)
+
+
+def case(heads, kv_heads, head_dim, dtype, lengths=(1, 5, 64, 65, 130), block_size=4, blocks=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    v_cache = torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator).to(DEVICE, dtype)
+    width = max(lengths) // block_size + 1
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:width] for _ in lengths]).to(DEVICE)
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator).to(DEVICE, dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lengths, device=DEVICE)
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 16), (8, 8, 64), (32, 8, 128), (6, 2, 24)],
+                         ids=["gqa2-d16", "mha-d64", "gqa4-d128", "gqa3-d24"])
+def test_paged_kernel_matches_gather_and_sdpa(dtype, window, heads, kv_heads, head_dim, splits):
+    """Lengths of 1 (a share with no keys at 4 splits), around the 64-key tiles, and past them."""
+    q, k_cache, v_cache, tables, lengths = case(heads, kv_heads, head_dim, dtype)
+    out = PagedAttention(splits).decode(q, k_cache, v_cache, tables, lengths, 4, window)
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding (8 bits)
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, tables, lengths, 4, window),
+                               atol=tolerance, rtol=0)
+
+
+def test_split_counts_fill_the_gpu_for_small_batches_only():
+    assert [splits_for(batch, 8) for batch in (1, 2, 4, 16, 32, 64)] == [16, 16, 8, 2, 1, 1]
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["whole", "split4"])
+def test_paged_kernel_reads_nothing_outside_a_sequences_blocks_and_length(splits):
+    q, k_cache, v_cache, tables, lengths = case(4, 2, 16, torch.float32, lengths=(3, 9, 70))
+    expected = PagedAttention(splits).decode(q, k_cache, v_cache, tables, lengths, 4)
+    poisoned_k, poisoned_v = torch.full_like(k_cache, float("nan")), torch.full_like(v_cache, float("nan"))
+    for row, length in enumerate(lengths.tolist()):
+        for position in range(length):
+            slot = tables[row, position // 4] * 4 + position % 4
+            poisoned_k[slot], poisoned_v[slot] = k_cache[slot], v_cache[slot]
+    out = PagedAttention(splits).decode(q, poisoned_k, poisoned_v, tables, lengths, 4)
+    assert torch.equal(out, expected)
+
+
+def test_paged_kernel_leaves_prompts_to_sdpa():
+    x = torch.zeros(4, 2, 16)
+    assert PagedAttention().prefill(x, x, x, x, torch.tensor([0]), torch.tensor([4])) is False
+
+
+def test_batch_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(6) == [1, 2, 4, 6]
+
+
+# ---------------------------------------------------------------- decode steps through the graphs' buffers
+
+BLOCK = 4
+BLOCKS = 40
+"""The allocator's blocks; the runner's cache has one more, the padding rows' spare block."""
+
+
+def graph_runner(triton: bool) -> tuple[ModelRunner, DecodeGraphs]:
+    """A `tiny` runner and its decode graphs with max batch 8: captured on CUDA, run eagerly over the same buffers
+    on the CPU (its attention through the Triton kernel in the interpreter when `triton`, else the CPU kernel)."""
+    if DEVICE.type == "cuda":
+        runner = ModelRunner(preset("tiny"), BLOCKS, BLOCK, device="cuda")
+        assert runner.capture_decode_graphs(8) and runner.graphs is not None
+        return runner, runner.graphs
+    runner = ModelRunner(preset("tiny"), BLOCKS + 1, BLOCK)  # its last block is the spare one
+    if triton:
+        runner.kernels = PagedAttention()
+    return runner, DecodeGraphs(runner, 8, BLOCKS * BLOCK, capture=False)
+
+
+def prompts(count: int) -> list[list[int]]:
+    return [[(7 * row + 3 * i) % 250 + 3 for i in range(5 + 6 * row)] for row in range(count)]
+
+
+def outside_spare(cache: torch.Tensor) -> torch.Tensor:
+    return cache[:, :BLOCKS * BLOCK]
+
+
+@pytest.mark.parametrize("triton", [False, True], ids=["device-kernel", "triton"])
+def test_steps_through_the_buffers_equal_plain_steps_and_padding_writes_only_the_spare_block(triton):
+    if triton and DEVICE.type == "cuda":
+        pytest.skip("on CUDA the device kernel is the Triton one")
+    runner, graphs = graph_runner(triton)
+    pool = BlockPool(BLOCKS, BLOCK)
+    texts = prompts(5)
+    tables = [pool.allocate(pool.blocks_for(len(t) + 4)) for t in texts]
+    for text, table in zip(texts, tables):
+        runner.prefill(text, table, 0)
+    start = (runner.k_cache.clone(), runner.v_cache.clone())
+
+    def steps(through_graphs: bool) -> list[torch.Tensor]:
+        runner.k_cache.copy_(start[0])
+        runner.v_cache.copy_(start[1])
+        runner.graphs = graphs if through_graphs else None
+        out = []
+        for step, count in enumerate((5, 3, 1)):  # a smaller step after a bigger one in the same bucket
+            ids = [(11 * row + step) % 250 + 3 for row in range(count)]
+            positions = [len(t) + step for t in texts[:count]]
+            out.append(runner.decode(ids, positions, tables[:count]))
+        return out
+
+    plain, plain_cache = steps(False), (outside_spare(runner.k_cache).clone(), outside_spare(runner.v_cache).clone())
+    replayed = steps(True)
+    for ours, theirs in zip(replayed, plain):
+        assert ours.shape == theirs.shape
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    # the padding rows wrote their KV only into the spare block: every other slot is as the plain steps left it
+    torch.testing.assert_close(outside_spare(runner.k_cache), plain_cache[0], atol=1e-6, rtol=0)
+    torch.testing.assert_close(outside_spare(runner.v_cache), plain_cache[1], atol=1e-6, rtol=0)
+
+
+def test_a_step_past_the_largest_bucket_runs_eagerly():
+    runner, graphs = graph_runner(False)
+    pool = BlockPool(BLOCKS, BLOCK)
+    tables = [pool.allocate(1) for _ in range(9)]
+    assert graphs.run([5] * 9, [0] * 9, tables) is None
+    runner.graphs = graphs
+    assert runner.decode([5] * 9, [0] * 9, tables).shape == (9, preset("tiny").vocab_size)
+
+
+def test_no_spare_block_and_no_graphs_off_cuda_or_when_turned_off():
+    cpu = ModelRunner(preset("tiny"), 16, BLOCK)
+    assert cpu.capture_decode_graphs(8) is False and cpu.graphs is None
+    assert cpu.k_cache.shape[1] == 16 * BLOCK
+    if DEVICE.type == "cuda":
+        off = ModelRunner(preset("tiny"), 16, BLOCK, device="cuda", cuda_graphs=False)
+        assert off.capture_decode_graphs(8) is False and off.k_cache.shape[1] == 16 * BLOCK
+        on = ModelRunner(preset("tiny"), 16, BLOCK, device="cuda")
+        assert on.k_cache.shape[1] == 17 * BLOCK and on.num_blocks == 16
