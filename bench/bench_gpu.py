@@ -78,6 +78,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="decode through CUDA graphs (ignored on CPU)")
     parser.add_argument("--eager-too", action="store_true", help="also time decode without CUDA graphs (CUDA)")
+    parser.add_argument("--unfused-too", action="store_true",
+                        help="also time decode through graphs with torch's norm, rotary and SwiGLU ops (CUDA)")
+    parser.add_argument("--attention-splits", type=int, nargs="*", default=[1, 2, 4, 8, 16],
+                        help="CUDA: time the paged decode kernel alone at each batch with these context splits")
     parser.add_argument("--no-transformers", dest="transformers", action="store_false",
                         help="skip the transformers rows")
     parser.add_argument("--out", default=str(RESULTS / "gpu.json"), help="JSON output path (the .md beside it)")
@@ -308,7 +312,7 @@ def add_ratios(result: dict, config: ModelConfig, args: argparse.Namespace) -> N
             + row["batch"] * args.context * config.kv_bytes_per_token(dtype_size)
         if bandwidth:
             row["floor_ms"] = row["read_bytes"] / bandwidth * 1e3
-        for key in ("ours", "eager", "transformers"):
+        for key in ("ours", "eager", "unfused", "transformers"):
             if f"{key}_ms" in row:
                 row[f"{key}_tokens_per_s"] = row["batch"] / (row[f"{key}_ms"] / 1e3)
                 if "floor_ms" in row:
@@ -369,6 +373,24 @@ def markdown(result: dict) -> str:
                      f"| {fmt(r.get('eager_ms'), '.2f')} | {fmt(r.get('eager_over_floor'), '.2f')} "
                      f"| {fmt(r.get('transformers_ms'), '.2f')} | {fmt(r.get('transformers_tokens_per_s'), '.0f')} "
                      f"| {fmt(r.get('transformers_over_floor'), '.2f')} |")
+    if any("unfused_ms" in r for r in result["decode"]):
+        lines += ["", "Decode through graphs with torch's norm, rotary and SwiGLU ops instead of the fused kernels:",
+                  "",
+                  "| batch | fused ms | unfused ms | unfused / fused |", "|---:|---:|---:|---:|"]
+        for r in result["decode"]:
+            ratio = r["unfused_ms"] / r["ours_ms"] if "unfused_ms" in r and "ours_ms" in r else None
+            lines.append(f"| {r['batch']} | {fmt(r.get('ours_ms'), '.2f')} | {fmt(r.get('unfused_ms'), '.2f')} "
+                         f"| {fmt(ratio, '.2f')} |")
+    if result.get("attention"):
+        splits = a["attention_splits"]
+        lines += ["", f"The paged decode kernel alone, one layer, {a['context']} tokens of context: microseconds "
+                      "(share of the copy bandwidth) by context splits; * marks the default:", "",
+                  "| batch | " + " | ".join(f"splits {n}" for n in splits) + " |",
+                  "|---:|" + "---:|" * len(splits)]
+        for r in result["attention"]:
+            cells = [f"{fmt(r.get(f'splits_{n}_us'), '.1f')} ({fmt(r.get(f'splits_{n}_of_copy_bandwidth'), '.2f')})"
+                     + ("*" if n == r["default_splits"] else "") for n in splits]
+            lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
     errors = result["errors"] | {f"{k.removesuffix('_error')} prefill {r['tokens']}": v for r in result["prefill"]
                                  for k, v in r.items() if k.endswith("_error")} \
         | {f"{k.removesuffix('_error')} decode batch {r['batch']}": v for r in result["decode"]
@@ -430,6 +452,14 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
         state["runner"] = make_runner(config, blocks, args, graphs=False)
         ours_decode(state["runner"], decode_tables, args, result["decode"], "eager")
 
+    def unfused() -> None:
+        from kvcentric.engine.llama import use_ops
+
+        runner = state["runner"] = make_runner(config, blocks, args, graphs=True)
+        use_ops(runner.model, None)  # torch's ops; the paged kernel and the graphs stay
+        runner.capture_decode_graphs(max(args.batches))
+        ours_decode(runner, decode_tables, args, result["decode"], "unfused")
+
     report.section("kvcentric runner", build)
     if "runner" not in state:
         return
@@ -445,6 +475,40 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
         free_memory()
         report.section("kvcentric decode eager", eager)
         state.clear()
+    if args.unfused_too and cuda and args.cuda_graphs:
+        free_memory()
+        report.section("kvcentric decode graphs, torch's small ops", unfused)
+        state.clear()
+
+
+def attention_kernel(report: Report, args: argparse.Namespace) -> None:
+    """The paged decode kernel alone on one layer's cache, per batch and context split: its read bandwidth (keys
+    and values of every cached token once) against the copy bandwidth."""
+    from kvcentric.engine.kernels.paged import PagedAttention, splits_for
+
+    config, dtype = report.config, DTYPES[args.dtype]
+    bandwidth = report.result["ceilings"].get("copy", {}).get("bytes_per_s")
+    rows = report.result["attention"] = []
+    per_sequence = math.ceil(args.context / BLOCK)
+    for batch in args.batches:
+        slots = batch * per_sequence * BLOCK
+        k_cache = torch.randn(slots, config.num_kv_heads, config.head_dim, dtype=dtype, device=args.device)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.arange(batch * per_sequence, device=args.device).view(batch, per_sequence)
+        lengths = torch.full((batch,), args.context, device=args.device)
+        q = torch.randn(batch, config.num_heads, config.head_dim, dtype=dtype, device=args.device)
+        read = 2 * batch * args.context * config.num_kv_heads * config.head_dim * dtype.itemsize
+        row: dict[str, Any] = {"batch": batch, "read_bytes": read, "default_splits": splits_for(batch,
+                                                                                              config.num_kv_heads)}
+        for splits in args.attention_splits:
+            kernel = PagedAttention(splits)
+            call = functools.partial(kernel.decode, q, k_cache, v_cache, tables, lengths, BLOCK)
+            ms = statistics.median(device_ms(call, args.device, repeat=20))
+            row[f"splits_{splits}_us"] = ms * 1e3
+            if bandwidth:
+                row[f"splits_{splits}_of_copy_bandwidth"] = read / (ms / 1e3) / bandwidth
+        log(f"attention batch {batch}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k.endswith("_us")))
+        rows.append(row)
 
 
 def run_transformers(report: Report, args: argparse.Namespace) -> None:
@@ -479,6 +543,8 @@ def main() -> int:
     if "matmul" in result["ceilings"]:
         c = result["ceilings"]
         log(f"matmul {c['matmul']['flops'] / 1e12:.2f} TFLOP/s, copy {c['copy']['bytes_per_s'] / 1e9:.1f} GB/s")
+    if args.device.startswith("cuda") and args.attention_splits:
+        report.section("paged attention kernel", lambda: attention_kernel(report, args))
     run_ours(report, args)
     if not args.transformers:
         result["skipped"]["transformers"] = "--no-transformers"

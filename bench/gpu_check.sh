@@ -44,16 +44,19 @@ steps=${STEPS:-unit bench up layerwise}
 wanted() { [[ " $steps " == *" $1 "* ]]; }
 
 export KVC_TEST_DEVICE=cuda
-wanted unit && step "engine unit tests on cuda" 150 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf \
-    -o timeout=120 tests/unit/test_gpu_decode.py tests/unit/test_hf_parity.py tests/unit/test_layerwise_load.py tests/unit/test_host_write_behind.py tests/unit/test_decode_staging.py \
+unit_tests=${UNIT_TESTS:-tests/unit/test_gpu_decode.py tests/unit/test_hf_parity.py tests/unit/test_layerwise_load.py \
+    tests/unit/test_host_write_behind.py tests/unit/test_decode_staging.py \
     tests/unit/test_layerkv_engine.py tests/unit/test_layerkv_prefill.py tests/unit/test_mixed_step.py \
     tests/unit/test_pipeline_engine.py tests/unit/test_dtype_paths_engine.py tests/unit/test_model_and_engines.py \
     tests/unit/test_prefix_kv.py tests/unit/test_streaming.py tests/unit/test_decode_sink.py \
     tests/unit/test_kvpool.py tests/unit/test_engine_parts.py tests/unit/test_migration_engines.py \
-    tests/unit/test_parallel_sampling.py tests/unit/test_eos_stop.py
+    tests/unit/test_parallel_sampling.py tests/unit/test_eos_stop.py}
+# shellcheck disable=SC2086  # a list of paths
+wanted unit && step "engine unit tests on cuda" 150 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf \
+    -o timeout=120 $unit_tests
 
 wanted bench && step "GPU engine benchmark, llama3-8b bf16" 240 "$out/gpu_bench_engine.log" python3 bench/bench_gpu.py \
-    --eager-too --out "$out/gpu.json"
+    --eager-too --unfused-too --out "$out/gpu.json"
 
 up_tests=${UP_TESTS:-tests/integration/test_bf16_path.py tests/integration/test_dtype_paths.py \
     tests/integration/test_layerkv.py tests/integration/test_pipeline_prefill.py}

@@ -40,7 +40,7 @@ class StageService(PrefillService):
         def build(config: EngineConfig, runner: ModelRunner | None) -> ModelRunner:
             return runner or StageRunner(load_model_config(config.model), position, config.num_kv_blocks,
                                          config.block_size, config.seed, config.dtype, config.device, config.onednn,
-                                         config.cpu_kernels)
+                                         config.cpu_kernels, config.gpu_kernels)
 
         EngineService.__init__(self, config, runner, with_host_pool=False, build=build)
         self.position = position

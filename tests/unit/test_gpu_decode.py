@@ -20,8 +20,9 @@ if TEST_DEVICE != "cuda":
 
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
 from kvcentric.engine.graphs import DecodeGraphs, batch_buckets  # noqa: E402
+from kvcentric.engine.kernels.fused import FusedOps  # noqa: E402
 from kvcentric.engine.kernels.paged import PagedAttention, splits_for  # noqa: E402
-from kvcentric.engine.llama import gather_blocks  # noqa: E402
+from kvcentric.engine.llama import AttentionBatch, RMSNorm, Rotary, gather_blocks, use_ops  # noqa: E402
 from kvcentric.engine.runner import ModelRunner  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 
@@ -173,3 +174,69 @@ def test_no_spare_block_and_no_graphs_off_cuda_or_when_turned_off():
         assert off.capture_decode_graphs(8) is False and off.k_cache.shape[1] == 16 * BLOCK
         on = ModelRunner(preset("tiny"), 16, BLOCK, device="cuda")
         assert on.k_cache.shape[1] == 17 * BLOCK and on.num_blocks == 16
+
+
+# ---------------------------------------------------------------- the fused layer ops (kernels/fused.py)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_rms_norm_and_swiglu_keep_torchs_arithmetic(dtype):
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 96, generator=generator).to(DEVICE, dtype)
+    norm = RMSNorm(96, 1e-5).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    expected = norm(x)
+    norm.ops = FusedOps()
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: an ulp where the two sums round apart
+    torch.testing.assert_close(norm(x), expected, atol=tolerance, rtol=tolerance)
+    gate_up = torch.randn(5, 2 * 1100, generator=generator).to(DEVICE, dtype)  # past one 1024-wide tile
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(FusedOps.silu_mul(gate_up), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_rotary_writes_the_cache_as_rotary_and_index_copy_do(dtype):
+    config = preset("tiny")
+    rotary = Rotary(config).to(DEVICE)
+    rotary.compute_tables(DEVICE, dtype)
+    heads, kv_heads, dim = config.num_heads, config.num_kv_heads, config.head_dim
+    generator = torch.Generator().manual_seed(4)
+    qkv = torch.randn(6, heads + 2 * kv_heads, dim, generator=generator).to(DEVICE, dtype)
+    positions = torch.tensor([0, 1, 7, 30, 31, 500], device=DEVICE)
+    slots = torch.tensor([9, 3, 40, 41, 0, 17], device=DEVICE)
+    caches = [torch.zeros(64, kv_heads, dim, dtype=dtype, device=DEVICE) for _ in range(4)]
+    q, k, v = FusedOps.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots, *caches[:2])
+    batch = AttentionBatch(positions, slots)
+    expected_q = rotary(qkv[:, :heads], batch)
+    expected_k = rotary(qkv[:, heads:heads + kv_heads], batch)
+    caches[2].index_copy_(0, slots, expected_k)
+    caches[3].index_copy_(0, slots, qkv[:, heads + kv_heads:])
+    exact = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 0, "rtol": 0}  # bf16: same roundings
+    for ours, theirs in ((q, expected_q), (k, expected_k), (v, qkv[:, heads + kv_heads:]), (caches[0], caches[2]),
+                         (caches[1], caches[3])):
+        torch.testing.assert_close(ours, theirs, **exact)
+
+
+def test_a_model_with_every_gpu_kernel_decodes_the_tokens_of_the_plain_one():
+    """The whole GPU layer (fused ops, Triton paged decode) through the runner: the greedy tokens and logits of
+    torch's ops with SDPA. On the CPU in the interpreter; on CUDA compiled."""
+    plain = ModelRunner(preset("tiny"), 16, BLOCK, device=TEST_DEVICE, cpu_kernels=False, gpu_kernels=False)
+    fused = ModelRunner(preset("tiny"), 16, BLOCK, device=TEST_DEVICE)
+    if DEVICE.type == "cpu":
+        fused.kernels = PagedAttention()
+        use_ops(fused.model, FusedOps())
+    tables = [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    texts = [[5, 9, 14, 200, 3, 3, 41], [77, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]]
+    tokens: dict[str, list[list[int]]] = {}
+    last: dict[str, torch.Tensor] = {}
+    for name, runner in (("plain", plain), ("fused", fused)):
+        firsts = [int(runner.prefill(text, table, 0).argmax()) for text, table in zip(texts, tables)]
+        out = [[first] for first in firsts]
+        for step in range(6):
+            positions = [len(text) + step for text in texts]
+            logits = runner.decode([o[-1] for o in out], positions, tables)
+            for row, chosen in enumerate(logits.argmax(-1).tolist()):
+                out[row].append(chosen)
+        tokens[name], last[name] = out, logits
+    assert tokens["fused"] == tokens["plain"]
+    torch.testing.assert_close(last["fused"], last["plain"], atol=1e-4, rtol=0)

@@ -27,13 +27,30 @@ LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 keys/values are [new_tokens, num_kv_heads, head_dim] (rotary already applied to keys)."""
 
 
+class LayerOps(Protocol):
+    """Fused versions of a layer's small ops for a device (`kernels/fused.py`, the GPU's), each one launch."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def rotate_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def fits(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool: ...
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops: LayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:  # one fused kernel, the same arithmetic
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -150,6 +167,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.out: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.ops: LayerOps | None = None
 
     def fuse(self, pack: bool = False) -> None:
         """One q|k|v matmul instead of three (same numbers, bigger and faster GEMM); call after loading.
@@ -186,12 +204,24 @@ class Attention(nn.Module):
         qk = rotary(qkv[:, :heads + kv_heads], batch)
         return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
-    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache, residual):
-        """residual + the attention output, and this step's k and v."""
-        tokens = x.shape[0]
+    def stored(self, x: torch.Tensor, batch: AttentionBatch, rotary: Rotary, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q and k rotated, v ([tokens, heads, head_dim] each), k and v written to the batch's cache slots: in one
+        launch with the fused ops (after the q|k|v GEMM), else rotary then two index copies."""
+        if self.ops is not None and self.qkv is not None:
+            qkv = linear(x, *self.qkv).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+            if self.ops.fits(qkv, k_cache):
+                return self.ops.rotate_store(qkv, self.num_heads, self.num_kv_heads, rotary.cos, rotary.sin,
+                                             batch.positions, batch.write_slots, k_cache, v_cache)
         q, k, v = self.rotated(x, batch, rotary)
         k_cache.index_copy_(0, batch.write_slots, k)
         v_cache.index_copy_(0, batch.write_slots, v)
+        return q, k, v
+
+    def forward(self, x, batch: AttentionBatch, rotary: Rotary, k_cache, v_cache, residual):
+        """residual + the attention output, and this step's k and v."""
+        tokens = x.shape[0]
+        q, k, v = self.stored(x, batch, rotary, k_cache, v_cache)
         gqa = self.num_heads != self.num_kv_heads
         padded = None
         rows = batch.padded
@@ -255,6 +285,7 @@ class MLP(nn.Module):
 
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
+        self.ops: LayerOps | None = None
 
     def fuse(self, pack: bool = False) -> None:
         """One gate|up matmul instead of two; call after loading. `pack`: oneDNN's layout, down_proj's too."""
@@ -268,8 +299,12 @@ class MLP(nn.Module):
         """residual + the MLP of x."""
         if self.gate_up is None:
             return residual + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, self.gate_up).chunk(2, dim=-1)
-        hidden = F.silu(gate).mul_(up)
+        gate_up = linear(x, self.gate_up)
+        if self.ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
+            hidden = self.ops.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = F.silu(gate).mul_(up)
         return residual + self.down_proj(hidden) if self.down is None else linear_add(hidden, self.down, None,
                                                                                       residual)
 
@@ -419,6 +454,14 @@ class LlamaModel(nn.Module):
             if on_layer is not None:
                 on_layer(index, k, v)
         return self.lm_head(self.norm(x[logit_rows])).float()
+
+
+def use_ops(model: nn.Module, ops: LayerOps | None) -> None:
+    """Every norm, rotary with cache write, and SwiGLU activation of `model` (a whole model or a pipeline stage's)
+    through `ops` (None: torch's ops)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.ops = ops
 
 
 def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:

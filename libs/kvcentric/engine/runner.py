@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LlamaModel, PaddedRows, SequenceSlice,
-                                    empty_model, load_checkpoint, random_init)
+from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel, PaddedRows,
+                                    SequenceSlice, empty_model, load_checkpoint, random_init, use_ops)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -77,6 +77,18 @@ def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype,
     return kernels.load()
 
 
+def layer_ops(device: torch.device, enabled: bool) -> LayerOps | None:
+    """The fused norm, rotary + cache write and SwiGLU kernels of a CUDA model (`kernels/fused.py`) when `enabled`
+    and Triton imports; else None (torch's ops)."""
+    if device.type != "cuda" or not enabled:
+        return None
+    try:
+        from kvcentric.engine.kernels import fused
+    except ImportError:
+        return None  # said once by gpu_kernels
+    return fused.FusedOps()
+
+
 def gpu_kernels() -> AttentionKernels | None:
     """The Triton paged decode kernel, or None (with a warning) where Triton is missing."""
     try:
@@ -121,6 +133,7 @@ class ModelRunner:
         """`cpu_kernels`: attention runs through the CPU kernels (`engine/kernels`, built on first use; fp32 and
         bf16) where they build; else through SDPA, decode rows over a gathered copy. `gpu_kernels`: on CUDA,
         decode attention reads the paged cache in place through a Triton kernel (`kernels/paged.py`).
+        With `gpu_kernels` the layers' norms, rotary + cache write and SwiGLU run fused (`kernels/fused.py`).
         `cuda_graphs`: with that kernel, the cache gets one spare block for the padding rows of decode steps
         replayed from CUDA graphs (`capture_decode_graphs`, `engine/graphs.py`)."""
         self.config = config
@@ -136,6 +149,7 @@ class ModelRunner:
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
         self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
+        use_ops(self.model, layer_ops(self.device, gpu_kernels))
         spare = int(cuda_graphs and self.device.type == "cuda" and self.kernels is not None)
         shape = (config.num_layers, (num_blocks + spare) * block_size, config.num_kv_heads, config.head_dim)
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.

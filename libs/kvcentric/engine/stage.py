@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from kvcentric.core.pipeline import StagePosition, stage_layers
-from kvcentric.engine.llama import AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice, random_init
-from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels
+from kvcentric.engine.llama import (AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice, random_init,
+                                    use_ops)
+from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels, layer_ops
 from kvcentric.model.config import ModelConfig
 
 
@@ -78,17 +79,18 @@ class StageRunner(ModelRunner):
 
     def __init__(self, config: ModelConfig, position: StagePosition, num_blocks: int, block_size: int,
                  seed: int = 0, dtype: str = "float32", device: str = "cpu", onednn: bool = True,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, gpu_kernels: bool = True) -> None:
         self.whole, self.position = config, position
         self.layers = stage_layers(config.num_layers, position.stages, position.index)
         self.config = dataclasses.replace(config, num_layers=len(self.layers))
         self.block_size, self.dtype, self.dtype_name = block_size, DTYPES[dtype], dtype
         self.device = torch.device(device)
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
-        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype)
+        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval(), onednn)
+        use_ops(self.model, layer_ops(self.device, gpu_kernels))
         by_name = dict(model.layers.named_children())
         self.decoder_layers = [cast(DecoderLayer, by_name[str(index)]) for index in self.layers]
         shape = (len(self.layers), num_blocks * block_size, config.num_kv_heads, config.head_dim)
