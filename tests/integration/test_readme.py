@@ -85,6 +85,8 @@ NOT_RUN = {
     "--prefill-pipeline 2 --decode 1   # serves until Ctrl-C": "a cluster that serves until Ctrl-C; "
                                                              "tests/integration/test_pipeline_prefill.py runs it",
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
+    "python3 bench/bench_gpu.py --eager-too": "needs a GPU; bench/gpu_check.sh runs it there, and "
+                                             "tests/integration/test_bench_gpu.py runs a CPU smoke of it",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
 }
 RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER),
