@@ -21,9 +21,10 @@ if TEST_DEVICE != "cuda":
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
 from kvcentric.engine.graphs import DecodeGraphs, batch_buckets  # noqa: E402
 from kvcentric.engine.kernels.fused import FusedOps  # noqa: E402
+from kvcentric.engine.kernels.gpucheck import self_check  # noqa: E402
 from kvcentric.engine.kernels.paged import PagedAttention, splits_for  # noqa: E402
 from kvcentric.engine.llama import AttentionBatch, RMSNorm, Rotary, gather_blocks, use_ops  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.engine.runner import ModelRunner, gpu_kernels_work  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -240,3 +241,29 @@ def test_a_model_with_every_gpu_kernel_decodes_the_tokens_of_the_plain_one():
         tokens[name], last[name] = out, logits
     assert tokens["fused"] == tokens["plain"]
     torch.testing.assert_close(last["fused"], last["plain"], atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------- the check at start (kernels/gpucheck.py)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model", ["tiny", "small"])
+def test_the_start_check_passes_working_kernels(dtype, model):
+    assert self_check(preset(model), dtype, DEVICE, 4) is None
+
+
+def test_the_start_check_names_a_kernel_that_disagrees(monkeypatch):
+    monkeypatch.setattr(PagedAttention, "decode", lambda self, q, *rest: torch.zeros_like(q))
+    assert "paged decode attention" in self_check(preset("tiny"), torch.float32, DEVICE, 4)
+
+
+def test_kernels_that_fail_their_check_leave_torchs_ops_with_a_warning(monkeypatch):
+    import kvcentric.engine.kernels.gpucheck as gpucheck
+
+    def broken(*args):
+        raise RuntimeError("PTX .version 9.9 does not support .target sm_70")
+
+    monkeypatch.setattr(gpucheck, "self_check", broken)
+    with pytest.warns(RuntimeWarning, match="failed their check.*sm_70.*torch's ops"):
+        assert gpu_kernels_work(preset("tiny"), torch.float32, DEVICE, 4) is False
+    monkeypatch.setattr(gpucheck, "self_check", lambda *args: None)
+    assert gpu_kernels_work(preset("tiny"), torch.float32, DEVICE, 4) is True

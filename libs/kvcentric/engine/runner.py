@@ -89,6 +89,22 @@ def layer_ops(device: torch.device, enabled: bool) -> LayerOps | None:
     return fused.FusedOps()
 
 
+def gpu_kernels_work(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
+    """The Triton kernels compile on this GPU and agree with torch's ops at the model's shapes (`kernels/gpucheck`);
+    False, with a warning that says why, where they do not (the engine then runs torch's ops, eagerly)."""
+    try:
+        from kvcentric.engine.kernels.gpucheck import self_check
+        problem = self_check(config, dtype, device, block_size)
+    except ImportError:
+        return True  # no Triton: gpu_kernels() says so
+    except Exception as error:  # a compile or launch failure on this device
+        problem = f"{type(error).__name__}: {str(error)[:300]}"
+    if problem is not None:
+        warnings.warn(f"the GPU kernels failed their check on {device}: {problem}; "
+                      "running torch's ops without CUDA graphs", RuntimeWarning, stacklevel=2)
+    return problem is None
+
+
 def gpu_kernels() -> AttentionKernels | None:
     """The Triton paged decode kernel, or None (with a warning) where Triton is missing."""
     try:
@@ -148,6 +164,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
+        gpu_kernels = gpu_kernels and (self.device.type != "cuda" or gpu_kernels_work(config, self.dtype, self.device,
+                                                                                         block_size))
         self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
         use_ops(self.model, layer_ops(self.device, gpu_kernels))
         spare = int(cuda_graphs and self.device.type == "cuda" and self.kernels is not None)
