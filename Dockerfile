@@ -19,6 +19,9 @@ RUN pip install --no-cache-dir .
 FROM source AS engine
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" '.[engine]'
+# A C/C++ compiler at run time: the CPU attention kernels build with it on first use (for the CPU they run on),
+# and Triton builds its launchers with it on a GPU; without one an engine falls back to torch's ops.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 FROM control-plane AS gateway
 CMD ["gateway"]

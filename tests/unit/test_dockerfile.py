@@ -59,3 +59,11 @@ def test_the_control_plane_has_no_torch_and_the_engine_takes_its_torch_index_as_
 def test_every_image_runs_kvcentric():
     assert stages()["source"][1][-1] == 'ENTRYPOINT ["kvcentric"]'
     assert not list(ROOT.glob("services/*/Dockerfile"))
+
+
+def test_the_engine_image_has_a_compiler_for_the_cpu_kernels_and_tritons_launchers():
+    _, engine = stages()["engine"]
+    installs = [line for line in engine if "apt-get install" in line]
+    assert len(installs) == 1 and " g++" in installs[0] and "rm -rf /var/lib/apt/lists/*" in installs[0]
+    _, control = stages()["control-plane"]
+    assert not any("apt-get" in line for line in control)  # the control plane compiles nothing

@@ -186,6 +186,8 @@ class ModelRunner:
         CUDA, no Triton kernel, or built with cuda_graphs off) or runs LayerKV."""
         if self.k_cache.shape[1] == self.num_blocks * self.block_size or self.layered is not None:
             return False
+        if self.graphs is not None and self.graphs.buckets[-1] >= max_batch:
+            return True  # captured already (a runner handed over by a role change)
         from kvcentric.engine.graphs import DecodeGraphs
         self.graphs = DecodeGraphs(self, max_batch, self.num_blocks * self.block_size, capture=True)
         return True
