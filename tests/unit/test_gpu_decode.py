@@ -18,7 +18,11 @@ from factories import TEST_DEVICE
 if TEST_DEVICE != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is decorated: before the import below
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
+from kvcentric.engine.kernels import fused  # noqa: E402
 from kvcentric.engine.graphs import DecodeGraphs, batch_buckets  # noqa: E402
 from kvcentric.engine.kernels.fused import FusedOps  # noqa: E402
 from kvcentric.engine.kernels.gpucheck import self_check  # noqa: E402
@@ -82,11 +86,6 @@ def test_paged_kernel_reads_nothing_outside_a_sequences_blocks_and_length(splits
             poisoned_k[slot], poisoned_v[slot] = k_cache[slot], v_cache[slot]
     out = PagedAttention(splits).decode(q, poisoned_k, poisoned_v, tables, lengths, 4)
     assert torch.equal(out, expected)
-
-
-def test_paged_kernel_leaves_prompts_to_sdpa():
-    x = torch.zeros(4, 2, 16)
-    assert PagedAttention().prefill(x, x, x, x, torch.tensor([0]), torch.tensor([4])) is False
 
 
 def test_batch_buckets():
@@ -195,6 +194,23 @@ def test_fused_rms_norm_and_swiglu_keep_torchs_arithmetic(dtype):
     torch.testing.assert_close(FusedOps.silu_mul(gate_up), F.silu(gate) * up, atol=tolerance, rtol=tolerance)
 
 
+@triton.jit
+def _round_to_bf16(x_ptr, out_ptr, SIZE: tl.constexpr):
+    at = tl.arange(0, SIZE)
+    tl.store(out_ptr + at, fused._rounded(tl.load(x_ptr + at), 1))
+
+
+def test_the_bf16_rounding_is_to_nearest_even_and_keeps_nans():
+    """Every NaN stays one, the GPU's own (bits 0x7fffffff) included, whose rounding carry would wrap it to -0."""
+    bits = torch.tensor([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800000, 0x3F808000, 0x3F818000, 0x3F80C000,
+                         0x00000001], dtype=torch.int64).to(torch.int32)  # NaNs, inf, two ties, above a tie, tiny
+    x = bits.view(torch.float32).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_to_bf16[(1,)](x, out, SIZE=8)
+    assert out[:3].isnan().all()
+    torch.testing.assert_close(out[3:], x[3:].to(torch.bfloat16).float(), atol=0, rtol=0)  # torch rounds to even
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_fused_rotary_writes_the_cache_as_rotary_and_index_copy_do(dtype):
     config = preset("tiny")
@@ -247,8 +263,9 @@ def test_a_model_with_every_gpu_kernel_decodes_the_tokens_of_the_plain_one():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("model", ["tiny", "small"])
-def test_the_start_check_passes_working_kernels(dtype, model):
-    assert self_check(preset(model), dtype, DEVICE, 4) is None
+@pytest.mark.parametrize("block_size", [1, 2, 16])
+def test_the_start_check_passes_working_kernels(dtype, model, block_size):
+    assert self_check(preset(model), dtype, DEVICE, block_size) is None
 
 
 def test_the_start_check_names_a_kernel_that_disagrees(monkeypatch):

@@ -40,6 +40,7 @@ def transformers_greedy(model, tokens: list[int]) -> list[int]:
 def run_mixed(directory, step_tokens: int, decode_attention: str) -> tuple[dict[str, list[int]], int]:
     """Every prompt submitted at once and stepped to the end; the tokens of each and the number of steps."""
     runner = ModelRunner(load_model_config(str(directory)), 96, 4, device=TEST_DEVICE)
+    runner.capture_decode_graphs(8)  # on CUDA its decode-only steps replay graphs; elsewhere nothing
     engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4))
     stepper = MixedStepper(engine, step_tokens, decode_attention)  # type: ignore[arg-type]
     params = SamplingParams(max_tokens=OUTPUT, temperature=0.0, ignore_eos=True)
@@ -76,12 +77,28 @@ def test_a_big_budget_prefills_every_prompt_in_one_step(checkpoint):
     assert steps == OUTPUT  # the first step samples every first token; then OUTPUT - 1 decode steps
 
 
+def test_decode_only_steps_go_through_the_runners_decode_and_its_graphs(checkpoint, monkeypatch):
+    directory, reference = checkpoint
+    rows: list[int] = []
+    plain = ModelRunner.decode
+
+    def counted(self, token_ids, positions, block_tables):
+        rows.append(len(token_ids))
+        return plain(self, token_ids, positions, block_tables)
+
+    monkeypatch.setattr(ModelRunner, "decode", counted)
+    generated, steps = run_mixed(directory, 512, "padded")
+    assert rows == [len(prompts())] * (OUTPUT - 1)  # the first step prefills every prompt, the rest decode only
+    assert generated["r3"] == transformers_greedy(reference, prompts()[3])
+
+
 def test_a_prefix_loading_from_the_host_pool_layer_by_layer_is_in_the_cache_before_a_mixed_step(checkpoint):
     """A mixed step runs every chunk in one forward pass, so a prompt's host-pool prefix (which otherwise loads
     layer by layer beside its first chunk) is settled before it; the tokens are still transformers' own."""
     from kvcentric.engine.kvpool import HostBlockPool
     directory, reference = checkpoint
     runner = ModelRunner(load_model_config(str(directory)), 96, 4, device=TEST_DEVICE)
+    runner.capture_decode_graphs(8)  # on CUDA its decode-only steps replay graphs; elsewhere nothing
     engine = ColocatedEngine(runner, BlockPool(96, 4), BlockHasher("sha256_cbor", 4),
                              host=HostBlockPool(64, runner.block_bytes))
     stepper = MixedStepper(engine, 64, "padded")

@@ -84,7 +84,7 @@ class DecodeGraphs:
             self.forward(bucket)
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads' CUDA calls
             logits = self.forward(bucket)
         return graph, logits
 

@@ -38,7 +38,7 @@ class LayerOps(Protocol):
                      positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def fits(self, qkv: torch.Tensor, k_cache: torch.Tensor) -> bool: ...
+    def fits(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool: ...
 
 
 class RMSNorm(nn.Module):
@@ -192,15 +192,18 @@ class Attention(nn.Module):
         """residual + o_proj(x)."""
         return residual + self.o_proj(x) if self.out is None else linear_add(x, *self.out, residual)
 
-    def rotated(self, x: torch.Tensor, batch: AttentionBatch, rotary: Rotary) -> tuple[torch.Tensor, ...]:
-        """q and k rotated (in one pass when q|k|v came from one GEMM), v: [tokens, heads, head_dim] each."""
+    def rotated(self, x: torch.Tensor, batch: AttentionBatch, rotary: Rotary,
+                qkv: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+        """q and k rotated (in one pass when q|k|v came from one GEMM, or is given), v: [tokens, heads, head_dim]
+        each."""
         tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         if self.qkv is None:
             q, k, v = self.project(x)
             return (rotary(q.reshape(tokens, heads, self.head_dim), batch),
                     rotary(k.reshape(tokens, kv_heads, self.head_dim), batch),
                     v.reshape(tokens, kv_heads, self.head_dim))
-        qkv = linear(x, *self.qkv).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        if qkv is None:
+            qkv = linear(x, *self.qkv).view(tokens, heads + 2 * kv_heads, self.head_dim)
         qk = rotary(qkv[:, :heads + kv_heads], batch)
         return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
@@ -208,12 +211,13 @@ class Attention(nn.Module):
                v_cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q and k rotated, v ([tokens, heads, head_dim] each), k and v written to the batch's cache slots: in one
         launch with the fused ops (after the q|k|v GEMM), else rotary then two index copies."""
+        qkv = None
         if self.ops is not None and self.qkv is not None:
             qkv = linear(x, *self.qkv).view(x.shape[0], self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-            if self.ops.fits(qkv, k_cache):
+            if self.ops.fits(qkv, k_cache, v_cache):
                 return self.ops.rotate_store(qkv, self.num_heads, self.num_kv_heads, rotary.cos, rotary.sin,
                                              batch.positions, batch.write_slots, k_cache, v_cache)
-        q, k, v = self.rotated(x, batch, rotary)
+        q, k, v = self.rotated(x, batch, rotary, qkv)
         k_cache.index_copy_(0, batch.write_slots, k)
         v_cache.index_copy_(0, batch.write_slots, v)
         return q, k, v
@@ -230,6 +234,8 @@ class Attention(nn.Module):
                 padded = batch.kernels.decode(q[batch.padded_start:], k_cache, v_cache, rows.blocks, rows.lengths,
                                               batch.block_size, self.sliding_window)
             if padded is None:
+                if rows.mask is None:  # rows laid out for the kernels alone (CUDA graphs): SDPA cannot mask them
+                    raise RuntimeError("the attention kernels declined decode rows that have no mask")
                 keys = gather_blocks(k_cache, rows.blocks, batch.block_size)
                 values = gather_blocks(v_cache, rows.blocks, batch.block_size)
                 padded = F.scaled_dot_product_attention(q[batch.padded_start:].unsqueeze(2), keys, values,

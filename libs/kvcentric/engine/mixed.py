@@ -103,6 +103,10 @@ def forward(runner: ModelRunner, chunks: list[PrefillChunk], batch: list[DecodeR
             decode_attention: DecodeAttention = "padded") -> tuple[torch.Tensor, torch.Tensor]:
     """One pass over the chunks' prompt tokens and the batch's new tokens: logits of the last position of each
     chunk that ends its prompt, and of every decode row."""
+    if not chunks and batch and decode_attention == "padded" and runner.layered is None:
+        # a decode-only step: the runner's own, replayed from CUDA graphs where it captured them
+        logits = runner.decode([r.generated[-1] for r in batch], [r.position for r in batch], [r.blocks for r in batch])
+        return logits[:0], logits
     runner._wait_for_received_kv()
     device, window = runner.device, runner.config.sliding_window
     prompts = runner.prompt_rows([(c.work.job.token_ids, c.work.blocks, c.start, c.end) for c in chunks])

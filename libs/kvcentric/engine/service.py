@@ -44,7 +44,7 @@ class EngineService(Service):
         self.model = ModelThread(self.role, engine_threads(config, runner))
         self.runner = self.model.call(build, config, runner)
         self.runner.threads = self.model.threads
-        if config.cuda_graphs and self.role in ("decode", "colocated"):
+        if config.cuda_graphs and not config.layerkv and self.role in ("decode", "colocated"):  # LayerKV: eager
             self.model.call(self.runner.capture_decode_graphs, config.max_batch)  # no-op off CUDA
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
         self.host: HostBlockPool | None = host_pool(config, self.runner.block_bytes) if with_host_pool else None

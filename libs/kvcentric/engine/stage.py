@@ -21,7 +21,7 @@ from torch import nn
 from kvcentric.core.pipeline import StagePosition, stage_layers
 from kvcentric.engine.llama import (AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice, random_init,
                                     use_ops)
-from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels, layer_ops
+from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels, gpu_kernels_work, layer_ops
 from kvcentric.model.config import ModelConfig
 
 
@@ -86,6 +86,10 @@ class StageRunner(ModelRunner):
         self.block_size, self.dtype, self.dtype_name = block_size, DTYPES[dtype], dtype
         self.device = torch.device(device)
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
+        self.num_blocks = num_blocks
+        self.graphs = None  # stages compute prompts only
+        gpu_kernels = gpu_kernels and (self.device.type != "cuda" or gpu_kernels_work(config, self.dtype, self.device,
+                                                                                         block_size))
         self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)

@@ -28,7 +28,7 @@ def _rounded(x, KIND: tl.constexpr):
     if KIND == 1:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN stays one (its bits would carry)
     elif KIND == 2:
         return x.to(tl.float16).to(tl.float32)
     else:
@@ -38,7 +38,7 @@ def _rounded(x, KIND: tl.constexpr):
 @triton.jit
 def _rms_norm(x_ptr, weight_ptr, out_ptr, row_stride, out_stride, eps, SIZE: tl.constexpr, WIDTH: tl.constexpr,
               KIND: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride passes 2^31 on long prompts (8B SwiGLU: 75K rows)
     columns = tl.arange(0, WIDTH)
     inside = columns < SIZE
     x = tl.load(x_ptr + row * row_stride + columns, mask=inside, other=0.0).to(tl.float32)
@@ -62,7 +62,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _silu_mul(gate_up_ptr, out_ptr, row_stride, SIZE: tl.constexpr, TILE: tl.constexpr, KIND: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # rows x stride passes 2^31 on long prompts (8B SwiGLU: 75K rows)
     columns = tl.program_id(1) * TILE + tl.arange(0, TILE)
     inside = columns < SIZE
     gate = tl.load(gate_up_ptr + row * row_stride + columns, mask=inside, other=0.0).to(tl.float32)
@@ -86,7 +86,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def _rotate_store(qkv_ptr, out_ptr, cos_ptr, sin_ptr, positions_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                   token_stride, table_stride, cache_slot, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
                   HALF: tl.constexpr, WIDTH: tl.constexpr, KIND: tl.constexpr):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     dims = tl.arange(0, WIDTH)
     inside = dims < HALF
@@ -131,10 +131,10 @@ def rotate_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor
     return out[:, :heads], out[:, heads:], qkv[:, heads + kv_heads:]
 
 
-def fits(qkv: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def fits(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The layouts `rotate_store` takes: contiguous heads of contiguous dims, the caches alike."""
     return (qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2] and k_cache.is_contiguous()
-            and qkv.shape[2] % 2 == 0)
+            and v_cache.is_contiguous() and qkv.shape[2] % 2 == 0)
 
 
 class FusedOps:

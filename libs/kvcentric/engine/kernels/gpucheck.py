@@ -52,9 +52,9 @@ def self_check(config: ModelConfig, dtype: torch.dtype, device: torch.device, bl
     cache_k, cache_v = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
     table = torch.ones(8, dim, device=device, dtype=dtype)  # cos 1, sin 0: rotation by nothing
     _, rotated_k, _ = FusedOps.rotate_store(qkv, heads, kv_heads, table, torch.zeros_like(table),
-                                            torch.tensor([0, 1], device=device), torch.tensor([5, 9], device=device),
-                                            cache_k, cache_v)
-    if not (torch.equal(rotated_k, qkv[:, heads:heads + kv_heads]) and torch.equal(cache_k[9], rotated_k[1])
-            and torch.equal(cache_v[5], qkv[0, heads + kv_heads:])):
+                                            torch.tensor([0, 1], device=device), torch.tensor([1, 3], device=device),
+                                            cache_k, cache_v)  # slots inside the 4 blocks whatever the block size
+    if not (torch.equal(rotated_k, qkv[:, heads:heads + kv_heads]) and torch.equal(cache_k[3], rotated_k[1])
+            and torch.equal(cache_v[1], qkv[0, heads + kv_heads:])):
         return "fused rotary and cache write disagree with torch's"
     return None

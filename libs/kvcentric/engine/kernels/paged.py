@@ -148,7 +148,8 @@ class PagedAttention:
         [batch, max_blocks]; lengths: [batch], the new token's KV already in the cache. [batch, heads, head_dim]."""
         batch, heads, head_dim = q.shape
         kv_heads = k_cache.shape[1]
-        if heads % kv_heads or k_cache.stride(2) != 1 or q.stride(2) != 1 or tables.stride(1) != 1:
+        if (heads % kv_heads or k_cache.stride(2) != 1 or q.stride(2) != 1 or tables.stride(1) != 1
+                or v_cache.stride() != k_cache.stride()):
             return None
         group, dim = heads // kv_heads, max(16, triton.next_power_of_2(head_dim))
         splits = self.splits if self.splits is not None else splits_for(batch, kv_heads)
