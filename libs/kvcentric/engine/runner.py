@@ -64,29 +64,26 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
     return model.eval().fuse(pack=onednn)
 
 
-def attention_kernels(enabled: bool, device: torch.device, dtype: torch.dtype,
-                      gpu: bool = True) -> AttentionKernels | None:
-    """The attention kernels of the device: on the CPU the C++ ones (`engine/kernels`, built on first use) for an
-    fp32 or bf16 model when `enabled` and they build; on CUDA the Triton paged decode (`kernels/paged.py`) when
-    `gpu` and Triton imports. Else None (torch's SDPA over a gathered copy)."""
+def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+                   cpu: bool = True, gpu: bool = True) -> tuple[AttentionKernels | None, LayerOps | None]:
+    """The attention kernels and fused layer ops of the device, or None for either (torch's ops).
+
+    On the CPU: the C++ attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model when
+    `cpu` and they build; no fused ops. On CUDA, when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused
+    norm, rotary + cache write and SwiGLU (`kernels/fused.py`), once they pass their check at the model's shapes
+    (`gpu_kernels_work`)."""
     if device.type == "cuda":
-        return gpu_kernels() if gpu else None
-    if not enabled or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    from kvcentric.engine import kernels  # builds nothing until asked: CUDA engines never load it
-    return kernels.load()
-
-
-def layer_ops(device: torch.device, enabled: bool) -> LayerOps | None:
-    """The fused norm, rotary + cache write and SwiGLU kernels of a CUDA model (`kernels/fused.py`) when `enabled`
-    and Triton imports; else None (torch's ops)."""
-    if device.type != "cuda" or not enabled:
-        return None
-    try:
-        from kvcentric.engine.kernels import fused
-    except ImportError:
-        return None  # said once by gpu_kernels
-    return fused.FusedOps()
+        if not gpu or not gpu_kernels_work(config, dtype, device, block_size):
+            return None, None
+        kernels = gpu_kernels()
+        if kernels is None:
+            return None, None
+        from kvcentric.engine.kernels import fused  # imports: Triton did, just above
+        return kernels, fused.FusedOps()
+    if not cpu or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
+        return None, None
+    from kvcentric.engine import kernels as cpu_kernels  # builds nothing until asked: CUDA engines never load it
+    return cpu_kernels.load(), None
 
 
 def gpu_kernels_work(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
@@ -164,10 +161,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
-        gpu_kernels = gpu_kernels and (self.device.type != "cuda" or gpu_kernels_work(config, self.dtype, self.device,
-                                                                                         block_size))
-        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
-        use_ops(self.model, layer_ops(self.device, gpu_kernels))
+        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels)
+        use_ops(self.model, ops)
         spare = int(cuda_graphs and self.device.type == "cuda" and self.kernels is not None)
         shape = (config.num_layers, (num_blocks + spare) * block_size, config.num_kv_heads, config.head_dim)
         # Preallocated and touched once (zeros), so no step pays for first-touch page faults.

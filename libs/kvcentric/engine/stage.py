@@ -21,7 +21,7 @@ from torch import nn
 from kvcentric.core.pipeline import StagePosition, stage_layers
 from kvcentric.engine.llama import (AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice, random_init,
                                     use_ops)
-from kvcentric.engine.runner import DTYPES, ModelRunner, attention_kernels, gpu_kernels_work, layer_ops
+from kvcentric.engine.runner import DTYPES, ModelRunner, device_kernels
 from kvcentric.model.config import ModelConfig
 
 
@@ -88,13 +88,11 @@ class StageRunner(ModelRunner):
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
         self.num_blocks = num_blocks
         self.graphs = None  # stages compute prompts only
-        gpu_kernels = gpu_kernels and (self.device.type != "cuda" or gpu_kernels_work(config, self.dtype, self.device,
-                                                                                         block_size))
-        self.kernels = attention_kernels(cpu_kernels, self.device, self.dtype, gpu_kernels)
+        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval(), onednn)
-        use_ops(self.model, layer_ops(self.device, gpu_kernels))
+        use_ops(self.model, ops)
         by_name = dict(model.layers.named_children())
         self.decoder_layers = [cast(DecoderLayer, by_name[str(index)]) for index in self.layers]
         shape = (len(self.layers), num_blocks * block_size, config.num_kv_heads, config.head_dim)

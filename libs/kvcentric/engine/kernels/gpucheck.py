@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from kvcentric.engine.kernels.fused import FusedOps
 from kvcentric.engine.kernels.paged import PagedAttention
+from kvcentric.engine.llama import gather_blocks
 from kvcentric.model.config import ModelConfig
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -30,11 +31,10 @@ def self_check(config: ModelConfig, dtype: torch.dtype, device: torch.device, bl
     tables = torch.tensor([[1, 0, 2], [3, 2, 0]], device=device)
     k_cache, v_cache = draw(blocks * block_size, kv_heads, dim), draw(blocks * block_size, kv_heads, dim)
     q = draw(2, heads, dim)
-    keys = k_cache.float().view(blocks, block_size, kv_heads, dim)[tables].view(2, -1, kv_heads, dim).transpose(1, 2)
-    values = v_cache.float().view(blocks, block_size, kv_heads, dim)[tables].view(2, -1, kv_heads, dim)
+    keys, values = (gather_blocks(cache.float(), tables, block_size) for cache in (k_cache, v_cache))
     mask = torch.arange(keys.shape[2], device=device)[None] < lengths[:, None]
-    expected = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values.transpose(1, 2),
-                                              attn_mask=mask[:, None, None], enable_gqa=True).squeeze(2)
+    expected = F.scaled_dot_product_attention(q.float().unsqueeze(2), keys, values, attn_mask=mask[:, None, None],
+                                              enable_gqa=True).squeeze(2)
     for splits in (1, 2):
         out = PagedAttention(splits).decode(q, k_cache, v_cache, tables, lengths, block_size)
         if out is None or not torch.allclose(out.float(), expected, atol=tolerance, rtol=0):
