@@ -4,7 +4,10 @@ on `kvcentric up --colocated 1`, and on the same colocated engine driven in this
 
 Usage:
     .venv/bin/python bench/bench_disagg.py [--model small] [--dtype float32] [--concurrency 8]
-        [--input-len 256] [--output-len 32] [--threads 1]
+        [--input-len 256] [--output-len 32] [--threads 1] [--device cpu]
+
+On a GPU host (`bench/gpu_check.sh` runs it with the 8B shape): `--device cuda --model llama3-8b --dtype
+bfloat16`; the two engines of 1P+1D then share the one GPU, as on the CPU they share its cores.
 
 Writes bench/results/disagg.json and prints a table.
 """
@@ -35,6 +38,7 @@ from kvcentric.core.hashing import BlockHasher  # noqa: E402
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams  # noqa: E402
 from kvcentric.engine.colocated import ColocatedEngine  # noqa: E402
 from kvcentric.engine.config import EngineConfig  # noqa: E402
+from kvcentric.engine.mixed import MixedStepper  # noqa: E402
 from kvcentric.engine.runner import ModelRunner  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 from kvcentric.model.tokenizer import ByteTokenizer  # noqa: E402
@@ -52,6 +56,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the in-process engine (`kvcentric "
                         "up` gives each engine cores / engines: 1P+1D on 2 cores runs one thread each)")
+    parser.add_argument("--device", default="cpu", help="torch device of every engine and of the in-process one "
+                        "(cuda: the in-process runner captures its decode graphs, as the served engines do)")
+    parser.add_argument("--only", nargs="*", default=list(DEPLOYMENTS), choices=list(DEPLOYMENTS),
+                        help="served deployments to run (the in-process run always runs)")
+    parser.add_argument("--logs", default="", help="keep each deployment's service logs under DIR/<deployment> "
+                        "(with OTEL_TRACES_EXPORTER=console they hold every span)")
     parser.add_argument("--out", default=str(RESULTS / "disagg.json"))
     return parser.parse_args()
 
@@ -87,9 +97,13 @@ def stream_one(url: str, model: str, prompt: str, output_len: int, start: float)
     return ttft, tokens
 
 
-def run_served(args, flags: list[str], texts: list[str]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="kvc-up-") as log_dir:
-        up = UpProcess(log_dir, "--model", args.model, *flags, timeout_s=300, env={"KVC_DTYPE": args.dtype})
+def run_served(args, label: str, texts: list[str]) -> dict:
+    flags = DEPLOYMENTS[label]
+    with tempfile.TemporaryDirectory(prefix="kvc-up-") as scratch:
+        log_dir = os.path.join(args.logs, label.replace("+", "")) if args.logs else scratch
+        os.makedirs(log_dir, exist_ok=True)
+        up = UpProcess(log_dir, "--model", args.model, "--device", args.device, *flags, timeout_s=300,
+                       env={"KVC_DTYPE": args.dtype})
         try:
             concurrent_batch(up.url, args, prompts(len(texts), args.input_len, seed=1))  # warm-up
             return concurrent_batch(up.url, args, texts)
@@ -106,18 +120,25 @@ def concurrent_batch(url: str, args, texts: list[str]) -> dict:
 
 
 def run_in_process(args, texts: list[str]) -> dict:
-    """The colocated engine with the served engines' defaults on `--threads` torch threads, stepped here with no
-    host pool: every request submitted at once."""
+    """The colocated engine with the served engines' defaults (mixed steps of `--step-tokens`) on `--threads`
+    torch threads, stepped here with no host pool: every request submitted at once."""
     config = EngineConfig()
     torch.set_num_threads(args.threads)
-    runner = ModelRunner(preset(args.model), config.num_kv_blocks, config.block_size, config.seed, args.dtype)
+    runner = ModelRunner(preset(args.model), config.num_kv_blocks, config.block_size, config.seed, args.dtype,
+                         device=args.device)
+    runner.capture_decode_graphs(config.max_batch)  # on CUDA, as a served engine does; elsewhere nothing
     engine = ColocatedEngine(runner, BlockPool(config.num_kv_blocks, config.block_size),
                              BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk, config.max_batch)
-    drive(engine, prompts(len(texts), args.input_len, seed=1), args.output_len)  # warm-up, as the served runs
-    return drive(engine, texts, args.output_len)
+    stepper = MixedStepper(engine, config.step_tokens) if config.step_tokens else None
+    drive(engine, stepper, prompts(len(texts), args.input_len, seed=1), args.output_len)  # warm-up, as served
+    result = drive(engine, stepper, texts, args.output_len)
+    del engine, runner
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the served engines need the memory next
+    return result
 
 
-def drive(engine: ColocatedEngine, texts: list[str], output_len: int) -> dict:
+def drive(engine: ColocatedEngine, stepper: MixedStepper | None, texts: list[str], output_len: int) -> dict:
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     start, ttft, generated = time.perf_counter(), {}, 0
     for index, text in enumerate(texts):
@@ -126,7 +147,7 @@ def drive(engine: ColocatedEngine, texts: list[str], output_len: int) -> dict:
                                  decode_kv_addr=""),
                       DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=params))
     while engine.has_work:
-        for chunk in engine.step():
+        for chunk in engine.step() if stepper is None else mixed_step(stepper):
             if chunk.token_ids:
                 ttft.setdefault(chunk.request_id, time.perf_counter() - start)
             generated += len(chunk.token_ids)
@@ -135,18 +156,28 @@ def drive(engine: ColocatedEngine, texts: list[str], output_len: int) -> dict:
     return summary(list(ttft.values()), wall, generated)
 
 
+def mixed_step(stepper: MixedStepper) -> list:
+    """One mixed step (a decode batch and prompt chunks in one pass), as a served colocated engine runs it."""
+    step, out = stepper.schedule()
+    if not step.empty:
+        firsts, tokens = stepper.execute(step)
+        out += stepper.update(step, firsts, tokens)
+    return out
+
+
 def main() -> None:
     args = parse_args()
     texts, load_before = prompts(args.concurrency, args.input_len), os.getloadavg()
     runs = {"one process": run_in_process(args, texts)}
-    for label, flags in DEPLOYMENTS.items():
+    for label in args.only:
         print(f"== {label}", file=sys.stderr, flush=True)
-        runs[label] = run_served(args, flags, texts)
+        runs[label] = run_served(args, label, texts)
     base = runs["one process"]
     for run in runs.values():
         run["tokens_per_s_vs_one_process"] = run["output_tokens_per_s"] / base["output_tokens_per_s"]
         run["ttft_p50_vs_one_process"] = run["ttft_p50_s"] / base["ttft_p50_s"]
     machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "load_average_before": load_before, "load_average_after": os.getloadavg()}
     result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "input_len": args.input_len,
               "output_len": args.output_len, "in_process_threads": args.threads, "machine": machine, "runs": runs}

@@ -68,6 +68,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights, KV and matmul dtype")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     parser.add_argument("--prefill", type=int, nargs="+", default=[512, 2048, 8192], help="prompt lengths")
+    parser.add_argument("--prefill-many", nargs="*", default=["8x512", "4x2048"],
+                        help="KxN: K prompts of N tokens in one pass (prefill_many)")
+    parser.add_argument("--prefix-chunks", nargs="*", default=["6144:2048"],
+                        help="M:C: a chunk of C tokens after a cached prefix of M (a long prompt's later chunk)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64], help="decode batch sizes")
     parser.add_argument("--context", type=int, default=1024, help="tokens cached per decoding sequence")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch")
@@ -160,10 +164,39 @@ def prefill_flops(config: ModelConfig, tokens: int) -> float:
     return c.num_layers * (2 * tokens * per_layer + attention) + 2 * c.hidden_size * c.vocab_size
 
 
+def chunk_flops(config: ModelConfig, prefix: int, tokens: int) -> float:
+    """A chunk of `tokens` after `prefix` cached ones: the linear layers of `tokens`, attention of each new row to
+    the prefix (4 m c H D: scores and values) and causally within the chunk (2 c^2 H D), one row's logits."""
+    c = config
+    attention = (4 * prefix * tokens + 2 * tokens**2) * c.num_heads * c.head_dim * c.num_layers
+    return prefill_flops(config, tokens) - 2 * tokens**2 * c.num_heads * c.head_dim * c.num_layers + attention
+
+
+def more_prefill_rows(config: ModelConfig, args: argparse.Namespace) -> list[dict]:
+    """The --prefill-many and --prefix-chunks shapes, each with its FLOPs."""
+    rows = []
+    for spec in args.prefill_many:
+        count, tokens = (int(x) for x in spec.lower().split("x"))
+        rows.append({"shape": f"{count} x {tokens} prompts, one pass", "prompts": count, "tokens": tokens,
+                     "prefix": 0, "flops": count * prefill_flops(config, tokens)})
+    for spec in args.prefix_chunks:
+        prefix, tokens = (int(x) for x in spec.split(":"))
+        rows.append({"shape": f"{tokens} after {prefix} cached", "prompts": 1, "tokens": tokens, "prefix": prefix,
+                     "flops": chunk_flops(config, prefix, tokens)})
+    return rows
+
+
+def prefill_blocks(args: argparse.Namespace) -> int:
+    """Blocks the largest prompt of any prefill shape needs (all prompts of a pass side by side)."""
+    spans = [*args.prefill] + [int(x) * int(y) for x, y in (s.lower().split("x") for s in args.prefill_many)] \
+        + [sum(int(x) for x in s.split(":")) for s in args.prefix_chunks]
+    return math.ceil(max(spans) / BLOCK)
+
+
 def block_tables(args: argparse.Namespace) -> tuple[int, list[int], list[list[int]]]:
     """Blocks for one runner, the prefill's table and one decode table per sequence of the largest batch: all
     disjoint."""
-    prefill = math.ceil(max(args.prefill) / BLOCK)
+    prefill = prefill_blocks(args)
     per_sequence = math.ceil((args.context + args.warmup + args.steps + 1) / BLOCK)
     decode = [list(range(prefill + i * per_sequence, prefill + (i + 1) * per_sequence))
               for i in range(max(args.batches))]
@@ -192,6 +225,25 @@ def ours_prefill_ms(runner: ModelRunner, table: list[int], n: int, args: argpars
     ids = torch.randint(0, runner.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     blocks = table[:math.ceil(n / BLOCK)]
     return wall_ms(lambda: runner.prefill(ids, blocks, 0, n), args.device, args.repeat)
+
+
+def ours_more_prefill(runner: ModelRunner, table: list[int], args: argparse.Namespace, rows: list[dict]) -> None:
+    for row in rows:
+        measure(row, "ours", functools.partial(ours_more_prefill_ms, runner, table, row, args))
+
+
+def ours_more_prefill_ms(runner: ModelRunner, table: list[int], row: dict, args: argparse.Namespace) -> list[float]:
+    """K prompts side by side in one pass, or one chunk after its prefix (computed once, untimed, first)."""
+    n, prefix = row["tokens"], row["prefix"]
+    if prefix:
+        ids = torch.randint(0, runner.config.vocab_size, (prefix + n,),
+                            generator=torch.Generator().manual_seed(n)).tolist()
+        runner.prefill(ids, table, 0, prefix)
+        return wall_ms(lambda: runner.prefill(ids, table, prefix, prefix + n), args.device, args.repeat)
+    per = math.ceil(n / BLOCK)
+    chunks = [(torch.randint(0, runner.config.vocab_size, (n,), generator=torch.Generator().manual_seed(i)).tolist(),
+               table[i * per:(i + 1) * per], 0, n) for i in range(row["prompts"])]
+    return wall_ms(lambda: runner.prefill_many(chunks), args.device, args.repeat)
 
 
 def ours_decode(runner: ModelRunner, tables: list[list[int]], args: argparse.Namespace, rows: list[dict],
@@ -301,7 +353,7 @@ def add_ratios(result: dict, config: ModelConfig, args: argparse.Namespace) -> N
     """Shares of the matmul peak (prefill) and ratios to the read floor (decode), where both sides exist."""
     peak = result["ceilings"].get("matmul", {}).get("flops")
     bandwidth = result["ceilings"].get("copy", {}).get("bytes_per_s")
-    for row in result["prefill"]:
+    for row in result["prefill"] + result.get("prefill_more", []):
         for key in ("ours", "transformers"):
             if f"{key}_ms" in row and peak:
                 row[f"{key}_flops"] = row["flops"] / (row[f"{key}_ms"] / 1e3)
@@ -363,6 +415,12 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['tokens']} | {fmt(r.get('ours_ms'), '.1f')} | {fmt(_tera(r.get('ours_flops')), '.3g')} "
                      f"| {fmt(r.get('ours_share_of_peak'), '.2f')} | {fmt(r.get('transformers_ms'), '.1f')} "
                      f"| {fmt(r.get('transformers_share_of_peak'), '.2f')} |")
+    if result.get("prefill_more"):
+        lines += ["", "More prefill shapes (ours):", "", "| shape | ms | TFLOP/s | share of peak |",
+                  "|---|---:|---:|---:|"]
+        for r in result["prefill_more"]:
+            lines.append(f"| {r['shape']} | {fmt(r.get('ours_ms'), '.1f')} | {fmt(_tera(r.get('ours_flops')), '.3g')} "
+                         f"| {fmt(r.get('ours_share_of_peak'), '.2f')} |")
     ours = "ours (graphs)" if result.get("graphs") else "ours"
     lines += ["", f"Decode, {a['context']} tokens of context per sequence:", "",
               f"| batch | floor ms | {ours} ms | tokens/s | / floor | eager ms | / floor | transformers ms "
@@ -391,7 +449,8 @@ def markdown(result: dict) -> str:
             cells = [f"{fmt(r.get(f'splits_{n}_us'), '.1f')} ({fmt(r.get(f'splits_{n}_of_copy_bandwidth'), '.2f')})"
                      + ("*" if n == r["default_splits"] else "") for n in splits]
             lines.append(f"| {r['batch']} | " + " | ".join(cells) + " |")
-    errors = result["errors"] | {f"{k.removesuffix('_error')} prefill {r['tokens']}": v for r in result["prefill"]
+    errors = result["errors"] | {f"{k.removesuffix('_error')} prefill {r.get('shape', r['tokens'])}": v
+                                 for r in result["prefill"] + result.get("prefill_more", [])
                                  for k, v in r.items() if k.endswith("_error")} \
         | {f"{k.removesuffix('_error')} decode batch {r['batch']}": v for r in result["decode"]
            for k, v in r.items() if k.endswith("_error")}
@@ -464,6 +523,9 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
     if "runner" not in state:
         return
     report.section("kvcentric prefill", lambda: ours_prefill(state["runner"], prefill_table, args, result["prefill"]))
+    if result["prefill_more"]:
+        report.section("kvcentric prefill, more shapes",
+                       lambda: ours_more_prefill(state["runner"], prefill_table, args, result["prefill_more"]))
     if cuda and args.cuda_graphs:  # a failed capture is recorded and the decode below runs eager
         report.section("kvcentric decode graphs", capture)
     report.section("kvcentric decode", lambda: ours_decode(state["runner"], decode_tables, args, result["decode"],
@@ -535,6 +597,7 @@ def main() -> int:
     hf_version, hf_missing = transformers_version()
     result = header(args, config, hf_version)
     result["prefill"] = [{"tokens": n, "flops": prefill_flops(config, n)} for n in args.prefill]
+    result["prefill_more"] = more_prefill_rows(config, args)
     result["decode"] = [{"batch": b, "context": args.context} for b in args.batches]
     report = Report(result, config, args)
     log(f"{result['device']}: {config.name} in {args.dtype}, prefill {args.prefill}, decode batches {args.batches} "

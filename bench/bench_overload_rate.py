@@ -145,6 +145,8 @@ def conductor_gauges(up: UpProcess) -> dict[str, float]:
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     env = {**MODES[mode], "KVC_TTFT_SLO_S": str(args.ttft_slo_s), "KVC_TBT_SLO_S": str(args.tbt_slo_s)}
+    if args.slo_headroom is not None:
+        env["KVC_SLO_HEADROOM"] = str(args.slo_headroom)
     flags = ["--prefill", str(args.prefill), "--decode", str(args.decode), "--model", args.model]
     kept = Path(args.logs) / mode if args.logs else None
     if kept is not None:
@@ -187,6 +189,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--ttft-slo-s", type=float, default=10.0)
     parser.add_argument("--tbt-slo-s", type=float, default=0.3)
+    parser.add_argument("--slo-headroom", type=float, default=None,
+                        help="the conductors' --slo-headroom: admit only below (1 - this) x the SLO (default: theirs)")
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--model", default="small")

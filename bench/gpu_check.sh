@@ -3,12 +3,13 @@
 # ../shared/gpu/README.md). CI has no GPU, so this is where the side streams, CUDA events and pinned copies of
 # the KV path run for real: the engine unit tests and the `kvcentric up` integration tests that cover them, with
 # KVC_TEST_DEVICE=cuda (the tests' runners) and KVC_DEVICE=cuda (every engine `up` starts), then Mooncake §5.2's
-# layer-wise prefix load timed on an 8B-shaped model in bf16, and the GPU engine's benchmark (bench_gpu.py:
-# the card's ceilings, prefill and decode of the 8B shape against them and against transformers).
+# layer-wise prefix load timed on an 8B-shaped model in bf16, the GPU engine's benchmark (bench_gpu.py:
+# the card's ceilings, prefill and decode of the 8B shape against them and against transformers), and the 8B
+# shape served (bench_disagg.py: 1P+1D and colocated through `kvcentric up` against the engine in one process).
 #
 # Usage, from the project root on the GPU host:  source .whl/setup.sh && bash bench/gpu_check.sh [OUT_DIR]
 # Writes gpu_unit.log, gpu_integration.log, layerwise_load_gpu.json and gpu.json (with gpu.md) into OUT_DIR
-# (default: bench/results). STEPS picks steps (default: "unit bench up layerwise").
+# and disagg_gpu.json (default: bench/results). STEPS picks steps (default: "unit bench up layerwise disagg").
 # Every step runs under its own time limit and the script goes on after a failure; it exits non-zero if any
 # step failed.
 set -u
@@ -40,7 +41,7 @@ PY
 export PATH=/tmp/nats-bin:$PATH
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-steps=${STEPS:-unit bench up layerwise}
+steps=${STEPS:-unit bench up layerwise disagg}
 wanted() { [[ " $steps " == *" $1 "* ]]; }
 
 export KVC_TEST_DEVICE=cuda
@@ -67,4 +68,7 @@ wanted up && step "kvcentric up on cuda" 200 "$out/gpu_integration.log" env KVC_
 wanted layerwise && step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 bench/bench_layerwise_load.py --device cuda \
     --dtype bfloat16 --model llama3-8b --prefixes 1024 4096 --suffix 256 --requests 5 \
     --out "$out/layerwise_load_gpu.json"
+wanted disagg && step "served 1P+1D and colocated, llama3-8b bf16" 300 "$out/gpu_disagg.log" python3 bench/bench_disagg.py \
+    --device cuda --model llama3-8b --dtype bfloat16 --concurrency 32 --input-len 512 --output-len 128 \
+    --out "$out/disagg_gpu.json"
 exit $status

@@ -25,6 +25,9 @@ CostSource = Literal["measured", "prior"]
 
 @dataclasses.dataclass(frozen=True)
 class ConductorConfig(BusConfig, SchedulerConfig):
+    slo_headroom: float = setting(0.1, "admit only while the predicted load is at most (1 - this) x its threshold: "
+                                       "a margin for predictions that run short as the load grows (0: admit up "
+                                       "to the SLO itself, as the simulator does by default)")
     stale_after_s: float = setting(1.5, "an instance with no load report for this long is dead: out of placement "
                                         "(engines report from a heartbeat thread, busy or not)")
     stuck_after_s: float = setting(10.0, "an instance whose event loop has computed no load for this long (its "

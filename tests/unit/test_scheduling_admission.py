@@ -95,6 +95,21 @@ def test_a_top_priority_above_zero_makes_default_requests_a_lower_class():
     assert isinstance(schedule(conductor, request_id="b", priority=0), Rejection)  # threshold 0.8
 
 
+def test_headroom_keeps_a_share_of_the_slo_spare_for_every_class():
+    admitted = make_conductor(1, 1, rejection="early", ttft_slo_s=1.1)
+    assert isinstance(schedule(admitted), Placement)  # load 0.91
+    conductor = make_conductor(1, 1, rejection="early", ttft_slo_s=1.1, slo_headroom=0.1)
+    decision = schedule(conductor)
+    assert isinstance(decision, Rejection) and decision.stage == "prefill" and "0.90" in decision.message
+    roomy = make_conductor(1, 1, rejection="early", ttft_slo_s=1.25, slo_headroom=0.1)
+    assert isinstance(schedule(roomy), Placement)  # load 0.8 <= 0.9
+    low = schedule(make_conductor(1, 1, rejection="early", ttft_slo_s=1.25, slo_headroom=0.1,
+                                  priority_step=0.2), request_id="low", priority=-1)
+    assert isinstance(low, Rejection) and "0.72" in low.message  # 0.8 x 0.9
+    with pytest.raises(ValueError, match="slo-headroom"):
+        make_conductor(1, 1, slo_headroom=1.0)
+
+
 def test_a_decode_instance_whose_kv_is_full_is_never_chosen():
     conductor = make_conductor(1, 2, rejection="early")
     conductor.observe(decode_report("d0", used_blocks=995, total_blocks=1000), 0.0)  # 500 tokens free

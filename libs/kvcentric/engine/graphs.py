@@ -13,8 +13,10 @@ overwrites a sequence's cache. The attention kernel reads lengths and tables fro
 (`kernels/paged.py`), so one graph serves every context length up to the model's longest.
 
 Buckets are captured at load, largest first, into one memory pool (the smaller graphs reuse the larger's
-activations), after a warm-up run that compiles the Triton kernel. A step larger than the largest bucket, or a
-sequence longer than the tables, runs eagerly. Mixed steps (prompt chunks with decode rows) and LayerKV's
+activations), all writing their logits into one fp32 buffer of the largest bucket's rows (a graph's own output
+would stay allocated: 90 MB for the 8B vocabulary at `--max-batch 64`, 1.1 GB at 256), after a warm-up run that
+compiles the Triton kernel. A step larger than the largest bucket, or a sequence longer than the tables, runs
+eagerly. Mixed steps (prompt chunks with decode rows) and LayerKV's
 per-layer tables stay eager.
 
 Without `capture` (the CPU) the same buffers and padding run eagerly: what the tests check on a machine with
@@ -61,7 +63,9 @@ class DecodeGraphs:
         self.lengths = torch.ones(top, dtype=torch.long, device=device)
         self.tables = torch.zeros((top, self.width), dtype=torch.long, device=device)
         self.rows = torch.arange(top, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.logits = torch.empty((top, runner.config.vocab_size), dtype=torch.float32, device=device)
+        """Every bucket's output: a step's logits are its first rows, valid until the next step."""
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if capture:
             pool = torch.cuda.graph_pool_handle()
             for bucket in reversed(self.buckets):
@@ -73,9 +77,10 @@ class DecodeGraphs:
         rows = PaddedRows(self.tables[:bucket], None, self.lengths[:bucket], self.write[:bucket])
         batch = AttentionBatch(self.positions[:bucket], self.write[:bucket], padded=rows,
                                block_size=runner.block_size, kernels=runner.kernels)
-        return runner.model(self.ids[:bucket], batch, runner.k_cache, runner.v_cache, self.rows[:bucket])
+        return runner.model(self.ids[:bucket], batch, runner.k_cache, runner.v_cache, self.rows[:bucket],
+                            out=self.logits[:bucket])
 
-    def _capture(self, bucket: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
         """One bucket's graph, recorded after a warm-up run on a side stream (Triton compiles there; the
         buffers hold padding rows, so both runs write only the spare slot)."""
         side = torch.cuda.Stream(self.runner.device)
@@ -85,8 +90,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.runner.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads' CUDA calls
-            logits = self.forward(bucket)
-        return graph, logits
+            self.forward(bucket)
+        return graph
 
     def bucket(self, size: int) -> int | None:
         """The smallest bucket that holds `size` rows; None past the largest."""
@@ -114,7 +119,6 @@ class DecodeGraphs:
             buffer[:bucket].copy_(values)
         self.tables[:bucket, :width].copy_(tables)
         if not self.capture:
-            return self.forward(bucket)[:count]
-        graph, logits = self.graphs[bucket]
-        graph.replay()
-        return logits[:count].clone()  # the next replay overwrites the graph's own output
+            return self.forward(bucket)[:count].clone()
+        self.graphs[bucket].replay()
+        return self.logits[:count].clone()  # the next step overwrites the shared output

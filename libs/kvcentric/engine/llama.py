@@ -449,9 +449,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, batch: AttentionBatch, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, logit_rows: torch.Tensor, on_layer: LayerHook | None = None,
-                before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run the new tokens through every layer, writing their KV; return logits of `logit_rows`.
-        `before_layer(i)` runs before layer i, `on_layer(i, k, v)` after it."""
+                before_layer: Callable[[int], None] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the new tokens through every layer, writing their KV; return fp32 logits of `logit_rows`.
+        `before_layer(i)` runs before layer i, `on_layer(i, k, v)` after it; `out`: a [rows, vocab] fp32 tensor the
+        logits are written to (the CUDA graphs' shared output) instead of a new one."""
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
             if before_layer is not None:
@@ -459,7 +460,8 @@ class LlamaModel(nn.Module):
             x, k, v = layer(x, batch, self.rotary, k_cache[index], v_cache[index])
             if on_layer is not None:
                 on_layer(index, k, v)
-        return self.lm_head(self.norm(x[logit_rows])).float()
+        logits = self.lm_head(self.norm(x[logit_rows]))
+        return logits.float() if out is None else out.copy_(logits)
 
 
 def use_ops(model: nn.Module, ops: LayerOps | None) -> None:

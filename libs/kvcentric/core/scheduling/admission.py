@@ -24,6 +24,11 @@ rejection: its predictions still rank instances, but its load counts as 0 (`Deco
 Priorities: a request of priority p is admitted while load <= 1 - priority_step * (top_priority - p)
 (never below 0.05), so under overload lower classes are rejected first; priorities at or above
 `top_priority` are held to the SLO itself.
+
+Headroom (`slo_headroom` h): every threshold is multiplied by 1 - h, so a request is admitted only while its
+predicted load leaves that share of the SLO spare. A prediction is a forecast of a queue that the admitted
+load itself slows (on shared hardware each admitted request later decodes beside the prefills behind it), so
+predictions run short just as the load peaks; the headroom is what the admission keeps for that error.
 """
 
 from __future__ import annotations
@@ -66,17 +71,20 @@ class Verdict:
 
 class Admission:
     def __init__(self, mode: str, estimator: Estimator, ttft_slo_s: float, tbt_slo_s: float,
-                 priority_step: float = 0.2, top_priority: int = 0) -> None:
+                 priority_step: float = 0.2, top_priority: int = 0, slo_headroom: float = 0.0) -> None:
         if mode not in REJECTION_MODES:
             raise ValueError(f"unknown rejection mode {mode!r}; choose {', '.join(REJECTION_MODES)}")
         if ttft_slo_s <= 0 or tbt_slo_s <= 0:
             raise ValueError("SLOs must be positive")
+        if not 0 <= slo_headroom < 1:
+            raise ValueError("slo_headroom must be in [0, 1)")
         self.mode, self.estimator = mode, estimator
         self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
-        self.priority_step, self.top_priority = priority_step, top_priority
+        self.priority_step, self.top_priority, self.slo_headroom = priority_step, top_priority, slo_headroom
 
     def threshold(self, priority: int) -> float:
-        return max(0.05, 1.0 - self.priority_step * max(0, self.top_priority - priority))
+        by_priority = max(0.05, 1.0 - self.priority_step * max(0, self.top_priority - priority))
+        return by_priority * (1.0 - self.slo_headroom)
 
     # ---------------------------------------------------------------- decode choice
 

@@ -75,7 +75,7 @@ class Conductor:
         self.router = ClusterRouter(clusters, self.estimator, self._make_policy) if clusters else None
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
         self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
-                                   config.priority_step, config.top_priority)
+                                   config.priority_step, config.top_priority, config.slo_headroom)
         self.correction = TtftCorrection(config.ttft_slo_s / 20, max_wait_s=3 * config.ttft_slo_s,
                                          spread=config.ttft_correction_spread) if config.ttft_correction else None
         """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""

@@ -30,6 +30,9 @@ class SchedulerConfig:
     adapt_decode_time: bool = setting(True, "follow the observed decode durations (moving average) for t_d")
     priority_step: float = setting(0.2, "each priority class below --top-priority is rejected this much load earlier")
     top_priority: int = setting(0, "requests at or above this priority are held to the SLO itself")
+    slo_headroom: float = setting(0.0, "admit only while the predicted load is at most (1 - this) x its threshold: "
+                                       "a margin for predictions that run short as the load grows (0: admit up "
+                                       "to the SLO itself)")
     seed: int = setting(0, "seed of the random policy")
     cache_aware_scheduling_min_tokens: int = setting(
         0, "prompts shorter than this are placed by load alone, their prefix hits ignored (Llumnix "
@@ -59,6 +62,7 @@ class SchedulerConfig:
         require(self.link_gbps > 0, "link_gbps", "must be positive")
         require(self.decode_time_s > 0, "decode_time_s", "must be positive")
         require(0 <= self.priority_step <= 1, "priority_step", "must be in [0, 1]")
+        require(0 <= self.slo_headroom < 1, "slo_headroom", "must be in [0, 1)")
         require(math.isfinite(self.ttft_correction_spread) and self.ttft_correction_spread >= 0,
                 "ttft_correction_spread", "must be 0 or more")
         require(self.cache_aware_scheduling_min_tokens >= 0, "cache_aware_scheduling_min_tokens", "must be >= 0")
