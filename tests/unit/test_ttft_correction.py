@@ -221,3 +221,55 @@ def test_scattered_first_tokens_make_the_conductor_reject_with_a_spread_where_th
         decisions[spread] = conductor.schedule(schedule_request(2200, "next"), {}, 0.17)
     assert isinstance(decisions[0.0], Placement)  # 2.2 s x ~0.94 is under 3 s
     assert isinstance(decisions[1.0], Rejection) and decisions[1.0].stage == "prefill"  # 2.2 s x ~1.43 is not
+
+
+def test_a_rebase_carries_what_was_learned_over_to_a_new_model():
+    correction = TtftCorrection(0.1, spread=1.0)
+    for i in range(4):
+        correction.learn("p0", f"r{i}", predicted_s=1.0, actual_s=1.6)
+    correction.learn_chunk("p0", 1, predicted_s=1.0, measured_s=1.4)
+    learned, speed = correction.learned_factor("p0"), correction.speed_factor("p0")
+    correction.rebase("p0", 2.0)  # the new model predicts half what the old one did
+    assert correction.learned_factor("p0") == pytest.approx(2 * learned)
+    assert correction.speed_factor("p0") == pytest.approx(2 * speed)
+    correction.rebase("p1", 2.0)  # nothing learned: the new model is trusted as the old one was
+    assert correction.factor("p1", now=0.0) == 1.0
+    correction.rebase("p0", 10.0)
+    assert correction.learned_factor("p0") == correction.high  # still clamped
+
+
+def test_a_refitted_model_does_not_make_a_corrected_prediction_jump():
+    # p0's model first says 1 ms a token, and its first tokens came 1.5x later than predicted; then it refits to
+    # 0.5 ms a token (say, a window of chunks timed while it ran alone). The queue is the same, so is the truth.
+    old = MeasuredCost(prefill=[0.0, 1e-3, 0.0, 0.0], prefill_error=0.05, last_prefill=[1000.0, 0.0, 1.5],
+                       prefill_samples=1)
+    new = msgspec.structs.replace(old, prefill=[0.0, 5e-4, 0.0, 0.0], version=2)
+    conductor = make_conductor(1, 1, ttft_slo_s=2.0)
+    conductor.observe(msgspec.structs.replace(prefill_report("p0"), cost=old), 0.0)
+    assert conductor.correction is not None
+    for i in range(8):
+        conductor.correction.learn("p0", f"w{i}", predicted_s=1.0, actual_s=1.5)
+    before = conductor.correction.factor("p0", 0.1) * 1.0  # 1000 tokens: 1 s by the old model
+    conductor.observe(msgspec.structs.replace(prefill_report("p0"), cost=new), 0.2)
+    after = conductor.correction.factor("p0", 0.3) * 0.5  # 0.5 s by the new one
+    assert after == pytest.approx(before, rel=0.02)
+    # and admission sees it: 1000 tokens predicted at about 1.55 s against a 1.4 s SLO is still refused
+    strict = make_conductor(1, 1, ttft_slo_s=1.4)
+    strict.observe(msgspec.structs.replace(prefill_report("p0"), cost=old), 0.0)
+    assert strict.correction is not None
+    for i in range(8):
+        strict.correction.learn("p0", f"w{i}", predicted_s=1.0, actual_s=1.5)
+    strict.observe(msgspec.structs.replace(prefill_report("p0"), cost=new), 0.2)
+    assert isinstance(strict.schedule(schedule_request(1000, "next"), {}, 0.3), Rejection)
+
+
+def test_placements_from_before_a_rebase_teach_and_bound_in_the_new_models_terms():
+    correction = TtftCorrection(0.1)
+    correction.placed("p0", "old", predicted_s=2.0, now=0.0)  # predicted by the old model
+    correction.rebase("p0", 2.0)  # the new model predicts half: that wait is worth 1 s of it
+    correction.placed("p0", "new", predicted_s=1.0, now=0.0)
+    # 3 s waited: 1.5x the old prediction, 3x in the new model's terms
+    assert correction.overdue_ratio("p0", now=3.0) == pytest.approx(3.0)
+    correction.learn("p0", "old", predicted_s=2.0, actual_s=3.0)  # ratio 1.5, carried: 3.0
+    correction.learn("p0", "new", predicted_s=1.0, actual_s=3.0)  # ratio 3.0 as it is
+    assert correction.factors["p0"] == pytest.approx(1.0 + 0.25 * 2.0 + 0.25 * (3.0 - 1.5))

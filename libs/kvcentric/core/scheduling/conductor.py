@@ -92,10 +92,14 @@ class Conductor:
     def observe(self, report: LoadReport, now: float) -> None:
         """A load report from an instance (NATS `kvc.load.<role>.<id>`, or the simulator); a `repeat`
         only says it lives: its old numbers teach nothing about egress, links or the decode batch."""
+        before = self.registry.prefill.get(report.instance_id)
+        old_cost = before.cost if before is not None else None
         state = self.registry.observe(report, now)
         self.groups.observe(report)
         if report.repeat:
             return
+        if self.correction is not None and isinstance(state, PrefillState):
+            self._rebase(state, old_cost, report)
         if self.router is not None:
             self.router.observe(report, now)
         if report.link_bandwidth:
@@ -105,6 +109,21 @@ class Conductor:
         if isinstance(state, DecodeState):
             state.forecast.expire(now, self.t_d)
             state.forecast.reconcile(state.running, state.kv_tokens, now, self.t_d)
+
+    def _rebase(self, state: PrefillState, old: CostModel | None, report: LoadReport) -> None:
+        """The instance's prefill model changed (a refit it reported): carry what the correction learned against
+        the old model over to the new one, scaled by the two models' times for its latest chunk (512 new tokens
+        if it reported none)."""
+        assert self.correction is not None
+        new = state.cost
+        if old is None or new is None or old.prefill == new.prefill:
+            return
+        chunk = report.last_prefill if len(report.last_prefill) == 3 else \
+            (report.cost.last_prefill if report.cost is not None else [])
+        n_new, n_cached = (int(chunk[0]), int(chunk[1])) if len(chunk) == 3 else (512, 0)
+        before, after = old.t_prefill(n_new, n_cached), new.t_prefill(n_new, n_cached)
+        if before > 0 and after > 0:
+            self.correction.rebase(state.instance_id, before / after)
 
     def _learn_chunk(self, state: PrefillState, report: LoadReport) -> None:
         """The latest prefill chunk the instance timed against what its own model predicts for it: from every

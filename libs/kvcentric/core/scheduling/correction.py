@@ -12,6 +12,16 @@ instead of one TTFT later. Sooner still, each prefill chunk an instance times (i
 own model says how much slower than its model it runs now (`learn_chunk`: a machine shared with other work),
 which stretches its queue and its prefill alike.
 
+Every ratio is measured against the instance's cost model, which the instance refits as it serves. A refit can
+move its predictions by half at once (a window of chunks timed under load against one timed alone), and a ratio
+learned against the old model then corrects the new one wrongly: predictions fell from 7.2 to 4.3 s for the same
+queue in one live run, the instance looked the least loaded, and the next 19 requests went to it and missed. So
+when an instance's model changes, what it learned is carried over to the new model (`rebase`): a ratio of f
+against a model that predicted t for the instance's latest chunk becomes f x t / t' against one predicting t'.
+Where nothing was learned yet the new model is trusted as the old one was. The first tokens of requests placed
+before the change, and the waits of those still queued, are carried over the same way (`basis`), or their
+old-model ratios would pull the factor back within a few outcomes.
+
 The learned ratio is a mean; a request admitted at a corrected prediction just under the SLO misses it whenever
 its own ratio lands above that mean. So, as TCP sets its retransmission timeout from the smoothed round trip
 plus a multiple of its mean deviation (Jacobson, 1988; RFC 6298), the learned part of the factor is the
@@ -40,6 +50,8 @@ LEARNED_MEMORY = 10_000
 class Outstanding:
     placed_at: float
     predicted_s: float
+    basis: float = 1.0
+    """The instance's `TtftCorrection.basis` when it was placed: the model its prediction came from."""
 
 
 class TtftCorrection:
@@ -64,6 +76,9 @@ class TtftCorrection:
         self.chunks_seen: dict[str, int] = {}
         self.waiting: dict[str, dict[str, Outstanding]] = {}
         """instance id -> request id -> its placement, for placements whose first token has not come."""
+        self.basis: dict[str, float] = {}
+        """instance id -> the product of its rebase scales: a prediction made at basis b is worth b' / b of one
+        made now, at b'."""
         self.learned: dict[str, None] = {}
         self.observations = 0
 
@@ -76,7 +91,10 @@ class TtftCorrection:
 
     def learn(self, instance_id: str, request_id: str, predicted_s: float, actual_s: float) -> float | None:
         """A request's first token came `actual_s` after it arrived, predicted `predicted_s`; returns the
-        instance's new factor (None: nothing learned, a prediction or TTFT unknown or already counted)."""
+        instance's new factor (None: nothing learned, a prediction or TTFT unknown or already counted). A request
+        this correction placed before a rebase has its ratio carried to the current model as the factor was."""
+        placement = self.waiting.get(instance_id, {}).get(request_id)
+        carried = self.basis.get(instance_id, 1.0) / placement.basis if placement is not None else 1.0
         self.placed_done(instance_id, request_id)
         if predicted_s <= 0 or actual_s <= 0 or request_id in self.learned:
             return None
@@ -84,7 +102,8 @@ class TtftCorrection:
         if len(self.learned) > LEARNED_MEMORY:
             del self.learned[next(iter(self.learned))]
         self.observations += 1
-        return self._observe(self.factors, self.deviations, instance_id, self.ratio(predicted_s, actual_s))
+        return self._observe(self.factors, self.deviations, instance_id,
+                             self.clamp(actual_s / max(predicted_s, self.min_predicted_s) * carried))
 
     def learned_factor(self, instance_id: str) -> float:
         """The learned part of the factor: the mean ratio plus `spread` mean deviations, clamped."""
@@ -113,10 +132,23 @@ class TtftCorrection:
     def _with_spread(self, means: dict[str, float], deviations: dict[str, float], instance_id: str) -> float:
         return self.clamp(means.get(instance_id, 1.0) + self.spread * deviations.get(instance_id, 0.0))
 
+    def rebase(self, instance_id: str, scale: float) -> None:
+        """The instance's cost model changed: what the old one predicted in t seconds the new one predicts in
+        t / `scale`. Its learned and chunk ratios (and their deviations), measured against the old model, are
+        multiplied by `scale`, so a corrected prediction does not jump with the model."""
+        if not scale > 0 or scale == 1.0:
+            return
+        self.basis[instance_id] = self.basis.get(instance_id, 1.0) * scale
+        for means, deviations in ((self.factors, self.deviations), (self.speeds, self.speed_deviations)):
+            if instance_id in means:
+                means[instance_id] = self.clamp(means[instance_id] * scale)
+                deviations[instance_id] = deviations.get(instance_id, 0.0) * scale
+
     def placed(self, instance_id: str, request_id: str, predicted_s: float, now: float) -> None:
         """A request placed on `instance_id` now waits for its first token."""
         if predicted_s > 0:
-            self.waiting.setdefault(instance_id, {})[request_id] = Outstanding(now, predicted_s)
+            self.waiting.setdefault(instance_id, {})[request_id] = Outstanding(now, predicted_s,
+                                                                               self.basis.get(instance_id, 1.0))
 
     def placed_done(self, instance_id: str, request_id: str) -> None:
         """Its first token came, or it ended, or it will not run: it bounds nothing any more."""
@@ -128,13 +160,13 @@ class TtftCorrection:
         """The least ratio the placements still waiting on `instance_id` are known to have: the largest of
         waited / predicted over the OLDEST_WAITING longest waiting (in a FIFO queue the later ones waited less for
         a longer prediction), LOW when none waits. Placements past `max_wait_s` are dropped as lost."""
-        worst, lost = self.low, []
+        worst, lost, basis = self.low, [], self.basis.get(instance_id, 1.0)
         for request_id, placement in itertools.islice(self.waiting.get(instance_id, {}).items(), OLDEST_WAITING):
             waited = now - placement.placed_at
             if waited > self.max_wait_s:
                 lost.append(request_id)
             else:
-                worst = max(worst, waited / max(placement.predicted_s, self.min_predicted_s))
+                worst = max(worst, waited / max(placement.predicted_s, self.min_predicted_s) * basis / placement.basis)
         for request_id in lost:
             self.placed_done(instance_id, request_id)
         return self.clamp(worst)
@@ -147,5 +179,5 @@ class TtftCorrection:
 
     def forget(self, instance_id: str) -> None:
         for table in (self.factors, self.deviations, self.speeds, self.speed_deviations, self.chunks_seen,
-                      self.waiting):
+                      self.waiting, self.basis):
             table.pop(instance_id, None)
