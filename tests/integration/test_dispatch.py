@@ -198,12 +198,18 @@ async def test_an_engine_refuses_a_job_that_comes_after_its_cancel(cluster, nc):
     remembers the cancel and refuses the job, so it computes nothing for nobody."""
     prefill, port = spawn("prefill", cluster[0], "--model", "tiny", "--instance-id", "p-late", "--num-kv-blocks", "64")
     try:
-        await nc.publish(Subjects.cancel("r-late"), encode(Cancel(request_id="r-late", reason="client disconnected")))
-        # the engine takes cancels one by one, in order: once it has counted this bad one, it has the cancel
-        await nc.publish(Subjects.cancel("r-barrier"), b"\xc1 not a cancel")
-        await nc.flush()
-        await eventually_async(lambda: asyncio.to_thread(bus_drops, port), "the engine took the cancel",
-                               until=lambda drops: drops >= 1)
+        async def cancel_then_barrier() -> float:
+            """Send the cancel and a bad one after it, again until the engine has counted a bad one: it takes
+            cancels one by one, in order, so then it has the cancel (being healthy may come before its cancel
+            subscription, and a cancel sent before that reaches nobody)."""
+            cancel = Cancel(request_id="r-late", reason="client disconnected")
+            await nc.publish(Subjects.cancel("r-late"), encode(cancel))
+            await nc.publish(Subjects.cancel("r-barrier"), b"\xc1 not a cancel")
+            await nc.flush()
+            await asyncio.sleep(0.05)
+            return await asyncio.to_thread(bus_drops, port)
+
+        await eventually_async(cancel_then_barrier, "the engine took the cancel", until=lambda drops: drops >= 1)
         job = PrefillJob(request_id="r-late", token_ids=[1, 2, 3, 4], sampling=SamplingParams(max_tokens=1),
                          decode_id="d", decode_kv_addr="127.0.0.1:1")
         reply = await nc.request(Subjects.submit("prefill", "p-late"), encode(job), timeout=5)

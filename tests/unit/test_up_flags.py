@@ -101,3 +101,17 @@ def test_two_conductor_replicas_and_restarts_by_default_named_as_the_cluster_jso
     assert (config.conductors, config.restart) == (2, "on-failure")
     assert config.conductor_names == ["conductor-0", "conductor-1"]
     assert up_config("--conductors", "3", "--restart", "never").conductor_names[-1] == "conductor-2"
+
+
+def test_cuda_spreads_the_engines_over_the_visible_gpus_and_cuda_n_keeps_them_together():
+    from kvcentric.tools.up import engine_devices
+
+    assert engine_devices("cuda", 3, 2) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert engine_devices("cuda", 2, 8) == ["cuda:0", "cuda:1"]
+    assert engine_devices("cuda", 2, 1) == ["cuda", "cuda"]  # one GPU: both on it
+    assert engine_devices("cuda:3", 2, 8) == ["cuda:3", "cuda:3"]
+    assert engine_devices("cpu", 2, 8) == ["cpu", "cpu"]
+    config = up_config("--device", "cuda", "--prefill", "1", "--decode", "1")
+    flags = config.engine_flags("decode", threads=1, device="cuda:1")
+    assert engine_config(flags).device == "cuda:1"
+    assert engine_config(config.engine_flags("prefill", threads=1)).device == "cuda"

@@ -54,7 +54,8 @@ class UpConfig:
     block_size: int = setting(16, "tokens per KV block")
     prefill_chunk: int = setting(512, "prompt tokens an engine computes per prefill step (chunked prefill)")
     max_batch: int = setting(64, "most sequences in one decode step of an engine")
-    device: str = setting("cpu", "torch device of every engine: cpu, cuda, cuda:N")
+    device: str = setting("cpu", "torch device of the engines: cpu; cuda (spread over the visible GPUs, engine i "
+                                 "on GPU i mod their count); cuda:N (every engine on GPU N)")
     torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
@@ -107,12 +108,13 @@ class UpConfig:
         group, stage = name.rsplit("-s", 1)
         return ["--pipeline-group", group, "--stage", f"{stage}/{self.prefill_pipeline}"]
 
-    def engine_flags(self, command: str, threads: int) -> list[str]:
-        """The flags of one engine instance (`command`: prefill, decode or colocated)."""
+    def engine_flags(self, command: str, threads: int, device: str = "") -> list[str]:
+        """The flags of one engine instance (`command`: prefill, decode or colocated) on `device` (default:
+        --device)."""
         blocks = self.prefill_kv_blocks if command == "prefill" and self.prefill_kv_blocks else self.num_kv_blocks
         flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(blocks),
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
-                 str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", self.device]
+                 str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", device or self.device]
         if command in ("colocated", "prefill") and self.layerkv:
             flags += ["--layerkv", "--layerkv-tpot-slo-s", str(self.layerkv_tpot_slo_s)]
         if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
@@ -135,6 +137,21 @@ class UpConfig:
         """Prefill and decode instances the conductor must see before the cluster counts as up."""
         return (self.colocated, self.colocated) if self.colocated else \
             (self.prefill * self.prefill_pipeline, self.decode)
+
+
+def engine_devices(device: str, count: int, gpus: int) -> list[str]:
+    """The device of each of `count` engines: `cuda` spreads them over `gpus` visible GPUs (engine i on
+    cuda:i mod gpus, as a serving stack gives each worker its own GPU); cpu and cuda:N put every engine there."""
+    if device != "cuda" or gpus <= 1:
+        return [device] * count
+    return [f"cuda:{index % gpus}" for index in range(count)]
+
+
+def visible_gpus() -> int:
+    """GPUs this process sees (CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
+    import torch  # only for --device cuda: `up` itself needs no torch otherwise
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 class Cluster:
@@ -163,11 +180,19 @@ class Cluster:
         self.redis_url = self.redis_url or self.processes.start_redis()
         c = self.config
         threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(c.engines))
+        gpus = visible_gpus() if c.device == "cuda" else 0
+        devices = engine_devices(c.device, len(c.engines), gpus)
+        crowded = {device: devices.count(device) for device in devices
+                   if device.startswith("cuda") and devices.count(device) > 1}
+        if crowded:
+            print("kvcentric: note: " + ", ".join(f"{n} engine instances share {d}" for d, n in crowded.items())
+                  + ": they time-share it (on one H100, 1P+1D of an 8B model served 0.22x what one colocated "
+                    "instance did); give each instance a GPU of its own, or run --colocated", flush=True)
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
-        for name, command in c.engines:
-            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads),
+        for (name, command), device in zip(c.engines, devices):
+            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads, device),
                          *c.stage_flags(name))
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port or None)
