@@ -16,8 +16,7 @@ Buckets are captured at load, largest first, into one memory pool (the smaller g
 activations), all writing their logits into one fp32 buffer of the largest bucket's rows (a graph's own output
 would stay allocated: 90 MB for the 8B vocabulary at `--max-batch 64`, 1.1 GB at 256), after a warm-up run that
 compiles the Triton kernel. A step larger than the largest bucket, or a sequence longer than the tables, runs
-eagerly. Mixed steps (prompt chunks with decode rows) and LayerKV's
-per-layer tables stay eager.
+eagerly. Mixed steps (prompt chunks with decode rows) and LayerKV's per-layer tables stay eager.
 
 Without `capture` (the CPU) the same buffers and padding run eagerly: what the tests check on a machine with
 no GPU, through the CPU kernel, which reads the same tables and lengths.
