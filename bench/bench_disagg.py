@@ -147,22 +147,13 @@ def drive(engine: ColocatedEngine, stepper: MixedStepper | None, texts: list[str
                                  decode_kv_addr=""),
                       DecodeJob(request_id=request_id, n_prompt_tokens=len(token_ids), sampling=params))
     while engine.has_work:
-        for chunk in engine.step() if stepper is None else mixed_step(stepper):
+        for chunk in engine.step() if stepper is None else stepper.step():
             if chunk.token_ids:
                 ttft.setdefault(chunk.request_id, time.perf_counter() - start)
             generated += len(chunk.token_ids)
     wall = time.perf_counter() - start
     assert generated == len(texts) * output_len, generated
     return summary(list(ttft.values()), wall, generated)
-
-
-def mixed_step(stepper: MixedStepper) -> list:
-    """One mixed step (a decode batch and prompt chunks in one pass), as a served colocated engine runs it."""
-    step, out = stepper.schedule()
-    if not step.empty:
-        firsts, tokens = stepper.execute(step)
-        out += stepper.update(step, firsts, tokens)
-    return out
 
 
 def main() -> None:

@@ -172,24 +172,23 @@ def chunk_flops(config: ModelConfig, prefix: int, tokens: int) -> float:
     return prefill_flops(config, tokens) - 2 * tokens**2 * c.num_heads * c.head_dim * c.num_layers + attention
 
 
+def more_shapes(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """(prompts, tokens, cached prefix) of each --prefill-many (KxN) and --prefix-chunks (M:C) shape."""
+    many = [(int(k), int(n), 0) for k, n in (spec.lower().split("x") for spec in args.prefill_many)]
+    return many + [(1, int(c), int(m)) for m, c in (spec.split(":") for spec in args.prefix_chunks)]
+
+
 def more_prefill_rows(config: ModelConfig, args: argparse.Namespace) -> list[dict]:
     """The --prefill-many and --prefix-chunks shapes, each with its FLOPs."""
-    rows = []
-    for spec in args.prefill_many:
-        count, tokens = (int(x) for x in spec.lower().split("x"))
-        rows.append({"shape": f"{count} x {tokens} prompts, one pass", "prompts": count, "tokens": tokens,
-                     "prefix": 0, "flops": count * prefill_flops(config, tokens)})
-    for spec in args.prefix_chunks:
-        prefix, tokens = (int(x) for x in spec.split(":"))
-        rows.append({"shape": f"{tokens} after {prefix} cached", "prompts": 1, "tokens": tokens, "prefix": prefix,
-                     "flops": chunk_flops(config, prefix, tokens)})
-    return rows
+    return [{"shape": f"{tokens} after {prefix} cached" if prefix else f"{count} x {tokens} prompts, one pass",
+             "prompts": count, "tokens": tokens, "prefix": prefix,
+             "flops": chunk_flops(config, prefix, tokens) if prefix else count * prefill_flops(config, tokens)}
+            for count, tokens, prefix in more_shapes(args)]
 
 
 def prefill_blocks(args: argparse.Namespace) -> int:
     """Blocks the largest prompt of any prefill shape needs (all prompts of a pass side by side)."""
-    spans = [*args.prefill] + [int(x) * int(y) for x, y in (s.lower().split("x") for s in args.prefill_many)] \
-        + [sum(int(x) for x in s.split(":")) for s in args.prefix_chunks]
+    spans = [*args.prefill] + [count * tokens + prefix for count, tokens, prefix in more_shapes(args)]
     return math.ceil(max(spans) / BLOCK)
 
 

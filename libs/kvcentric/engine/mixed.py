@@ -85,6 +85,14 @@ class MixedStepper:
         tokens = decode.choose_all(decode_logits, step.batch) if step.batch else []
         return [{**scored, **firsts}[id(c)] for c in step.chunks], tokens
 
+    def step(self) -> list[TokenChunk]:
+        """schedule, execute, update in one call (for benchmarks and tests)."""
+        step, out = self.schedule()
+        if not step.empty:
+            firsts, tokens = self.execute(step)
+            out += self.update(step, firsts, tokens)
+        return out
+
     def update(self, step: MixedStep, firsts: list[int | None], tokens: list[int]) -> list[TokenChunk]:
         out = self.engine.decode.update(step.batch, tokens) if step.batch else []
         for chunk, first in zip(step.chunks, firsts):

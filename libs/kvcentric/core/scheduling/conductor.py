@@ -118,8 +118,7 @@ class Conductor:
         new = state.cost
         if old is None or new is None or old.prefill == new.prefill:
             return
-        chunk = report.last_prefill if len(report.last_prefill) == 3 else \
-            (report.cost.last_prefill if report.cost is not None else [])
+        chunk, _ = latest_chunk(report)
         n_new, n_cached = (int(chunk[0]), int(chunk[1])) if len(chunk) == 3 else (512, 0)
         before, after = old.t_prefill(n_new, n_cached), new.t_prefill(n_new, n_cached)
         if before > 0 and after > 0:
@@ -129,9 +128,7 @@ class Conductor:
         """The latest prefill chunk the instance timed against what its own model predicts for it: from every
         report that carries one, else from the cost model's (a sender from before reports carried it)."""
         assert self.correction is not None
-        chunk, samples = report.last_prefill, report.prefill_samples
-        if len(chunk) != 3 and report.cost is not None:
-            chunk, samples = report.cost.last_prefill, report.cost.prefill_samples
+        chunk, samples = latest_chunk(report)
         if state.cost is None or len(chunk) != 3:
             return
         n_new, n_cached, seconds = chunk
@@ -312,3 +309,11 @@ class Conductor:
                          decode_prefix_hashes=request.block_hashes[:prefix_blocks],
                          decode_prefix_tokens=prefix_tokens if holder is not None else 0,
                          pipeline_addrs=self.groups.later_stages(choice.instance.instance_id))
+
+
+def latest_chunk(report: LoadReport) -> tuple[list[float], int]:
+    """The latest prefill chunk the instance timed, (n_new, n_cached, seconds), and its number: from the report
+    when it carries one, else from its cost model (a sender from before reports carried it); [] when neither."""
+    if len(report.last_prefill) == 3 or report.cost is None:
+        return report.last_prefill, report.prefill_samples
+    return report.cost.last_prefill, report.cost.prefill_samples

@@ -85,9 +85,10 @@ class TtftCorrection:
     def clamp(self, ratio: float) -> float:
         return min(self.high, max(self.low, ratio))
 
-    def ratio(self, predicted_s: float, actual_s: float) -> float:
-        """actual / predicted TTFT, the prediction floored at `min_predicted_s`, clamped."""
-        return self.clamp(actual_s / max(predicted_s, self.min_predicted_s))
+    def ratio(self, predicted_s: float, actual_s: float, scale: float = 1.0) -> float:
+        """actual / predicted TTFT, the prediction floored at `min_predicted_s`, times `scale` (a prediction made
+        against an older model, carried to the current one), clamped."""
+        return self.clamp(actual_s / max(predicted_s, self.min_predicted_s) * scale)
 
     def learn(self, instance_id: str, request_id: str, predicted_s: float, actual_s: float) -> float | None:
         """A request's first token came `actual_s` after it arrived, predicted `predicted_s`; returns the
@@ -102,8 +103,7 @@ class TtftCorrection:
         if len(self.learned) > LEARNED_MEMORY:
             del self.learned[next(iter(self.learned))]
         self.observations += 1
-        return self._observe(self.factors, self.deviations, instance_id,
-                             self.clamp(actual_s / max(predicted_s, self.min_predicted_s) * carried))
+        return self._observe(self.factors, self.deviations, instance_id, self.ratio(predicted_s, actual_s, carried))
 
     def learned_factor(self, instance_id: str) -> float:
         """The learned part of the factor: the mean ratio plus `spread` mean deviations, clamped."""
