@@ -1,7 +1,8 @@
 """The CPU attention kernels (`engine/kernels`): decode over the paged cache in place gives the numbers of
 gathering the blocks and running SDPA, prefill of whole prompts those of causal SDPA per prompt, in fp32 and
-bf16, with GQA, sliding windows, any block layout and prompt lengths; the engine's steps give the same tokens
-with them as without; without a working compiler the engine falls back to SDPA."""
+bf16, with GQA, sliding windows, any block layout and prompt lengths; the fused layer ops give torch's SwiGLU to fp32
+rounding and torch's rotary and cache write bit for bit; the engine's steps give the same tokens with them as
+without; without a working compiler the engine falls back to SDPA and torch's ops."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcentric.engine import kernels
+from kvcentric.engine.llama import AttentionBatch, Rotary
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import preset
 
@@ -178,6 +180,60 @@ def test_engine_computes_the_same_tokens_with_the_kernels():
     assert decode_tokens(True) == decode_tokens(False)
 
 
+@pytest.fixture(scope="module")
+def layer_ops() -> kernels.CpuLayerOps:
+    loaded = kernels.load_layer_ops()
+    assert loaded is not None, "the library did not build on a machine with a compiler"
+    return loaded
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_mul_is_torchs_to_fp32_rounding(layer_ops, rows):
+    gate_up = torch.randn(rows, 2 * 1408, generator=torch.Generator().manual_seed(rows)) * 4
+    gate_up[0, :6] = torch.tensor([100.0, -100.0, 88.8, -88.8, 0.0, -0.0])  # e^-x past both ends of its range
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    got = layer_ops.silu_mul(gate_up)
+    assert got.shape == expected.shape and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    strided = torch.randn(rows, 2 * 1408 + 16)[:, :2 * 1408]  # rows of a wider tensor
+    torch.testing.assert_close(layer_ops.silu_mul(strided), F.silu(strided[:, :1408]) * strided[:, 1408:],
+                               rtol=1e-6, atol=0)
+
+
+def test_rotate_store_is_torchs_rotary_and_cache_write_bit_for_bit(layer_ops):
+    config = preset("small")
+    rotary = Rotary(config)
+    rotary.compute_tables(torch.device("cpu"), torch.float32)
+    heads, kv_heads, tokens = config.num_heads, config.num_kv_heads, 300
+    generator = torch.Generator().manual_seed(3)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, config.head_dim, generator=generator)
+    positions = torch.randint(0, config.max_position, (tokens,), generator=generator)
+    slots = torch.randperm(1000, generator=generator)[:tokens]
+    caches = [torch.zeros(1000, kv_heads, config.head_dim) for _ in range(4)]
+    q, k, v = layer_ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots, *caches[:2])
+    rotated = rotary(qkv[:, :heads + kv_heads], AttentionBatch(positions, slots))
+    caches[2].index_copy_(0, slots, rotated[:, heads:])
+    caches[3].index_copy_(0, slots, qkv[:, heads + kv_heads:])
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
+    assert torch.equal(v, qkv[:, heads + kv_heads:])
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_fp32_cpu_runners_use_the_layer_ops_and_compute_the_same_logits():
+    with_ops, without = (ModelRunner(preset("tiny"), 64, 4, seed=7) for _ in range(2))
+    assert isinstance(with_ops.model.layers[0].mlp.ops, kernels.CpuLayerOps)
+    from kvcentric.engine.llama import use_ops
+    use_ops(without.model, None)
+    prompt = list(range(1, 40))
+    got, expected = (r.prefill(prompt, list(range(16)), 0, len(prompt), every_row=True) for r in (with_ops, without))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(with_ops.k_cache, without.k_cache) or torch.allclose(with_ops.k_cache, without.k_cache,
+                                                                            rtol=1e-5, atol=1e-6)
+    assert ModelRunner(preset("tiny"), 16, 4, dtype="bfloat16").model.layers[0].mlp.ops is None  # fp32 only
+    assert ModelRunner(preset("tiny"), 16, 4, cpu_kernels=False).model.layers[0].mlp.ops is None
+
+
 def test_without_a_compiler_the_engine_gathers(tmp_path: Path, monkeypatch, caplog):
     failing = tmp_path / "cxx"
     failing.write_text("#!/bin/sh\necho 'no such compiler here' >&2\nexit 1\n")
@@ -189,7 +245,7 @@ def test_without_a_compiler_the_engine_gathers(tmp_path: Path, monkeypatch, capl
     assert kernels.load() is None
     assert "attention runs through torch's SDPA" in caplog.text
     runner = ModelRunner(preset("tiny"), 8, 4, seed=0)
-    assert runner.kernels is None
+    assert runner.kernels is None and runner.model.layers[0].mlp.ops is None
     logits = runner.decode([1], [0], [[0]])
     assert logits.shape == (1, preset("tiny").vocab_size) and torch.isfinite(logits).all()
 

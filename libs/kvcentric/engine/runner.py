@@ -69,7 +69,7 @@ def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device
     """The attention kernels and fused layer ops of the device, or None for either (torch's ops).
 
     On the CPU: the C++ attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model when
-    `cpu` and they build; no fused ops. On CUDA, when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused
+    `cpu` and they build, and for fp32 the fused SwiGLU and rotary + cache write of the same library. On CUDA, when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused
     norm, rotary + cache write and SwiGLU (`kernels/fused.py`), once they pass their check at the model's shapes
     (`gpu_kernels_work`)."""
     if device.type == "cuda":
@@ -83,7 +83,7 @@ def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device
     if not cpu or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None, None
     from kvcentric.engine import kernels as cpu_kernels  # builds nothing until asked: CUDA engines never load it
-    return cpu_kernels.load(), None
+    return cpu_kernels.load(), cpu_kernels.load_layer_ops() if dtype == torch.float32 else None
 
 
 def gpu_kernels_work(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:

@@ -1,5 +1,5 @@
-"""CPU attention kernels torch does not have, written in C++ (`attention.cpp`) and built on first use with the
-machine's C++ compiler.
+"""CPU kernels torch does not have, written in C++ (`attention.cpp`, `layer_ops.cpp`) and built on first use with
+the machine's C++ compiler.
 
 `CpuAttention.decode`: decode attention over the paged KV cache, read in place through each sequence's block
 table. Torch has no such op on the CPU; the fallback gathers every key and value into a padded batch and runs
@@ -10,6 +10,9 @@ SDPA over the copy, which on this project's 2-core box took 2.6 ms a layer at 32
 tiles with an online softmax, grouped query heads sharing each key tile), every prompt of a step in one call
 whatever its length; torch's CPU flash SDPA took 1.0 ms a layer for one 256-token prompt of `small`, the
 kernel 0.6 (docs/performance.md).
+
+`CpuLayerOps`: a layer's small fp32 ops in one pass each (`llama.LayerOps`): SwiGLU's silu(gate) x up, and the
+rotary embedding of q and k with the KV cache write; RMSNorm stays torch's own fused kernel.
 
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's
@@ -42,7 +45,7 @@ import torch
 
 log = logging.getLogger("kvcentric.kernels")
 
-SOURCE = Path(__file__).with_name("attention.cpp")
+SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Where the compiler does not take -march=native."""
@@ -83,7 +86,7 @@ def build(directory: Path | None = None) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
     directory = directory or cache_dir()
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     errors = []
     for flags in (FLAGS, PORTABLE_FLAGS):
         key = hashlib.sha256(source + " ".join((cxx, *flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
@@ -93,7 +96,7 @@ def build(directory: Path | None = None) -> Path:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([cxx, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+            result = subprocess.run([cxx, *flags, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True,
                                     timeout=BUILD_TIMEOUT_S)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
@@ -173,6 +176,59 @@ class CpuAttention:
                 == q.shape[0])
 
 
+class CpuLayerOps:
+    """The `llama.LayerOps` of an fp32 CPU model, from the same library: silu x up and rotary + cache write in
+    one pass each (`layer_ops.cpp`); RMSNorm is torch's fused fp32 kernel already."""
+
+    def __init__(self, path: Path) -> None:
+        library = ctypes.CDLL(str(path))
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self.silu_mul_function = library.kvc_silu_mul
+        self.silu_mul_function.argtypes = [pointer, size, pointer, size, size]
+        self.silu_mul_function.restype = None
+        self.rotate_store_function = library.kvc_rotate_store
+        self.rotate_store_function.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer, pointer,
+                                               pointer, pointer, size, size, size, size]
+        self.rotate_store_function.restype = None
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [rows, 2 width] gate|up projection, as [rows, width]."""
+        if gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.stride(1) != 1:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return torch.nn.functional.silu(gate).mul_(up)
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, width), dtype=gate_up.dtype)
+        self.silu_mul_function(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width)
+        return out
+
+    def rotate_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q and k of a [tokens, heads + 2 kv_heads, head_dim] q|k|v projection rotated by their `positions` (the
+        half-split rotary over the first halves of the [max_position, head_dim] tables), the rotated keys and the
+        values written to cache `slots`; returns q, k, v (as the GPU's `fused.rotate_store`)."""
+        tokens, head_dim = qkv.shape[0], qkv.shape[2]
+        out = torch.empty((tokens, heads + kv_heads, head_dim), dtype=qkv.dtype)
+        positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        cos, sin = cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous()
+        self.rotate_store_function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                                   positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                   out.data_ptr(), tokens, heads, kv_heads, head_dim)
+        return out[:, :heads], out[:, heads:], qkv[:, heads + kv_heads:]
+
+    @staticmethod
+    def fits(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """What `rotate_store` takes: fp32 on the CPU, contiguous heads of contiguous dims, the caches and the
+        tables alike, int64 positions and slots (checked by the caller's types)."""
+        return (qkv.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and qkv.device.type == "cpu"
+                and qkv.stride(2) == 1 and qkv.stride(1) == qkv.shape[2] and k_cache.is_contiguous()
+                and v_cache.is_contiguous() and qkv.shape[2] % 2 == 0 and k_cache.device.type == "cpu")
+
+
 def load() -> CpuAttention | None:
     """The kernels of this process (built on first use), or None when they cannot be built here (logged once)."""
     key = str(cache_dir())
@@ -184,6 +240,12 @@ def load() -> CpuAttention | None:
                         "gathered copy of the KV): %s", exc)
             _loaded[key] = None
     return _loaded[key]
+
+
+def load_layer_ops() -> CpuLayerOps | None:
+    """The fused layer ops of the same library (None where it cannot be built: `load` has said why)."""
+    kernels = load()
+    return None if kernels is None else CpuLayerOps(kernels.path)
 
 
 def main() -> None:

@@ -1,0 +1,102 @@
+// A layer's small fp32 ops on the CPU, each one pass over its rows where torch makes two to eight: SwiGLU's
+// silu(gate) x up, and the rotary embedding of q and k together with the KV cache write. At 2048 rows of
+// `small` torch spent about 21 ms a step in silu and its multiply and 12 ms in the rotary's multiplies, adds and
+// the two index copies, each pass reading and writing the whole [tokens, width] tensor (docs/performance.md).
+//
+// Rows are split over the calling thread's OpenMP team (torch's own: libgomp is loaded once per process).
+// The arithmetic is torch's: the rotary's x1 cos - x2 sin rounds each product before the difference (no fused
+// multiply-add, so the cache holds the same bits as torch's ops would write), and silu is x / (1 + e^-x) with
+// an e^x accurate to fp32's rounding (its last bit may differ from torch's vector exp).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__clang__)
+#define KVC_NO_CONTRACT
+#define KVC_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define KVC_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define KVC_NO_CONTRACT_BODY
+#else
+#define KVC_NO_CONTRACT
+#define KVC_NO_CONTRACT_BODY
+#endif
+
+namespace {
+
+// e^x for x in [-87.3, 88.7], in plain arithmetic the compiler vectorizes: x = n ln2 + f ln2 with |f| <= 1/2,
+// 2^f by its Taylor series to the 7th power (relative error ~2e-8), 2^n in the exponent bits. The rounding of
+// t to n uses the 1.5 * 2^23 trick, exact for |t| < 2^22.
+inline float exp_in_range(float x) {
+    const float t = x * 1.4426950408889634f;
+    const float n = (t + 12582912.f) - 12582912.f;
+    const float f = (t - n) * 0.6931471805599453f;
+    const float series =
+        1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float scale;
+    std::memcpy(&scale, &bits, 4);
+    return series * scale;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, width + i] for rows of `row_stride` elements; out is
+// [rows, width], contiguous. fp32 only.
+void kvc_silu_mul(const float* gate_up, int64_t row_stride, float* out, int64_t rows, int64_t width) {
+#pragma omp parallel for schedule(static) if (rows * width >= 32768)
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* gate = gate_up + r * row_stride;
+        const float* up = gate + width;
+        float* dst = out + r * width;
+#pragma omp simd
+        for (int64_t i = 0; i < width; ++i) {
+            const float x = gate[i];
+            const float minus = -x;
+            // e^-x overflows to inf past 88.72 (silu is then -0, as torch gives); below -87.3 it is 0 to fp32
+            const float e = minus > 88.72283f ? INFINITY : (minus < -87.3f ? 0.f : exp_in_range(minus));
+            const float silu = x / (1.f + e);
+            dst[i] = silu * up[i];
+        }
+    }
+}
+
+// The rotary embedding of q and k in one pass, with the cache write: qkv is [tokens, heads + 2 kv_heads,
+// head_dim] (row stride `qkv_row`, heads contiguous); position p rotates each head's halves as
+// (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin the first halves of row p of the [max_position, table_row]
+// tables. Rotated q and k go to out ([tokens, heads + kv_heads, head_dim], contiguous); the rotated k and the
+// v of token t also go to row slots[t] of k_cache / v_cache ([slots, kv_heads, head_dim], contiguous).
+KVC_NO_CONTRACT void kvc_rotate_store(const float* qkv, int64_t qkv_row, const float* cos_table,
+                                      const float* sin_table, int64_t table_row, const int64_t* positions,
+                                      const int64_t* slots, float* k_cache, float* v_cache, float* out,
+                                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+    KVC_NO_CONTRACT_BODY
+    const int64_t half = head_dim / 2, rotated = heads + kv_heads, slot_row = kv_heads * head_dim;
+#pragma omp parallel for schedule(static) if (tokens * rotated * head_dim >= 32768)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const float* c = cos_table + positions[t] * table_row;
+        const float* s = sin_table + positions[t] * table_row;
+        const float* row = qkv + t * qkv_row;
+        float* dst = out + t * rotated * head_dim;
+        for (int64_t h = 0; h < rotated; ++h) {
+            const float* x1 = row + h * head_dim;
+            const float* x2 = x1 + half;
+            float* first = dst + h * head_dim;
+            float* second = first + half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; ++i) {
+                const float a = x1[i] * c[i], b = x2[i] * s[i];
+                first[i] = a - b;
+                const float d = x2[i] * c[i], e = x1[i] * s[i];
+                second[i] = d + e;
+            }
+        }
+        std::memcpy(k_cache + slots[t] * slot_row, dst + heads * head_dim, slot_row * sizeof(float));
+        std::memcpy(v_cache + slots[t] * slot_row, row + rotated * head_dim, slot_row * sizeof(float));
+    }
+}
+
+}
