@@ -137,6 +137,19 @@ def test_prefill_matches_causal_sdpa_in_fp32(kernel, lengths, heads, kv_heads, h
     torch.testing.assert_close(out, causal_sdpa(q, k, v, starts, lengths_), atol=2e-6, rtol=1e-5)
 
 
+def test_the_portable_build_computes_the_same(tmp_path: Path, monkeypatch):
+    """The library as built where -march=native is refused (no AVX-512 paths): the same prefill, decode and ops."""
+    monkeypatch.setattr(kernels, "FLAGS", kernels.PORTABLE_FLAGS)
+    path = kernels.build(tmp_path)
+    portable, ops = kernels.CpuAttention(path), kernels.CpuLayerOps(path)
+    q, k, v, starts, lengths = prompt_rows([1, 63, 65, 256], 8, 4, 64, seed=11)
+    out = torch.empty(q.shape)
+    assert portable.prefill(q, k, v, out, starts, lengths)
+    torch.testing.assert_close(out, causal_sdpa(q, k, v, starts, lengths), atol=2e-6, rtol=1e-5)
+    gate_up = torch.randn(5, 64)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:], rtol=1e-6, atol=0)
+
+
 def test_prefill_writes_only_the_prompts_rows(kernel):
     q, k, v, _, _ = prompt_rows([50], 4, 2, 32, seed=5)
     out = torch.full(q.shape, 3.0)

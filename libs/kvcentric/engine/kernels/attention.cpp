@@ -19,6 +19,10 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 inline float to_float(float x) { return x; }
@@ -202,6 +206,80 @@ inline void accumulate_four(const float* p, const float* values, int64_t head_di
     }
 }
 
+#if defined(__AVX512F__)
+// One row of a key tile through the online softmax, in registers: scores past `seen` masked, the tile's maximum,
+// e^(s - max) (the series of `exp_tile`), the row's running maximum, sum and accumulator updated. The scores
+// become the probabilities the values are weighed by (zeros where masked or where nothing is visible).
+inline void online_softmax(float* sr, int64_t seen, float& top, float& total, float* acc, int64_t head_dim) {
+    const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
+    __m512 x[4];
+    __m512 tile_top = minus_infinity;
+    for (int c = 0; c < 4; ++c) {
+        const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(16, seen - 16 * c));
+        const __mmask16 keep = static_cast<__mmask16>(visible >= 16 ? 0xffff : (1u << visible) - 1);
+        x[c] = _mm512_mask_loadu_ps(minus_infinity, keep, sr + 16 * c);
+        tile_top = _mm512_max_ps(tile_top, x[c]);
+    }
+    const float tile_max = _mm512_reduce_max_ps(tile_top);
+    if (tile_max == -INFINITY) {  // nothing visible: adds nothing
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        return;
+    }
+    const float new_top = std::max(top, tile_max);
+    const __m512 shift = _mm512_set1_ps(new_top), floor = _mm512_set1_ps(-87.f);
+    const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), ln2 = _mm512_set1_ps(0.6931471805599453f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+        const __m512 d = _mm512_sub_ps(x[c], shift);
+        const __m512 t = _mm512_mul_ps(_mm512_max_ps(d, floor), log2e);
+        const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, whole), ln2);
+        __m512 series = _mm512_set1_ps(1.f / 5040);
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 720));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 120));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 24));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 6));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(0.5f));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f));
+        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f));
+        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
+        const __mmask16 masked = _mm512_cmp_ps_mask(x[c], minus_infinity, _CMP_EQ_OQ);
+        const __m512 p = _mm512_maskz_mul_ps(static_cast<__mmask16>(~masked), series, _mm512_castsi512_ps(bits));
+        _mm512_storeu_ps(sr + 16 * c, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    if (new_top != top) {
+        const float rescale = top == -INFINITY ? 0.f : std::exp(top - new_top);
+        total *= rescale;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= rescale;
+        top = new_top;
+    }
+    total += _mm512_reduce_add_ps(sum);
+}
+#else
+inline void online_softmax(float* sr, int64_t seen, float& top, float& total, float* acc, int64_t head_dim) {
+    for (int64_t j = seen; j < TILE_KEYS; ++j) sr[j] = -INFINITY;
+    float tile_top = -INFINITY;
+    for (int64_t j = 0; j < TILE_KEYS; ++j) tile_top = std::max(tile_top, sr[j]);
+    if (tile_top == -INFINITY) {  // nothing visible: adds nothing
+        std::fill(sr, sr + TILE_KEYS, 0.f);
+        return;
+    }
+    const float new_top = std::max(top, tile_top);
+    for (int64_t j = 0; j < TILE_KEYS; ++j) sr[j] -= new_top;
+    exp_tile(sr, sr);
+    if (new_top != top) {
+        const float rescale = top == -INFINITY ? 0.f : std::exp(top - new_top);
+        total *= rescale;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] *= rescale;
+        top = new_top;
+    }
+    float sum = 0.f;
+    for (int64_t j = 0; j < TILE_KEYS; ++j) sum += sr[j];
+    total += sum;
+}
+#endif
+
 // Causal attention of whole prompts over their own new keys and values (nothing cached before them), flash
 // style: per (sequence, kv head, tile of query positions), key tiles up to the tile's last position with an
 // online softmax, so no [queries, keys] matrix is ever written. Rows are [tokens, heads, head_dim] with row
@@ -254,28 +332,9 @@ void prefill_attention(const T* q, int64_t q_row, const T* k, int64_t k_row, con
                 for (int64_t r = 0; r < padded; r += 4)
                     scores_of_four(query.data() + r * head_dim, head_dim, keys.data(), scores.data() + r * TILE_KEYS);
                 for (int64_t r = 0; r < padded; ++r) {  // mask, online softmax; scores become probabilities
-                    float* sr = scores.data() + r * TILE_KEYS;
                     const int64_t seen = r < rows ? std::max<int64_t>(0, std::min(nk, q0 + r / group - k0 + 1)) : 0;
-                    for (int64_t j = seen; j < TILE_KEYS; ++j) sr[j] = -INFINITY;
-                    float tile_top = -INFINITY;
-                    for (int64_t j = 0; j < TILE_KEYS; ++j) tile_top = std::max(tile_top, sr[j]);
-                    if (tile_top == -INFINITY) {  // nothing visible: adds nothing
-                        std::fill(sr, sr + TILE_KEYS, 0.f);
-                        continue;
-                    }
-                    const float new_top = std::max(top[r], tile_top);
-                    for (int64_t j = 0; j < TILE_KEYS; ++j) sr[j] -= new_top;
-                    exp_tile(sr, sr);
-                    if (new_top != top[r]) {
-                        const float rescale = top[r] == -INFINITY ? 0.f : std::exp(top[r] - new_top);
-                        total[r] *= rescale;
-                        float* ar = acc.data() + r * head_dim;
-                        for (int64_t d = 0; d < head_dim; ++d) ar[d] *= rescale;
-                        top[r] = new_top;
-                    }
-                    float sum = 0.f;
-                    for (int64_t j = 0; j < TILE_KEYS; ++j) sum += sr[j];
-                    total[r] += sum;
+                    online_softmax(scores.data() + r * TILE_KEYS, seen, top[r], total[r], acc.data() + r * head_dim,
+                                   head_dim);
                 }
                 for (int64_t r = 0; r < padded; r += 4)
                     accumulate_four(scores.data() + r * TILE_KEYS, values.data(), head_dim,
