@@ -65,6 +65,28 @@ inline void each_slot(const T* cache, const int64_t* table, int64_t block_size, 
     }
 }
 
+// x[i] = e^(x[i] - shift) for x[i] <= shift, returning their sum, in plain arithmetic the compiler vectorizes
+// (what std::exp called once per score cost the decode kernel a fifth of its time): x - shift = (n + f) ln2
+// with |f| <= 1/2, 2^f by its Taylor series to the 7th power (relative error ~2e-8), 2^n in the exponent bits;
+// n rounded by the 1.5 * 2^23 trick, exact for |n| < 2^22.
+inline float exp_shifted(float* x, int64_t count, float shift) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < count; ++i) {
+        const float t = std::max(x[i] - shift, -87.f) * 1.4426950408889634f;
+        const float whole = (t + 12582912.f) - 12582912.f;
+        const float f = (t - whole) * 0.6931471805599453f;
+        const float series =
+            1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
+        const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
+        float scale;
+        std::memcpy(&scale, &bits, 4);
+        x[i] = series * scale;
+        sum += x[i];
+    }
+    return sum;
+}
+
 template <typename T>
 void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* tables,
                       int64_t max_blocks, const int64_t* lengths, T* out, int64_t batch, int64_t heads,
@@ -108,15 +130,7 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
                     top[r] = s > top[r] ? s : top[r];
                 }
             });
-            for (int64_t r = 0; r < rows; ++r) {
-                float sum = 0.f;
-                float* sr = scores.data() + r * n;
-                for (int64_t i = 0; i < n; ++i) {
-                    sr[i] = std::exp(sr[i] - top[r]);
-                    sum += sr[i];
-                }
-                total[r] = sum;
-            }
+            for (int64_t r = 0; r < rows; ++r) total[r] = exp_shifted(scores.data() + r * n, n, top[r]);
             std::fill(acc.begin(), acc.end(), 0.f);
             each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const T* slot) {
                 const float* value = widen(slot, row.data(), width);  // likewise each value
