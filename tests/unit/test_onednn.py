@@ -34,3 +34,13 @@ def test_onednn_is_on_by_default_and_off_with_no_onednn():
 def test_bf16_weights_are_left_to_torch():
     model = ModelRunner(preset("tiny"), 16, 4, dtype="bfloat16", onednn=True).model
     assert not model.layers[0].self_attn.qkv[0].is_mkldnn
+
+
+def test_a_long_cpu_mlp_runs_in_row_chunks_with_the_same_sums(monkeypatch):
+    from kvcentric.engine import llama
+    mlp = runner(True).model.layers[0].mlp
+    x = torch.randn(2 * llama.MLP_ROWS + 37, mlp.down.shape[0])
+    residual = torch.randn(x.shape)
+    chunked = mlp(x, residual)
+    monkeypatch.setattr(llama, "MLP_ROWS", 1 << 20)
+    assert torch.equal(chunked, mlp(x, residual))  # row by row the same arithmetic

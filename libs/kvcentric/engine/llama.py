@@ -297,6 +297,13 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
     return by_block[blocks].view(batch, count * block_size, *cache.shape[1:]).transpose(1, 2)
 
 
+MLP_ROWS = 512
+"""A CPU MLP over more rows runs this many at a time: the gate|up output of 512 rows of `small` (5.8 MB) stays in
+the cache for SwiGLU and the down projection, where 2048 rows (23 MB) went out to memory and back. The GEMMs
+are as fast on 512 rows as on 2048. Measured in one process (2026-11-26, 2-core box, 32 x 256-token prompts in
+mixed steps of 2048 tokens, 6 runs alternating): prefill 1.25-1.30 s -> 1.16-1.20 s; 256 rows no better."""
+
+
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -317,7 +324,16 @@ class MLP(nn.Module):
             del self.down_proj
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """residual + the MLP of x."""
+        """residual + the MLP of x; on the CPU, MLP_ROWS rows at a time (see there)."""
+        if x.shape[0] > MLP_ROWS and self.down is not None and x.device.type == "cpu":
+            out = torch.empty_like(residual)
+            for start in range(0, x.shape[0], MLP_ROWS):
+                rows = slice(start, start + MLP_ROWS)
+                out[rows] = self.rows(x[rows], residual[rows])
+            return out
+        return self.rows(x, residual)
+
+    def rows(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return residual + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = linear(x, self.gate_up)
