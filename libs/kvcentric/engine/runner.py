@@ -69,9 +69,9 @@ def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device
     """The attention kernels and fused layer ops of the device, or None for either (torch's ops).
 
     On the CPU: the C++ attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model when
-    `cpu` and they build, and for fp32 the fused SwiGLU and rotary + cache write of the same library. On CUDA, when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused
-    norm, rotary + cache write and SwiGLU (`kernels/fused.py`), once they pass their check at the model's shapes
-    (`gpu_kernels_work`)."""
+    `cpu` and they build, and for fp32 the fused SwiGLU and rotary + cache write of the same library. On CUDA,
+    when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused norm, rotary + cache write and SwiGLU
+    (`kernels/fused.py`), once they pass their check at the model's shapes (`gpu_kernels_work`)."""
     if device.type == "cuda":
         if not gpu or not gpu_kernels_work(config, dtype, device, block_size):
             return None, None
