@@ -62,6 +62,8 @@ def case(batch: int, heads: int, kv_heads: int, head_dim: int, block_size: int, 
     (3, 4, 1, 32, 4, 70),      # multi-query, small blocks
     (9, 8, 8, 16, 16, 50),     # enough sequences for a whole row of heads per item, no GQA
     (32, 8, 2, 64, 16, 289),   # a decode batch of `small`'s shape, groups of 4
+    (10, 12, 4, 128, 16, 100),  # groups of three (an odd last row), a wide head
+    (8, 6, 2, 48, 8, 77),       # three vectors a head
 ])
 def test_matches_gather_and_sdpa_in_fp32(kernel, batch, heads, kv_heads, head_dim, block_size, max_len):
     q, k_cache, v_cache, tables, lengths = case(batch, heads, kv_heads, head_dim, block_size, max_len, seed=batch)
@@ -146,6 +148,9 @@ def test_the_portable_build_computes_the_same(tmp_path: Path, monkeypatch):
     out = torch.empty(q.shape)
     assert portable.prefill(q, k, v, out, starts, lengths)
     torch.testing.assert_close(out, causal_sdpa(q, k, v, starts, lengths), atol=2e-6, rtol=1e-5)
+    q, k_cache, v_cache, tables, lengths = case(12, 8, 4, 64, 16, 90, seed=4)
+    torch.testing.assert_close(portable.decode(q, k_cache, v_cache, tables, lengths, 16),
+                               gathered(q, k_cache, v_cache, tables, lengths, 16), atol=2e-6, rtol=1e-5)
     gate_up = torch.randn(5, 64)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:], rtol=1e-6, atol=0)
 

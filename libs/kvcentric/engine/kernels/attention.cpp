@@ -65,6 +65,23 @@ inline void each_slot(const T* cache, const int64_t* table, int64_t block_size, 
     }
 }
 
+// The dot product of two fp32 rows. With AVX-512 and whole vectors, the partial sums are added in a tree
+// (`_mm512_reduce_add_ps`) where the compiler's loop added its sixteen lanes one after another: one decode score
+// is one such product, so that chain was most of the kernel's time with its KV in cache.
+inline float dot(const float* a, const float* b, int64_t size) {
+#if defined(__AVX512F__)
+    if (size % 16 == 0 && size > 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int64_t d = 16; d < size; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < size; ++d) s += a[d] * b[d];
+    return s;
+}
+
 // x[i] = e^(x[i] - shift) for x[i] <= shift, returning their sum, in plain arithmetic the compiler vectorizes
 // (what std::exp called once per score cost the decode kernel a fifth of its time): x - shift = (n + f) ln2
 // with |f| <= 1/2, 2^f by its Taylor series to the 7th power (relative error ~2e-8), 2^n in the exponent bits;
@@ -86,6 +103,67 @@ inline float exp_shifted(float* x, int64_t count, float shift) {
     }
     return sum;
 }
+
+#if defined(__AVX512F__)
+// acc[r] = sum_i p[r][i] value_i for two query rows of one kv head, their accumulators in registers across every
+// position (V vectors of 16 per head), each value vector loaded once for the two.
+template <int V>
+inline void weigh_two(const float* v_cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                      int64_t column, int64_t first, int64_t length, const float* p0, const float* p1, float* acc0,
+                      float* acc1) {
+    __m512 a0[V], a1[V];
+    for (int c = 0; c < V; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+    each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const float* slot) {
+        const __m512 w0 = _mm512_set1_ps(p0[i]), w1 = _mm512_set1_ps(p1[i]);
+        for (int c = 0; c < V; ++c) {
+            const __m512 v = _mm512_loadu_ps(slot + 16 * c);
+            a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
+            a1[c] = _mm512_fmadd_ps(w1, v, a1[c]);
+        }
+    });
+    for (int c = 0; c < V; ++c) {
+        _mm512_storeu_ps(acc0 + 16 * c, a0[c]);
+        _mm512_storeu_ps(acc1 + 16 * c, a1[c]);
+    }
+}
+#endif
+
+// The weighed values of a decode item ([rows][head_dim] into acc, rows of kv head h being h * group ..) kept in
+// registers per pair of rows (fp32, AVX-512, head_dim 16 to 128 in whole vectors); false where it does not apply
+// (the caller's loop, which adds into acc in memory at every position, then runs).
+template <typename T>
+inline bool weigh_values(const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
+                         int64_t, int64_t, int64_t, int64_t, float*) {
+    return false;
+}
+
+#if defined(__AVX512F__)
+template <>
+inline bool weigh_values<float>(const float* v_cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                                int64_t column, int64_t first, int64_t length, const float* scores, int64_t n,
+                                int64_t group, int64_t span, int64_t head_dim, float* acc) {
+    if (head_dim % 16 != 0 || head_dim > 128 || head_dim == 0) return false;
+    for (int64_t h = 0; h < span; ++h) {
+        for (int64_t g = 0; g < group; g += 2) {
+            const int64_t r0 = h * group + g, r1 = g + 1 < group ? r0 + 1 : r0;  // an odd last row: computed twice
+            const float *p0 = scores + r0 * n, *p1 = scores + r1 * n;
+            float *acc0 = acc + r0 * head_dim, *acc1 = acc + r1 * head_dim;
+            const int64_t at = column + h * head_dim;
+            switch (head_dim / 16) {
+                case 1: weigh_two<1>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 2: weigh_two<2>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 3: weigh_two<3>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 4: weigh_two<4>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 5: weigh_two<5>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 6: weigh_two<6>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                case 7: weigh_two<7>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
+                default: weigh_two<8>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1);
+            }
+        }
+    }
+    return true;
+}
+#endif
 
 template <typename T>
 void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_cache, const int64_t* tables,
@@ -123,25 +201,26 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
                 for (int64_t r = 0; r < rows; ++r) {
                     const float* qr = query.data() + r * head_dim;
                     const float* kr = key + (r / group) * head_dim;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < head_dim; ++d) s += qr[d] * kr[d];
+                    const float s = dot(qr, kr, head_dim);
                     scores[r * n + i] = s;
                     top[r] = s > top[r] ? s : top[r];
                 }
             });
             for (int64_t r = 0; r < rows; ++r) total[r] = exp_shifted(scores.data() + r * n, n, top[r]);
-            std::fill(acc.begin(), acc.end(), 0.f);
-            each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const T* slot) {
-                const float* value = widen(slot, row.data(), width);  // likewise each value
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float p = scores[r * n + i];
-                    const float* vr = value + (r / group) * head_dim;
-                    float* ar = acc.data() + r * head_dim;
+            if (!weigh_values(v_cache, table, block_size, slot_stride, column, first, length, scores.data(), n, group,
+                              span, head_dim, acc.data())) {
+                std::fill(acc.begin(), acc.end(), 0.f);
+                each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const T* slot) {
+                    const float* value = widen(slot, row.data(), width);  // likewise each value
+                    for (int64_t r = 0; r < rows; ++r) {
+                        const float p = scores[r * n + i];
+                        const float* vr = value + (r / group) * head_dim;
+                        float* ar = acc.data() + r * head_dim;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vr[d];
-                }
-            });
+                        for (int64_t d = 0; d < head_dim; ++d) ar[d] += p * vr[d];
+                    }
+                });
+            }
             for (int64_t r = 0; r < rows; ++r) {
                 T* dst = out + (b * heads + first_head * group + r) * head_dim;
                 const float inverse = 1.f / total[r];
