@@ -236,6 +236,8 @@ def test_rotate_store_is_torchs_rotary_and_cache_write_bit_for_bit(layer_ops):
     assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
     assert torch.equal(v, qkv[:, heads + kv_heads:])
     assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError):  # never a write past the cache
+        layer_ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots + 1000, *caches[:2])
 
 
 def test_fp32_cpu_runners_use_the_layer_ops_and_compute_the_same_logits():

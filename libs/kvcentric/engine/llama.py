@@ -328,12 +328,12 @@ class MLP(nn.Module):
         if x.shape[0] > MLP_ROWS and self.down is not None and x.device.type == "cpu":
             out = torch.empty_like(residual)
             for start in range(0, x.shape[0], MLP_ROWS):
-                rows = slice(start, start + MLP_ROWS)
-                out[rows] = self.rows(x[rows], residual[rows])
+                part = slice(start, start + MLP_ROWS)
+                out[part] = self.compute(x[part], residual[part])
             return out
-        return self.rows(x, residual)
+        return self.compute(x, residual)
 
-    def rows(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return residual + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = linear(x, self.gate_up)
