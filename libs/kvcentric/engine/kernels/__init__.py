@@ -47,6 +47,8 @@ import torch
 log = logging.getLogger("kvcentric.kernels")
 
 SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("fast_exp.h"),)
+"""Included by the sources: part of what a build is cached by, not compiled on their own."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 PORTABLE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Where the compiler does not take -march=native."""
@@ -87,7 +89,7 @@ def build(directory: Path | None = None) -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
     directory = directory or cache_dir()
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     errors = []
     for flags in (FLAGS, PORTABLE_FLAGS):
         key = hashlib.sha256(source + " ".join((cxx, *flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
@@ -189,8 +191,8 @@ class CpuLayerOps:
         self.silu_mul_function.restype = None
         self.rotate_store_function = library.kvc_rotate_store
         self.rotate_store_function.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer, pointer,
-                                               pointer, pointer, size, size, size, size]
-        self.rotate_store_function.restype = None
+                                               pointer, pointer, size, size, size, size, size, size]
+        self.rotate_store_function.restype = ctypes.c_int
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,12 +218,12 @@ class CpuLayerOps:
         out = torch.empty((tokens, heads + kv_heads, head_dim), dtype=qkv.dtype)
         positions, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
         cos, sin = cos.to(qkv.dtype).contiguous(), sin.to(qkv.dtype).contiguous()
-        if tokens and not (0 <= int(positions.min()) and int(positions.max()) < cos.shape[0]
-                           and 0 <= int(slots.min()) and int(slots.max()) < k_cache.shape[0]):
-            raise IndexError("a position past the rotary tables or a slot past the KV cache")  # as torch's ops would
-        self.rotate_store_function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                                   positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                   out.data_ptr(), tokens, heads, kv_heads, head_dim)
+        status = self.rotate_store_function(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(),
+                                            cos.stride(0), positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                                            v_cache.data_ptr(), out.data_ptr(), tokens, heads, kv_heads, head_dim,
+                                            min(cos.shape[0], sin.shape[0]), min(k_cache.shape[0], v_cache.shape[0]))
+        if status != 0:  # checked in the kernel, before anything is written, as torch's ops would raise
+            raise IndexError("a position past the rotary tables or a slot past the KV cache")
         return out[:, :heads], out[:, heads:], qkv[:, heads + kv_heads:]
 
     @staticmethod

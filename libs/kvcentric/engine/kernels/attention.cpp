@@ -19,6 +19,8 @@
 #include <cstring>
 #include <vector>
 
+#include "fast_exp.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -82,23 +84,13 @@ inline float dot(const float* a, const float* b, int64_t size) {
     return s;
 }
 
-// x[i] = e^(x[i] - shift) for x[i] <= shift, returning their sum, in plain arithmetic the compiler vectorizes
-// (what std::exp called once per score cost the decode kernel a fifth of its time): x - shift = (n + f) ln2
-// with |f| <= 1/2, 2^f by its Taylor series to the 7th power (relative error ~2e-8), 2^n in the exponent bits;
-// n rounded by the 1.5 * 2^23 trick, exact for |n| < 2^22.
+// x[i] = e^(x[i] - shift) for x[i] <= shift, returning their sum, in one vectorized loop (what std::exp called
+// once per score cost the decode kernel a fifth of its time).
 inline float exp_shifted(float* x, int64_t count, float shift) {
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < count; ++i) {
-        const float t = std::max(x[i] - shift, -87.f) * 1.4426950408889634f;
-        const float whole = (t + 12582912.f) - 12582912.f;
-        const float f = (t - whole) * 0.6931471805599453f;
-        const float series =
-            1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-        const int32_t bits = (static_cast<int32_t>(whole) + 127) << 23;
-        float scale;
-        std::memcpy(&scale, &bits, 4);
-        x[i] = series * scale;
+        x[i] = kvc_exp_in_range(std::max(x[i] - shift, -87.f));
         sum += x[i];
     }
     return sum;
@@ -235,23 +227,10 @@ constexpr int64_t TILE_KEYS = 64;     // keys per tile: four 16-lane vectors of 
 constexpr int64_t TILE_QUERIES = 64;  // query positions per work item
 constexpr int64_t LANES = 16;         // the vector width the loops are written for (head_dim a multiple)
 
-// e^x for x <= 0 in plain arithmetic the compiler vectorizes: x = n ln2 + f ln2 with |f| <= 1/2, 2^f by its
-// Taylor series to the 7th power (relative error ~2e-8, under fp32's rounding), 2^n in the exponent bits.
+// e^x of a tile's scores (all <= 0), -inf giving 0.
 inline void exp_tile(const float* x, float* y) {
-    float whole[TILE_KEYS], fraction[TILE_KEYS], scale[TILE_KEYS];
-    int32_t bits[TILE_KEYS];
-    for (int64_t j = 0; j < TILE_KEYS; ++j) {
-        const float t = std::max(x[j], -87.f) * 1.4426950408889634f;
-        whole[j] = std::nearbyint(t);
-        fraction[j] = (t - whole[j]) * 0.6931471805599453f;
-        bits[j] = (static_cast<int32_t>(whole[j]) + 127) << 23;
-    }
-    std::memcpy(scale, bits, sizeof(scale));
-    for (int64_t j = 0; j < TILE_KEYS; ++j) {
-        const float f = fraction[j];
-        const float series = 1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-        y[j] = x[j] == -INFINITY ? 0.f : series * scale[j];
-    }
+#pragma omp simd
+    for (int64_t j = 0; j < TILE_KEYS; ++j) y[j] = x[j] == -INFINITY ? 0.f : kvc_exp_in_range(std::max(x[j], -87.f));
 }
 
 // Scores of four query rows against a key tile ([d][j]): each key vector loaded once for the four.
@@ -301,7 +280,7 @@ inline void accumulate_four(const float* p, const float* values, int64_t head_di
 
 #if defined(__AVX512F__)
 // One row of a key tile through the online softmax, in registers: scores past `seen` masked, the tile's maximum,
-// e^(s - max) (the series of `exp_tile`), the row's running maximum, sum and accumulator updated. The scores
+// e^(s - max) (the series of `kvc_exp_in_range`, in registers), the row's running maximum, sum and accumulator updated. The scores
 // become the probabilities the values are weighed by (zeros where masked or where nothing is visible).
 inline void online_softmax(float* sr, int64_t seen, float& top, float& total, float* acc, int64_t head_dim) {
     const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);

@@ -23,24 +23,7 @@
 #define KVC_NO_CONTRACT_BODY
 #endif
 
-namespace {
-
-// e^x for x in [-87.3, 88.7], in plain arithmetic the compiler vectorizes: x = n ln2 + f ln2 with |f| <= 1/2,
-// 2^f by its Taylor series to the 7th power (relative error ~2e-8), 2^n in the exponent bits. The rounding of
-// t to n uses the 1.5 * 2^23 trick, exact for |t| < 2^22.
-inline float exp_in_range(float x) {
-    const float t = x * 1.4426950408889634f;
-    const float n = (t + 12582912.f) - 12582912.f;
-    const float f = (t - n) * 0.6931471805599453f;
-    const float series =
-        1.f + f * (1.f + f * (0.5f + f * (1.f / 6 + f * (1.f / 24 + f * (1.f / 120 + f * (1.f / 720 + f * (1.f / 5040)))))));
-    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
-    return series * scale;
-}
-
-}  // namespace
+#include "fast_exp.h"
 
 extern "C" {
 
@@ -57,7 +40,7 @@ void kvc_silu_mul(const float* gate_up, int64_t row_stride, float* out, int64_t 
             const float x = gate[i];
             const float minus = -x;
             // e^-x overflows to inf past 88.72 (silu is then -0, as torch gives); below -87.3 it is 0 to fp32
-            const float e = minus > 88.72283f ? INFINITY : (minus < -87.3f ? 0.f : exp_in_range(minus));
+            const float e = minus > 88.72283f ? INFINITY : (minus < -87.3f ? 0.f : kvc_exp_in_range(minus));
             const float silu = x / (1.f + e);
             dst[i] = silu * up[i];
         }
@@ -68,12 +51,16 @@ void kvc_silu_mul(const float* gate_up, int64_t row_stride, float* out, int64_t 
 // head_dim] (row stride `qkv_row`, heads contiguous); position p rotates each head's halves as
 // (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin the first halves of row p of the [max_position, table_row]
 // tables. Rotated q and k go to out ([tokens, heads + kv_heads, head_dim], contiguous); the rotated k and the
-// v of token t also go to row slots[t] of k_cache / v_cache ([slots, kv_heads, head_dim], contiguous).
-KVC_NO_CONTRACT void kvc_rotate_store(const float* qkv, int64_t qkv_row, const float* cos_table,
+// v of token t also go to row slots[t] of k_cache / v_cache ([cache_rows, kv_heads, head_dim], contiguous).
+// Returns 0, or -1 (nothing written) when a position is past the tables' `table_rows` or a slot past the cache.
+KVC_NO_CONTRACT int kvc_rotate_store(const float* qkv, int64_t qkv_row, const float* cos_table,
                                       const float* sin_table, int64_t table_row, const int64_t* positions,
                                       const int64_t* slots, float* k_cache, float* v_cache, float* out,
-                                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim) {
+                                      int64_t tokens, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                      int64_t table_rows, int64_t cache_rows) {
     KVC_NO_CONTRACT_BODY
+    for (int64_t t = 0; t < tokens; ++t)
+        if (positions[t] < 0 || positions[t] >= table_rows || slots[t] < 0 || slots[t] >= cache_rows) return -1;
     const int64_t half = head_dim / 2, rotated = heads + kv_heads, slot_row = kv_heads * head_dim;
 #pragma omp parallel for schedule(static) if (tokens * rotated * head_dim >= 32768)
     for (int64_t t = 0; t < tokens; ++t) {
@@ -97,6 +84,7 @@ KVC_NO_CONTRACT void kvc_rotate_store(const float* qkv, int64_t qkv_row, const f
         std::memcpy(k_cache + slots[t] * slot_row, dst + heads * head_dim, slot_row * sizeof(float));
         std::memcpy(v_cache + slots[t] * slot_row, row + rotated * head_dim, slot_row * sizeof(float));
     }
+    return 0;
 }
 
 }
