@@ -90,6 +90,7 @@ class ColocatedService(EngineService):
     def gauges(self) -> dict[str, float]:
         layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
         return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats, **layerkv,
+                **self.model.stats(),
                 "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
 
     # ---------------------------------------------------------------- the work loop

@@ -8,6 +8,7 @@ model, so until it has one no request is rejected.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -42,6 +43,12 @@ class CheckedDecodeSink(DecodeSink):
         self.counters[TBT_REJECTIONS] += 1
         log.debug("request %s: %s", request_id, verdict.reason)
         self.emit([self.engine.reject_kv(request_id, verdict)])
+
+
+PACE_BEHIND = 2
+"""Prompts queued at a prefill instance beside this one that make a decode instance with --lend-pace-s pace
+itself: the prefill is then the bottleneck (a burst); with fewer (a steady closed loop) the decode steps
+back to back, since its tokens are what frees the next request."""
 
 
 class DecodeService(EngineService):
@@ -111,7 +118,7 @@ class DecodeService(EngineService):
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(),
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(),
                 "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes}
 
     # ---------------------------------------------------------------- the work loop
@@ -141,3 +148,15 @@ class DecodeService(EngineService):
             self.outbox.emit(self.engine.update(batch, tokens))
             if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
                 self.on_refit()
+            await self.pace(started)
+
+    async def pace(self, started: float) -> None:
+        """While an instance beside this one computes (a prefill, on the cores lent between them), start steps
+        no more often than --lend-pace-s, so the time between them is lent to it (`engine/cores.py`)."""
+        share, pace = self.model.share, self.config.lend_pace_s
+        if share is None or pace <= 0 or not share.taker_behind(PACE_BEHIND):
+            return
+        rest = started + pace - time.perf_counter()
+        if rest > 0.001:
+            share.pause(time.monotonic_ns() + int(rest * 1e9))
+            await asyncio.sleep(rest)

@@ -142,7 +142,8 @@ class PrefillService(EngineService):
     def gauges(self) -> dict[str, float]:
         work = {"requests_queued": len(self.engine.queue), "requests_running": len(self.engine.running)}
         layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
-        return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats(), **layerkv}
+        return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats(), **layerkv,
+                **self.model.stats()}
 
     def successor(self) -> Service | None:
         if self.layerkv is not None:  # the next role runs the model over whole device blocks
@@ -159,6 +160,8 @@ class PrefillService(EngineService):
                 await self.wake.sleep(0.05)
                 continue
             started = time.perf_counter()  # the step's whole turn, as the queue behind it sees it
+            if self.model.share is not None:
+                self.model.share.waiting(len(self.engine.queue))
             await self.prefill_step(chunks)
             await self.reporter.publish_cache_changes()
             seconds = time.perf_counter() - started

@@ -90,6 +90,8 @@ def test_layerkv_reaches_the_prefill_instances_and_prefill_kv_blocks_only_them()
     (["--tbt-slo-s", "inf"], "--tbt-slo-s"),
     (["--port", "70000"], "--port"),
     (["--conductors", "0"], "--conductors"),
+    (["--lend-pace-s", "-0.1"], "--lend-pace-s"),
+    (["--lend-pace-s", "2"], "--lend-pace-s"),
 ])
 def test_bad_up_flags_are_refused_naming_the_flag(argv, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -115,3 +117,22 @@ def test_cuda_spreads_the_engines_over_the_visible_gpus_and_cuda_n_keeps_them_to
     flags = config.engine_flags("decode", threads=1, device="cuda:1")
     assert engine_config(flags).device == "cuda:1"
     assert engine_config(config.engine_flags("prefill", threads=1)).device == "cuda"
+
+
+def test_several_cpu_engines_lend_each_other_cores_and_the_decode_paces_itself_by_default():
+    config = up_config("--prefill", "1", "--decode", "1")
+    assert config.lends_cores
+    decode = engine_config(config.engine_flags("decode", threads=1, core_share_dir="/dev/shm/kvc-cores-x"))
+    prefill = engine_config(config.engine_flags("prefill", threads=1, core_share_dir="/dev/shm/kvc-cores-x"))
+    assert decode.core_share_dir == prefill.core_share_dir == "/dev/shm/kvc-cores-x"
+    assert decode.lend_pace_s == 0.05 and prefill.lend_pace_s == 0.0  # only a decode paces itself
+    assert engine_config(config.engine_flags("decode", threads=1)).core_share_dir == ""
+
+
+def test_one_engine_a_gpu_or_no_lend_cores_lends_nothing():
+    assert not up_config("--colocated", "1").lends_cores
+    assert up_config("--colocated", "2").lends_cores
+    assert not up_config("--no-lend-cores").lends_cores
+    assert not up_config("--device", "cuda").lends_cores
+    cuda = up_config("--device", "cuda:0").engine_flags("decode", threads=1, core_share_dir="/tmp/x")
+    assert "--core-share-dir" not in cuda

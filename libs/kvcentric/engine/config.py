@@ -40,6 +40,13 @@ class EngineConfig(BusConfig):
                                       "--no-cuda-graphs: every step launched eagerly")
     device: str = setting("cpu", "torch device: cpu, cuda, cuda:N")
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
+    core_share_dir: str = setting("", "CPU: a directory the engine instances of this machine share; each model call "
+                                      "then also runs on the torch threads of the instances that are idle (a "
+                                      "prefill instance takes an idle decode instance's core: engine/cores.py). "
+                                      "kvcentric up sets it when it starts several CPU engines; empty: off")
+    lend_pace_s: float = setting(0.0, "decode, with --core-share-dir: while an instance beside it computes, decode "
+                                      "steps start at most this often and the core is lent between them (0: steps "
+                                      "back to back)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
     hash_algo: HashAlgo = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")

@@ -463,6 +463,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie()
         self.rotary = Rotary(config)
+        self.between_layers: Callable[[], None] | None = None
+        """Called before each layer (the lent cores' thread count, `ModelThread.refresh`)."""
 
     def tie(self) -> None:
         """The output projection is the embedding table when the config ties them."""
@@ -486,6 +488,8 @@ class LlamaModel(nn.Module):
         logits are written to (the CUDA graphs' shared output) instead of a new one."""
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
+            if self.between_layers is not None:
+                self.between_layers()
             if before_layer is not None:
                 before_layer(index)
             x, k, v = layer(x, batch, self.rotary, k_cache[index], v_cache[index])

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import time
 
 import torch
 
 from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.cores import CoreShare
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
@@ -39,6 +41,14 @@ def engine_threads(config: EngineConfig, runner: ModelRunner | None = None) -> i
     return (runner.threads if runner is not None else 0) or config.torch_threads or torch.get_num_threads()
 
 
+def core_share(config: EngineConfig, role: str, name: str, threads: int) -> CoreShare | None:
+    """This instance's part in the cores lent between the machine's instances (--core-share-dir; CPU only); a
+    prefill instance takes lent cores between layers too."""
+    if not config.core_share_dir or config.device != "cpu":
+        return None
+    return CoreShare(config.core_share_dir, name, threads, takes=role == "prefill")
+
+
 class ModelThread:
     """One worker thread runs the model, so the event loop keeps serving NATS and gRPC meanwhile.
 
@@ -49,8 +59,15 @@ class ModelThread:
     once, so every parallel op pays a wake-up. Measured on this project's 2-core box, 256-token prefill of
     `small`: 38 ms with the model built in its thread against 53 ms built in the event loop's."""
 
-    def __init__(self, role: str, threads: int = 0) -> None:
+    def __init__(self, role: str, threads: int = 0, share: CoreShare | None = None) -> None:
+        """`share`: the cores lent between this machine's instances (`cores.py`); each call then runs on this
+        thread's `threads` plus those of the idle instances beside it."""
         self.threads = threads
+        self.share = share
+        self.current = threads
+        self.layer_ns = 0
+        """How long the last layer took (`refresh`): a peer resuming sooner than that keeps its core."""
+        self.layer_start_ns = 0
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-model",
                                                               initializer=_use_threads, initargs=(threads,))
         self.call(int)  # the thread starts and takes its count now
@@ -62,10 +79,46 @@ class ModelThread:
         return self.executor.submit(fn, *args).result()
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        if self.share is None:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, fn, *args)
+
+    def shared(self, fn, *args):
+        """fn(*args) on the threads the core share allows now (in the model thread)."""
+        assert self.share is not None
+        threads = self.share.begin()
+        self.layer_start_ns = 0
+        try:
+            if threads != self.current:
+                torch.set_num_threads(threads)
+                self.current = threads
+            return fn(*args)
+        finally:
+            self.share.end()
+
+    def refresh(self) -> None:
+        """Between two layers of a call (in the model thread): take a core an instance beside this one left idle
+        since the call began, or give one back to an instance that started computing."""
+        assert self.share is not None
+        now = time.monotonic_ns()
+        self.layer_ns = now - self.layer_start_ns if self.layer_start_ns else self.layer_ns
+        self.layer_start_ns = now
+        threads = self.share.threads(self.layer_ns, now)
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
+            self.share.using(threads)
+
+    def stats(self) -> dict[str, float]:
+        """Gauges of the cores lent to this instance (none without a core share)."""
+        if self.share is None:
+            return {}
+        return {"torch_threads_now": self.current, "model_calls_on_lent_cores": self.share.lent_calls}
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.share is not None:
+            self.share.close()  # a call still running then computes on its own threads (`CoreShare.closed`)
 
 
 def _use_threads(threads: int) -> None:

@@ -19,7 +19,8 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.intake import JobIntake
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.messenger import Messenger
-from kvcentric.engine.node import ModelThread, Wakeup, engine_threads, host_pool, load_runner, serial_elsewhere
+from kvcentric.engine.node import (ModelThread, Wakeup, core_share, engine_threads, host_pool, load_runner,
+                                   serial_elsewhere)
 from kvcentric.engine.outbox import TokenOutbox
 from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
@@ -41,9 +42,12 @@ class EngineService(Service):
         makes it (or takes the one handed over), in the model thread."""
         super().__init__(config)
         self.config: EngineConfig = config
-        self.model = ModelThread(self.role, engine_threads(config, runner))
+        threads = engine_threads(config, runner)
+        self.model = ModelThread(self.role, threads, core_share(config, self.role, self.instance_id, threads))
         self.runner = self.model.call(build, config, runner)
         self.runner.threads = self.model.threads
+        if self.model.share is not None and self.model.share.takes:
+            self.runner.model.between_layers = self.model.refresh
         if config.cuda_graphs and not config.layerkv and self.role in ("decode", "colocated"):  # LayerKV: eager
             self.model.call(self.runner.capture_decode_graphs, config.max_batch)  # no-op off CUDA
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)

@@ -16,8 +16,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from typing import Literal
 
@@ -57,6 +59,13 @@ class UpConfig:
     device: str = setting("cpu", "torch device of the engines: cpu; cuda (spread over the visible GPUs, engine i "
                                  "on GPU i mod their count); cuda:N (every engine on GPU N)")
     torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
+    lend_cores: bool = setting(True, "CPU, several engines: each model call of an engine also runs on the threads "
+                                     "of the engines that are idle, and a prefill instance takes them between "
+                                     "layers (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
+                                     "--no-lend-cores: each engine keeps to its --torch-threads")
+    lend_pace_s: float = setting(0.05, "with --lend-cores: while a prefill instance computes, a decode "
+                                       "instance starts its steps at most this often and lends its core between "
+                                       "them (0: steps back to back)")
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
@@ -81,11 +90,18 @@ class UpConfig:
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
+        require(math.isfinite(self.lend_pace_s) and 0 <= self.lend_pace_s < 1, "lend_pace_s",
+                "must be 0 (off) or a fraction of a second")
         require(not (self.layerkv and self.prefill_pipeline > 1 and not self.colocated), "layerkv",
                 "pipelined prefill stages do not run LayerKV: use --prefill-pipeline 1")
         require(self.prefill_kv_blocks >= 0, "prefill_kv_blocks", "must be 0 (--num-kv-blocks) or positive")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
+
+    @property
+    def lends_cores(self) -> bool:
+        """Whether the engines lend each other cores: --lend-cores, on the CPU, with more than one engine."""
+        return self.lend_cores and self.device == "cpu" and len(self.engines) > 1
 
     @property
     def engines(self) -> list[tuple[str, str]]:
@@ -108,15 +124,18 @@ class UpConfig:
         group, stage = name.rsplit("-s", 1)
         return ["--pipeline-group", group, "--stage", f"{stage}/{self.prefill_pipeline}"]
 
-    def engine_flags(self, command: str, threads: int, device: str = "") -> list[str]:
+    def engine_flags(self, command: str, threads: int, device: str = "", core_share_dir: str = "") -> list[str]:
         """The flags of one engine instance (`command`: prefill, decode or colocated) on `device` (default:
-        --device)."""
+        --device); `core_share_dir`: the directory its engines lend each other cores in ("": they do not)."""
         blocks = self.prefill_kv_blocks if command == "prefill" and self.prefill_kv_blocks else self.num_kv_blocks
         flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(blocks),
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
                  str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", device or self.device]
         if command in ("colocated", "prefill") and self.layerkv:
             flags += ["--layerkv", "--layerkv-tpot-slo-s", str(self.layerkv_tpot_slo_s)]
+        if core_share_dir and (device or self.device) == "cpu":
+            flags += ["--core-share-dir", core_share_dir]
+            flags += ["--lend-pace-s", str(self.lend_pace_s)] if command == "decode" else []
         if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
             flags += ["--tbt-slo-s", str(self.tbt_slo_s)]
             flags += ["--profile", self.profile] if self.profile and self.tbt_slo_s > 0 else []
@@ -147,6 +166,12 @@ def engine_devices(device: str, count: int, gpus: int) -> list[str]:
     return [f"cuda:{index % gpus}" for index in range(count)]
 
 
+def share_dir() -> str:
+    """A new directory for the engines' core-share slot files, in shared memory where there is some."""
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="kvc-cores-", dir=shm if os.access(shm, os.W_OK) else None)
+
+
 def visible_gpus() -> int:
     """GPUs this process sees (CUDA_VISIBLE_DEVICES applies); 0 without CUDA."""
     import torch  # only for --device cuda: `up` itself needs no torch otherwise
@@ -164,6 +189,8 @@ class Cluster:
         self.nats_url = config.nats_url
         self.redis_url = config.redis_url
         self.manifest: dict = {}
+        self.core_share_dir = ""
+        """The directory the engines lend each other cores in (made at start, removed at stop; "": none)."""
 
     @property
     def log_dir(self) -> str:
@@ -191,9 +218,10 @@ class Cluster:
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
+        self.core_share_dir = self.core_share_dir or (share_dir() if c.lends_cores else "")
         for (name, command), device in zip(c.engines, devices):
-            self.service(name, command, "--instance-id", name, *c.engine_flags(command, threads, device),
-                         *c.stage_flags(name))
+            self.service(name, command, "--instance-id", name,
+                         *c.engine_flags(command, threads, device, self.core_share_dir), *c.stage_flags(name))
         self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
                      str(c.block_size), port=c.port or None)
         self.write_manifest()
@@ -202,7 +230,7 @@ class Cluster:
         """cluster.json in the log dir: every child's pid, health URL and log, for tools and tests; written
         again whenever that changes (a child restarted, a restarted service bound its port), aside and then
         renamed, so a reader never sees half of it."""
-        manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url,
+        manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url, "core_share_dir": self.core_share_dir,
                     "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
                                  for c in self.processes.children}}
         if manifest == self.manifest:
@@ -245,6 +273,9 @@ class Cluster:
 
     def stop(self, grace_s: float = 3.0) -> None:
         self.processes.stop(grace_s)
+        if self.core_share_dir:
+            shutil.rmtree(self.core_share_dir, ignore_errors=True)
+            self.core_share_dir = ""
 
 
 def _health(url: str | None) -> dict | None:

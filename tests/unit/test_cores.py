@@ -1,0 +1,191 @@
+"""Cores lent between the engine instances of one machine (`kvcentric.engine.cores`): which threads a model call
+may use, read from the slot files of the instances beside it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kvcentric.engine.cores import IDLE_AFTER_NS, RESCAN_NS, SLOT, CoreShare, Slot
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """A prefill and a decode instance of one thread each on a 2-core machine."""
+    prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
+    yield prefill, decode
+    prefill.close()
+    decode.close()
+
+
+def later(ns: int = 0) -> int:
+    return time.monotonic_ns() + ns
+
+
+def test_an_instance_idle_for_longer_than_idle_after_lends_its_threads(pair):
+    prefill, decode = pair
+    decode.begin()
+    decode.end()
+    assert prefill.threads(now_ns=later()) == 1  # it has only just ended a step: the next may follow at once
+    assert prefill.threads(now_ns=later(IDLE_AFTER_NS + 1_000_000)) == 2
+
+
+def test_an_instance_in_a_model_call_keeps_its_threads(pair):
+    prefill, decode = pair
+    decode.begin()
+    assert prefill.threads(now_ns=later(IDLE_AFTER_NS * 10)) == 1
+    decode.end()
+
+
+def test_a_paused_instance_lends_at_once_and_is_given_back_its_core_a_layer_before_it_resumes(pair):
+    prefill, decode = pair
+    decode.begin()
+    decode.end()
+    resumes = later(40_000_000)
+    decode.pause(resumes)
+    assert prefill.threads(margin_ns=5_000_000, now_ns=resumes - 30_000_000) == 2
+    assert prefill.threads(margin_ns=5_000_000, now_ns=resumes - 4_000_000) == 1  # its step starts within a layer
+    decode.begin()  # it computes again: the pause is over
+    assert decode.mine.read()[5] == 0
+    decode.end()
+
+
+def test_threads_never_exceed_the_usable_cores(tmp_path):
+    shares = [CoreShare(tmp_path, f"e{i}", 2, cores=3) for i in range(3)]
+    try:
+        assert shares[0].threads(now_ns=later(IDLE_AFTER_NS * 2)) == 3
+    finally:
+        for share in shares:
+            share.close()
+
+
+def test_a_slot_whose_process_is_gone_is_dropped_at_the_next_rescan(tmp_path):
+    share = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    (tmp_path / "decode-0.cores").write_bytes(SLOT.pack(int(dead.stdout), 1, 0, 0, 1, 0, 0, 0))
+    try:
+        assert share.threads(now_ns=later(IDLE_AFTER_NS * 2)) == 1  # its pid is not alive: not a peer
+        assert not share.peers
+    finally:
+        share.close()
+
+
+def test_an_instance_that_comes_later_is_seen_within_a_rescan(tmp_path):
+    prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    now = later()
+    assert prefill.threads(now_ns=now) == 1
+    decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
+    try:
+        assert prefill.threads(now_ns=now + 1) == 1  # not listed again yet
+        assert prefill.threads(now_ns=now + RESCAN_NS + IDLE_AFTER_NS) == 2
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_closing_removes_the_slot_and_a_closed_share_computes_on_its_own_threads(pair, tmp_path):
+    prefill, decode = pair
+    decode.close()
+    assert not (tmp_path / "decode-0.cores").exists()
+    assert decode.begin() == 1
+    decode.end()  # no error once closed
+    prefill.rescan(later())
+    assert not prefill.peers
+
+
+def test_a_file_too_short_to_be_a_slot_is_skipped(tmp_path):
+    (tmp_path / "junk.cores").write_bytes(b"x")
+    share = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    try:
+        assert share.threads(now_ns=later()) == 1
+    finally:
+        share.close()
+    with pytest.raises(ValueError, match="not a slot"):
+        Slot(tmp_path / "junk.cores")
+
+
+CHILD = textwrap.dedent("""
+    import sys, time, torch
+    from kvcentric.engine.cores import CoreShare, IDLE_AFTER_NS
+    from kvcentric.engine.node import ModelThread, serial_elsewhere
+
+    serial_elsewhere()
+    peer = CoreShare(sys.argv[1], "decode-0", 1, cores=2)
+    model = ModelThread("prefill", 1, CoreShare(sys.argv[1], "prefill-0", 1, cores=2, takes=True))
+    import asyncio
+    seen = []
+    def layer_by_layer():
+        seen.append(torch.get_num_threads())
+        peer.begin()              # the decode instance starts a step while this call runs
+        model.refresh()           # between two layers
+        seen.append(torch.get_num_threads())
+        return seen
+    time.sleep(IDLE_AFTER_NS / 1e9 * 2)
+    print(*asyncio.run(model.run(layer_by_layer)), model.share.lent_calls)
+    peer.end()
+    model.close()
+""")
+
+
+def test_a_model_call_runs_on_lent_threads_and_gives_them_back_between_layers(tmp_path):
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["2", "1", "1"]  # lent at the start, given back at the next layer, one lent call
+    assert [p.name for p in tmp_path.iterdir()] == ["decode-0.cores"]  # the model thread's slot left with it
+    assert os.path.exists(tmp_path)
+
+
+def test_only_a_computing_prefill_with_prompts_queued_makes_a_decode_pace_itself(tmp_path):
+    decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
+    other_decode = CoreShare(tmp_path, "decode-1", 1, cores=2)
+    prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    try:
+        decode.rescan(later())
+        other_decode.waiting(5)
+        other_decode.begin()
+        assert not decode.taker_behind(2)  # a decode beside it is no reason to slow down
+        prefill.waiting(1)
+        prefill.begin()
+        assert not decode.taker_behind(2)  # one prompt behind: the decode's tokens free the next request
+        prefill.waiting(2)
+        assert decode.taker_behind(2)
+        prefill.end()
+        assert not decode.taker_behind(2)
+    finally:
+        for share in (decode, other_decode, prefill):
+            share.close()
+
+
+def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvc_decode.service import DecodeService
+
+    decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
+    prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
+    service = SimpleNamespace(model=SimpleNamespace(share=decode), config=SimpleNamespace(lend_pace_s=0.05))
+    try:
+        decode.rescan(later())
+
+        async def step_then_pace() -> float:
+            started = time.perf_counter()
+            await DecodeService.pace(service, started)
+            return time.perf_counter() - started
+
+        assert asyncio.run(step_then_pace()) < 0.02  # no prefill computing: the next step follows at once
+        prefill.waiting(3)
+        prefill.begin()
+        assert asyncio.run(step_then_pace()) >= 0.049
+        assert decode.mine.read()[5] > 0  # it said when it resumes
+        prefill.end()
+    finally:
+        decode.close()
+        prefill.close()
