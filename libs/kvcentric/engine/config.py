@@ -44,9 +44,9 @@ class EngineConfig(BusConfig):
                                       "then also runs on the torch threads of the instances that are idle (a "
                                       "prefill instance takes an idle decode instance's core: engine/cores.py). "
                                       "kvcentric up sets it when it starts several CPU engines; empty: off")
-    lend_pace_s: float = setting(0.0, "decode, with --core-share-dir: while an instance beside it computes, decode "
-                                      "steps start at most this often and the core is lent between them (0: steps "
-                                      "back to back)")
+    lend_pace_s: float = setting(0.0, "decode, with --core-share-dir: while a prefill instance beside it computes with "
+                                      "2 or more prompts queued, decode steps start at most this often and the "
+                                      "core is lent between them (0: steps back to back)")
     block_size: int = setting(16, "tokens per KV block")
     num_kv_blocks: int = setting(2048, "KV blocks preallocated in the cache")
     hash_algo: HashAlgo = setting("sha256_cbor", f"prefix block hash: {', '.join(HASH_ALGOS)}")

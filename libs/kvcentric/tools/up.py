@@ -63,9 +63,9 @@ class UpConfig:
                                      "of the engines that are idle, and a prefill instance takes them between "
                                      "layers (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
                                      "--no-lend-cores: each engine keeps to its --torch-threads")
-    lend_pace_s: float = setting(0.05, "with --lend-cores: while a prefill instance computes, a decode "
-                                       "instance starts its steps at most this often and lends its core between "
-                                       "them (0: steps back to back)")
+    lend_pace_s: float = setting(0.05, "with --lend-cores: while a prefill instance computes with 2 or more prompts "
+                                       "queued (a burst), a decode instance starts its steps at most this often "
+                                       "and lends its core between them (0: steps back to back)")
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
