@@ -189,3 +189,27 @@ def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
     finally:
         decode.close()
         prefill.close()
+
+
+BITS = textwrap.dedent("""
+    import torch
+    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.model.config import preset
+
+    runner = ModelRunner(preset("small"), 256, 16, 0, "float32")
+    logits = {}
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        prompts = [[(i * 37 + s) % 256 for i in range(n)] for s, n in ((0, 7), (1, 300), (2, 600))]
+        tables = [list(range(b, b + (len(p) + 16) // 16 + 1)) for b, p in zip((0, 40, 80), prompts)]
+        first = [runner.prefill(p, t, 0) for p, t in zip(prompts, tables)]
+        step = runner.decode([int(f.argmax()) for f in first], [len(p) for p in prompts], tables)
+        logits[threads] = [*first, step]
+    print(all(torch.equal(a, b) for a, b in zip(logits[1], logits[2])))
+""")
+
+
+def test_lent_threads_change_no_bit_of_the_logits():
+    """A call's thread count depends on what the instances beside it do; its tokens must not."""
+    done = subprocess.run([sys.executable, "-c", BITS], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.split() == ["True"]
