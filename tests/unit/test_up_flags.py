@@ -136,3 +136,25 @@ def test_one_engine_a_gpu_or_no_lend_cores_lends_nothing():
     assert not up_config("--device", "cuda").lends_cores
     cuda = up_config("--device", "cuda:0").engine_flags("decode", threads=1, core_share_dir="/tmp/x")
     assert "--core-share-dir" not in cuda
+
+
+def test_a_share_directory_a_killed_up_left_is_removed_and_a_live_one_kept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from kvcentric.engine.cores import SLOT, CoreShare
+    from kvcentric.tools.up import remove_stale_shares
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+    stale, live, other = tmp_path / "kvc-cores-stale", tmp_path / "kvc-cores-live", tmp_path / "not-ours"
+    for directory in (stale, other):
+        directory.mkdir()
+        (directory / "decode-0.cores").write_bytes(SLOT.pack(dead_pid, 1, 0, 0, 1, 0, 0, 0))
+    share = CoreShare(live, "prefill-0", 1)
+    try:
+        assert remove_stale_shares(str(tmp_path)) == [str(stale)]
+        assert sorted(os.listdir(tmp_path)) == ["kvc-cores-live", "not-ours"]
+    finally:
+        share.close()

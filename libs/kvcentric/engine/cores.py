@@ -58,6 +58,8 @@ def usable_cores() -> int:
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:  # 0 or negative would name a process group
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -65,6 +67,19 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def live_slots(directory: str | Path) -> list[Path]:
+    """The slot files in `directory` whose instance's process is alive."""
+    live = []
+    for path in Path(directory).glob(f"*{SUFFIX}"):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        if len(data) >= SLOT.size and _alive(SLOT.unpack_from(data)[0]):
+            live.append(path)
+    return live
 
 
 class Slot:

@@ -167,9 +167,25 @@ def engine_devices(device: str, count: int, gpus: int) -> list[str]:
 
 
 def share_dir() -> str:
-    """A new directory for the engines' core-share slot files, in shared memory where there is some."""
+    """A new directory for the engines' core-share slot files, in shared memory where there is some; those a
+    killed `up` left behind (no live instance in them) are removed first."""
     shm = "/dev/shm"
-    return tempfile.mkdtemp(prefix="kvc-cores-", dir=shm if os.access(shm, os.W_OK) else None)
+    parent = shm if os.access(shm, os.W_OK) else tempfile.gettempdir()
+    remove_stale_shares(parent)
+    return tempfile.mkdtemp(prefix="kvc-cores-", dir=parent)
+
+
+def remove_stale_shares(parent: str) -> list[str]:
+    """Remove the `kvc-cores-*` directories under `parent` in which no instance's process is alive; returns them."""
+    from kvcentric.engine.cores import live_slots  # the slot format is the engines'; up itself imports no torch
+
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        if name.startswith("kvc-cores-") and os.path.isdir(path) and not live_slots(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def visible_gpus() -> int:
