@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 
-from kvcentric.engine.cores import Slot
+from kvcentric.engine.cores import PID, Slot
 
 from conftest import start_up
 from waiting import eventually
@@ -41,7 +41,7 @@ def test_a_prefill_computes_on_the_idle_decode_core_and_every_request_of_a_burst
         os.kill(cluster.manifest["services"]["decode-0"]["pid"], signal.SIGKILL)  # up starts it again
         restarted = int(cluster.wait_said(r"decode-0 restarted \(pid \d+\)", timeout_s=30, after=said)
                         .strip().rsplit("pid ", 1)[1].rstrip(")"))
-        eventually(lambda: Slot(Path(share) / "decode-0.cores").read()[0], "the new decode's slot",
+        eventually(lambda: Slot(Path(share) / "decode-0.cores").read()[PID], "the new decode's slot",
                    until=lambda pid: pid == restarted, timeout_s=120, every_s=0.2)
         with openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=2, timeout=60) as client:
             eventually(lambda: client.completions.create(model="tiny", prompt="after", max_tokens=4).usage,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcentric.engine.cores import IDLE_AFTER_NS, RESCAN_NS, SLOT, CoreShare, Slot
+from kvcentric.engine.cores import IDLE_AFTER_NS, RESCAN_NS, RESUMES_NS, SLOT, CoreShare, Slot
 
 
 @pytest.fixture
@@ -52,7 +52,7 @@ def test_a_paused_instance_lends_at_once_and_is_given_back_its_core_a_layer_befo
     assert prefill.threads(margin_ns=5_000_000, now_ns=resumes - 30_000_000) == 2
     assert prefill.threads(margin_ns=5_000_000, now_ns=resumes - 4_000_000) == 1  # its step starts within a layer
     decode.begin()  # it computes again: the pause is over
-    assert decode.mine.read()[5] == 0
+    assert decode.mine.read()[RESUMES_NS] == 0
     decode.end()
 
 
@@ -184,7 +184,7 @@ def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
         prefill.waiting(3)
         prefill.begin()
         assert asyncio.run(step_then_pace()) >= 0.049
-        assert decode.mine.read()[5] > 0  # it said when it resumes
+        assert decode.mine.read()[RESUMES_NS] > 0  # it said when it resumes
         prefill.end()
     finally:
         decode.close()

@@ -42,6 +42,8 @@ from pathlib import Path
 
 SLOT = struct.Struct("<8q")
 """pid, threads, computing, ended_ns, using, resumes_ns, takes, waiting."""
+PID, THREADS, COMPUTING, ENDED_NS, USING, RESUMES_NS, TAKES, WAITING = range(8)
+"""The fields' indices."""
 SUFFIX = ".cores"
 IDLE_AFTER_NS = 5_000_000
 """An instance whose last model call ended this long ago, and that has not started another, lends its threads."""
@@ -77,7 +79,7 @@ def live_slots(directory: str | Path) -> list[Path]:
             data = path.read_bytes()
         except OSError:
             continue
-        if len(data) >= SLOT.size and _alive(SLOT.unpack_from(data)[0]):
+        if len(data) >= SLOT.size and _alive(SLOT.unpack_from(data)[PID]):
             live.append(path)
     return live
 
@@ -134,10 +136,10 @@ class CoreShare:
     def begin(self) -> int:
         """A model call starts: marked as computing; returns the threads it may use (its own once closed)."""
         try:
-            self.mine.write(5, 0)
-            self.mine.write(2, 1)
+            self.mine.write(RESUMES_NS, 0)
+            self.mine.write(COMPUTING, 1)
             threads = self.threads()
-            self.mine.write(4, threads)
+            self.mine.write(USING, threads)
         except ValueError:  # closed by the service's stop while this call was queued
             return self.own
         self.lent_calls += threads > self.own
@@ -145,15 +147,15 @@ class CoreShare:
 
     def end(self) -> None:
         try:
-            self.mine.write(3, time.monotonic_ns())
-            self.mine.write(2, 0)
+            self.mine.write(ENDED_NS, time.monotonic_ns())
+            self.mine.write(COMPUTING, 0)
         except ValueError:
             pass
 
     def using(self, threads: int) -> None:
         """The threads this instance computes on from now (a call changed them between layers)."""
         try:
-            self.mine.write(4, threads)
+            self.mine.write(USING, threads)
         except ValueError:
             pass
 
@@ -161,14 +163,14 @@ class CoreShare:
         """This instance computes nothing before `until_ns` (a paced decode): its threads are lent at once, and
         taken back by the others shortly before then (`threads(margin_ns)`)."""
         try:
-            self.mine.write(5, until_ns)
+            self.mine.write(RESUMES_NS, until_ns)
         except ValueError:
             pass
 
     def waiting(self, prompts: int) -> None:
         """A prefill instance's prompts queued behind the one it computes now."""
         try:
-            self.mine.write(7, prompts)
+            self.mine.write(WAITING, prompts)
         except ValueError:
             pass
 
@@ -205,14 +207,14 @@ class CoreShare:
         self.scanned_ns = now_ns
         present = {path for path in self.directory.glob(f"*{SUFFIX}") if path != self.mine.path}
         for path in list(self.peers):
-            if path not in present or not _alive(self.peers[path].read()[0]):
+            if path not in present or not _alive(self.peers[path].read()[PID]):
                 self.peers.pop(path).close()
         for path in present - self.peers.keys():
             try:
                 slot = Slot(path)
             except (OSError, ValueError):
                 continue
-            if _alive(slot.read()[0]):
+            if _alive(slot.read()[PID]):
                 self.peers[path] = slot
             else:
                 slot.close()
