@@ -18,16 +18,17 @@ millisecond apart, stays busy) or it paused itself until a time more than one la
 process is gone is dropped when the directory is next listed (`RESCAN_NS`), so a killed instance lends
 nothing it does not have and a stale directory costs nothing.
 
-A decode instance with `--lend-pace-s` paces itself while a prefill computes: its steps start at most that
-often, and it pauses between them (`pause`), so the prefill has both cores for most of each period and gives
-one back a layer before the decode's next step. The decode's tokens then come at that pace instead of its
-fastest (50 ms by default in `kvcentric up`, within the 0.1 s TBT SLO), only while a prompt is computed.
+A decode instance with `--lend-pace-s` paces itself while a prefill computes with 2 or more prompts queued
+(`waiting`; the decode service's `PACE_BEHIND`): its steps start at most that often, and it pauses between
+them (`pause`), so the prefill has both cores for most of each period and gives one back a layer before the
+decode's next step. The decode's tokens then come at that pace instead of its fastest (50 ms by default in
+`kvcentric up`, half the 0.1 s TBT SLO), only while prompts queue at the prefill.
 
 Why: with one core per instance, the isolation of 1 prefill + 1 decode on two cores, a burst of prompts
 queues on the prefill instance's one core while the decode instance has a core and little to do with it
-(docs/performance.md, "Cores lent between instances", for the figures). Instances that keep a core each and
-take turns on all of them under a lock were measured too, and were slower: the waiting process's OpenMP
-team spins or sleeps at every hand-over.
+(docs/performance.md, "Cores lent between instances", for the figures). Instances taking turns on all the
+cores under a lock were measured too, and were slower: the waiting process's OpenMP team spins or sleeps at
+every hand-over.
 
 It decides thread counts only; it does not schedule requests.
 """
