@@ -136,44 +136,38 @@ class CoreShare:
 
     def begin(self) -> int:
         """A model call starts: marked as computing; returns the threads it may use (its own once closed)."""
-        try:
-            self.mine.write(RESUMES_NS, 0)
-            self.mine.write(COMPUTING, 1)
-            threads = self.threads()
-            self.mine.write(USING, threads)
-        except ValueError:  # closed by the service's stop while this call was queued
+        if not self._set((RESUMES_NS, 0), (COMPUTING, 1)):
             return self.own
+        threads = self.threads()
+        self._set((USING, threads))
         self.lent_calls += threads > self.own
         return threads
 
     def end(self) -> None:
-        try:
-            self.mine.write(ENDED_NS, time.monotonic_ns())
-            self.mine.write(COMPUTING, 0)
-        except ValueError:
-            pass
+        self._set((ENDED_NS, time.monotonic_ns()), (COMPUTING, 0))
 
     def using(self, threads: int) -> None:
         """The threads this instance computes on from now (a call changed them between layers)."""
-        try:
-            self.mine.write(USING, threads)
-        except ValueError:
-            pass
+        self._set((USING, threads))
 
     def pause(self, until_ns: int) -> None:
         """This instance computes nothing before `until_ns` (a paced decode): its threads are lent at once, and
         taken back by the others shortly before then (`threads(margin_ns)`)."""
-        try:
-            self.mine.write(RESUMES_NS, until_ns)
-        except ValueError:
-            pass
+        self._set((RESUMES_NS, until_ns))
 
     def waiting(self, prompts: int) -> None:
         """A prefill instance's prompts queued behind the one it computes now."""
+        self._set((WAITING, prompts))
+
+    def _set(self, *fields: tuple[int, int]) -> bool:
+        """Write (index, value) fields of this slot in order; False once closed (the service stopped while a call
+        was queued or running)."""
         try:
-            self.mine.write(WAITING, prompts)
+            for index, value in fields:
+                self.mine.write(index, value)
         except ValueError:
-            pass
+            return False
+        return True
 
     def taker_behind(self, waiting: int) -> bool:
         """Whether an instance beside this one that takes lent cores (a prefill) is in a model call now with at

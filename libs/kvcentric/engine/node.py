@@ -86,12 +86,9 @@ class ModelThread:
     def shared(self, fn, *args):
         """fn(*args) on the threads the core share allows now (in the model thread)."""
         assert self.share is not None
-        threads = self.share.begin()
+        self.use(self.share.begin())
         self.layer_start_ns = 0
         try:
-            if threads != self.current:
-                torch.set_num_threads(threads)
-                self.current = threads
             return fn(*args)
         finally:
             self.share.end()
@@ -103,11 +100,16 @@ class ModelThread:
         now = time.monotonic_ns()
         self.layer_ns = now - self.layer_start_ns if self.layer_start_ns else self.layer_ns
         self.layer_start_ns = now
-        threads = self.share.threads(self.layer_ns, now)
-        if threads != self.current:
-            torch.set_num_threads(threads)
-            self.current = threads
-            self.share.using(threads)
+        if self.use(self.share.threads(self.layer_ns, now)):
+            self.share.using(self.current)
+
+    def use(self, threads: int) -> bool:
+        """Compute on `threads` from now (in the model thread); whether that changed the count."""
+        if threads == self.current:
+            return False
+        torch.set_num_threads(threads)
+        self.current = threads
+        return True
 
     def stats(self) -> dict[str, float]:
         """Gauges of the cores lent to this instance (none without a core share)."""
