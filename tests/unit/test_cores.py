@@ -65,6 +65,33 @@ def test_threads_never_exceed_the_usable_cores(tmp_path):
             share.close()
 
 
+def test_two_instances_never_borrow_the_same_idle_core(tmp_path):
+    """Four instances of one thread on two cores (`up --prefill 2 --decode 2`): the first to compute takes the
+    idle cores, and the next ones compute on their own threads only, as without lending."""
+    shares = [CoreShare(tmp_path, name, 1, cores=2) for name in ("prefill-0", "prefill-1", "decode-0", "decode-1")]
+    try:
+        time.sleep(IDLE_AFTER_NS / 1e9 * 2)
+        assert shares[2].begin() == 2
+        assert shares[3].begin() == 1  # decode-0 holds both cores: 3 threads, not 4
+        assert shares[0].threads() == 1
+        shares[2].end()
+        shares[3].end()
+    finally:
+        for share in shares:
+            share.close()
+
+
+def test_a_call_that_may_not_borrow_runs_on_its_own_threads_and_holds_them(pair):
+    """A calibration times the instance alone: its own threads, however idle the others are; the others see
+    its core held."""
+    prefill, decode = pair
+    time.sleep(IDLE_AFTER_NS / 1e9 * 2)
+    assert decode.begin(borrow=False) == 1
+    assert prefill.threads() == 1
+    decode.end()
+    assert decode.lent_calls == 0
+
+
 def test_a_slot_whose_process_is_gone_is_dropped_at_the_next_rescan(tmp_path):
     share = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
@@ -127,9 +154,14 @@ CHILD = textwrap.dedent("""
         model.refresh()           # between two layers
         seen.append(torch.get_num_threads())
         return seen
+    def alone():
+        model.refresh()           # a call that may not borrow takes no core between layers either
+        return torch.get_num_threads()
     time.sleep(IDLE_AFTER_NS / 1e9 * 2)
     print(*asyncio.run(model.run(layer_by_layer)), model.share.lent_calls)
     peer.end()
+    time.sleep(IDLE_AFTER_NS / 1e9 * 2)
+    print(asyncio.run(model.run(alone, borrow=False)), model.share.lent_calls)
     model.close()
 """)
 
@@ -137,7 +169,9 @@ CHILD = textwrap.dedent("""
 def test_a_model_call_runs_on_lent_threads_and_gives_them_back_between_layers(tmp_path):
     done = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path)], capture_output=True, text=True,
                           timeout=120, check=True)
-    assert done.stdout.split() == ["2", "1", "1"]  # lent at the start, given back at the next layer, one lent call
+    lent, alone = done.stdout.splitlines()
+    assert lent.split() == ["2", "1", "1"]  # lent at the start, given back at the next layer, one lent call
+    assert alone.split() == ["1", "1"]  # borrow=False (a calibration): its own thread, though the peer is idle
     assert [p.name for p in tmp_path.iterdir()] == ["decode-0.cores"]  # the model thread's slot left with it
     assert os.path.exists(tmp_path)
 

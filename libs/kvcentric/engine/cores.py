@@ -134,11 +134,12 @@ class CoreShare:
         """Model calls that ran on more threads than this instance's own."""
         self.closed = False
 
-    def begin(self) -> int:
-        """A model call starts: marked as computing; returns the threads it may use (its own once closed)."""
+    def begin(self, borrow: bool = True) -> int:
+        """A model call starts: marked as computing; returns the threads it may use (its own once closed, or when
+        it may not `borrow`: a calibration times this instance's own speed)."""
         if not self._set((RESUMES_NS, 0), (COMPUTING, 1)):
             return self.own
-        threads = self.threads()
+        threads = self.threads() if borrow else self.own
         self._set((USING, threads))
         self.lent_calls += threads > self.own
         return threads
@@ -181,21 +182,28 @@ class CoreShare:
     def threads(self, margin_ns: int = 0, now_ns: int | None = None) -> int:
         """This instance's own threads plus those of every instance beside it that is idle and, if it paused
         itself, resumes more than `margin_ns` from now (the time of one layer: a core taken now is held until
-        the next look); at most the usable cores."""
+        the next look); at most the usable cores less those the others hold: the threads a computing instance
+        uses (lent ones included) and the own threads of one that is not idle. So two instances never borrow
+        the same idle core, and a machine with more instances than cores gets no more threads than it had
+        without lending."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
         if now_ns - self.scanned_ns >= RESCAN_NS:
             self.rescan(now_ns)
-        threads = self.own
+        threads, held = self.own, 0
         for slot in self.peers.values():
-            _, peer_threads, computing, ended_ns, _, resumes_ns, _, _ = slot.read()
+            _, peer_threads, computing, ended_ns, using, resumes_ns, _, _ = slot.read()
             if computing:
+                held += using or peer_threads
                 continue
             if resumes_ns > now_ns - IDLE_AFTER_NS:  # paused, resuming at resumes_ns
                 idle = resumes_ns - now_ns > margin_ns
             else:
                 idle = now_ns - ended_ns > IDLE_AFTER_NS
-            threads += peer_threads if idle else 0
-        return max(1, min(threads, self.cores))
+            if idle:
+                threads += peer_threads
+            else:
+                held += peer_threads
+        return max(1, min(self.own, self.cores), min(threads, self.cores - held))
 
     def rescan(self, now_ns: int) -> None:
         """Map the slots of instances that came, unmap those of instances whose process is gone."""

@@ -68,6 +68,8 @@ class ModelThread:
         self.layer_ns = 0
         """How long the last layer took (`refresh`): a peer resuming sooner than that keeps its core."""
         self.layer_start_ns = 0
+        self.borrowing = True
+        """Whether the call running now may take lent cores (`run`)."""
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-model",
                                                               initializer=_use_threads, initargs=(threads,))
         self.call(int)  # the thread starts and takes its count now
@@ -78,15 +80,18 @@ class ModelThread:
         """fn(*args) in the model thread, waited for (building the model, before the event loop runs)."""
         return self.executor.submit(fn, *args).result()
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, borrow: bool = True):
+        """fn(*args) in the model thread, awaited; with a core share, on the threads it allows now, or on this
+        instance's own when it may not `borrow` (a calibration, which times this instance alone)."""
         if self.share is None:
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, borrow, fn, *args)
 
-    def shared(self, fn, *args):
+    def shared(self, borrow: bool, fn, *args):
         """fn(*args) on the threads the core share allows now (in the model thread)."""
         assert self.share is not None
-        self.use(self.share.begin())
+        self.borrowing = borrow
+        self.use(self.share.begin(borrow))
         self.layer_start_ns = 0
         try:
             return fn(*args)
@@ -97,6 +102,8 @@ class ModelThread:
         """Between two layers of a call (in the model thread): take a core an instance beside this one left idle
         since the call began, or give one back to an instance that started computing."""
         assert self.share is not None
+        if not self.borrowing:
+            return
         now = time.monotonic_ns()
         self.layer_ns = now - self.layer_start_ns if self.layer_start_ns else self.layer_ns
         self.layer_start_ns = now

@@ -98,7 +98,7 @@ class EngineService(Service):
         if not self.config.calibrate:
             return
         timed = await self.model.run(self.speed.calibrate, self.pool, self.role != "decode",
-                                     self.role != "prefill", self.config.max_batch)
+                                     self.role != "prefill", self.config.max_batch, borrow=False)
         self.on_refit()
         self.log.info("calibrated %d shapes: %s", timed, self.speed.measured())
 
