@@ -164,13 +164,13 @@ def stream_one(url: str, model: str, prompt: list[int], max_tokens: int, start: 
 def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start: float,
                 count_tokens: bool = False) -> dict:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
     if count_tokens:
         body["logprobs"] = 0
     request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     first = last = None
-    text, tokens, first_tokens = [], 0, 1
+    text, ids, tokens, first_tokens = [], [], 0, 1
     with urllib.request.urlopen(request, timeout=900) as response:
         for line in response:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -182,12 +182,13 @@ def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start:
                     first = last
                     first_tokens = len((event["choices"][0].get("logprobs") or {}).get("tokens") or [None])
                 text.append(event["choices"][0].get("text") or "")
+                ids += event["choices"][0].get("token_ids") or []
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
     if first is None or tokens != max_tokens:
         FAILED.append(f"{url}: {tokens} tokens of {max_tokens}")
         return {}
-    return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "tokens": tokens,
+    return {"ttft_s": first - start, "first": first, "last": last, "text": "".join(text), "ids": ids, "tokens": tokens,
             "first_tokens": first_tokens}
 
 
@@ -207,7 +208,7 @@ def random_prompts(rng: random.Random, count: int, length: int) -> list[list[int
 
 
 def one_round(url: str, model: str, args, prompts: dict[str, list[list[int]]]) -> tuple[dict, dict]:
-    """The four tests on one server: figures and the output text of every prompt."""
+    """The four tests on one server: figures and the output (token ids and text) of every prompt."""
     ttft = [stream_one(url, model, p, 1, time.perf_counter()) for p in prompts["ttft"]]
     tbt = [stream_one(url, model, p, args.tbt_output_len, time.perf_counter(), count_tokens=True)
            for p in prompts["tbt"]]
@@ -217,9 +218,10 @@ def one_round(url: str, model: str, args, prompts: dict[str, list[list[int]]]) -
                "tbt_s": middle([time_between_tokens(r) for r in completed(tbt)]),
                "burst_tokens_per_s": throughput(completed(burst)),
                "concurrent_tokens_per_s": throughput(completed(paced))}
-    texts = {f"{kind}{i}": r["text"] for kind, results in (("tbt", tbt), ("burst", burst), ("concurrent", paced))
-             for i, r in enumerate(results) if "text" in r}
-    return figures, texts
+    outputs = {f"{kind}{i}": {"ids": r["ids"], "text": r["text"]}
+               for kind, results in (("tbt", tbt), ("burst", burst), ("concurrent", paced))
+               for i, r in enumerate(results) if "text" in r}
+    return figures, outputs
 
 
 def time_between_tokens(result: dict) -> float:
@@ -286,13 +288,17 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def compare_outputs(texts: dict[str, dict[str, str]]) -> dict[str, dict]:
-    """Per deployment: how many prompts' greedy outputs equal vLLM's."""
-    peer = texts["vLLM"]
-    return {name: {"same": sum(out.get(k) == peer[k] for k in peer), "prompts": len(peer),
-                   "differing": [k for k in peer if k in out and out[k] != peer[k]][:5],
+def compare_outputs(outputs: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """Per deployment: how many prompts' greedy token ids (vLLM's `return_token_ids`) equal vLLM's, and how many
+    texts do. The texts of these random-weight models are mostly bytes that are not UTF-8; the servers render
+    those differently (ours as U+FFFD, as `tokenizers` decodes them; vLLM drops some), so ids are what says
+    whether the tokens agree."""
+    peer = outputs["vLLM"]
+    return {name: {"same": sum(k in out and out[k]["ids"] == peer[k]["ids"] for k in peer), "prompts": len(peer),
+                   "same_text": sum(k in out and out[k]["text"] == peer[k]["text"] for k in peer),
+                   "differing": [k for k in peer if k in out and out[k]["ids"] != peer[k]["ids"]][:5],
                    "missing": sum(k not in out for k in peer)}
-            for name, out in texts.items() if name != "vLLM"}
+            for name, out in outputs.items() if name != "vLLM"}
 
 
 # ---------------------------------------------------------------- main
@@ -397,9 +403,9 @@ def measure(args, turns: Turns, report) -> None:
             waited = settle()
             print(f"round {index + 1}/{args.rounds}: {name} (machine quiet after {waited:.0f} s)",
                   file=sys.stderr, flush=True)
-            figures[name], texts = one_round(url, model, args, prompts)
+            figures[name], answers = one_round(url, model, args, prompts)
             print(f"  {name}: {json.dumps(figures[name])}", file=sys.stderr, flush=True)
-            outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in texts.items()})
+            outputs.setdefault(name, {}).update({f"r{index}-{k}": v for k, v in answers.items()})
         rounds.append(figures)
         report(rounds, outputs)
 

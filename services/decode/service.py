@@ -57,8 +57,9 @@ class DecodeService(EngineService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner, with_host_pool=False)
-        cost = config.cost_model() if config.tbt_slo_s > 0 else None
-        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, cost, config.tbt_slo_s,
+        self.prior = config.cost_model() if config.tbt_slo_s > 0 else None
+        """The model the TBT double-check starts from (read once: it parses the checkpoint's config)."""
+        self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, self.prior, config.tbt_slo_s,
                                    config.kv_staging_mb << 20)
         if not config.profile:  # the double-check predicts with this instance's own model, once measured
             self.engine.cost = None
@@ -110,8 +111,8 @@ class DecodeService(EngineService):
 
     def on_refit(self) -> None:
         """Without --profile, the TBT double-check predicts steps with the decode model measured here."""
-        if self.engine.tbt_slo_s > 0 and not self.config.profile and self.speed.fit.decode.fit is not None:
-            self.engine.cost = self.speed.cost_model(self.config.cost_model())
+        if self.prior is not None and not self.config.profile and self.speed.fit.decode.fit is not None:
+            self.engine.cost = self.speed.cost_model(self.prior)
 
     def idle(self) -> bool:
         """Nothing waiting for KV, generating or still to send (a drain waits for this)."""

@@ -105,6 +105,7 @@ class Piece:
     text: str
     finish_reason: str | None = None
     token_ids: list[int] = dataclasses.field(default_factory=list)
+    """The tokens it carries when logprobs or token ids were asked for."""
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     index: int = 0
     """The choice (one of the request's n sequences)."""
@@ -121,7 +122,7 @@ class Choice:
     def take(self, job: Job, chunk: TokenChunk, tokens: list[int]) -> Piece | None:
         """The piece these tokens release (None when they release nothing yet)."""
         pending = self.pending
-        if tokens and chunk.logprobs:
+        if tokens and (chunk.logprobs or job.request.return_token_ids):
             pending.token_ids += tokens
             pending.logprobs += chunk.logprobs
         pending.text = self.text.feed(tokens)
@@ -174,6 +175,19 @@ class Shaper:
         self.echoed_text: set[int] = set()
         self.echoed_logprobs: set[int] = set()
         self.offsets: dict[int, int] = {}
+        self.prompt_ids_given = False
+
+    def prompt_token_ids(self, body: dict) -> None:
+        """vLLM's `return_token_ids`: the prompt's ids, in each choice of a completion or at the top of a chat
+        answer, once (a stream's first event)."""
+        if self.prompt_ids_given:
+            return
+        self.prompt_ids_given = True
+        if self.job.chat:
+            body["prompt_token_ids"] = self.job.token_ids
+        else:
+            for choice in body["choices"]:
+                choice["prompt_token_ids"] = self.job.token_ids
 
     def text(self, piece: Piece) -> str:
         if not self.job.request.echo or piece.index in self.echoed_text:
@@ -206,11 +220,13 @@ async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: d
     """The whole answer as one JSON body, `usage` included; with best_of, the n choices whose tokens are
     likeliest (the highest sum of logprobs)."""
     texts: dict[int, list[str]] = collections.defaultdict(list)
+    token_ids: dict[int, list[int]] = collections.defaultdict(list)
     shaped: dict[int, list[dict]] = collections.defaultdict(list)
     sums: dict[int, float] = collections.defaultdict(float)
     reasons: dict[int, str | None] = {}
     async for piece in stream:
         texts[piece.index].append(shaper.text(piece))
+        token_ids[piece.index] += piece.token_ids
         sums[piece.index] += sum(entry.logprob for entry in piece.logprobs)
         reasons[piece.index] = piece.finish_reason
         logprobs = shaper.logprobs(piece)
@@ -222,6 +238,10 @@ async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: d
     shape = chat_body if job.chat else completion_body
     body = shape(job.request_id, model, "", None, job.usage())
     body["choices"] = choices
+    if job.request.return_token_ids:
+        for choice, index in zip(choices, kept):
+            choice["token_ids"] = token_ids[index]
+        shaper.prompt_token_ids(body)
     return web.json_response(body, headers=headers)
 
 
@@ -263,9 +283,18 @@ class EventWriter:
         self.job.response = response
         if self.job.chat:
             for index in range(self.job.request.n):
-                self.hold(chat_chunk(self.job.request_id, self.model, {"role": "assistant", "content": ""},
-                                     None, None, self.created, index=index))
+                self.hold(self.token_ids(chat_chunk(self.job.request_id, self.model,
+                                                    {"role": "assistant", "content": ""}, None, None, self.created,
+                                                    index=index)))
         return response
+
+    def token_ids(self, body: dict, piece: Piece | None = None) -> dict:
+        """vLLM's `return_token_ids` on one event: the piece's tokens, and the prompt's in the first event."""
+        if self.job.request.return_token_ids:
+            if piece is not None:
+                body["choices"][0]["token_ids"] = piece.token_ids
+            self.shaper.prompt_token_ids(body)
+        return body
 
     async def piece(self, piece: Piece) -> None:
         text, logprobs = self.shaper.text(piece), self.shaper.logprobs(piece)
@@ -276,7 +305,7 @@ class EventWriter:
         else:
             body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
                                    logprobs=logprobs, index=piece.index)
-        self.hold(body)
+        self.hold(self.token_ids(body, piece))
         if piece.finish_reason is None:
             await self.response.write(self.take())
 

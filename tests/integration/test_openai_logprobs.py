@@ -97,6 +97,31 @@ def test_echo_scores_the_prompt_as_transformers_does_even_with_max_tokens_zero(c
     assert answer.choices[0].finish_reason == "length"
 
 
+def test_return_token_ids_are_the_greedy_tokens_whole_or_streamed(client, reference):
+    """vLLM's `return_token_ids`: the completion's ids are transformers' greedy ones, the prompt's come back as
+    given, and a stream's events carry each its own ids (the prompt's in the first)."""
+    logprobs_of, tokenizer = reference
+    ids = tokenizer.encode(PROMPT)
+    expected = greedy(logprobs_of, ids, 8)
+    with_ids = {"temperature": 0, "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    whole = complete(client, prompt=ids, max_tokens=8, **with_ids).choices[0]
+    assert whole.token_ids == expected and whole.prompt_token_ids == ids
+    chunks = [c for c in complete(client, prompt=ids, max_tokens=8, stream=True, **with_ids) if c.choices]
+    assert [t for c in chunks for t in c.choices[0].token_ids] == expected
+    assert chunks[0].choices[0].prompt_token_ids == ids
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+
+    messages = [{"role": "user", "content": PROMPT}]
+    answer = client.chat.completions.create(model=client.served_model, messages=messages, max_tokens=5, **with_ids)
+    assert len(answer.prompt_token_ids) == answer.usage.prompt_tokens
+    assert len(answer.choices[0].token_ids) == answer.usage.completion_tokens == 5
+    events = list(client.chat.completions.create(model=client.served_model, messages=messages, max_tokens=5,
+                                                 stream=True, **with_ids))
+    assert events[0].prompt_token_ids == answer.prompt_token_ids
+    assert [t for e in events for t in (getattr(e.choices[0], "token_ids", None) or [])] == answer.choices[0].token_ids
+    assert "token_ids" not in complete(client, prompt=ids, max_tokens=2, **GREEDY).choices[0].model_extra
+
+
 def test_chat_logprobs_streamed_and_not(client, reference):
     messages = [{"role": "user", "content": "Name a cache."}]
     whole = client.chat.completions.create(model=client.served_model, messages=messages, max_tokens=4,

@@ -151,6 +151,12 @@ def test_chat_logprobs_take_top_logprobs_only_with_logprobs_true():
     assert caught.value.param == "top_logprobs"
 
 
+def test_return_token_ids_is_taken_by_both_endpoints():
+    assert parse(prompt="x", return_token_ids=True).return_token_ids
+    assert not parse(prompt="x").return_token_ids
+    assert chat(messages=[{"role": "user", "content": "x"}], return_token_ids=True).return_token_ids
+
+
 def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
     sampling = parse(prompt="x", presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2,
                      min_tokens=3, logit_bias={"7": -100, "8": 2.5}, logprobs_mode="processed_logprobs").sampling
@@ -168,6 +174,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
     ({"min_tokens": 99}, "min_tokens"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"300": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logprobs_mode": "raw_logits"}, "logprobs_mode"), ({"priority": None}, "priority"), ({"echo": 1}, "echo"),
+    ({"return_token_ids": "yes"}, "return_token_ids"),
 ])
 def test_unsupported_and_out_of_range_fields_are_400_naming_them(body, param):
     with pytest.raises(ApiError) as caught:

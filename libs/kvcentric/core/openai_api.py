@@ -67,6 +67,10 @@ class CompletionRequest:
     """Choices answered; the engines sample `sampling.n` sequences (best_of), the likeliest n are kept."""
     show_logprobs: bool = False
     """The client asked for logprobs (best_of > n has the engines compute them to rank the sequences)."""
+    return_token_ids: bool = False
+    """vLLM's extension: each choice carries the ids of its tokens (`token_ids`; streamed, those of the event)
+    and the answer the prompt's (`prompt_token_ids`: in the choices of a completion, at the top of a chat
+    answer; streamed, in the first event only)."""
 
 
 def _check(condition: bool, message: str, param: str | None) -> None:
@@ -148,8 +152,8 @@ def _max_tokens(body: dict, allow_zero: bool = False) -> int | None:
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
     "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias",
-    "ignore_eos", "top_k", "priority", "repetition_penalty", "min_tokens", "logprobs_mode"})
-"""What both endpoints take (the last six are vLLM's extensions); any other field that is not null is a 400
+    "ignore_eos", "top_k", "priority", "repetition_penalty", "min_tokens", "logprobs_mode", "return_token_ids"})
+"""What both endpoints take (the last seven are vLLM's extensions); any other field that is not null is a 400
 naming it, so nothing a client asks for is silently dropped."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
@@ -234,7 +238,7 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
                               n=n, **_penalties(body, vocab_size, max_tokens))
     return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": _flag(body, "stream"),
             "include_usage": bool(include_usage), "stop": _stop(body), "user": user,
-            "priority": priority or 0}
+            "priority": priority or 0, "return_token_ids": _flag(body, "return_token_ids")}
 
 
 def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: int) -> CompletionRequest:
