@@ -231,19 +231,28 @@ BITS = textwrap.dedent("""
     from kvcentric.model.config import preset
 
     runner = ModelRunner(preset("small"), 256, 16, 0, "float32")
+    looks = []
+    def look():  # a core taken or given back at every look, as lending does within a call
+        looks.append(1)
+        torch.set_num_threads(1 + len(looks) % 2)
     logits = {}
-    for threads in (1, 2):
-        torch.set_num_threads(threads)
+    for threads in (1, 2, "looks"):
+        runner.model.look = look if threads == "looks" else None
+        torch.set_num_threads(1 if threads == "looks" else threads)
         prompts = [[(i * 37 + s) % 256 for i in range(n)] for s, n in ((0, 7), (1, 300), (2, 600))]
         tables = [list(range(b, b + (len(p) + 16) // 16 + 1)) for b, p in zip((0, 40, 80), prompts)]
         first = [runner.prefill(p, t, 0) for p, t in zip(prompts, tables)]
         step = runner.decode([int(f.argmax()) for f in first], [len(p) for p in prompts], tables)
         logits[threads] = [*first, step]
-    print(all(torch.equal(a, b) for a, b in zip(logits[1], logits[2])))
+    print(all(torch.equal(a, b) for a, b in zip(logits[1], logits[2])),
+          all(torch.equal(a, b) for a, b in zip(logits[1], logits["looks"])), len(looks))
 """)
 
 
 def test_lent_threads_change_no_bit_of_the_logits():
-    """A call's thread count depends on what the instances beside it do; its tokens must not."""
+    """A call's thread count depends on what the instances beside it do, and changes at the model's looks (three
+    a layer, one more for each further 512 rows of the MLP); its tokens must not."""
     done = subprocess.run([sys.executable, "-c", BITS], capture_output=True, text=True, timeout=300, check=True)
-    assert done.stdout.split() == ["True"]
+    layers = 8  # `small`
+    looks = 3 * 3 * layers + layers + 3 * layers  # 3 prompts, the 600-token one's MLP in 2 blocks, 1 decode step
+    assert done.stdout.split() == ["True", "True", str(looks)]

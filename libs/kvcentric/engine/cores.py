@@ -1,20 +1,21 @@
 """Cores lent between the engine instances of one machine: a model call runs on the instance's own torch threads
 plus those of every instance beside it that is idle, so a prefill instance takes the decode instance's core
-while that has nothing to decode, and gives it back between two layers once the decode has work again.
+while that has nothing to decode, and gives it back within a layer once the decode has work again.
 
 Each instance keeps a slot file in a directory the instances share (`--core-share-dir`; `kvcentric up` makes
 one per cluster, in /dev/shm, when it starts several CPU engines): eight int64s, mapped into memory,
 
     pid, threads, computing (1 while a model call runs), ended_ns (CLOCK_MONOTONIC when the last call ended),
     using (the threads it computes on now), resumes_ns (when an instance that paused itself computes again),
-    takes (1: a prefill instance, which takes lent cores between layers and for which a decode paces itself),
+    takes (1: a prefill instance, which takes lent cores within a call and for which a decode paces itself),
     waiting (a prefill instance's prompts queued behind the one it computes)
 
 written by the instance's model thread and read by the others at the start of each model call and, in a prefill
-instance, before each layer (`ModelThread.refresh`): a few hundred nanoseconds a look, 8-byte aligned loads and
-stores, whole on x86-64 and arm64, no lock. An instance is idle when it is not computing and either its last
-call ended more than `IDLE_AFTER_NS` ago (a decode instance between two steps of its batch, well under a
-millisecond apart, stays busy) or it paused itself until a time more than one layer away. A slot whose
+instance, three times a layer (`LlamaModel.look`, `ModelThread.refresh`): a few hundred nanoseconds a look,
+8-byte aligned loads and stores, whole on x86-64 and arm64, no lock. An instance is idle when it is not
+computing and either its last call ended more than `IDLE_AFTER_NS` ago (a decode instance between two steps of
+its batch, well under a millisecond apart, stays busy) or it paused itself until a time more than one look
+away. A slot whose
 process is gone is dropped when the directory is next listed (`RESCAN_NS`), so a killed instance lends
 nothing it does not have and a stale directory costs nothing.
 
@@ -181,7 +182,7 @@ class CoreShare:
 
     def threads(self, margin_ns: int = 0, now_ns: int | None = None) -> int:
         """This instance's own threads plus those of every instance beside it that is idle and, if it paused
-        itself, resumes more than `margin_ns` from now (the time of one layer: a core taken now is held until
+        itself, resumes more than `margin_ns` from now (the time between two looks: a core taken now is held until
         the next look); at most the usable cores less those the others hold: the threads a computing instance
         uses (lent ones included) and the own threads of one that is not idle. So two instances never borrow
         the same idle core, and a machine with more instances than cores gets no more threads than it had

@@ -314,6 +314,8 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None
         self.down: torch.Tensor | None = None
         self.ops: LayerOps | None = None
+        self.look: Callable[[], None] | None = None
+        """`LlamaModel.look`, called between the gate|up and the down projection."""
 
     def fuse(self, pack: bool = False) -> None:
         """One gate|up matmul instead of two; call after loading. `pack`: oneDNN's layout, down_proj's too."""
@@ -337,6 +339,8 @@ class MLP(nn.Module):
         if self.gate_up is None:
             return residual + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         gate_up = linear(x, self.gate_up)
+        if self.look is not None:
+            self.look()
         if self.ops is not None and gate_up.dim() == 2 and gate_up.stride(1) == 1:
             hidden = self.ops.silu_mul(gate_up)
         else:
@@ -354,8 +358,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
+        self.look: Callable[[], None] | None = None
+        """`LlamaModel.look`, called between the attention and the MLP."""
+
     def forward(self, x, batch, rotary, k_cache, v_cache):
         x, k, v = self.self_attn(self.input_layernorm(x), batch, rotary, k_cache, v_cache, x)
+        if self.look is not None:
+            self.look()
         return self.mlp(self.post_attention_layernorm(x), x), k, v
 
 
@@ -463,8 +472,21 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie()
         self.rotary = Rotary(config)
-        self.between_layers: Callable[[], None] | None = None
-        """Called before each layer (the lent cores' thread count, `ModelThread.refresh`)."""
+        self._look: Callable[[], None] | None = None
+
+    @property
+    def look(self) -> Callable[[], None] | None:
+        """Called before each layer, between its attention and its MLP, and between the MLP's two projections
+        (the lent cores' thread count, `ModelThread.refresh`): three looks a layer take a core freed mid-layer
+        sooner, and give one back later, than one look a layer did (docs/performance.md)."""
+        return self._look
+
+    @look.setter
+    def look(self, fn: Callable[[], None] | None) -> None:
+        self._look = fn
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.look = layer.mlp.look = fn
 
     def tie(self) -> None:
         """The output projection is the embedding table when the config ties them."""
@@ -488,8 +510,8 @@ class LlamaModel(nn.Module):
         logits are written to (the CUDA graphs' shared output) instead of a new one."""
         x = self.embed_tokens(token_ids)
         for index, layer in enumerate(self.layers):
-            if self.between_layers is not None:
-                self.between_layers()
+            if self._look is not None:
+                self._look()
             if before_layer is not None:
                 before_layer(index)
             x, k, v = layer(x, batch, self.rotary, k_cache[index], v_cache[index])

@@ -65,9 +65,9 @@ class ModelThread:
         self.threads = threads
         self.share = share
         self.current = threads
-        self.layer_ns = 0
-        """How long the last layer took (`refresh`): a peer resuming sooner than that keeps its core."""
-        self.layer_start_ns = 0
+        self.look_ns = 0
+        """The time between the last two looks (`refresh`): a peer resuming sooner than that keeps its core."""
+        self.looked_ns = 0
         self.borrowing = True
         """Whether the call running now may take lent cores (`run`)."""
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-model",
@@ -92,22 +92,23 @@ class ModelThread:
         assert self.share is not None
         self.borrowing = borrow
         self.use(self.share.begin(borrow))
-        self.layer_start_ns = 0
+        self.looked_ns = 0
         try:
             return fn(*args)
         finally:
             self.share.end()
 
     def refresh(self) -> None:
-        """Between two layers of a call (in the model thread): take a core an instance beside this one left idle
-        since the call began, or give one back to an instance that started computing."""
+        """At a look within a call (`LlamaModel.look`, in the model thread): take a core an instance beside this
+        one left idle since the call began, or give one back to an instance that started computing or resumes
+        sooner than the time since the last look."""
         assert self.share is not None
         if not self.borrowing:
             return
         now = time.monotonic_ns()
-        self.layer_ns = now - self.layer_start_ns if self.layer_start_ns else self.layer_ns
-        self.layer_start_ns = now
-        if self.use(self.share.threads(self.layer_ns, now)):
+        self.look_ns = now - self.looked_ns if self.looked_ns else self.look_ns
+        self.looked_ns = now
+        if self.use(self.share.threads(self.look_ns, now)):
             self.share.using(self.current)
 
     def use(self, threads: int) -> bool:

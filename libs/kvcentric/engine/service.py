@@ -47,7 +47,7 @@ class EngineService(Service):
         self.runner = self.model.call(build, config, runner)
         self.runner.threads = self.model.threads
         takes = self.model.share is not None and self.model.share.takes
-        self.runner.model.between_layers = self.model.refresh if takes else None  # not a former role's
+        self.runner.model.look = self.model.refresh if takes else None  # not a former role's
         if config.cuda_graphs and not config.layerkv and self.role in ("decode", "colocated"):  # LayerKV: eager
             self.model.call(self.runner.capture_decode_graphs, config.max_batch)  # no-op off CUDA
         self.pool = BlockPool(config.num_kv_blocks, config.block_size)
