@@ -56,6 +56,8 @@ def common_fields(served: Sequence[str], context: int, vocab: int) -> dict:
                                         "description": "vLLM extension"}),
         "min_tokens": nullable(integer(0, description="vLLM extension: at most max_tokens")),
         "logprobs_mode": nullable({"type": "string", "enum": ["raw_logprobs", "processed_logprobs"]}),
+        "return_token_ids": {"type": "boolean", "description": "vLLM extension: the answer carries token_ids and "
+                                                               "prompt_token_ids"},
     }
 
 
@@ -97,21 +99,25 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "t
 FINISH = {"enum": ["stop", "length", None]}
 
 
-def answer(kind: str, choice: dict) -> dict:
+def answer(kind: str, choice: dict, **extra: dict) -> dict:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
         "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
-        "model": {"type": "string"}, "choices": {"type": "array", "minItems": 1, "items": choice}, "usage": USAGE}}
+        "model": {"type": "string"}, "choices": {"type": "array", "minItems": 1, "items": choice}, "usage": USAGE,
+        **extra}}
 
 
+TOKEN_IDS = {"type": "array", "items": integer(0), "description": "with return_token_ids"}
 COMPLETION = answer("text_completion", {"type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                                         "properties": {"index": integer(0), "text": {"type": "string"},
-                                                       "logprobs": NULLABLE_OBJECT, "finish_reason": FINISH}})
+                                                       "logprobs": NULLABLE_OBJECT, "finish_reason": FINISH,
+                                                       "token_ids": TOKEN_IDS, "prompt_token_ids": TOKEN_IDS}})
 CHAT = answer("chat.completion", {"type": "object", "required": ["index", "message", "logprobs", "finish_reason"],
                                   "properties": {"index": integer(0), "logprobs": NULLABLE_OBJECT,
-                                                 "finish_reason": FINISH,
+                                                 "finish_reason": FINISH, "token_ids": TOKEN_IDS,
                                                  "message": {"type": "object", "required": ["role", "content"],
                                                              "properties": {"role": {"const": "assistant"},
-                                                                            "content": {"type": "string"}}}}})
+                                                                            "content": {"type": "string"}}}}},
+              prompt_token_ids=TOKEN_IDS)
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {
         "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},

@@ -484,9 +484,9 @@ class LlamaModel(nn.Module):
     @look.setter
     def look(self, fn: Callable[[], None] | None) -> None:
         self._look = fn
-        for layer in self.layers:
-            assert isinstance(layer, DecoderLayer)
-            layer.look = layer.mlp.look = fn
+        for layer in self.modules():  # a ModuleList, or a pipeline stage's ModuleDict of its own layers
+            if isinstance(layer, DecoderLayer):
+                layer.look = layer.mlp.look = fn
 
     def tie(self) -> None:
         """The output projection is the embedding table when the config ties them."""
