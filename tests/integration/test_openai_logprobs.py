@@ -120,6 +120,11 @@ def test_return_token_ids_are_the_greedy_tokens_whole_or_streamed(client, refere
     assert events[0].prompt_token_ids == answer.prompt_token_ids
     assert [t for e in events for t in (getattr(e.choices[0], "token_ids", None) or [])] == answer.choices[0].token_ids
     assert "token_ids" not in complete(client, prompt=ids, max_tokens=2, **GREEDY).choices[0].model_extra
+    sampled = complete(client, prompt=ids, max_tokens=4, n=2, best_of=3, temperature=0.8, seed=1,
+                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [len(choice.token_ids) for choice in sampled.choices] == [4, 4]  # the two likeliest of three
+    assert all(choice.prompt_token_ids == ids for choice in sampled.choices)
+    assert [tokenizer.decode(choice.token_ids) for choice in sampled.choices] == [c.text for c in sampled.choices]
 
 
 def test_chat_logprobs_streamed_and_not(client, reference):
