@@ -86,12 +86,17 @@ def main() -> None:
         record = {"deployment": args.deployment, "label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                              time.gmtime()),
                   **figures, "failed": vs.FAILED}
-        print(json.dumps(record))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as out:
-            out.write(json.dumps(record) + "\n")
+        append_record(args.out, record)
     finally:
         server.stop()
+
+
+def append_record(path: str, record: dict) -> None:
+    """Print one run's record and append it to the JSON-lines file `path`."""
+    print(json.dumps(record))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as out:
+        out.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import random
 import tempfile
 import threading
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 import bench_vs_vllm as vs
+from bench_alone import append_record
 
 from kvcentric.engine.cores import COMPUTING, RESUMES_NS, USING, WAITING, Slot
 
@@ -78,10 +78,7 @@ def main() -> None:
         shares = {name: round(100 * count / total, 1) for name, count in states.most_common()}
         record = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "burst_tokens_per_s": burst, "state_percent": shares, "failed": vs.FAILED}
-        print(json.dumps(record))
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as out:
-            out.write(json.dumps(record) + "\n")
+        append_record(args.out, record)
     finally:
         cluster.stop()
 

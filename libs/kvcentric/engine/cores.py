@@ -15,13 +15,12 @@ instance, three times a layer (`LlamaModel.look`, `ModelThread.refresh`): a few 
 8-byte aligned loads and stores, whole on x86-64 and arm64, no lock. An instance is idle when it is not
 computing and either its last call ended more than `IDLE_AFTER_NS` ago (a decode instance between two steps of
 its batch, well under a millisecond apart, stays busy) or it paused itself until a time more than one look
-away. A slot whose
-process is gone is dropped when the directory is next listed (`RESCAN_NS`), so a killed instance lends
-nothing it does not have and a stale directory costs nothing.
+away. A slot whose process is gone is dropped when the directory is next listed (`RESCAN_NS`), so a killed
+instance lends nothing it does not have and a stale directory costs nothing.
 
 A decode instance with `--lend-pace-s` paces itself while a prefill computes with 2 or more prompts queued
 (`waiting`; the decode service's `PACE_BEHIND`): its steps start at most that often, and it pauses between
-them (`pause`), so the prefill has both cores for most of each period and gives one back a layer before the
+them (`pause`), so the prefill has both cores for most of each period and gives one back a look before the
 decode's next step. The decode's tokens then come at that pace instead of its fastest (50 ms by default in
 `kvcentric up`, half the 0.1 s TBT SLO), only while prompts queue at the prefill.
 
@@ -121,7 +120,7 @@ class CoreShare:
     def __init__(self, directory: str | Path, name: str, threads: int, cores: int | None = None,
                  takes: bool = False) -> None:
         """`threads`: this instance's own; `cores`: the most any call may use (default: the usable CPUs);
-        `takes`: this instance takes lent cores between layers (a prefill instance)."""
+        `takes`: this instance takes lent cores within a call too (a prefill instance)."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.own = threads
@@ -149,7 +148,7 @@ class CoreShare:
         self._set((ENDED_NS, time.monotonic_ns()), (COMPUTING, 0))
 
     def using(self, threads: int) -> None:
-        """The threads this instance computes on from now (a call changed them between layers)."""
+        """The threads this instance computes on from now (a call changed them at a look)."""
         self._set((USING, threads))
 
     def pause(self, until_ns: int) -> None:

@@ -43,7 +43,7 @@ def engine_threads(config: EngineConfig, runner: ModelRunner | None = None) -> i
 
 def core_share(config: EngineConfig, role: str, name: str, threads: int) -> CoreShare | None:
     """This instance's part in the cores lent between the machine's instances (--core-share-dir; CPU only); a
-    prefill instance takes lent cores between layers too."""
+    prefill instance takes lent cores within a call too (`LlamaModel.look`)."""
     if not config.core_share_dir or config.device != "cpu":
         return None
     return CoreShare(config.core_share_dir, name, threads, takes=role == "prefill")

@@ -60,8 +60,8 @@ class UpConfig:
                                  "on GPU i mod their count); cuda:N (every engine on GPU N)")
     torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
     lend_cores: bool = setting(True, "CPU, several engines: each model call of an engine also runs on the threads "
-                                     "of the engines that are idle, and a prefill instance takes them between "
-                                     "layers (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
+                                     "of the engines that are idle, and a prefill instance takes them within a "
+                                     "call (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
                                      "--no-lend-cores: each engine keeps to its --torch-threads")
     lend_pace_s: float = setting(0.05, "with --lend-cores: while a prefill instance computes with 2 or more prompts "
                                        "queued (a burst), a decode instance starts its steps at most this often "
