@@ -37,3 +37,25 @@ def test_in_a_shared_process_the_model_thread_still_takes_its_own_count():
             "torch.set_num_threads(2)\nm = ModelThread('t', 1)\nprint(m.call(torch.get_num_threads))"
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["1"]
+
+
+LENT = textwrap.dedent("""
+    import concurrent.futures
+    import torch
+    from kvcentric.engine.node import ModelThread, serial_elsewhere
+    from kvcentric.engine.pools import serial_workers
+
+    serial_elsewhere()
+    model = ModelThread("prefill", 1)
+    model.call(model.use, 2)  # a core lent to it, as `ModelThread.refresh` takes one within a call
+    plain = concurrent.futures.ThreadPoolExecutor(1).submit(torch.get_num_threads).result()
+    serial = serial_workers(1, "host-write").submit(torch.get_num_threads).result()
+    print(model.call(torch.get_num_threads), plain, serial)
+""")
+
+
+def test_a_worker_started_while_the_model_thread_computes_on_lent_cores_still_computes_serially():
+    # torch hands a new thread the count set last anywhere: a plain worker started now would make a second
+    # OpenMP team, and libgomp would put the model thread's team to sleep between its ops (`engine/pools.py`)
+    done = subprocess.run([sys.executable, "-c", LENT], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["2", "2", "1"]  # the model thread, a plain worker, a serial worker

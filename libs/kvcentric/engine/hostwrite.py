@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.pools import serial_workers
 from kvcentric.engine.runner import ModelRunner
 
 
@@ -46,7 +47,7 @@ class HostWriter:
     def __init__(self, runner: ModelRunner, pool: BlockPool, host: HostBlockPool,
                  on_done: Callable[[], None] | None = None) -> None:
         self.runner, self.pool, self.host, self.on_done = runner, pool, host, on_done
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="host-write")
+        self.worker = serial_workers(1, "host-write")
         self.copies: collections.deque[BlockCopy] = collections.deque()
         self.stats = {"host_writes_queued": 0, "host_writes_layerwise": 0, "host_writes_failed": 0,
                       "host_write_waits": 0}

@@ -8,7 +8,6 @@ that resends). It executes what `core.layerkv` decided; it decides nothing.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import time
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 
 from kvcentric.core.layerkv.pool import LayerBlockPool, Move
 from kvcentric.engine.llama import AttentionBatch, LayerHook, SequenceSlice
+from kvcentric.engine.pools import serial_workers
 from kvcentric.engine.runner import ModelRunner, block_slots, kv_payload, padded_decode, slots_of
 
 SCRATCH_BUFFERS = 3
@@ -60,7 +60,7 @@ class Copier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, "layerkv-copy") if self.stream is None else None
+        self.worker = serial_workers(1, "layerkv-copy") if self.stream is None else None
         self.pending: list[Any] = []
 
     def submit(self, fn, *args) -> Any:

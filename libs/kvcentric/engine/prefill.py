@@ -10,10 +10,10 @@ prompt's references. No I/O; time is not needed.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.engine.pools import serial_workers
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
@@ -105,7 +105,7 @@ class PrefillEngine:
         self.layerwise_store = layerwise_store
         """A chunk's new full blocks go into the host pool layer by layer as it computes (Mooncake §5.2);
         without, a prompt's blocks go whole when it ends."""
-        self.loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefix-load") \
+        self.loader = serial_workers(1, "prefix-load") \
             if host is not None and layerwise_load else None
         """Loads prefixes from the host pool layer by layer beside the compute (Mooncake §5.2); without it
         a prefix is copied whole before the prompt's first chunk."""

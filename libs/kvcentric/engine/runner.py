@@ -7,7 +7,6 @@ allocate blocks.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import os
 import warnings
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kvcentric.engine.pools import serial_workers
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
 from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel, PaddedRows,
                                     SequenceSlice, empty_model, load_checkpoint, random_init, use_ops)
@@ -418,7 +418,7 @@ class ModelRunner:
         takes several times that. The threads let go of the GIL inside each index_select."""
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         if "_gatherers" not in self.__dict__:
-            self.__dict__["_gatherers"] = concurrent.futures.ThreadPoolExecutor(threads, "kv-gather")
+            self.__dict__["_gatherers"] = serial_workers(threads, "kv-gather")
         pool = self.__dict__["_gatherers"]
         pieces = max(1, min(threads, index.numel() // 16))
         bounds = [index.numel() * i // pieces for i in range(pieces + 1)]

@@ -8,12 +8,12 @@ It copies; it does not send (the caller's `deliver` does) or decide what to copy
 
 from __future__ import annotations
 
-import concurrent.futures
 import queue
 from collections.abc import Callable
 
 import torch
 
+from kvcentric.engine.pools import serial_workers
 from kvcentric.runtime.transfer import checksum
 
 Deliver = Callable[[bytes, bytes, int], None]
@@ -31,7 +31,7 @@ class LayerStaging:
         self.free: queue.SimpleQueue[int] = queue.SimpleQueue()
         for index in range(buffers):
             self.free.put(index)
-        self.drainer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-staging")
+        self.drainer = serial_workers(1, "kv-staging")
 
     def stage(self, keys: torch.Tensor, values: torch.Tensor, deliver: Deliver,
               fail: Callable[[BaseException], None]) -> None:
