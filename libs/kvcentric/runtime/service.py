@@ -141,7 +141,7 @@ def freeze_heap() -> None:
 
     A full collection walks every tracked object with the GIL held, so it stops each of the process's threads.
     Measured while serving bursts (2026-11-27, docs/performance.md § "Garbage collection"), the colocated
-    engine's full collections took 110-390 ms each, about one every 10-20 s, and one landing in a burst stopped
+    engine's full collections took 140-390 ms each, about one every 10-20 s, and one landing in a burst stopped
     the model between two steps for as long; after the freeze none took over 3 ms. KVC_GC_FREEZE=0 leaves the
     collector as it is."""
     if os.environ.get("KVC_GC_FREEZE", "1").lower() in ("0", "false", "no", "off"):
