@@ -9,6 +9,7 @@ import time
 
 _trace = os.environ.get("KVC_GC_TRACE", "")
 _began: list[float] = []
+_MAIN = os.path.join("kvcentric", "__main__.py")
 
 
 def _timed(phase: str, info: dict) -> None:
@@ -22,6 +23,5 @@ def _timed(phase: str, info: dict) -> None:
             out.write(f"{time.time():.4f} {1000 * (time.perf_counter() - _began[0]):.2f} {sys.argv[1]}\n")
 
 
-_MAIN = os.path.join("kvcentric", "__main__.py")
 if _trace:
     gc.callbacks.append(_timed)

@@ -28,4 +28,4 @@ def test_a_service_process_full_collections_are_timed_and_other_processes_are_no
     assert not trace.exists()
     run(service, trace)
     lines = [line.split() for line in trace.read_text().splitlines()]  # the two asked for, and one at exit
-    assert len(lines) >= 2 and all(service == "gateway" and float(ms) >= 0 for _, ms, service in lines), lines
+    assert len(lines) >= 2 and all(command == "gateway" and float(ms) >= 0 for _, ms, command in lines), lines
