@@ -89,8 +89,10 @@ def test_the_measured_models_replace_the_prior_and_the_request_is_placed(tmp_pat
         assert conductor_metric(up, "ttft_prediction_rel_error_mean") >= 0
         python = [name for name, started in up.manifest["services"].items() if started.get("health_url")]
         assert {"gateway", "conductor-0", "kvs-meta", "prefill-0", "decode-0"} <= set(python), python
-        for service in python:  # each froze what it had built at start (`freeze_heap`)
-            assert metrics(up, service)["kvc_gc_frozen_objects"] > 10_000, service
+        for service in python:  # each froze what it had built at start (`freeze_heap`), and counts its faults
+            gauges = metrics(up, service)
+            assert gauges["kvc_gc_frozen_objects"] > 10_000, service
+            assert gauges["kvc_minor_page_faults"] > 0, service
     finally:
         up.stop()
 

@@ -6,6 +6,7 @@ lifecycle: open them in order, run until a signal, close them in reverse. It hol
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import json
 import logging
@@ -150,6 +151,39 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+"""glibc's `mallopt` parameters (malloc.h)."""
+KEPT_ALLOCATION_BYTES = 32 << 20
+"""Allocations up to this size come from the heap and go back to it (glibc's ceiling for M_MMAP_THRESHOLD on
+64-bit): a prefill step's activations of `small` at 2048 rows are at most 23 MB each (the MLP's gate|up)."""
+KEPT_FREE_BYTES = 1 << 30
+"""Free memory at the top of a heap that glibc keeps instead of giving back to the kernel (a C int)."""
+
+
+def keep_heap() -> bool:
+    """Have glibc's malloc keep freed memory for reuse, so a model step's activations land in pages already
+    mapped: returns whether it could (False off glibc, or with KVC_MALLOC_KEEP=0).
+
+    As is, glibc maps an allocation over its threshold (128 KiB at first, raised to the largest freed since, up
+    to 32 MiB) and unmaps it when freed, gives back a heap's free top past its trim threshold, and gives a new
+    thread an arena of its own whose heaps come and go. A model step allocates tens of megabytes of activations
+    and frees them before the next, so the model thread's steps kept touching fresh pages (each fault a kernel
+    entry and a zeroed 4 KiB page). Here: the mmap threshold at its ceiling, the trim threshold at 1 GiB, and one
+    arena for every thread (a thread started later shares the main one). Measured with `bench/bench_page_faults.py`
+    (2026-11-27, 2-core VM, `small` colocated on its model thread, bursts of 32 x 256-token prompts): 47,808
+    faults a burst as is against 188, and 1.398 s a burst against 1.353 (docs/performance.md § "Page faults").
+    The heap holds a step's peak of activations for good, which the process needed anyway."""
+    if os.environ.get("KVC_MALLOC_KEEP", "1").lower() in ("0", "false", "no", "off"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return (bool(mallopt(M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
+            and bool(mallopt(M_ARENA_MAX, 1)))
+
+
 def write_port_file(path: str, port: int) -> None:
     """Say which port this process bound (--port-file), whole or not at all (written aside, then renamed)."""
     with open(path + ".tmp", "w") as out:
@@ -171,6 +205,7 @@ def run_service(service: Service) -> None:
             loop_factory = uvloop.new_event_loop
         except ImportError:
             pass
+    keep_heap()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         current: Service | None = service
         while current is not None:
