@@ -2,7 +2,7 @@
 `small` model (8 query heads, 4 KV heads, head size 64, hidden 512, SwiGLU 1408), fp32, side by side in one
 process: decode attention over the paged cache (its KV in cache, and the KV of 8 layers taken in turn, so out
 of it, as in the engine) against gathering the blocks for SDPA; prefill of 8 prompts x 256 against causal SDPA
-per prompt; SwiGLU and rotary + cache write against torch's ops. Medians of `--repeat` calls; JSON in
+per prompt; RMSNorm, SwiGLU and rotary + cache write against torch's ops. Medians of `--repeat` calls; JSON in
 bench/results/cpu_kernels.json.
 
     .venv/bin/python bench/bench_cpu_kernels.py [--threads 2]
@@ -119,7 +119,10 @@ def time_layer_ops(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
         k_cache.index_copy_(0, slots, rotated[:, heads:])
         v_cache.index_copy_(0, slots, qkv[:, heads + kv_heads:])
 
-    return {"swiglu": {"kernel_ms": median_ms(lambda: ops.silu_mul(gate_up), repeat),
+    hidden, weight = torch.randn(rows, config.hidden_size), torch.randn(config.hidden_size)
+    return {"rms_norm": {"kernel_ms": median_ms(lambda: ops.rms_norm(hidden, weight, 1e-5), repeat),
+                         "torch_ms": median_ms(lambda: F.rms_norm(hidden, weight.shape, weight, 1e-5), repeat)},
+            "swiglu": {"kernel_ms": median_ms(lambda: ops.silu_mul(gate_up), repeat),
                        "torch_ms": median_ms(torch_swiglu, repeat)},
             "rotary_and_cache_write": {
                 "kernel_ms": median_ms(lambda: ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin,

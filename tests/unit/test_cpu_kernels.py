@@ -219,6 +219,25 @@ def test_silu_mul_is_torchs_to_fp32_rounding(layer_ops, rows):
                                rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 32, 2048])
+def test_rms_norm_is_torchs_to_fp32_rounding(layer_ops, rows):
+    generator = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 512, generator=generator) * 3, torch.randn(512, generator=generator)
+    got = layer_ops.rms_norm(x, weight, 1e-5)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, F.rms_norm(x, weight.shape, weight, 1e-5), rtol=2e-6, atol=1e-6)
+    strided = torch.randn(rows, 512 + 16, generator=generator)[:, 16:]  # rows of a wider tensor
+    torch.testing.assert_close(layer_ops.rms_norm(strided, weight, 1e-6), F.rms_norm(strided, (512,), weight, 1e-6),
+                               rtol=2e-6, atol=1e-6)
+
+
+def test_rms_norm_leaves_what_it_does_not_take_to_torch(layer_ops):
+    weight = torch.randn(64)
+    for x in (torch.randn(2, 3, 64), torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, 4).t()):
+        expected = F.rms_norm(x, weight.shape, weight.to(x.dtype), 1e-5)
+        assert torch.equal(layer_ops.rms_norm(x, weight.to(x.dtype), 1e-5), expected)
+
+
 def test_rotate_store_is_torchs_rotary_and_cache_write_bit_for_bit(layer_ops):
     config = preset("small")
     rotary = Rotary(config)

@@ -180,8 +180,8 @@ class CpuAttention:
 
 
 class CpuLayerOps:
-    """The `llama.LayerOps` of an fp32 CPU model, from the same library: silu x up and rotary + cache write in
-    one pass each (`layer_ops.cpp`); RMSNorm is torch's."""
+    """The `llama.LayerOps` of an fp32 CPU model, from the same library: silu x up, rotary + cache write, and
+    RMSNorm in one pass each (`layer_ops.cpp`)."""
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
@@ -193,10 +193,19 @@ class CpuLayerOps:
         self.rotate_store_function.argtypes = [pointer, size, pointer, pointer, size, pointer, pointer, pointer,
                                                pointer, pointer, size, size, size, size, size, size]
         self.rotate_store_function.restype = ctypes.c_int
+        self.rms_norm_function = library.kvc_rms_norm
+        self.rms_norm_function.argtypes = [pointer, size, pointer, pointer, size, size, ctypes.c_float]
+        self.rms_norm_function.restype = None
 
-    @staticmethod
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension of [rows, width] rows (torch's for any other shape or type)."""
+        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+                or weight.dtype != torch.float32 or not weight.is_contiguous() or weight.shape != (x.shape[1],)):
+            return torch.nn.functional.rms_norm(x, weight.shape, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self.rms_norm_function(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1],
+                               eps)
+        return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a [rows, 2 width] gate|up projection, as [rows, width]."""
@@ -290,7 +299,11 @@ def main() -> None:
     swiglu = CpuLayerOps(kernel.path).silu_mul(gate_up)
     ops_error = float((swiglu - F.silu(gate_up[:, :96]) * gate_up[:, 96:]).abs().max())
     print(f"{kernel.path}: SwiGLU, max |kernel - torch| = {ops_error:.1e}")
-    if max(error, prefill_error, ops_error) > 1e-4:
+    hidden, weight = torch.randn(40, 96, generator=generator), torch.randn(96, generator=generator)
+    norm = CpuLayerOps(kernel.path).rms_norm(hidden, weight, 1e-5)
+    norm_error = float((norm - F.rms_norm(hidden, weight.shape, weight, 1e-5)).abs().max())
+    print(f"{kernel.path}: RMSNorm, max |kernel - torch| = {norm_error:.1e}")
+    if max(error, prefill_error, ops_error, norm_error) > 1e-4:
         raise SystemExit("the kernels disagree with SDPA")
 
 
