@@ -213,7 +213,7 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
         assert set(compared) == {"1P+1D", "2-colocated"}
     elif key.startswith(".venv/bin/python -m kvcentric.engine.kernels"):
         differences = [float(found) for found in re.findall(r"max \|kernel - [^|]*\| = (\S+)", output)]
-        assert len(differences) == 3 and max(differences) < 1e-4, output  # decode, prefill, SwiGLU
+        assert len(differences) == 4 and max(differences) < 1e-4, output  # decode, prefill, SwiGLU, RMSNorm
     elif key.startswith(".venv/bin/python -m pytest"):
         assert re.search(r"\b\d+ passed\b", output) and "failed" not in output, output[-2000:]
 
