@@ -136,6 +136,11 @@ class Service:
         return self.http.port
 
 
+def turned_off(variable: str) -> bool:
+    """Whether a process-wide setting that is on by default was turned off in the environment (0/false/no/off)."""
+    return os.environ.get(variable, "1").lower() in ("0", "false", "no", "off")
+
+
 def freeze_heap() -> None:
     """Once a service has started: collect, then take every object alive (modules, the model's weights and their
     wrappers, the tokenizer, compiled kernels) out of the collector's sight for good (`gc.freeze`).
@@ -145,7 +150,7 @@ def freeze_heap() -> None:
     engine's full collections took 140-390 ms each, about one every 10-20 s, and one landing in a burst stopped
     the model between two steps for as long; after the freeze none took over 3 ms. KVC_GC_FREEZE=0 leaves the
     collector as it is."""
-    if os.environ.get("KVC_GC_FREEZE", "1").lower() in ("0", "false", "no", "off"):
+    if turned_off("KVC_GC_FREEZE"):
         return
     gc.collect()
     gc.freeze()
@@ -173,15 +178,15 @@ def keep_heap() -> bool:
     (2026-11-27, 2-core VM, `small` colocated on its model thread, bursts of 32 x 256-token prompts): 47,808
     faults a burst as is against 188, and 1.398 s a burst against 1.353 (docs/performance.md § "Page faults").
     The heap holds a step's peak of activations for good, which the process needed anyway."""
-    if os.environ.get("KVC_MALLOC_KEEP", "1").lower() in ("0", "false", "no", "off"):
+    if turned_off("KVC_MALLOC_KEEP"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return (bool(mallopt(M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, KEPT_FREE_BYTES))
-            and bool(mallopt(M_ARENA_MAX, 1)))
+    settings = ((M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES), (M_TRIM_THRESHOLD, KEPT_FREE_BYTES), (M_ARENA_MAX, 1))
+    return all(mallopt(parameter, value) for parameter, value in settings)
 
 
 def write_port_file(path: str, port: int) -> None:
