@@ -25,6 +25,10 @@ from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
 
 
+LANE_LOOK_S = 0.005
+"""How often, while the model thread computes a step, the lane looks for a lent core and a queued prompt."""
+
+
 class RefusingSink:
     """A prefill node's messenger takes no pushes (it sends them)."""
 
@@ -58,6 +62,10 @@ class PrefillService(EngineService):
         self.engine = PrefillEngine(self.runner, self.pool, config.hasher(),
                                     config.prefill_chunk, self.host, config.layerwise_prefix_load,
                                     config.layerwise_store)
+        self.model_step = asyncio.Event()
+        """Set while the model thread computes a step (the lane may take a prompt beside it)."""
+        if self.lanes:
+            self.model.add_lane(self.role)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}
         self.pulling = 0
@@ -153,18 +161,43 @@ class PrefillService(EngineService):
     # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
+        if self.model.lane is None:
+            await self.step_loop()
+            return
+        await asyncio.gather(self.step_loop(), self.step_loop(lane=True))
+
+    async def step_loop(self, lane: bool = False) -> None:
+        """Steps one after the other: in the model thread, or with `lane` in the lane's thread beside it, which
+        takes a prompt only while the model thread computes one and a core is lent (`lanes`)."""
         while not self.stopping.is_set():
+            if lane and not self.lane_may_start():
+                await self.lane_wait()
+                continue
             chunks = self.schedule()
             if not chunks:
+                if lane:
+                    await self.lane_wait()
+                    continue
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
             started = time.perf_counter()  # the step's whole turn, as the queue behind it sees it
             if self.model.share is not None:
                 self.model.share.waiting(len(self.engine.queue))
-            await self.prefill_step(chunks)
+            computing = {chunk.work.request_id for chunk in chunks}
+            self.engine.computing |= computing
+            if not lane:
+                self.model_step.set()
+            try:
+                await self.prefill_step(chunks, lane)
+            finally:
+                self.engine.computing -= computing
+                if not lane:
+                    self.model_step.clear()
             await self.reporter.publish_cache_changes()
             seconds = time.perf_counter() - started
+            if self.model.lane is not None and (self.model.lane.computing or lane):
+                seconds /= 2  # two passes at once: the queue behind them moves at twice this one's pace
             tokens = sum(chunk.end - chunk.start for chunk in chunks)
             for chunk in chunks:  # a shared pass is timed to its chunks by their tokens
                 share = seconds * (chunk.end - chunk.start) / tokens
@@ -172,9 +205,34 @@ class PrefillService(EngineService):
                 if self.layerkv is not None:
                     self.layerkv.observe_prefill(chunk.end - chunk.start, chunk.start, share)
 
+    def lane_may_start(self) -> bool:
+        """The lane takes a prompt while the model thread computes one, another is queued, and a core is lent."""
+        share = self.model.share
+        return (self.model_step.is_set() and bool(self.engine.queue) and share is not None
+                and share.threads() > 1)
+
+    async def lane_wait(self) -> None:
+        """Until the model thread starts a step; then a look every LANE_LOOK_S while it computes."""
+        if not self.model_step.is_set():
+            try:
+                await asyncio.wait_for(self.model_step.wait(), 0.5)
+            except TimeoutError:
+                pass
+            return
+        await asyncio.sleep(LANE_LOOK_S)
+
+    @property
+    def lanes(self) -> bool:
+        """Whether two prompts may compute at once, each on a model thread of its own (--prefill-lanes 2, on the
+        CPU, with cores lent; not with LayerKV, nor in a stage of a prefill pipeline)."""
+        share = self.model.share
+        return (self.config.prefill_lanes == 2 and share is not None and share.takes and self.layerkv is None
+                and self.runner.device.type == "cpu" and type(self) is PrefillService)
+
     def schedule(self) -> list[PrefillChunk]:
-        """The engine's next step: chunks of as many prompts as --prefill-step-tokens holds (one pass); with
-        LayerKV one chunk, and a new prompt starts only once its layers are placed."""
+        """The engine's next step: chunks of as many prompts as --prefill-step-tokens holds (one pass), none of a
+        prompt the other lane computes; with LayerKV one chunk, and a new prompt starts only once its layers are
+        placed."""
         if self.layerkv is None:
             return self.engine.schedule_step(self.config.prefill_step_tokens)
         now = time.monotonic()
@@ -182,7 +240,7 @@ class PrefillService(EngineService):
         self.layerkv.placed(self.engine, now)
         return [chunk] if chunk is not None else []
 
-    async def prefill_step(self, chunks: list[PrefillChunk]) -> None:
+    async def prefill_step(self, chunks: list[PrefillChunk], lane: bool = False) -> None:
         """Compute one step's chunks in one pass while each prompt's layers stream to its decode instance; a
         prompt's first chunk opens its push, its last closes it with the first token. Any failure fails the
         requests it concerns, not the service: a cancelled or already failed push only its own."""
@@ -201,9 +259,10 @@ class PrefillService(EngineService):
                 self.fail(chunk.work, exc)
         if not live:
             return
+        hooks = [push.hook(chunk.start) for chunk, push in zip(live, pushes)]
+        run = self.model.run_lane if lane else self.model.run
         try:
-            tokens = await self.model.run(self.engine.execute_step, live,
-                                          [push.hook(chunk.start) for chunk, push in zip(live, pushes)])
+            tokens = await run(self.engine.execute_step, live, hooks)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the service lives on
             for chunk in live:
                 self.end_push(chunk.work, str(exc))

@@ -119,6 +119,10 @@ class EngineConfig(BusConfig):
                                           "measured slower (a single core's GEMM is no faster on more rows, and "
                                           "the first prompts wait for the whole pass: docs/performance.md); "
                                           "--layerkv and pipeline stages always compute one chunk per pass")
+    prefill_lanes: int = setting(2, "prefill on the CPU with cores lent (--core-share-dir): with a core lent and two "
+                                    "prompts queued, compute one on each of two model threads of one torch thread "
+                                    "at once rather than one on a 2-thread team (docs/performance.md, \"What "
+                                    "serving adds to a prompt's prefill\"); 1: always the team")
     decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
                                                             "attend through one padded block-table gather per "
                                                             "layer (padded) or one sequence at a time over its "
@@ -147,6 +151,7 @@ class EngineConfig(BusConfig):
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(self.step_tokens >= 0, "step_tokens", "must be 0 (split steps) or positive")
+        require(self.prefill_lanes in (1, 2), "prefill_lanes", "must be 1 (a team) or 2 (two lanes)")
         require(self.prefill_step_tokens >= 0, "prefill_step_tokens", "must be 0 (one chunk per pass) or positive")
         require(not (self.layerkv and self.pipeline_group), "layerkv",
                 "a prefill stage (--pipeline-group) does not run LayerKV: drop one of the two")

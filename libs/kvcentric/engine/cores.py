@@ -38,6 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +131,8 @@ class CoreShare:
         self.peers: dict[Path, Slot] = {}
         self.scanned_ns = -RESCAN_NS
         self.takes = takes
+        self.lock = threading.Lock()
+        """`threads` from a prefill instance's two model threads at once (`node.Lane`): one rescans at a time."""
         self.lent_calls = 0
         """Model calls that ran on more threads than this instance's own."""
         self.closed = False
@@ -187,6 +190,10 @@ class CoreShare:
         the same idle core, and a machine with more instances than cores gets no more threads than it had
         without lending."""
         now_ns = time.monotonic_ns() if now_ns is None else now_ns
+        with self.lock:
+            return self._threads(margin_ns, now_ns)
+
+    def _threads(self, margin_ns: int, now_ns: int) -> int:
         if now_ns - self.scanned_ns >= RESCAN_NS:
             self.rescan(now_ns)
         threads, held = self.own, 0

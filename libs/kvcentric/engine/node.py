@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -17,6 +19,7 @@ from kvcentric.engine.cores import CoreShare
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
+
 
 
 def load_runner(config: EngineConfig, runner: ModelRunner | None = None) -> ModelRunner:
@@ -73,6 +76,11 @@ class ModelThread:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-model",
                                                               initializer=_use_threads, initargs=(threads,))
         self.call(int)  # the thread starts and takes its count now
+        self.lane: Lane | None = None
+        """A prefill instance's second model thread (`add_lane`, `lane_call`)."""
+        self.calls = 0
+        """Calls computing now: the model thread's and the lane's."""
+        self.calls_lock = threading.Lock()
         if _serial_elsewhere:
             torch.set_num_threads(1)  # what the model thread's setting changed, for threads started later
 
@@ -88,21 +96,72 @@ class ModelThread:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, borrow, fn, *args)
 
     def shared(self, borrow: bool, fn, *args):
-        """fn(*args) on the threads the core share allows now (in the model thread)."""
+        """fn(*args) on the threads the core share allows now (in the model thread); on one while the lane computes
+        too (`lane_call`)."""
         assert self.share is not None
         self.borrowing = borrow
-        self.use(self.share.begin(borrow))
+        threads = self._begin(borrow)
+        self.use(1 if self.lane is not None and self.lane.computing else threads)
         self.looked_ns = 0
         try:
             return fn(*args)
         finally:
-            self.share.end()
+            self._end()
+
+    def _begin(self, borrow: bool = True) -> int:
+        """The instance computes from now (the model thread's call or the lane's, whichever begins first)."""
+        assert self.share is not None
+        with self.calls_lock:
+            self.calls += 1
+            if self.calls == 1:
+                return self.share.begin(borrow)
+            self.share.using(2)
+            return 1
+
+    def _end(self) -> None:
+        assert self.share is not None
+        with self.calls_lock:
+            self.calls -= 1
+            if self.calls == 0:
+                self.share.end()
+            else:
+                self.share.using(1)
+
+    def lane_call(self, fn, *args):
+        """fn(*args) in the lane's thread (a prefill pass of its own, beside the model thread's): on one torch
+        thread, starting once a core is lent to it or the model thread is idle, and pausing at its looks while
+        neither holds (`Lane.look`)."""
+        lane = self.lane
+        assert lane is not None and self.share is not None
+        lane.computing = True
+        lane.looked_ns = 0
+        lane.calls += 1
+        self._begin()
+        if self.model_idle():
+            self.share.using(1)
+        try:
+            lane.look(self.share, self.model_idle)
+            return fn(*args)
+        finally:
+            lane.computing = False
+            self._end()
+
+    def model_idle(self) -> bool:
+        """The model thread computes nothing now (so its core is the lane's)."""
+        return self.calls <= 1
 
     def refresh(self) -> None:
         """At a look within a call (`LlamaModel.look`, in the model thread): take a core an instance beside this
         one left idle since the call began, or give one back to an instance that started computing or resumes
-        sooner than the time since the last look."""
+        sooner than the time since the last look. In a call of two lanes the model thread keeps its one thread
+        and the lane's thread waits at its looks while the lent core is not there (`Lane.look`)."""
         assert self.share is not None
+        if self.lane is not None and threading.get_ident() == self.lane.ident:
+            self.lane.look(self.share, self.model_idle)
+            return
+        if self.lane is not None and self.lane.computing:  # the lane has the lent core: this thread keeps one
+            self.use(1)
+            return
         if not self.borrowing:
             return
         now = time.monotonic_ns()
@@ -119,16 +178,71 @@ class ModelThread:
         self.current = threads
         return True
 
+    def add_lane(self, role: str) -> None:
+        """A second model thread of one torch thread, for prefill passes beside the model thread's (`lane_call`)."""
+        self.lane = Lane(role)
+
+    async def run_lane(self, fn, *args):
+        """fn(*args) in the lane's thread, awaited (`lane_call`)."""
+        assert self.lane is not None
+        return await asyncio.get_running_loop().run_in_executor(self.lane.executor, self.lane_call, fn, *args)
+
     def stats(self) -> dict[str, float]:
         """Gauges of the cores lent to this instance (none without a core share)."""
         if self.share is None:
             return {}
-        return {"torch_threads_now": self.current, "model_calls_on_lent_cores": self.share.lent_calls}
+        lanes = {} if self.lane is None else {"lane_calls": self.lane.calls, "lane_waits": self.lane.waits}
+        return {"torch_threads_now": self.current, "model_calls_on_lent_cores": self.share.lent_calls, **lanes}
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.lane is not None:
+            self.lane.executor.shutdown(wait=False, cancel_futures=True)
         if self.share is not None:
             self.share.close()  # a call still running then computes on its own threads (`CoreShare.closed`)
+
+
+class Lane:
+    """A prefill instance's second model thread, of one torch thread: with a core lent and prompts queued, the
+    instance computes a second prompt in a pass of its own beside the model thread's, each on one thread, rather
+    than one prompt on a team of two. A team stalls at every op whose second thread the scheduler gave to another
+    process for a while (the decode's steps, the streams, the event loops), its first thread spinning meanwhile;
+    a lane that loses its core slows only its own prompt. `bench/bench_prefill_lanes.py`: 0.92x the team's time a
+    prompt alone, 0.74x beside a process burning 40% of a core (docs/performance.md, "What serving adds to a
+    prompt's prefill")."""
+
+    WAIT_S = 0.0005
+    """How often a paused lane looks again for its core."""
+
+    def __init__(self, role: str) -> None:
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-lane",
+                                                              initializer=_use_threads, initargs=(1,))
+        self.ident = self.executor.submit(threading.get_ident).result()
+        self.computing = False
+        self.look_ns = 0
+        self.looked_ns = 0
+        self.calls = 0
+        self.waits = 0
+        """Looks at which the lane paused for a core."""
+
+    def look(self, share: CoreShare, model_idle: Callable[[], bool]) -> None:
+        """In the lane's thread, at the start of its pass and at each look: go on while a core is lent to this
+        instance (the instances beside it idle beyond the time since the last look) or the model thread is idle;
+        else wait for that, telling the others this instance computes on one thread meanwhile."""
+        now = time.monotonic_ns()
+        self.look_ns = now - self.looked_ns if self.looked_ns else self.look_ns
+        self.looked_ns = now
+        paused = False
+        while not model_idle() and share.threads(self.look_ns, now) < 2:
+            if not paused:
+                paused = True
+                self.waits += 1
+                share.using(1)
+            time.sleep(self.WAIT_S)
+            now = time.monotonic_ns()
+        if paused:
+            share.using(1 if model_idle() else 2)
+            self.looked_ns = time.monotonic_ns()
 
 
 def _use_threads(threads: int) -> None:

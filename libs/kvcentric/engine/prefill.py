@@ -111,6 +111,9 @@ class PrefillEngine:
         a prefix is copied whole before the prompt's first chunk."""
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.running: dict[str, PrefillWork] = {}
+        self.computing: set[str] = set()
+        """Prompts whose chunk is being computed now, by a second model thread's pass or the first's (a prefill
+        instance with a lane, `node.Lane`): `schedule` picks another."""
         self.sending: dict[str, PrefillWork] = {}
         """Prompts computed whose KV is still on its way out (`complete`): blocks held until `finish`."""
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
@@ -157,7 +160,7 @@ class PrefillEngine:
         """The next chunk: of the prompt in progress, else of the next queued one whose blocks fit."""
         if self.writer is not None:
             self.writer.collect()
-        work = next(iter(self.running.values()), None) or self._start_next()
+        work = next((w for key, w in self.running.items() if key not in self.computing), None) or self._start_next()
         if work is None:
             return None
         end = min(work.done + self.chunk_tokens, work.num_tokens)
@@ -177,7 +180,7 @@ class PrefillEngine:
         left = budget - (first.end - first.start)
         if budget <= 0 or self.runner.layered is not None or not self._batchable(first.work):
             return chunks
-        taken = {first.work.request_id}
+        taken = {first.work.request_id, *self.computing}
         while left > 0:
             work = next((w for key, w in self.running.items() if key not in taken), None) or self._start_next()
             if work is None or not self._batchable(work):
