@@ -21,7 +21,6 @@ from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 
 
-
 def load_runner(config: EngineConfig, runner: ModelRunner | None = None) -> ModelRunner:
     """The model with its paged KV memory: `runner` when one is handed over, else loaded from `config` (in the
     model thread: see `ModelThread`)."""
