@@ -6,9 +6,12 @@ Served, each burst sends 32 prompts at once. With `max_tokens` 1 the decode inst
 prefill instance has the box to itself; that is measured in four settings (the default, no host pool, no
 lending with 2 torch threads of its own, and both), then the default with 32 tokens out, where the decode
 instance's steps and the streams share the two cores. Per prompt: wall time (a burst's last first token / 32:
-its prefill phase) and the
-CPU of the prefill process's threads (`/proc/<pid>/task/*/stat`, the model thread and its OpenMP worker apart
-from the rest).
+its prefill phase) and the CPU of the prefill process's threads (`/proc/<pid>/task/*/stat`, the model thread and
+its OpenMP worker apart from the rest).
+
+Every served setting computes on one model thread (`KVC_PREFILL_LANES=1`): this measures what serving adds to a
+prompt computed by a team, as before prefill lanes; the lanes are measured by `bench_alone.py "1P+1D"`
+(`alone_lanes.jsonl`).
 
 Writes `bench/results/prefill_served.json`:
 
@@ -101,7 +104,8 @@ def served(checkpoint: Path, name: str, bursts: int, log_dir: Path) -> dict:
     flags, env, max_tokens = SETTINGS[name]
     print(f"starting 1P+1D, {name}", file=sys.stderr, flush=True)
     up = UpProcess(str(log_dir / name.replace(" ", "_").replace(",", "")), "--model", str(checkpoint),
-                   "--prefill", "1", "--decode", "1", *flags, timeout_s=600, env={"KVC_DTYPE": "float32", **env})
+                   "--prefill", "1", "--decode", "1", *flags, timeout_s=600,
+                   env={"KVC_DTYPE": "float32", "KVC_PREFILL_LANES": "1", **env})
     try:
         model = vs.served_model(up.url)
         rng = random.Random(3)
