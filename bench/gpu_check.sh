@@ -40,6 +40,11 @@ os.chmod("/tmp/nats-bin/nats-server", 0o755)
 PY
 export PATH=/tmp/nats-bin:$PATH
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+# the test steps need pytest's asyncio and timeout plugins: without pytest-asyncio every async test fails with
+# "async def functions are not natively supported" (an image of 2026-11-27 lacked it); ship its wheel in .whl/
+# (`pip download --no-deps -d .whl pytest-asyncio`) where the host has none
+python3 -c "import pytest, pytest_asyncio, pytest_timeout; print('pytest', pytest.__version__, 'pytest-asyncio', \
+pytest_asyncio.__version__)" || echo "== pytest-asyncio or pytest-timeout missing: the test steps will fail (see above)"
 
 steps=${STEPS:-unit bench up layerwise disagg}
 wanted() { [[ " $steps " == *" $1 "* ]]; }

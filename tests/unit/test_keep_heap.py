@@ -41,3 +41,13 @@ def test_steps_after_the_first_fault_on_no_page_with_the_heap_kept_and_on_every_
     # its thresholds in some (1,700 a step); with the heap kept about 560 a step (torch's own small buffers)
     assert kept["faults"] < 10 * 1_000
     assert unkept["faults"] > 2 * kept["faults"]
+
+
+def test_every_service_keeps_its_heap_but_an_engine_on_a_cuda_device():
+    from kvcentric.engine.config import EngineConfig
+    from kvcentric.runtime.service import heap_kept_for
+
+    assert heap_kept_for(EngineConfig())
+    assert heap_kept_for(object())  # a service with no device: the gateway, the conductor, kvs-meta
+    assert not heap_kept_for(EngineConfig(device="cuda"))
+    assert not heap_kept_for(EngineConfig(device="cuda:1"))

@@ -177,7 +177,12 @@ def keep_heap() -> bool:
     arena for every thread (a thread started later shares the main one). Measured with `bench/bench_page_faults.py`
     (2026-11-27, 2-core VM, `small` colocated on its model thread, bursts of 32 x 256-token prompts): 47,808
     faults a burst as is against 188, and 1.398 s a burst against 1.353 (docs/performance.md § "Page faults").
-    The heap holds a step's peak of activations for good, which the process needed anyway."""
+    The heap holds a step's peak of activations for good, which the process needed anyway.
+
+    Not for a GPU engine (`heap_kept_for`): its activations live on the device, and its many threads would share
+    the one arena's lock. On an H100 (2026-11-27, `bench_disagg.py`, 8B in bf16) the served colocated instance
+    kept 0.56-0.92 of the lone engine in seven runs with the heap kept (four under 0.75), against 0.84 in the
+    one run without and 0.64-0.95 (one under 0.75 of six) in the morning's runs before `keep_heap` existed."""
     if turned_off("KVC_MALLOC_KEEP"):
         return False
     try:
@@ -187,6 +192,11 @@ def keep_heap() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     settings = ((M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES), (M_TRIM_THRESHOLD, KEPT_FREE_BYTES), (M_ARENA_MAX, 1))
     return all(mallopt(parameter, value) for parameter, value in settings)
+
+
+def heap_kept_for(config: object) -> bool:
+    """Whether a service of this config keeps its heap (`keep_heap`): all but an engine on a CUDA device."""
+    return not str(getattr(config, "device", "cpu")).startswith("cuda")
 
 
 def write_port_file(path: str, port: int) -> None:
@@ -210,7 +220,8 @@ def run_service(service: Service) -> None:
             loop_factory = uvloop.new_event_loop
         except ImportError:
             pass
-    keep_heap()
+    if heap_kept_for(service.config):
+        keep_heap()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
         current: Service | None = service
         while current is not None:
