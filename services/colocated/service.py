@@ -1,11 +1,13 @@
 """The colocated service's asyncio shell: answers both prefill and decode submits for its id, runs one
 prefill chunk and one decode batch per step in the model thread, and streams tokens on
 `kvc.req.<id>.out`. It publishes load reports in both roles, so the conductor sees it as both; a prompt
-it prefills is decoded here, with no KV transfer (pushes from a prefill instance are accepted too).
+it prefills is decoded here, with no KV transfer (pushes from a prefill instance are accepted too). On the
+CPU a lane (`node.Lane`) computes queued prompts in passes of their own beside the model thread's mixed steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
@@ -35,6 +37,9 @@ class ColocatedService(EngineService):
             if config.step_tokens and self.layerkv is None else None
         """Mixed steps (one forward pass for decode rows and prompt chunks); LayerKV's layer-wise KV runs
         split steps only."""
+        if self.lanes:
+            self.model.add_lane(self.role)
+            self.runner.model.look = self.model.refresh  # the model thread gives the lane a core within a step
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
@@ -95,7 +100,19 @@ class ColocatedService(EngineService):
 
     # ---------------------------------------------------------------- the work loop
 
+    @property
+    def lanes(self) -> bool:
+        """Whether queued prompts may compute in passes of their own on a second model thread of one torch thread
+        beside the mixed steps (--prefill-lanes 2; mixed steps on the CPU on 2 threads or more of its own, no
+        core share). A team of two stalls at every op whose second thread lost its core to the services
+        beside it; two lanes lose only their own time (`node.Lane`)."""
+        return (self.config.prefill_lanes == 2 and self.stepper is not None and self.model.share is None
+                and self.model.threads >= 2 and self.runner.device.type == "cpu")
+
     async def work_loop(self) -> None:
+        if self.stepper is not None and self.model.lane is not None:
+            await asyncio.gather(self.mixed_loop(self.stepper), self.lane_loop())
+            return
         if self.stepper is not None:
             return await self.mixed_loop(self.stepper)
         while not self.stopping.is_set():
@@ -143,12 +160,18 @@ class ColocatedService(EngineService):
                 await self.reporter.publish_cache_changes()
                 await self.wake.sleep(0.05)
                 continue
+            computing = {chunk.work.request_id for chunk in step.chunks}
+            self.engine.prefill.computing |= computing
+            self.model_step.set()
             try:
                 (firsts, tokens), seconds = await self.model.run(self.speed.timed, stepper.execute, step)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("colocated step failed")
                 self.outbox.emit(stepper.fail_step(step, f"step failed: {exc}"))
                 continue
+            finally:
+                self.engine.prefill.computing -= computing
+                self.model_step.clear()
             self.time_mixed_step(step, seconds)
             self.outbox.emit(stepper.update(step, firsts, tokens))
             await self.reporter.publish_cache_changes()
@@ -160,3 +183,41 @@ class ColocatedService(EngineService):
             self.speed.prefill(chunk.end - chunk.start, chunk.start, share * (chunk.end - chunk.start))
         if step.batch:
             self.speed.decode(len(step.batch), sum(r.context_tokens for r in step.batch), share * len(step.batch))
+
+    async def lane_loop(self) -> None:
+        """The lane's steps: while the model thread computes a mixed step and prompts wait that it does not
+        compute, chunks of as many of them as --step-tokens holds in one pass on the lane's thread; a prompt
+        whose last chunk it computes is handed to the decode batch of the model thread's next step."""
+        prefill = self.engine.prefill
+        while not self.stopping.is_set():
+            if not self.model_step.is_set() or not self.prompts_waiting():
+                await self.lane_wait()
+                continue
+            chunks = prefill.schedule_step(self.config.step_tokens)
+            if not chunks:
+                await self.lane_wait()
+                continue
+            computing = {chunk.work.request_id for chunk in chunks}
+            prefill.computing |= computing
+            try:
+                firsts, seconds = await self.model.run_lane(self.speed.timed, prefill.execute_step, chunks,
+                                                            [None] * len(chunks))
+            except Exception as exc:  # noqa: BLE001 - fail this pass's requests, keep serving
+                self.log.exception("colocated lane pass failed")
+                for chunk in chunks:
+                    self.outbox.emit(self.engine.fail_step(chunk, [], f"step failed: {exc}"))
+                continue
+            finally:
+                prefill.computing -= computing
+            tokens = sum(chunk.end - chunk.start for chunk in chunks)
+            for chunk, first in zip(chunks, firsts):  # two passes at once: the queue moves at twice one's pace
+                share = seconds / 2 * (chunk.end - chunk.start) / tokens
+                self.speed.prefill(chunk.end - chunk.start, chunk.start, share)
+                self.outbox.emit(self.engine.update(chunk, first, [], []))
+            await self.reporter.publish_cache_changes()
+            self.wake.set()
+
+    def prompts_waiting(self) -> bool:
+        """A prompt queued, or in progress and not being computed now."""
+        prefill = self.engine.prefill
+        return bool(prefill.queue) or any(key not in prefill.computing for key in prefill.running)

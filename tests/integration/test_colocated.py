@@ -3,7 +3,9 @@ split steps and with mixed steps (`--step-tokens`)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import os
 import urllib.request
 
 import pytest
@@ -19,6 +21,7 @@ from kvcentric.core.protocol import SamplingParams
 def colocated(request, tmp_path_factory):
     env = {"KVC_STEP_TOKENS": "64" if request.param == "mixed steps" else "0"}
     up = UpProcess(str(tmp_path_factory.mktemp("up-colocated")), "--colocated", "1", env=env)
+    up.steps = request.param
     try:
         yield up
     finally:
@@ -40,3 +43,31 @@ def test_a_colocated_instance_prefills_and_decodes_without_moving_kv(colocated):
     stats = colocated.health("colocated-0")["stats"]
     assert stats["kv_bytes_received"] == 0 and stats["requests_prefilled"] == 1
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> str:
+    request = urllib.request.Request(url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                      "ignore_eos": True}).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)["choices"][0]["text"]
+
+
+def test_prompts_at_once_get_the_reference_tokens_and_mixed_steps_compute_some_on_the_lane(colocated):
+    """Six prompts of 150-250 tokens at once: with mixed steps of 64 tokens the model thread computes a few
+    steps per prompt, and the others wait meanwhile, so the lane (`node.Lane`; two torch threads here, one per
+    core of the 2-core box) takes some of them in passes of its own."""
+    prompts = [f"{index} " + "lanes beside mixed steps " * (6 + 2 * index) for index in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        texts = list(pool.map(lambda p: complete(colocated.url, p, 6), prompts))
+    runner = make_runner(num_blocks=256, block_size=16)
+    for prompt, text in zip(prompts, texts):
+        expected, _ = generate(runner, make_pool(runner), ByteTokenizer().encode(prompt),
+                               SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        assert text == ByteTokenizer().decode(expected), prompt
+    stats = colocated.health("colocated-0")["stats"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if colocated.steps == "mixed steps" and (os.cpu_count() or 1) >= 2:
+        assert stats["lane_calls"] > 0
+    else:
+        assert "lane_calls" not in stats  # split steps run no lane

@@ -145,3 +145,26 @@ def test_a_step_of_prompts_that_all_ask_for_prompt_logprobs_and_no_decode_rows_e
     out = stepper.update(step, firsts, tokens)
     assert tokens == [] and len(out) == 1 and out[0].finish_reason == "length" and out[0].error == ""
     assert len(out[0].prompt_logprobs) == 8 and not engine.has_work
+
+
+def test_a_mixed_step_takes_no_chunk_of_a_prompt_a_lane_computes():
+    """The colocated lane computes prompts in passes of its own (`PrefillEngine.computing` holds them meanwhile):
+    the model thread's next step must take neither their next chunk nor the same prompt twice."""
+    from factories import decode_job, make_pool, make_runner, prefill_job
+    runner = make_runner(block_size=4)
+    engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4), chunk_tokens=8)
+    stepper = MixedStepper(engine, 12)
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for name, length in (("a", 20), ("b", 7), ("c", 9)):
+        engine.submit(prefill_job(list(range(3, 3 + length)), params, request_id=name), decode_job(name, length, params))
+    lane = engine.prefill.schedule_step(8)  # the lane's pass: a's first 8 tokens
+    assert [(c.work.request_id, c.start, c.end) for c in lane] == [("a", 0, 8)]
+    engine.prefill.computing.add("a")
+    step, _ = stepper.schedule()
+    assert [(c.work.request_id, c.start, c.end) for c in step.chunks] == [("b", 0, 7), ("c", 0, 5)]
+    engine.prefill.computing.discard("a")
+    stepper.execute(step)  # b and c computed, not ended: their chunks come back
+    stepper.update(step, [None if not c.last else 0 for c in step.chunks], [])
+    engine.prefill.update(lane[0])
+    again, _ = stepper.schedule()
+    assert [(c.work.request_id, c.start) for c in again.chunks][0] == ("a", 8)  # a in progress comes first again

@@ -2,11 +2,13 @@
 prompts computed in passes on both threads at once get the first token and the KV that computing each alone
 gives; the scheduler never hands out a prompt the other thread computes; the instance counts as computing
 until both threads' calls end; and the lane waits at its looks while no core is lent to it and the model
-thread computes, going on once either changes."""
+thread computes, going on once either changes; on a colocated instance's own cores (no share) the lane takes
+one of the model thread's threads while it computes."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import torch
@@ -149,3 +151,43 @@ def test_the_instance_computes_until_both_threads_end_and_the_lane_waits_for_a_c
         peer.close()
     assert seen == [("main ends", 1), ("lane starts", 1)]  # the lane waited for the core of the model thread
     assert model.lane is not None and model.lane.waits == 1 and model.calls == 0
+
+
+def test_a_lane_on_the_instances_own_cores_takes_one_from_the_model_thread_while_it_computes():
+    """A colocated instance (no core share) of two torch threads: its model thread computes on both while the lane
+    is idle, on one from its first look after the lane begins, and on both again once the lane ends."""
+    model = ModelThread("colocated", 2)
+    model.add_lane("colocated")
+    lane_began, lane_may_end, lane_ended = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, int] = {}
+
+    def main_part() -> None:
+        seen["alone"] = torch.get_num_threads()
+        assert lane_began.wait(10)
+        model.refresh()  # a look within the step (`LlamaModel.look`)
+        seen["beside the lane"] = torch.get_num_threads()
+        lane_may_end.set()
+        assert lane_ended.wait(10)
+        model.refresh()
+        seen["after the lane"] = torch.get_num_threads()
+
+    def lane_part() -> None:
+        lane_began.set()
+        seen["lane"] = torch.get_num_threads()
+        model.refresh()  # the lane's own looks change nothing
+        assert lane_may_end.wait(10)
+
+    async def both() -> None:
+        main = asyncio.ensure_future(model.run(main_part))
+        await asyncio.sleep(0.05)
+        await model.run_lane(lane_part)
+        lane_ended.set()
+        await main
+
+    try:
+        asyncio.run(both())
+    finally:
+        model.close()
+    assert seen == {"alone": 2, "lane": 1, "beside the lane": 1, "after the lane": 2}
+    assert model.lane is not None and model.lane.calls == 1 and model.calls == 0
+    assert model.stats() == {"lane_calls": 1, "lane_waits": 0}

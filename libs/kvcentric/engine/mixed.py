@@ -50,7 +50,8 @@ class MixedStepper:
 
     def schedule(self) -> tuple[MixedStep, list[TokenChunk]]:
         """The decode batch (as the decode part schedules it), then prompt chunks under the remaining budget:
-        prompts in progress first, then queued ones in order while their blocks fit."""
+        prompts in progress first (not one a lane computes now: `PrefillEngine.computing`), then queued ones in
+        order while their blocks fit."""
         batch, failed = self.engine.decode.schedule()
         return MixedStep(self._chunks(self.step_tokens - len(batch)), batch), failed
 
@@ -58,7 +59,7 @@ class MixedStepper:
         prefill = self.engine.prefill
         if prefill.writer is not None:
             prefill.writer.collect()
-        chunks, running = [], list(prefill.running.values())
+        chunks, running = [], [w for key, w in prefill.running.items() if key not in prefill.computing]
         while budget > 0:
             work = running.pop(0) if running else prefill._start_next()
             if work is None:

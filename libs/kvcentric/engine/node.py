@@ -91,8 +91,26 @@ class ModelThread:
         """fn(*args) in the model thread, awaited; with a core share, on the threads it allows now, or on this
         instance's own when it may not `borrow` (a calibration, which times this instance alone)."""
         if self.share is None:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            if self.lane is None:
+                return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, self.owned, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, borrow, fn, *args)
+
+    def owned(self, fn, *args):
+        """fn(*args) in the model thread of an instance with a lane and its own cores (no core share): on one
+        thread fewer than its own while the lane computes (`refresh` follows the lane within the call)."""
+        with self.calls_lock:
+            self.calls += 1
+        self.use(self.beside_lane() if self.lane is not None and self.lane.computing else self.threads)
+        try:
+            return fn(*args)
+        finally:
+            with self.calls_lock:
+                self.calls -= 1
+
+    def beside_lane(self) -> int:
+        """The model thread's threads while the lane computes on one of the instance's own (no core share)."""
+        return max(1, self.threads - 1)
 
     def shared(self, borrow: bool, fn, *args):
         """fn(*args) on the threads the core share allows now (in the model thread); on one while the lane computes
@@ -131,7 +149,9 @@ class ModelThread:
         thread, starting once a core is lent to it or the model thread is idle, and pausing at its looks while
         neither holds (`Lane.look`)."""
         lane = self.lane
-        assert lane is not None and self.share is not None
+        assert lane is not None
+        if self.share is None:  # the instance's own cores: the lane takes one of them for its pass
+            return self._owned_lane_call(lane, fn, *args)
         lane.computing = True
         lane.looked_ns = 0
         lane.calls += 1
@@ -145,6 +165,18 @@ class ModelThread:
             lane.computing = False
             self._end()
 
+    def _owned_lane_call(self, lane: Lane, fn, *args):
+        with self.calls_lock:
+            self.calls += 1
+            lane.computing = True
+        lane.calls += 1
+        try:
+            return fn(*args)
+        finally:
+            with self.calls_lock:
+                self.calls -= 1
+                lane.computing = False
+
     def model_idle(self) -> bool:
         """The model thread computes nothing now (so its core is the lane's)."""
         return self.calls <= 1
@@ -154,7 +186,10 @@ class ModelThread:
         one left idle since the call began, or give one back to an instance that started computing or resumes
         sooner than the time since the last look. In a call of two lanes the model thread keeps its one thread
         and the lane's thread waits at its looks while the lent core is not there (`Lane.look`)."""
-        assert self.share is not None
+        if self.share is None:  # the instance's own cores: one fewer for the model thread while the lane computes
+            if self.lane is not None and threading.get_ident() != self.lane.ident:
+                self.use(self.beside_lane() if self.lane.computing else self.threads)
+            return
         if self.lane is not None and threading.get_ident() == self.lane.ident:
             self.lane.look(self.share, self.model_idle)
             return
@@ -178,7 +213,8 @@ class ModelThread:
         return True
 
     def add_lane(self, role: str) -> None:
-        """A second model thread of one torch thread, for prefill passes beside the model thread's (`lane_call`)."""
+        """A second model thread of one torch thread, for prefill passes beside the model thread's (`lane_call`):
+        a prefill instance's with cores lent, or a colocated instance's on its own cores."""
         self.lane = Lane(role)
 
     async def run_lane(self, fn, *args):
@@ -187,10 +223,11 @@ class ModelThread:
         return await asyncio.get_running_loop().run_in_executor(self.lane.executor, self.lane_call, fn, *args)
 
     def stats(self) -> dict[str, float]:
-        """Gauges of the cores lent to this instance (none without a core share)."""
+        """Gauges of the cores lent to this instance (none without a core share) and of its lane."""
+        lanes: dict[str, float] = {} if self.lane is None else {"lane_calls": self.lane.calls,
+                                                                 "lane_waits": self.lane.waits}
         if self.share is None:
-            return {}
-        lanes = {} if self.lane is None else {"lane_calls": self.lane.calls, "lane_waits": self.lane.waits}
+            return lanes
         return {"torch_threads_now": self.current, "model_calls_on_lent_cores": self.share.lent_calls, **lanes}
 
     def close(self) -> None:

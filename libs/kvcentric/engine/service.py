@@ -7,6 +7,7 @@ work loop; this class decides nothing about a request.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 
@@ -29,6 +30,10 @@ from kvcentric.engine.spans import RequestSpans
 from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
+
+
+LANE_LOOK_S = 0.005
+"""How often, while the model thread computes a step, a lane looks for work it may take (and a core lent)."""
 
 
 class EngineService(Service):
@@ -60,6 +65,8 @@ class EngineService(Service):
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
         self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk)
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
+        self.model_step = asyncio.Event()
+        """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
 
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
@@ -70,6 +77,17 @@ class EngineService(Service):
                                       self.reporter.publish_cache_forgotten)
         self.reporter.speed = self.speed
         self.reporter.block_bytes = self.runner.block_bytes
+
+    async def lane_wait(self) -> None:
+        """A lane's wait for work: until the model thread starts a step; then a look every LANE_LOOK_S while it
+        computes."""
+        if not self.model_step.is_set():
+            try:
+                await asyncio.wait_for(self.model_step.wait(), 0.5)
+            except TimeoutError:
+                pass
+            return
+        await asyncio.sleep(LANE_LOOK_S)
 
     # ---------------------------------------------------------------- what a role fills in
 
