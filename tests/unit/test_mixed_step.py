@@ -156,7 +156,8 @@ def test_a_mixed_step_takes_no_chunk_of_a_prompt_a_lane_computes():
     stepper = MixedStepper(engine, 12)
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for name, length in (("a", 20), ("b", 7), ("c", 9)):
-        engine.submit(prefill_job(list(range(3, 3 + length)), params, request_id=name), decode_job(name, length, params))
+        engine.submit(prefill_job(list(range(3, 3 + length)), params, request_id=name),
+                      decode_job(name, length, params))
     lane = engine.prefill.schedule_step(8)  # the lane's pass: a's first 8 tokens
     assert [(c.work.request_id, c.start, c.end) for c in lane] == [("a", 0, 8)]
     engine.prefill.computing.add("a")
