@@ -244,15 +244,22 @@ BITS = textwrap.dedent("""
         first = [runner.prefill(p, t, 0) for p, t in zip(prompts, tables)]
         step = runner.decode([int(f.argmax()) for f in first], [len(p) for p in prompts], tables)
         logits[threads] = [*first, step]
-    print(all(torch.equal(a, b) for a, b in zip(logits[1], logits[2])),
-          all(torch.equal(a, b) for a, b in zip(logits[1], logits["looks"])), len(looks))
+    def close(a, b):  # within fp32 rounding, with the same greedy token
+        return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-5) and torch.equal(a.argmax(-1), b.argmax(-1)))
+    invariant = all(torch.equal(a, b) for a, b in zip(logits[1], logits[2]))  # the CPU's GEMMs, 1 thread or 2
+    print(all(close(a, b) for a, b in zip(logits[1], logits[2])),
+          all(torch.equal(a, b) or (not invariant and close(a, b)) for a, b in zip(logits[1], logits["looks"])),
+          len(looks), invariant)
 """)
 
 
 def test_lent_threads_change_no_bit_of_the_logits():
     """A call's thread count depends on what the instances beside it do, and changes at the model's looks (three
-    a layer, one more for each further 512 rows of the MLP); its tokens must not."""
+    a layer, one more for each further 512 rows of the MLP); its tokens must not. Bit for bit where the CPU's
+    GEMMs give the same bits on 1 and 2 threads (the AMD EPYC VM of 2026-11-26); where they do not (an Intel Xeon
+    VM of 2026-11-27: MKL splits the reduction of some shapes over 2 threads, and prefill logits came 1 ulp
+    apart with or without oneDNN and our kernels), within fp32 rounding and with the same greedy tokens."""
     done = subprocess.run([sys.executable, "-c", BITS], capture_output=True, text=True, timeout=300, check=True)
     layers = 8  # `small`
     looks = 3 * 3 * layers + layers + 3 * layers  # 3 prompts, the 600-token one's MLP in 2 blocks, 1 decode step
-    assert done.stdout.split() == ["True", "True", str(looks)]
+    assert done.stdout.split()[:3] == ["True", "True", str(looks)]

@@ -125,7 +125,7 @@ def test_several_cpu_engines_lend_each_other_cores_and_the_decode_paces_itself_b
     decode = engine_config(config.engine_flags("decode", threads=1, core_share_dir="/dev/shm/kvc-cores-x"))
     prefill = engine_config(config.engine_flags("prefill", threads=1, core_share_dir="/dev/shm/kvc-cores-x"))
     assert decode.core_share_dir == prefill.core_share_dir == "/dev/shm/kvc-cores-x"
-    assert decode.lend_pace_s == 0.05 and prefill.lend_pace_s == 0.0  # only a decode paces itself
+    assert decode.lend_pace_s == 0.08 and prefill.lend_pace_s == 0.0  # only a decode paces itself
     assert engine_config(config.engine_flags("decode", threads=1)).core_share_dir == ""
 
 
@@ -158,3 +158,14 @@ def test_a_share_directory_a_killed_up_left_is_removed_and_a_live_one_kept(tmp_p
         assert sorted(os.listdir(tmp_path)) == ["kvc-cores-live", "not-ours"]
     finally:
         share.close()
+
+
+def test_a_decode_paces_itself_within_four_fifths_of_the_tbt_slo():
+    def pace(*flags: str) -> float:
+        config = up_config("--prefill", "1", "--decode", "1", *flags)
+        flags = config.engine_flags("decode", threads=1, core_share_dir="/dev/shm/kvc-cores-x")
+        return engine_config(flags).lend_pace_s
+
+    assert pace("--tbt-slo-s", "0.05") == pytest.approx(0.04)  # the default 80 ms would miss a 50 ms SLO
+    assert pace("--tbt-slo-s", "0.5", "--lend-pace-s", "0.2") == 0.2
+    assert pace("--tbt-slo-s", "0", "--lend-pace-s", "0.2") == 0.2  # no SLO: the pace as given

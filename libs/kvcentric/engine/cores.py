@@ -21,8 +21,8 @@ instance lends nothing it does not have and a stale directory costs nothing.
 A decode instance with `--lend-pace-s` paces itself while a prefill computes with 2 or more prompts queued
 (`waiting`; the decode service's `PACE_BEHIND`): its steps start at most that often, and it pauses between
 them (`pause`), so the prefill has both cores for most of each period and gives one back a look before the
-decode's next step. The decode's tokens then come at that pace instead of its fastest (50 ms by default in
-`kvcentric up`, half the 0.1 s TBT SLO), only while prompts queue at the prefill.
+decode's next step. The decode's tokens then come at that pace instead of its fastest (80 ms by default in
+`kvcentric up`, 0.8 of the 0.1 s TBT SLO), only while prompts queue at the prefill.
 
 Why: with one core per instance, the isolation of 1 prefill + 1 decode on two cores, a burst of prompts
 queues on the prefill instance's one core while the decode instance has a core and little to do with it

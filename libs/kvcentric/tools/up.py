@@ -29,6 +29,8 @@ from kvcentric.model.config import PRESETS
 from kvcentric.tools.processes import Child, Supervisor, get_json
 
 Restart = Literal["on-failure", "never"]
+PACE_OF_SLO = 0.8
+"""A decode instance's pace during a burst is at most this share of the TBT SLO (`UpConfig.decode_pace_s`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +65,10 @@ class UpConfig:
                                      "of the engines that are idle, and a prefill instance takes them within a "
                                      "call (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
                                      "--no-lend-cores: each engine keeps to its --torch-threads")
-    lend_pace_s: float = setting(0.05, "with --lend-cores: while a prefill instance computes with 2 or more prompts "
+    lend_pace_s: float = setting(0.08, "with --lend-cores: while a prefill instance computes with 2 or more prompts "
                                        "queued (a burst), a decode instance starts its steps at most this often "
-                                       "and lends its core between them (0: steps back to back)")
+                                       "and lends its core between them, at most 0.8 x --tbt-slo-s (0: steps "
+                                       "back to back)")
     tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
                                     "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
                                     "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
@@ -124,6 +127,12 @@ class UpConfig:
         group, stage = name.rsplit("-s", 1)
         return ["--pipeline-group", group, "--stage", f"{stage}/{self.prefill_pipeline}"]
 
+    @property
+    def decode_pace_s(self) -> float:
+        """A decode instance's --lend-pace-s: --lend-pace-s, within 0.8 of the TBT SLO (a token every pace during a
+        burst keeps that margin under it)."""
+        return min(self.lend_pace_s, PACE_OF_SLO * self.tbt_slo_s) if self.tbt_slo_s > 0 else self.lend_pace_s
+
     def engine_flags(self, command: str, threads: int, device: str = "", core_share_dir: str = "") -> list[str]:
         """The flags of one engine instance (`command`: prefill, decode or colocated) on `device` (default:
         --device); `core_share_dir`: the directory its engines lend each other cores in ("": they do not)."""
@@ -135,7 +144,7 @@ class UpConfig:
             flags += ["--layerkv", "--layerkv-tpot-slo-s", str(self.layerkv_tpot_slo_s)]
         if core_share_dir and (device or self.device) == "cpu":
             flags += ["--core-share-dir", core_share_dir]
-            flags += ["--lend-pace-s", str(self.lend_pace_s)] if command == "decode" else []
+            flags += ["--lend-pace-s", str(self.decode_pace_s)] if command == "decode" else []
         if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
             flags += ["--tbt-slo-s", str(self.tbt_slo_s)]
             flags += ["--profile", self.profile] if self.profile and self.tbt_slo_s > 0 else []
