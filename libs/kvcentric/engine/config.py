@@ -121,7 +121,9 @@ class EngineConfig(BusConfig):
                                           "--layerkv and pipeline stages always compute one chunk per pass")
     prefill_lanes: int = setting(2, "prefill on the CPU with cores lent (--core-share-dir): with a core lent and two "
                                     "prompts queued, compute one on each of two model threads of one torch thread "
-                                    "at once rather than one on a 2-thread team (docs/performance.md, \"What "
+                                    "at once rather than one on a 2-thread team; colocated on the CPU (2 threads "
+                                    "or more, no core share): while more prompt tokens wait than the next mixed "
+                                    "step takes, a lane computes them beside it (docs/performance.md, \"What "
                                     "serving adds to a prompt's prefill\"); 1: always the team")
     decode_attention: Literal["padded", "slices"] = setting("padded", "colocated with --step-tokens: decode rows "
                                                             "attend through one padded block-table gather per "
