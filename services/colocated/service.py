@@ -17,6 +17,7 @@ from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.layerkv import layer_wise
 from kvcentric.engine.mixed import MixedStep, MixedStepper
+from kvcentric.engine.node import Wakeup
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load, prefills_of
 from kvcentric.engine.service import EngineService
@@ -37,6 +38,8 @@ class ColocatedService(EngineService):
             if config.step_tokens and self.layerkv is None else None
         """Mixed steps (one forward pass for decode rows and prompt chunks); LayerKV's layer-wise KV runs
         split steps only."""
+        self.lane_wake = Wakeup()
+        """Set when a prompt is queued and when a mixed step with prompt chunks starts: the lane looks then."""
         if self.lanes:
             self.model.add_lane(self.role)
             self.runner.model.look = self.model.refresh  # the model thread gives the lane a core within a step
@@ -73,6 +76,7 @@ class ColocatedService(EngineService):
         except PrefillRejected as exc:
             return SubmitAck.refused(str(exc))
         self.wake.set()
+        self.lane_wake.set()
         return SubmitAck.accepted()
 
     async def on_cancel(self, cancel: Cancel) -> None:
@@ -164,6 +168,7 @@ class ColocatedService(EngineService):
             self.engine.prefill.computing |= computing
             if step.chunks:  # a step of decode rows alone keeps both threads: a prompt waits for the next
                 self.model_step.set()
+                self.lane_wake.set()
             try:
                 (firsts, tokens), seconds = await self.model.run(self.speed.timed, stepper.execute, step)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
@@ -195,11 +200,11 @@ class ColocatedService(EngineService):
         prefill = self.engine.prefill
         while not self.stopping.is_set():
             if not self.model_step.is_set() or not self.prompts_waiting():
-                await self.lane_wait()
+                await self.lane_wake.sleep(0.5)  # no polling: a wake-up mid-step would stall the model's team
                 continue
             chunks = prefill.schedule_step(self.config.step_tokens)
             if not chunks:
-                await self.lane_wait()
+                await self.lane_wake.sleep(0.5)
                 continue
             computing = {chunk.work.request_id for chunk in chunks}
             prefill.computing |= computing
