@@ -25,6 +25,10 @@ from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
 
 
+LANE_LOOK_S = 0.005
+"""How often, while the model thread computes a step, the lane looks for a lent core and a queued prompt."""
+
+
 class RefusingSink:
     """A prefill node's messenger takes no pushes (it sends them)."""
 
@@ -204,6 +208,17 @@ class PrefillService(EngineService):
         share = self.model.share
         return (self.model_step.is_set() and bool(self.engine.queue) and share is not None
                 and share.threads() > 1)
+
+    async def lane_wait(self) -> None:
+        """Until the model thread starts a step; then a look every LANE_LOOK_S while it computes (a core lent
+        comes with no event)."""
+        if not self.model_step.is_set():
+            try:
+                await asyncio.wait_for(self.model_step.wait(), 0.5)
+            except TimeoutError:
+                pass
+            return
+        await asyncio.sleep(LANE_LOOK_S)
 
     @property
     def lanes(self) -> bool:

@@ -78,7 +78,7 @@ class ModelThread:
         self.lane: Lane | None = None
         """A prefill instance's second model thread (`add_lane`, `lane_call`)."""
         self.calls = 0
-        """Calls computing now: the model thread's and the lane's."""
+        """Calls computing now, the model thread's and the lane's (with a core share: `_begin`, `_end`)."""
         self.calls_lock = threading.Lock()
         if _serial_elsewhere:
             torch.set_num_threads(1)  # what the model thread's setting changed, for threads started later
@@ -97,20 +97,15 @@ class ModelThread:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, borrow, fn, *args)
 
     def owned(self, fn, *args):
-        """fn(*args) in the model thread of an instance with a lane and its own cores (no core share): on one
-        thread fewer than its own while the lane computes (`refresh` follows the lane within the call)."""
-        with self.calls_lock:
-            self.calls += 1
-        self.use(self.beside_lane() if self.lane is not None and self.lane.computing else self.threads)
-        try:
-            return fn(*args)
-        finally:
-            with self.calls_lock:
-                self.calls -= 1
+        """fn(*args) in the model thread of an instance with a lane and its own cores (no core share)."""
+        self.follow_lane()
+        return fn(*args)
 
-    def beside_lane(self) -> int:
-        """The model thread's threads while the lane computes on one of the instance's own (no core share)."""
-        return max(1, self.threads - 1)
+    def follow_lane(self) -> None:
+        """With a lane and no core share (in the model thread, at a call's start and at its looks): one thread fewer
+        than the instance's own while the lane computes, all of them otherwise."""
+        assert self.lane is not None
+        self.use(max(1, self.threads - 1) if self.lane.computing else self.threads)
 
     def shared(self, borrow: bool, fn, *args):
         """fn(*args) on the threads the core share allows now (in the model thread); on one while the lane computes
@@ -165,17 +160,14 @@ class ModelThread:
             lane.computing = False
             self._end()
 
-    def _owned_lane_call(self, lane: Lane, fn, *args):
-        with self.calls_lock:
-            self.calls += 1
-            lane.computing = True
+    @staticmethod
+    def _owned_lane_call(lane: Lane, fn, *args):
+        lane.computing = True
         lane.calls += 1
         try:
             return fn(*args)
         finally:
-            with self.calls_lock:
-                self.calls -= 1
-                lane.computing = False
+            lane.computing = False
 
     def model_idle(self) -> bool:
         """The model thread computes nothing now (so its core is the lane's)."""
@@ -188,7 +180,7 @@ class ModelThread:
         and the lane's thread waits at its looks while the lent core is not there (`Lane.look`)."""
         if self.share is None:  # the instance's own cores: one fewer for the model thread while the lane computes
             if self.lane is not None and threading.get_ident() != self.lane.ident:
-                self.use(self.beside_lane() if self.lane.computing else self.threads)
+                self.follow_lane()
             return
         if self.lane is not None and threading.get_ident() == self.lane.ident:
             self.lane.look(self.share, self.model_idle)

@@ -32,10 +32,6 @@ from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
 
 
-LANE_LOOK_S = 0.005
-"""How often, while the model thread computes a step, a lane looks for work it may take (and a core lent)."""
-
-
 class EngineService(Service):
     """The parts every engine role has; a role calls `attach` once its engine and KV sink exist."""
 
@@ -77,17 +73,6 @@ class EngineService(Service):
                                       self.reporter.publish_cache_forgotten)
         self.reporter.speed = self.speed
         self.reporter.block_bytes = self.runner.block_bytes
-
-    async def lane_wait(self) -> None:
-        """A lane's wait for work: until the model thread starts a step; then a look every LANE_LOOK_S while it
-        computes."""
-        if not self.model_step.is_set():
-            try:
-                await asyncio.wait_for(self.model_step.wait(), 0.5)
-            except TimeoutError:
-                pass
-            return
-        await asyncio.sleep(LANE_LOOK_S)
 
     # ---------------------------------------------------------------- what a role fills in
 
