@@ -233,6 +233,63 @@ inline void exp_tile(const float* x, float* y) {
     for (int64_t j = 0; j < TILE_KEYS; ++j) y[j] = x[j] == -INFINITY ? 0.f : kvc_exp_in_range(std::max(x[j], -87.f));
 }
 
+#if defined(__AVX512F__)
+// Scores of four query rows against a key tile ([d][j]): the 4 x 64 scores in sixteen registers, each key vector
+// loaded once for the four rows.
+inline void scores_of_four(const float* query, int64_t head_dim, const float* keys, float* out) {
+    __m512 s[4][4];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+        const float* kd = keys + d * TILE_KEYS;
+        const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16), k2 = _mm512_loadu_ps(kd + 32),
+                     k3 = _mm512_loadu_ps(kd + 48);
+        for (int r = 0; r < 4; ++r) {
+            const __m512 a = _mm512_set1_ps(query[r * head_dim + d]);
+            s[r][0] = _mm512_fmadd_ps(a, k0, s[r][0]);
+            s[r][1] = _mm512_fmadd_ps(a, k1, s[r][1]);
+            s[r][2] = _mm512_fmadd_ps(a, k2, s[r][2]);
+            s[r][3] = _mm512_fmadd_ps(a, k3, s[r][3]);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * TILE_KEYS + 16 * c, s[r][c]);
+}
+
+// acc[r] += sum_j p[r][j] values[j] for four rows over `width` vectors of head_dim (at most four) from d0: the
+// 4 x width accumulators in registers across the tile (sixteen independent chains keep both FMA ports busy, where
+// one vector at a time left four), each value vector loaded once for the four rows. Every acc element sums over j
+// in the same order as one vector at a time, so the result is the same to the bit.
+template <int WIDTH>
+inline void accumulate_four_wide(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys,
+                                 int64_t d0) {
+    __m512 a[4][WIDTH];
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < WIDTH; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
+    for (int64_t j = 0; j < keys; ++j) {
+        const float* vj = values + j * head_dim + d0;
+        __m512 v[WIDTH];
+        for (int c = 0; c < WIDTH; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
+        for (int r = 0; r < 4; ++r) {
+            const __m512 pr = _mm512_set1_ps(p[r * TILE_KEYS + j]);
+            for (int c = 0; c < WIDTH; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < WIDTH; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+}
+
+inline void accumulate_four(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys) {
+    int64_t d0 = 0;
+    for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES) accumulate_four_wide<4>(p, values, head_dim, acc, keys, d0);
+    switch ((head_dim - d0) / LANES) {
+        case 3: accumulate_four_wide<3>(p, values, head_dim, acc, keys, d0); break;
+        case 2: accumulate_four_wide<2>(p, values, head_dim, acc, keys, d0); break;
+        case 1: accumulate_four_wide<1>(p, values, head_dim, acc, keys, d0); break;
+        default: break;
+    }
+}
+#else
 // Scores of four query rows against a key tile ([d][j]): each key vector loaded once for the four.
 inline void scores_of_four(const float* query, int64_t head_dim, const float* keys, float* out) {
     float s0[TILE_KEYS] = {}, s1[TILE_KEYS] = {}, s2[TILE_KEYS] = {}, s3[TILE_KEYS] = {};
@@ -277,6 +334,7 @@ inline void accumulate_four(const float* p, const float* values, int64_t head_di
         std::memcpy(acc + 3 * head_dim + d0, a3, sizeof(a3));
     }
 }
+#endif
 
 #if defined(__AVX512F__)
 // One row of a key tile through the online softmax, in registers: scores past `seen` masked, the tile's maximum,
