@@ -65,6 +65,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=32, help="output tokens of the throughput tests")
     parser.add_argument("--tbt-output-len", type=int, default=128, help="output tokens of the TBT test")
+    parser.add_argument("--ttft-prompts", type=int, default=9,
+                        help="prompts of the TTFT test, one at a time, in each round (the round's figure is their "
+                             "median: a median of 3 moved by a quarter between rounds)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--only", nargs="*", default=["colocated split", "colocated mixed", "1P+1D"],
@@ -397,7 +400,8 @@ def measure(args, turns: Turns, report) -> None:
     rounds: list[dict] = []
     outputs: dict = {}
     for index in range(args.rounds):
-        prompts = {"ttft": random_prompts(rng, 3, args.input_len), "tbt": random_prompts(rng, 2, args.input_len),
+        prompts = {"ttft": random_prompts(rng, args.ttft_prompts, args.input_len),
+                   "tbt": random_prompts(rng, 2, args.input_len),
                    "burst": random_prompts(rng, args.requests, args.input_len),
                    "concurrent": random_prompts(rng, args.requests, args.input_len)}
         order = names[index % len(names):] + names[:index % len(names)]
