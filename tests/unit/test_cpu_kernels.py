@@ -131,6 +131,8 @@ def causal_sdpa(q, k, v, starts, lengths):
     ([1, 2, 63, 64, 65, 130], 4, 1, 32),  # lengths around the tiles, multi-query
     ([300, 17], 6, 6, 16),             # no GQA, an odd group of rows
     ([129], 12, 4, 128),               # groups of three, a wide head
+    ([70, 33], 4, 2, 48),              # three vectors a row (AVX-512: the 3-wide accumulators)
+    ([90], 6, 2, 96),                  # four vectors and two
 ])
 def test_prefill_matches_causal_sdpa_in_fp32(kernel, lengths, heads, kv_heads, head_dim):
     q, k, v, starts, lengths_ = prompt_rows(lengths, heads, kv_heads, head_dim, seed=len(lengths))
