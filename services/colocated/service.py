@@ -229,7 +229,4 @@ class ColocatedService(EngineService):
     def prompts_waiting(self) -> bool:
         """More prompt tokens wait (queued, or in progress and not computed now) than the next mixed step takes:
         fewer, and that step computes them on both threads."""
-        prefill = self.engine.prefill
-        waiting = sum(len(job.token_ids) for job in prefill.queue) + \
-            sum(w.num_tokens - w.done for key, w in prefill.running.items() if key not in prefill.computing)
-        return waiting > self.config.step_tokens
+        return self.engine.prefill.waiting_tokens > self.config.step_tokens

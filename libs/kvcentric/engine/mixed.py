@@ -59,7 +59,7 @@ class MixedStepper:
         prefill = self.engine.prefill
         if prefill.writer is not None:
             prefill.writer.collect()
-        chunks, running = [], [w for key, w in prefill.running.items() if key not in prefill.computing]
+        chunks, running = [], prefill.idle_running()
         while budget > 0:
             work = running.pop(0) if running else prefill._start_next()
             if work is None:

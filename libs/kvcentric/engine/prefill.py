@@ -125,6 +125,16 @@ class PrefillEngine:
         pending = sum(w.num_tokens - w.done for w in self.running.values())
         return pending + sum(len(job.token_ids) for job in self.queue)
 
+    @property
+    def waiting_tokens(self) -> int:
+        """`queued_tokens` less those of the prompts computed now (`computing`)."""
+        pending = sum(w.num_tokens - w.done for w in self.idle_running())
+        return pending + sum(len(job.token_ids) for job in self.queue)
+
+    def idle_running(self) -> list[PrefillWork]:
+        """The prompts in progress, in order, but those computed now (`computing`)."""
+        return [w for key, w in self.running.items() if key not in self.computing]
+
     def submit(self, job: PrefillJob) -> None:
         self.check(job)
         self.queue.append(job)
@@ -160,7 +170,7 @@ class PrefillEngine:
         """The next chunk: of the prompt in progress, else of the next queued one whose blocks fit."""
         if self.writer is not None:
             self.writer.collect()
-        work = next((w for key, w in self.running.items() if key not in self.computing), None) or self._start_next()
+        work = next(iter(self.idle_running()), None) or self._start_next()
         if work is None:
             return None
         end = min(work.done + self.chunk_tokens, work.num_tokens)

@@ -226,6 +226,7 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
 constexpr int64_t TILE_KEYS = 64;     // keys per tile: four 16-lane vectors of scores per query row
 constexpr int64_t TILE_QUERIES = 64;  // query positions per work item
 constexpr int64_t LANES = 16;         // the vector width the loops are written for (head_dim a multiple)
+static_assert(TILE_KEYS == 4 * LANES, "a key tile's scores are four vectors a row");
 
 // e^x of a tile's scores (all <= 0), -inf giving 0.
 inline void exp_tile(const float* x, float* y) {
