@@ -5,7 +5,8 @@ idling beside it.
 Tests: the median time between tokens of 32 streams of 96 tokens from 16-token prompts (`--streams` at once;
 the tokens after each stream's first event, as `logprobs: 0` counts them),
 then output tokens/s of 32 requests (256-token prompts, 32 tokens each) sent at once and of 32 at concurrency 8,
-each `--repeat` times on fresh random prompts. Appends one JSON line per run to `--out`.
+each `--repeat` times on fresh random prompts, and the at-once test's 99th percentile time between two token
+events of a stream (`bench_vs_vllm.gap_percentile`). Appends one JSON line per run to `--out`.
 
 Usage (2026-11-26 A/B of the CPU attention kernels, docs/performance.md):
 
@@ -75,7 +76,8 @@ def main() -> None:
         rng = random.Random(5)
         vs.run_batch(server.url, model, vs.random_prompts(rng, 8, 256), 32, 8)  # warm-up
         vs.settle()
-        figures: dict[str, list[float]] = {"tbt_ms": [], "burst_tokens_per_s": [], "concurrent_tokens_per_s": []}
+        figures: dict[str, list[float]] = {"tbt_ms": [], "burst_tokens_per_s": [], "concurrent_tokens_per_s": [],
+                                           "burst_tbt_p99_ms": []}
         for _ in range(args.repeat):
             streams = stream_many(server.url, model, vs.random_prompts(rng, args.streams, 16), 96)
             gaps = [(r["last"] - r["first"]) / (r["tokens"] - r["first_tokens"]) for r in vs.completed(streams)]
@@ -83,6 +85,8 @@ def main() -> None:
             for name, concurrency in (("burst_tokens_per_s", 32), ("concurrent_tokens_per_s", 8)):
                 results = vs.run_batch(server.url, model, vs.random_prompts(rng, 32, 256), 32, concurrency)
                 figures[name].append(round(vs.throughput(results)))
+                if concurrency == 32:
+                    figures["burst_tbt_p99_ms"].append(round(1000 * vs.gap_percentile(vs.completed(results), 0.99)))
         record = {"deployment": args.deployment, "label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                              time.gmtime()),
                   **figures, "failed": vs.FAILED}

@@ -46,8 +46,8 @@ def lane_step_tokens(step_tokens: int, threads: int, lane_computing: bool, waiti
     or its share on one thread fewer while the lane computes or will start beside the step (more prompt tokens
     than a step's wait after it takes that share, as the lane's own test has it). A full budget on one thread of
     two takes twice a step's time, and the step's decode rows, the running requests' next tokens, wait that long.
-    A burst of 32 prompts of 256 tokens on 2 threads (`bench/bench_vs_vllm.py`): the 99th percentile time
-    between two tokens 0.71-0.85 s with the full budget, 0.43-0.46 s with the share, vLLM's 0.39-0.40 s; output
+    A burst of 32 prompts of 256 tokens on 2 threads (`bench/bench_alone.py`): the 99th percentile time between
+    two tokens of a stream 0.73-0.86 s with the full budget, 0.43-0.46 s with the share, vLLM's 0.40 s; output
     tokens/s the same (docs/performance.md, "Time between tokens in a burst")."""
     if threads < 2:
         return step_tokens
