@@ -16,7 +16,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeRequest, KVRejected
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.layerkv import layer_wise
-from kvcentric.engine.mixed import MixedStep, MixedStepper, lane_step_tokens
+from kvcentric.engine.mixed import MixedStep, MixedStepper, lane_prompt_share
 from kvcentric.engine.node import Wakeup
 from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
 from kvcentric.engine.reporter import Load, prefills_of
@@ -158,7 +158,7 @@ class ColocatedService(EngineService):
         """The work loop with `--step-tokens`: one forward pass per step for the decode batch and prompt chunks."""
         while not self.stopping.is_set():
             self.outbox.emit(self.engine.decode.expire(time.monotonic()))
-            step, failed = stepper.schedule(self.step_budget())
+            step, failed = stepper.schedule(self.prompt_share())
             self.outbox.emit(failed)
             if step.empty:
                 await self.reporter.publish_cache_changes()
@@ -182,13 +182,13 @@ class ColocatedService(EngineService):
             self.outbox.emit(stepper.update(step, firsts, tokens))
             await self.reporter.publish_cache_changes()
 
-    def step_budget(self) -> int:
-        """The token budget of the model thread's next mixed step (`lane_step_tokens`)."""
+    def prompt_share(self) -> float:
+        """The share of its prompt budget the model thread's next mixed step takes (`lane_prompt_share`)."""
         lane = self.model.lane
         if lane is None:
-            return self.config.step_tokens
-        return lane_step_tokens(self.config.step_tokens, self.model.threads, lane.computing,
-                                self.engine.prefill.waiting_tokens)
+            return 1.0
+        return lane_prompt_share(self.config.step_tokens, self.model.threads, lane.computing,
+                                 self.engine.prefill.waiting_tokens)
 
     def time_mixed_step(self, step: MixedStep, seconds: float) -> None:
         """Feed the cost model: a step's time shared between its prompt chunks and its decode batch by tokens."""

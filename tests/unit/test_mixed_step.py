@@ -172,20 +172,21 @@ def test_a_mixed_step_takes_no_chunk_of_a_prompt_a_lane_computes():
 
 
 @pytest.mark.parametrize("threads, lane_computing, waiting, expected", [
-    (2, True, 0, 1024),       # the lane computes: the model thread has one thread of two
-    (2, False, 5000, 1024),   # 5000 - 1024 > 2048 wait after the step: the lane starts beside it
-    (2, False, 3072, 2048),   # 3072 - 1024 = 2048 is not more than a step's: no lane, both threads
-    (2, False, 256, 2048),    # a lone prompt
-    (4, True, 0, 1536),       # three threads of four
-    (1, True, 9000, 2048),    # one thread: no lane beside it
+    (2, True, 0, 0.5),        # the lane computes: the model thread has one thread of two
+    (2, False, 5000, 0.5),    # 5000 - 1024 > 2048 wait after the step: the lane starts beside it
+    (2, False, 3072, 1.0),    # 3072 - 1024 = 2048 is not more than a step's: no lane, both threads
+    (2, False, 256, 1.0),     # a lone prompt
+    (4, True, 0, 0.75),       # three threads of four
+    (1, True, 9000, 1.0),     # one thread: no lane beside it
 ])
 def test_a_step_beside_the_lane_takes_the_share_of_its_threads(threads, lane_computing, waiting, expected):
-    from kvcentric.engine.mixed import lane_step_tokens
-    assert lane_step_tokens(2048, threads, lane_computing, waiting) == expected
+    from kvcentric.engine.mixed import lane_prompt_share
+    assert lane_prompt_share(2048, threads, lane_computing, waiting) == expected
 
 
-def test_a_step_takes_the_budget_it_is_given():
-    """`schedule(step_tokens)`: the prompt chunks fill what the given budget leaves, not the stepper's."""
+def test_a_step_takes_its_share_of_the_budget_the_decode_rows_leave():
+    """`schedule(prompt_share)`: the prompt chunks fill that share of what the decode batch leaves of the budget,
+    and a token at least while it leaves any, so a step beside the lane never starves the prompts."""
     from factories import decode_job, make_pool, make_runner, prefill_job
     runner = make_runner(block_size=4)
     engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4), chunk_tokens=8)
@@ -193,7 +194,9 @@ def test_a_step_takes_the_budget_it_is_given():
     params = SamplingParams(max_tokens=2, temperature=0.0)
     for name in ("a", "b"):
         engine.submit(prefill_job(list(range(3, 13)), params, request_id=name), decode_job(name, 10, params))
-    step, _ = stepper.schedule(6)
+    step, _ = stepper.schedule(0.5)
     assert [(c.work.request_id, c.start, c.end) for c in step.chunks] == [("a", 0, 6)]
-    step, _ = stepper.schedule()  # nothing computed yet: the same prompts again, under the stepper's 12
+    step, _ = stepper.schedule(0.01)
+    assert [(c.work.request_id, c.start, c.end) for c in step.chunks] == [("a", 0, 1)]
+    step, _ = stepper.schedule()  # nothing computed yet: the same prompts again, under the whole budget of 12
     assert [(c.work.request_id, c.start, c.end) for c in step.chunks] == [("a", 0, 10), ("b", 0, 2)]

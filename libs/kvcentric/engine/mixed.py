@@ -41,18 +41,18 @@ class MixedStep:
         return sum(chunk.end - chunk.start for chunk in self.chunks)
 
 
-def lane_step_tokens(step_tokens: int, threads: int, lane_computing: bool, waiting_tokens: int) -> int:
-    """The token budget of a colocated model thread's next mixed step beside a lane (`node.Lane`): `step_tokens`,
-    or its share on one thread fewer while the lane computes or will start beside the step (more prompt tokens
-    than a step's wait after it takes that share, as the lane's own test has it). A full budget on one thread of
-    two takes twice a step's time, and the step's decode rows, the running requests' next tokens, wait that long.
-    A burst of 32 prompts of 256 tokens on 2 threads (`bench/bench_alone.py`): the 99th percentile time between
-    two tokens of a stream 0.73-0.86 s with the full budget, 0.43-0.46 s with the share, vLLM's 0.40 s; output
-    tokens/s the same (docs/performance.md, "Time between tokens in a burst")."""
+def lane_prompt_share(step_tokens: int, threads: int, lane_computing: bool, waiting_tokens: int) -> float:
+    """The share of its prompt budget a colocated model thread's next mixed step takes beside a lane (`node.Lane`):
+    all of it, or that of one thread fewer while the lane computes or will start beside the step (more prompt
+    tokens than a step's wait after it takes that share, as the lane's own test has it). A full budget on one
+    thread of two takes twice a step's time, and the step's decode rows, the running requests' next tokens, wait
+    that long. A burst of 32 prompts of 256 tokens on 2 threads (`bench/bench_alone.py`): the 99th percentile
+    time between two tokens of a stream 0.73-0.86 s with the full budget, 0.43-0.46 s with the share, vLLM's
+    0.40 s; output tokens/s the same (docs/performance.md, "Time between tokens in a burst")."""
     if threads < 2:
-        return step_tokens
-    share = max(1, step_tokens * (threads - 1) // threads)
-    return share if lane_computing or waiting_tokens - share > step_tokens else step_tokens
+        return 1.0
+    share = (threads - 1) / threads
+    return share if lane_computing or waiting_tokens - share * step_tokens > step_tokens else 1.0
 
 
 class MixedStepper:
@@ -62,12 +62,15 @@ class MixedStepper:
             raise ValueError("step_tokens must be at least 1")
         self.engine, self.step_tokens, self.decode_attention = engine, step_tokens, decode_attention
 
-    def schedule(self, step_tokens: int | None = None) -> tuple[MixedStep, list[TokenChunk]]:
-        """The decode batch (as the decode part schedules it), then prompt chunks under the remaining budget
-        (`step_tokens`, else the stepper's): prompts in progress first (not one a lane computes now:
-        `PrefillEngine.computing`), then queued ones in order while their blocks fit."""
+    def schedule(self, prompt_share: float = 1.0) -> tuple[MixedStep, list[TokenChunk]]:
+        """The decode batch (as the decode part schedules it), then prompt chunks under `prompt_share` of the
+        budget it leaves (at least a token while it leaves any): prompts in progress first (not one a lane
+        computes now: `PrefillEngine.computing`), then queued ones in order while their blocks fit."""
         batch, failed = self.engine.decode.schedule()
-        return MixedStep(self._chunks((step_tokens or self.step_tokens) - len(batch)), batch), failed
+        budget = self.step_tokens - len(batch)
+        if budget > 0 and prompt_share < 1.0:
+            budget = max(1, int(budget * prompt_share))
+        return MixedStep(self._chunks(budget), batch), failed
 
     def _chunks(self, budget: int) -> list[PrefillChunk]:
         prefill = self.engine.prefill
