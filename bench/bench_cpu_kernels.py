@@ -2,7 +2,9 @@
 `small` model (8 query heads, 4 KV heads, head size 64, hidden 512, SwiGLU 1408), fp32, side by side in one
 process: decode attention over the paged cache (its KV in cache, and the KV of 8 layers taken in turn, so out
 of it, as in the engine) against gathering the blocks for SDPA; prefill of 8 prompts x 256 against causal SDPA
-per prompt; RMSNorm, SwiGLU and rotary + cache write against torch's ops. Medians of `--repeat` calls; JSON in
+per prompt; RMSNorm, SwiGLU and rotary + cache write against torch's ops; the 32 linear layers of a decode step
+(every weight of the 8 layers in turn, as a step reads them) through the small GEMM against oneDNN's GEMM on
+the blocked weights the engine packs (`llama.pack_weight`), the "torch" column. Medians of `--repeat` calls; JSON in
 bench/results/cpu_kernels.json.
 
     .venv/bin/python bench/bench_cpu_kernels.py [--threads 2]
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs"))
 
 from kvcentric.engine import kernels  # noqa: E402
-from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks  # noqa: E402
+from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -130,6 +132,31 @@ def time_layer_ops(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
                 "torch_ms": median_ms(torch_rotary, repeat)}}
 
 
+def time_decode_linears(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
+    """A decode step's q|k|v, o, gate|up and down projections of all 8 layers of `small` (94 MB of weights, read
+    in turn as a step reads them), `rows` rows: the small GEMM's panels against oneDNN's blocked weights."""
+    config = preset("small")
+    hidden, inner = config.hidden_size, config.intermediate_size
+    q_kv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
+    shapes = [(q_kv, hidden), (hidden, config.num_heads * config.head_dim), (2 * inner, hidden), (hidden, inner)]
+    generator = torch.Generator().manual_seed(1)
+    weights = [torch.randn(out, width, generator=generator) * 0.02 for _ in range(config.num_layers)
+               for out, width in shapes]
+    blocked = [pack_weight(w, True) for w in weights]
+    panels = [ops.pack_panels(w) for w in weights]
+    inputs = {width: torch.randn(rows, width, generator=generator) for _, width in shapes}
+
+    def onednn():
+        for w, b in zip(weights, blocked):
+            linear(inputs[w.shape[1]], b)
+
+    def small():
+        for w, p in zip(weights, panels):
+            ops.small_linear(inputs[w.shape[1]], p, w.shape[0])
+
+    return {"kernel_ms": median_ms(small, repeat), "torch_ms": median_ms(onednn, repeat)}
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -145,6 +172,8 @@ def main() -> None:
         "prefill, one 2048-token prompt": time_prefill(kernel, 1, 2048, max(5, args.repeat // 5)),
         **{f"{name}, {rows} rows": figures for rows in (32, 2048)
            for name, figures in time_layer_ops(ops, rows, args.repeat).items()},
+        **{f"decode step's linear layers, {rows} rows (torch: oneDNN)": time_decode_linears(ops, rows, args.repeat)
+           for rows in (1, 8, 16, 32, 64)},
     }
     for figures in results.values():
         figures["ratio"] = round(figures["torch_ms"] / figures["kernel_ms"], 2)

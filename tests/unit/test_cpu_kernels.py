@@ -1,7 +1,8 @@
 """The CPU attention kernels (`engine/kernels`): decode over the paged cache in place gives the numbers of
 gathering the blocks and running SDPA, prefill of whole prompts those of causal SDPA per prompt, in fp32 and
 bf16, with GQA, sliding windows, any block layout and prompt lengths; the fused layer ops give torch's SwiGLU to fp32
-rounding and torch's rotary and cache write bit for bit; the engine's steps give the same tokens with them as
+rounding and torch's rotary and cache write bit for bit; the small GEMM gives torch's linear layers to fp32 rounding,
+each row's sums the same whatever rows are beside it; the engine's steps give the same tokens with them as
 without; without a working compiler the engine falls back to SDPA and torch's ops."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from kvcentric.engine import kernels
-from kvcentric.engine.llama import AttentionBatch, Rotary
+from kvcentric.engine.llama import SMALL_GEMM_ROWS, AttentionBatch, Rotary, TwoLayouts, linear, linear_add, \
+    pack_weight, two_layouts
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import preset
 
@@ -155,6 +157,8 @@ def test_the_portable_build_computes_the_same(tmp_path: Path, monkeypatch):
                                gathered(q, k_cache, v_cache, tables, lengths, 16), atol=2e-6, rtol=1e-5)
     gate_up = torch.randn(5, 64)
     torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :32]) * gate_up[:, 32:], rtol=1e-6, atol=0)
+    weight, x = torch.randn(48, 40), torch.randn(13, 40)
+    torch.testing.assert_close(ops.small_linear(x, ops.pack_panels(weight), 48), x @ weight.t(), rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_writes_only_the_prompts_rows(kernel):
@@ -261,9 +265,77 @@ def test_rotate_store_is_torchs_rotary_and_cache_write_bit_for_bit(layer_ops):
         layer_ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots + 1000, *caches[:2])
 
 
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 16, 31, 64])
+@pytest.mark.parametrize("out_features, in_features", [(1024, 512), (2816, 512), (512, 1408), (48, 40)])
+def test_small_linear_is_torchs_to_fp32_rounding(layer_ops, rows, out_features, in_features):
+    """Every row count (one block of rows or several), a width with a last panel of 16 (48), an input width no
+    multiple of a vector (40), with and without bias and residual, rows of a wider tensor."""
+    generator = torch.Generator().manual_seed(rows * out_features)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+    x = torch.randn(rows, in_features + 8, generator=generator)[:, 8:]
+    bias, residual = torch.randn(out_features, generator=generator), torch.randn(rows, out_features, generator=generator)
+    panels = layer_ops.pack_panels(weight)
+    assert panels is not None
+    expected = x.double() @ weight.double().t()
+    for b, r in ((None, None), (bias, None), (None, residual), (bias, residual)):
+        got = layer_ops.small_linear(x, panels, out_features, b, r)
+        want = expected + (0 if b is None else b.double()) + (0 if r is None else r.double())
+        assert got is not None and got.shape == (rows, out_features) and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_small_linear_rows_do_not_depend_on_the_batch(layer_ops):
+    """A row's outputs are the same bits alone, first, last or among 31 others (a decode step's logits do not
+    depend on what else is in the batch), on one thread or two."""
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(1024, 512, generator=generator), torch.randn(32, 512, generator=generator)
+    panels = layer_ops.pack_panels(weight)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            batched = layer_ops.small_linear(x, panels, 1024)
+            for row in (0, 17, 31):
+                assert torch.equal(layer_ops.small_linear(x[row:row + 1], panels, 1024)[0], batched[row])
+                assert torch.equal(layer_ops.small_linear(x[row:], panels, 1024)[0], batched[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_small_linear_declines_what_it_does_not_take(layer_ops):
+    assert layer_ops.pack_panels(torch.randn(40, 64)) is None  # out not a multiple of 16
+    assert layer_ops.pack_panels(torch.randn(32, 64, dtype=torch.bfloat16)) is None
+    panels = layer_ops.pack_panels(torch.randn(32, 64))
+    assert layer_ops.small_linear(torch.randn(64, 4).t(), panels, 32) is None  # columns not contiguous
+    assert layer_ops.small_linear(torch.randn(4, 63), panels, 32) is None  # another input width
+    assert layer_ops.small_linear(torch.randn(4, 64, dtype=torch.bfloat16), panels, 32) is None
+    assert layer_ops.small_linear(torch.randn(4, 64), panels, 32, bias=torch.randn(31)) is None
+    assert layer_ops.small_linear(torch.randn(4, 64), panels, 32, residual=torch.randn(3, 32)) is None
+
+
+def test_two_layouts_take_few_rows_to_the_small_gemm_and_many_to_onednn(layer_ops):
+    generator = torch.Generator().manual_seed(5)
+    plain = torch.randn(512, 1408, generator=generator) / 1408 ** 0.5
+    blocked = pack_weight(plain, True)
+    both = two_layouts(blocked, layer_ops)
+    assert isinstance(both, TwoLayouts) and torch.equal(both.panels, layer_ops.pack_panels(plain))
+    for rows in (1, SMALL_GEMM_ROWS, SMALL_GEMM_ROWS + 1, 600):
+        x, residual = torch.randn(rows, 1408, generator=generator), torch.randn(rows, 512, generator=generator)
+        small = rows <= SMALL_GEMM_ROWS
+        assert torch.equal(linear(x, both), layer_ops.small_linear(x, both.panels, 512) if small else linear(x, blocked))
+        expected = layer_ops.small_linear(x, both.panels, 512, None, residual) if small \
+            else linear_add(x, blocked, None, residual)
+        assert torch.equal(linear_add(x, both, None, residual), expected)
+        torch.testing.assert_close(linear(x, both), x @ plain.t(), rtol=1e-4, atol=1e-4)
+    assert two_layouts(both, layer_ops) is both
+    odd = pack_weight(torch.randn(258, 512), True)  # a vocabulary of 258: no panels, oneDNN's layout as it was
+    assert two_layouts(odd, layer_ops) is odd
+
+
 def test_fp32_cpu_runners_use_the_layer_ops_and_compute_the_same_logits():
     with_ops, without = (ModelRunner(preset("tiny"), 64, 4, seed=7) for _ in range(2))
     assert isinstance(with_ops.model.layers[0].mlp.ops, kernels.CpuLayerOps)
+    assert isinstance(with_ops.model.layers[0].mlp.gate_up, TwoLayouts)
     from kvcentric.engine.llama import use_ops
     use_ops(without.model, None)
     prompt = list(range(1, 40))

@@ -15,6 +15,11 @@ kernel 0.6 (docs/performance.md).
 rotary embedding of q and k with the KV cache write. RMSNorm stays torch's (a one-pass kernel measured no faster
 in the engine).
 
+`CpuLayerOps.small_linear`: the fp32 linear layers of a step of few rows (a decode step's) over weights packed
+in panels (`gemm.cpp`), each panel streamed once with software prefetch; oneDNN's GEMM, laid out for many rows,
+read `small`'s weights at 7-14 GB/s where this one reads them at about 20 (docs/performance.md, "Decode's linear
+layers"). Its sums do not depend on the rows beside a row.
+
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's
 torch team rather than a second one; it is called through ctypes, which releases the GIL for the call.
@@ -46,7 +51,8 @@ import torch
 
 log = logging.getLogger("kvcentric.kernels")
 
-SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"))
+SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"),
+           Path(__file__).with_name("gemm.cpp"))
 HEADERS = (Path(__file__).with_name("fast_exp.h"),)
 """Included by the sources: part of what a build is cached by, not compiled on their own."""
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
@@ -196,6 +202,47 @@ class CpuLayerOps:
         self.rms_norm_function = library.kvc_rms_norm
         self.rms_norm_function.argtypes = [pointer, size, pointer, pointer, size, size, ctypes.c_float]
         self.rms_norm_function.restype = None
+        self.pack_panels_function = library.kvc_pack_panels
+        self.pack_panels_function.argtypes = [pointer, size, size, pointer]
+        self.pack_panels_function.restype = ctypes.c_int
+        self.small_gemm_function = library.kvc_small_gemm
+        self.small_gemm_function.argtypes = [pointer, size, pointer, pointer, pointer, size, pointer, size, size, size,
+                                             size]
+        self.small_gemm_function.restype = None
+
+    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """A [out, in] fp32 CPU weight laid out for `small_linear`, or None where it does not take it (out not a
+        multiple of 16, another dtype or device)."""
+        if (weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or weight.shape[0] % 16 != 0 or weight.shape[1] == 0):
+            return None
+        weight = weight.detach().contiguous()
+        panels = torch.empty(weight.numel(), dtype=torch.float32)
+        if self.pack_panels_function(weight.data_ptr(), weight.shape[0], weight.shape[1], panels.data_ptr()) != 0:
+            return None
+        return panels
+
+    def small_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
+                     residual: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x @ weightᵀ (+ bias) (+ residual) over the `pack_panels` of weight, [rows, out_features]; None where these
+        tensors are not ones it takes (the caller runs its GEMM)."""
+        rows, width = x.shape[0], panels.numel() // out_features
+        if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+                or x.shape[1] != width or rows == 0):
+            return None
+        if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                                 or bias.shape != (out_features,)):
+            return None
+        if residual is not None and (residual.dtype != torch.float32 or residual.stride(1) != 1
+                                     or residual.shape != (rows, out_features)):
+            return None
+        out = torch.empty((rows, out_features), dtype=torch.float32)
+        self.small_gemm_function(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                                 None if bias is None else bias.data_ptr(),
+                                 None if residual is None else residual.data_ptr(),
+                                 0 if residual is None else residual.stride(0), out.data_ptr(), out_features, rows,
+                                 out_features, width)
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm over the last dimension of [rows, width] rows (torch's for any other shape or type)."""
