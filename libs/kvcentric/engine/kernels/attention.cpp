@@ -54,15 +54,27 @@ inline const float* widen(const uint16_t* src, float* scratch, int64_t size) {
 }
 
 // visit(i, slot) for positions first..length-1 of a sequence (i counted from `first`), `slot` pointing at the
-// position's row of `cache` plus `column`: a block at a time, so no division per position.
+// position's row of `cache` plus `column`: a block at a time, so no division per position. With `prefetch` bytes,
+// each position's row of the next block (that many bytes from `column`) is prefetched as the position is visited:
+// a block's rows lie together but the blocks anywhere, so the hardware's prefetcher stops at every block's end,
+// and without it a layer's KV came in from memory at half the rate this CPU reads it at (docs/performance.md).
 template <typename T, typename Visit>
 inline void each_slot(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride, int64_t column,
-                      int64_t first, int64_t length, Visit&& visit) {
+                      int64_t first, int64_t length, Visit&& visit, int64_t prefetch = 0) {
+    const int64_t last_block = (length - 1) / block_size;
     for (int64_t t = first; t < length;) {
-        const int64_t offset = t % block_size;
+        const int64_t block = t / block_size, offset = t % block_size;
         const int64_t run = std::min(block_size - offset, length - t);
-        const T* slots = cache + (table[t / block_size] * block_size + offset) * slot_stride + column;
-        for (int64_t i = 0; i < run; ++i) visit(t + i - first, slots + i * slot_stride);
+        const T* slots = cache + (table[block] * block_size + offset) * slot_stride + column;
+        const char* next = prefetch > 0 && block < last_block
+            ? reinterpret_cast<const char*>(cache + (table[block + 1] * block_size + offset) * slot_stride + column)
+            : nullptr;
+        for (int64_t i = 0; i < run; ++i) {
+            if (next != nullptr)
+                for (int64_t byte = 0; byte < prefetch; byte += 64)
+                    __builtin_prefetch(next + i * slot_stride * static_cast<int64_t>(sizeof(T)) + byte, 0, 3);
+            visit(t + i - first, slots + i * slot_stride);
+        }
         t += run;
     }
 }
@@ -112,7 +124,7 @@ inline void weigh_two(const float* v_cache, const int64_t* table, int64_t block_
             a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
             a1[c] = _mm512_fmadd_ps(w1, v, a1[c]);
         }
-    });
+    }, V * 64);
     for (int c = 0; c < V; ++c) {
         _mm512_storeu_ps(acc0 + 16 * c, a0[c]);
         _mm512_storeu_ps(acc1 + 16 * c, a1[c]);
@@ -197,7 +209,7 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
                     scores[r * n + i] = s;
                     top[r] = s > top[r] ? s : top[r];
                 }
-            });
+            }, width * static_cast<int64_t>(sizeof(T)));
             for (int64_t r = 0; r < rows; ++r) total[r] = exp_shifted(scores.data() + r * n, n, top[r]);
             if (!weigh_values(v_cache, table, block_size, slot_stride, column, first, length, scores.data(), n, group,
                               span, head_dim, acc.data())) {
