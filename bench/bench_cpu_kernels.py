@@ -173,7 +173,7 @@ def main() -> None:
         **{f"{name}, {rows} rows": figures for rows in (32, 2048)
            for name, figures in time_layer_ops(ops, rows, args.repeat).items()},
         **{f"decode step's linear layers, {rows} rows (torch: oneDNN)": time_decode_linears(ops, rows, args.repeat)
-           for rows in (1, 8, 16, 32, 64)},
+           for rows in (1, 8, 16, 32, 64, 128, 256)},
     }
     for figures in results.values():
         figures["ratio"] = round(figures["torch_ms"] / figures["kernel_ms"], 2)

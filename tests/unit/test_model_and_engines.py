@@ -140,6 +140,11 @@ def test_decode_fails_requests_whose_kv_never_arrives():
 def test_model_that_does_not_fit_in_memory_is_refused_with_numbers():
     with pytest.raises(MemoryError, match="llama2-70b.*GiB"):
         check_fits(preset("llama2-70b"), kv_bytes=0, dtype_size=4, available=8 << 30)
+    small = preset("small")
+    weights = small.num_params * 4
+    check_fits(small, kv_bytes=0, dtype_size=4, available=weights)
+    with pytest.raises(MemoryError, match="weights"):  # a CPU fp32 model keeps its projections in two layouts
+        check_fits(small, kv_bytes=0, dtype_size=4, available=weights, weight_copies=2)
 
 
 def test_chunked_prefill_runs_in_chunks_and_gives_the_same_first_token():

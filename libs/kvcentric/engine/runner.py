@@ -17,8 +17,8 @@ import torch
 
 from kvcentric.engine.pools import serial_workers
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel, PaddedRows,
-                                    SequenceSlice, empty_model, load_checkpoint, random_init, use_ops)
+from kvcentric.engine.llama import (SMALL_GEMM_ROWS, AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel,
+                                    PaddedRows, SequenceSlice, empty_model, load_checkpoint, random_init, use_ops)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -158,8 +158,9 @@ class ModelRunner:
         self.device = torch.device(device)
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
-        if self.device.type == "cpu":
-            check_fits(config, kv_bytes, dtype_size, available_memory_bytes())
+        if self.device.type == "cpu":  # an fp32 model's projections in two layouts (`llama.TwoLayouts`)
+            copies = 2 if cpu_kernels and self.dtype == torch.float32 and SMALL_GEMM_ROWS > 0 else 1
+            check_fits(config, kv_bytes, dtype_size, available_memory_bytes(), copies)
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
         self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels)
         use_ops(self.model, ops)

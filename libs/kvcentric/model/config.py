@@ -179,12 +179,14 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_fits(config: ModelConfig, kv_bytes: int, dtype_size: int, available: int) -> None:
-    """Refuse, with the numbers, a model whose weights plus KV pool would not fit in memory."""
-    needed = config.num_params * dtype_size + kv_bytes
+def check_fits(config: ModelConfig, kv_bytes: int, dtype_size: int, available: int, weight_copies: int = 1) -> None:
+    """Refuse, with the numbers, a model whose weights (`weight_copies` layouts of them) plus KV pool would not fit
+    in memory."""
+    weights = config.num_params * dtype_size * weight_copies
+    needed = weights + kv_bytes
     if needed > available:
         raise MemoryError(
             f"model {config.name!r} needs {needed / 2**30:.1f} GiB (weights "
-            f"{config.num_params * dtype_size / 2**30:.1f} GiB + KV pool {kv_bytes / 2**30:.1f} GiB) "
+            f"{weights / 2**30:.1f} GiB + KV pool {kv_bytes / 2**30:.1f} GiB) "
             f"but only {available / 2**30:.1f} GiB is available; use a smaller preset "
             f"(--model tiny or small) or fewer --num-kv-blocks")
