@@ -273,7 +273,8 @@ def test_small_linear_is_torchs_to_fp32_rounding(layer_ops, rows, out_features, 
     generator = torch.Generator().manual_seed(rows * out_features)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
     x = torch.randn(rows, in_features + 8, generator=generator)[:, 8:]
-    bias, residual = torch.randn(out_features, generator=generator), torch.randn(rows, out_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    residual = torch.randn(rows, out_features, generator=generator)
     panels = layer_ops.pack_panels(weight)
     assert panels is not None
     expected = x.double() @ weight.double().t()
@@ -322,7 +323,8 @@ def test_two_layouts_take_few_rows_to_the_small_gemm_and_many_to_onednn(layer_op
     for rows in (1, SMALL_GEMM_ROWS, SMALL_GEMM_ROWS + 1, 600):
         x, residual = torch.randn(rows, 1408, generator=generator), torch.randn(rows, 512, generator=generator)
         small = rows <= SMALL_GEMM_ROWS
-        assert torch.equal(linear(x, both), layer_ops.small_linear(x, both.panels, 512) if small else linear(x, blocked))
+        expected = layer_ops.small_linear(x, both.panels, 512) if small else linear(x, blocked)
+        assert torch.equal(linear(x, both), expected)
         expected = layer_ops.small_linear(x, both.panels, 512, None, residual) if small \
             else linear_add(x, blocked, None, residual)
         assert torch.equal(linear_add(x, both, None, residual), expected)
