@@ -43,11 +43,20 @@ def measure(model: str, layers: int, dtype: str, device: str) -> dict:
     weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     fused = [(layer.self_attn.qkv[0], layer.mlp.gate_up, layer.self_attn.out and layer.self_attn.out[0],
               layer.mlp.down) for layer in runner.model.layers]  # out and down: packed for oneDNN (or None)
-    weights += sum(t.numel() * t.element_size() for group in fused for t in group if t is not None)
+    weights += sum(weight_bytes(t) for group in fused for t in group if t is not None)
     return {"model": model, "layers": config.num_layers, "dtype": dtype, "device": device,
             "params": config.num_params, "seconds": round(seconds, 2),
             "cpu_seconds": round(cpu_seconds, 2),
             "peak_rss_added_gib": round((peak_kib - base_kib) / 2**20, 2), "weights_gib": round(weights / 2**30, 2)}
+
+
+def weight_bytes(weight) -> int:
+    """A fused projection's bytes: both layouts of a CPU fp32 one (`llama.TwoLayouts`)."""
+    from kvcentric.engine.llama import TwoLayouts
+
+    if isinstance(weight, TwoLayouts):
+        return weight_bytes(weight.blocked) + weight.panels.numel() * weight.panels.element_size()
+    return weight.numel() * weight.element_size()
 
 
 def scaled(result: dict, model: str) -> dict:
