@@ -1,5 +1,5 @@
 // out = x @ wᵀ (+ bias) (+ residual) for few rows of x: the fp32 linear layers of a decode step, where every
-// weight is read once per step and oneDNN's GEMM, laid out for many rows, streamed `small`'s weights at 8-14 GB/s
+// weight is read once per step and oneDNN's GEMM, laid out for many rows, streamed `small`'s weights at 7-14 GB/s
 // against the 20 GB/s this CPU reads them at (docs/performance.md, "Decode's linear layers").
 //
 // w is packed once (`kvc_pack_panels`) into panels of 32 output columns (a last one of 16 where the width is an
@@ -16,7 +16,6 @@
 // Each panel is a work item for the OpenMP team of the calling thread (torch's, as in attention.cpp).
 
 #include <cstdint>
-#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -28,7 +27,7 @@ constexpr int64_t PANEL = 32;      // output columns a panel holds (a last panel
 constexpr int64_t ROW_BLOCK = 12;  // rows whose accumulators share the registers: 12 x 2 vectors + 2 weights
 // Software prefetch of the panel ahead of the loads, into L1 and (further on) L2: without them the loads of a
 // streamed panel did not overlap the multiply-adds, and the weights came in at 7-10 GB/s (at 8-32 rows) against
-// 19 GB/s with them (`bench/bench_cpu_kernels.py`, 2026-11-27).
+// 19 GB/s with them (measured in one process while writing it, 2026-11-27).
 constexpr int64_t NEAR_AHEAD = 512;   // floats: 2 KiB
 constexpr int64_t FAR_AHEAD = 8192;   // floats: 32 KiB
 
@@ -95,11 +94,8 @@ inline void panel_block_plain(const float* x, int64_t x_row, const float* panel,
 
 extern "C" {
 
-// Floats kvc_pack_panels writes for a [out, in] weight: out * in (the panels hold every element once).
-int64_t kvc_panels_size(int64_t out, int64_t in) { return out * in; }
-
-// w: [out, in] row-major (a torch Linear's weight); panels: kvc_panels_size floats. Returns -1 where out is not a
-// multiple of 16.
+// w: [out, in] row-major (a torch Linear's weight); panels: out * in floats (every element once). Returns -1 where
+// out is not a multiple of 16.
 int kvc_pack_panels(const float* w, int64_t out, int64_t in, float* panels) {
     if (out <= 0 || in <= 0 || out % 16 != 0) return -1;
     const int64_t count = (out + PANEL - 1) / PANEL;
