@@ -1,6 +1,10 @@
 """Busy is not dead: the conductor takes a repeated load report as liveness only, counts lost heartbeats
 and drops an instance whose loop is stuck; the reporter repeats the last load while its loop is busy."""
 
+import asyncio
+import concurrent.futures
+import time
+
 import msgspec
 import pytest
 
@@ -71,6 +75,37 @@ def test_the_heartbeat_sends_a_new_load_once_then_repeats_it_while_the_loop_is_b
     [(_, fresh)] = reporter_.due_reports(10.3)
     assert (fresh.seq, fresh.repeat, fresh.queued_tokens) == (3, False, 0)
     assert reporter_.reports_sent == 3
+
+
+class CountedBeats:
+    """The heartbeat's `beat` as the event loop calls it: done at once, counted."""
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def beat(self) -> concurrent.futures.Future:
+        self.beats += 1
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        done.set_result(None)
+        return done
+
+
+def test_an_unchanged_load_is_left_to_the_heartbeat_which_repeats_it_with_its_age_from_the_last_look():
+    reporter_ = reporter()
+    heartbeat = reporter_.heartbeat = CountedBeats()
+    asyncio.run(reporter_.publish_load("prefill", Load(0, 0, 0), "a:1"))
+    [(_, first)] = reporter_.due_reports(time.monotonic())
+    assert (heartbeat.beats, first.repeat) == (1, False)
+    time.sleep(0.05)
+    looked = time.monotonic()
+    asyncio.run(reporter_.publish_load("prefill", Load(0, 0, 0), "a:1"))  # the same numbers, a later `ts`
+    assert (heartbeat.beats, reporter_.unchanged_reports) == (1, 1)  # nobody woken for it
+    assert reporter_.due_reports(looked + 0.1) == []
+    [(_, again)] = reporter_.due_reports(looked + 0.25)
+    assert again.repeat and again.load_age_s == pytest.approx(0.25, abs=0.02)  # not 0.30: vouched for at `looked`
+    asyncio.run(reporter_.publish_load("prefill", Load(1, 50, 1), "a:1"))  # new numbers go at once
+    [(_, fresh)] = reporter_.due_reports(time.monotonic())
+    assert (heartbeat.beats, fresh.repeat, fresh.queued_tokens) == (2, False, 50)
 
 
 def test_a_colocated_instances_two_roles_share_each_tick_number():

@@ -3,8 +3,9 @@ it, and counts the instance alive while it comes) and the blocks that entered or
 kvc.kv.events.<id> (kvs-meta indexes them).
 
 Load reports go out through the instance's heartbeat thread: the event loop computes the numbers, the
-heartbeat sends each new one at once and, while the loop computes none (it is busy), sends the last one
-again marked `repeat`, so a busy engine never looks dead. It reports; the numbers of a load come from the
+heartbeat sends each new one at once and, while the loop computes none (it is busy) or computes only the same
+numbers again (an idle engine), sends the last one again marked `repeat` every `heartbeat_every_s`, so a busy
+engine never looks dead and an idle one wakes the cluster half as often. It reports; the numbers of a load come from the
 role, which knows its queues.
 """
 
@@ -53,6 +54,11 @@ class Load(NamedTuple):
     (None: a role that does not prefill)."""
 
 
+def unchanged(before: LoadReport, after: LoadReport) -> bool:
+    """Whether two computed reports say the same (all but the time each was made)."""
+    return msgspec.structs.replace(after, ts=before.ts) == before
+
+
 def prefills_of(engine: PrefillEngine) -> tuple[QueuedPrefill, ...]:
     """A prefill engine's prompts, running first, then queued: what each has done (a queued one: the prefix
     its placement expected it to reuse)."""
@@ -83,6 +89,8 @@ class Reporter:
         self.sent_at: dict[str, tuple[LoadReport, float]] = {}
         """Role -> the report the heartbeat last sent (fresh or repeated) and when; heartbeat thread only."""
         self.ticks = 0
+        self.unchanged_reports = 0
+        """Loads the event loop computed that equalled the last one, left to the heartbeat to repeat."""
         self.speed: SpeedMeter | None = None
         """The engine's measured cost model, carried by the load reports when it changed (and now and then)."""
         self._cost: tuple[int, CostModel] | None = None
@@ -154,11 +162,20 @@ class Reporter:
             await self.heartbeat.stop()
 
     async def publish_load(self, role: Role, load: Load, kv_addr: str, draining: bool = False) -> None:
-        """Send this load now; returns once it is out (a heartbeat late by a second gives up waiting)."""
+        """Send this load now; returns once it is out (a heartbeat late by a second gives up waiting). A load
+        that says what the last one said is not sent again at once: the heartbeat repeats the last one within
+        `heartbeat_every_s`, with its age taken from now."""
         report = self.load_report(role, load, kv_addr, draining)
         if self.heartbeat is None:
             await self.bus.publish(Subjects.load(role, self.instance_id), report)
             self.reports_sent += 1
+            return
+        previous = self.latest.get(role)
+        if previous is not None and unchanged(previous[0], report):
+            # The numbers still hold: vouch for them (their age stays fresh), and let the heartbeat repeat them
+            # on its own period instead of waking it and every subscriber with the same report.
+            self.latest[role] = (previous[0], time.monotonic())
+            self.unchanged_reports += 1
             return
         self.latest[role] = (report, time.monotonic())
         try:
