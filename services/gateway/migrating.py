@@ -24,7 +24,8 @@ from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.http import RETRY_AFTER_S, Metrics
 
 WATCH_PERIOD_S = 0.1
-"""How often the requests being served are checked against the instances heard from."""
+"""How often the requests being served are checked against the instances heard from (while none is served, the
+check sleeps until one is placed: an idle gateway does not wake ten times a second for nothing)."""
 
 Place = Callable[[relay.Job, list[int], SamplingParams], Awaitable[Placement]]
 
@@ -36,6 +37,8 @@ class Migrations:
                  silent_after_s: float, log: logging.Logger) -> None:
         self.bus, self.counters, self.running, self.policy, self.log = bus, metrics.counters, running, policy, log
         self.watch = InstanceWatch(silent_after_s)
+        self.serving = asyncio.Event()
+        """Set when a request is placed; cleared by `check` once none is being served."""
         self.detect = metrics.histogram("migration_detect_seconds", LATENCY_BUCKETS_S,
                                         help="an instance's last load report to its requests' migration")
         self.gap = metrics.histogram("migration_gap_seconds", LATENCY_BUCKETS_S,
@@ -57,6 +60,7 @@ class Migrations:
         now = time.monotonic()
         for instance_id in waited_on(job.placement, 0):
             self.watch.expect(instance_id, now)
+        self.serving.set()
 
     def received(self, job: relay.Job, tokens: int) -> None:
         """Tokens came: a migrated request's stall is over."""
@@ -70,7 +74,11 @@ class Migrations:
         return len(job.received) - job.received_before
 
     async def check(self) -> None:
-        """End the wait of every request whose instance went silent (its token reader then migrates it)."""
+        """End the wait of every request whose instance went silent (its token reader then migrates it); with
+        none being served, first wait until one is placed."""
+        if not self.running:
+            self.serving.clear()
+            await self.serving.wait()
         now = time.monotonic()
         for job in list(self.running.values()):
             if job.failure is not None or job.placement is None or job.output is None:
