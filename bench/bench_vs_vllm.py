@@ -3,7 +3,8 @@
 OpenAI server (fp32, its defaults, 2 threads), measured in interleaved rounds by one streaming client; each
 figure is given as a ratio to vLLM's in the same round, and greedy outputs are compared. vLLM stays up for the
 whole run and one kvcentric cluster at a time beside it (`Turns`; --together: all of them), each turn once the
-machine is quiet.
+machine is quiet, with the servers not measured frozen (SIGSTOP) so that none idles beside another's figures
+(--no-freeze: they idle, as in the runs before 2026-11-27 19:30 UTC).
 
 It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); without it, it says so and exits
 0 (skipped). It is never run by `make test`.
@@ -23,6 +24,7 @@ import json
 import os
 import platform
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -83,6 +85,10 @@ def parse_args() -> argparse.Namespace:
                         choices=list(DEPLOYMENTS))
     parser.add_argument("--together", action="store_true",
                         help="every server up for the whole run (default: vLLM and one kvcentric cluster at a time)")
+    parser.add_argument("--no-freeze", dest="freeze", action="store_false",
+                        help="leave the other servers idling beside the one measured (default: they are frozen with "
+                             "SIGSTOP for its turn, so each is measured as if alone on the box; the runs before "
+                             "2026-11-27 19:30 UTC left them idling)")
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
     parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))
     return parser.parse_args()
@@ -367,16 +373,47 @@ def cpu_times() -> tuple[int, int]:
     return sum(fields), fields[3] + fields[4]
 
 
+def process_tree(root: int) -> list[int]:
+    """`root` and every process below it (from /proc: a server's workers, an `up`'s children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 class Turns:
     """The servers as each turn needs them. By default vLLM is up throughout and one kvcentric cluster at a
     time: the one measured, or during vLLM's turn the one measured next, so every figure is taken with exactly
-    one other server idle beside it (an idle 1P+1D cluster's processes switch context about 500 times a
-    second, which a second and a third cluster would add to every figure of ours and to none of vLLM's).
-    With --together every server is up from the start, as in the runs before 2026-11-26."""
+    one other server beside it (an idle 1P+1D cluster's processes switch context about 300 times a second,
+    which a second and a third cluster would add to every figure of ours and to none of vLLM's). The servers
+    not measured are frozen (SIGSTOP) for the turn, unless --no-freeze: an idle vLLM beside our cluster put a
+    lone prompt's first token at 68-80 ms where the cluster alone read 65-68. With --together every server is
+    up from the start, as in the runs before 2026-11-26."""
 
     def __init__(self, args, servers: dict, checkpoint: Path, log_dir: Path) -> None:
         self.args, self.servers, self.checkpoint, self.log_dir = args, servers, checkpoint, log_dir
         self.models: dict[str, str] = {}
+        self.frozen: dict[str, list[int]] = {}
+        """Server -> the processes stopped (SIGSTOP) for another's turn."""
         self.warm = random_prompts(random.Random(1), args.concurrency, args.input_len)
         self.warm_burst = random_prompts(random.Random(2), args.requests, args.input_len)
         for name in list(servers):
@@ -386,10 +423,12 @@ class Turns:
         """`name` serving (started, when it was not, and warmed up: compiled, allocated), its URL."""
         if name not in self.servers:
             for other in [n for n in self.servers if n != "vLLM"]:
+                self.thaw(other)
                 self.servers.pop(other).stop()
                 self.models.pop(other, None)
             self.servers[name] = start_cluster(name, self.checkpoint, self.log_dir)
         server = self.servers[name]
+        self.thaw(name)
         if name not in self.models:
             self.models[name] = served_model(server.url)
             run_batch(server.url, self.models[name], self.warm, self.args.output_len, self.args.concurrency)
@@ -403,10 +442,21 @@ class Turns:
         """The URL and model of `name` for its turn; vLLM's brings `following` up beside it first."""
         if name == "vLLM" and following is not None and not self.args.together:
             self.up(following)
-        return self.up(name), self.models[name]
+        url = self.up(name)
+        if self.args.freeze:
+            for other in self.servers:
+                if other != name and other not in self.frozen:
+                    self.frozen[other] = process_tree(self.servers[other].process.pid)
+                    signal_all(self.frozen[other], signal.SIGSTOP)
+        return url, self.models[name]
+
+    def thaw(self, name: str) -> None:
+        """Let `name`'s processes run again, if another's turn stopped them."""
+        signal_all(self.frozen.pop(name, []), signal.SIGCONT)
 
     def stop(self) -> None:
-        for server in self.servers.values():
+        for name, server in self.servers.items():
+            self.thaw(name)
             server.stop()
 
 

@@ -112,7 +112,7 @@ class InstanceRegistry:
         self.missed_beats = 0
         """Heartbeat ticks that never arrived (gaps in the reports' `seq`), over every instance."""
         self.repeats = 0
-        """Reports that only said an instance lives (its loop was busy)."""
+        """Reports that only said an instance lives (its loop was busy, or its load had not changed)."""
 
     def _heard(self, state: PrefillState | DecodeState, report: LoadReport, now: float) -> bool:
         """Note that the instance lives; True when the report carries new load numbers to take."""
