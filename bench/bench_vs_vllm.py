@@ -36,6 +36,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the test harness
 sys.path.insert(0, str(HERE / "vllm_peer"))
@@ -378,22 +380,8 @@ def cpu_times() -> tuple[int, int]:
 
 
 def process_tree(root: int) -> list[int]:
-    """`root` and every process below it (from /proc: a server's workers, an `up`'s children)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(parent, []).append(int(entry))
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
+    """`root` and every process below it (a server's workers, an `up`'s children)."""
+    return [root, *(child.pid for child in psutil.Process(root).children(recursive=True))]
 
 
 def signal_all(pids: list[int], sig: int) -> None:
