@@ -1,4 +1,5 @@
-"""kvcentric next to a real vLLM on this machine: the same random-weight `small` Llama checkpoint served by
+"""kvcentric next to a real vLLM on this machine: the same random-weight Llama checkpoint (`small`, 24 M, and
+`medium`, 136 M: --shapes) served by
 `kvcentric up --colocated 1` (2 threads), `kvcentric up --prefill 1 --decode 1` (1 thread each) and vLLM's
 OpenAI server (fp32, its defaults, 2 threads), measured in interleaved rounds by one streaming client; each
 figure is given as a ratio to vLLM's in the same round, and greedy outputs are compared. vLLM stays up for the
@@ -6,14 +7,21 @@ whole run and one kvcentric cluster at a time beside it (`Turns`; --together: al
 machine is quiet, with the servers not measured frozen (SIGSTOP) so that none idles beside another's figures
 (--no-freeze: they idle, as in the runs before 2026-11-27 19:30 UTC).
 
+Each shape is measured on each instruction set named by --isa: `native` as the CPU is, `avx2` with every side
+capped to AVX2 (our kernels built for x86-64-v3, torch's ATen kernels and oneDNN capped through
+ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, vLLM's too), so an AVX-512 machine measures the AVX2 path as well.
+Every prompt is drawn afresh for its shape, instruction set, round and test: none was sent before to any
+server, so no figure is a prefix-cache hit.
+
 It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); without it, it says so and exits
 0 (skipped). It is never run by `make test`.
 
 Usage:
     bench/vllm_peer/setup.sh /work/vllm-venv
     .venv/bin/python bench/bench_vs_vllm.py [--peer-venv /work/vllm-venv] [--rounds 3] [--only "colocated mixed"]
+        [--shapes small medium] [--isa native avx2]
 
-Writes bench/results/vs_vllm.json and vs_vllm.png and prints the ratio table.
+Writes bench/results/vs_vllm_<shape>_<isa>.json and .png (--out: the stem) and prints each ratio table.
 """
 
 from __future__ import annotations
@@ -41,10 +49,16 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the test harness
 sys.path.insert(0, str(HERE / "vllm_peer"))
-from checkpoint import build_small_checkpoint  # noqa: E402
+from checkpoint import build_checkpoint, build_small_checkpoint  # noqa: E402, F401 (bench_alone imports it)
 from harness import UpProcess  # noqa: E402
 
 RESULTS = HERE / "results"
+ISA_ENV: dict[str, dict[str, str]] = {
+    "native": {},
+    "avx2": {"KVC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+"""The environment every server of a run gets, per instruction set (`--isa`): vLLM reads the torch and oneDNN
+caps as ours does."""
 DEPLOYMENTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "colocated split": (["--colocated", "1"], {"KVC_STEP_TOKENS": "0"}),
     "colocated mixed": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048"}),
@@ -71,8 +85,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
                         help="venv made by bench/vllm_peer/setup.sh")
-    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-small"),
-                        help="where the shared random checkpoint is built (kept between runs)")
+    parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-{shape}"),
+                        help="where each shape's shared random checkpoint is built (kept between runs)")
+    parser.add_argument("--shapes", nargs="+", default=["small", "medium"], choices=["small", "medium"],
+                        help="model shapes measured, one after another (presets of kvcentric.model.config)")
+    parser.add_argument("--isa", nargs="+", default=["native"], choices=list(ISA_ENV),
+                        help="instruction sets measured: native, and/or capped to AVX2 on every side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="vLLM's OpenMP threads (bound to cores 0..N-1)")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
@@ -92,7 +110,8 @@ def parse_args() -> argparse.Namespace:
                              "SIGSTOP for its turn, so each is measured as if alone on the box; the runs before "
                              "2026-11-27 19:30 UTC left them idling)")
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
-    parser.add_argument("--out", default=str(RESULTS / "vs_vllm.json"))
+    parser.add_argument("--out", default=str(RESULTS / "vs_vllm"),
+                        help="path stem: each shape and instruction set writes <stem>_<shape>_<isa>.json and .png")
     return parser.parse_args()
 
 
@@ -102,12 +121,14 @@ def parse_args() -> argparse.Namespace:
 class PeerServer:
     """vLLM's OpenAI server from the peer venv, on a free port: fp32, its defaults, `threads` OpenMP threads."""
 
-    def __init__(self, python: Path, checkpoint: Path, threads: int, log_path: Path, timeout_s: float = 900) -> None:
+    def __init__(self, python: Path, checkpoint: Path, threads: int, log_path: Path, timeout_s: float = 900,
+                 extra_env: dict[str, str] | None = None) -> None:
         port = free_port()
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "2",
-               "OMP_NUM_THREADS": str(threads)}
+               "OMP_NUM_THREADS": str(threads), **(extra_env or {})}
         argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-                "--served-model-name", "small", "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+                "--served-model-name", checkpoint.name, "--dtype", "float32", "--host", "127.0.0.1",
+                "--port", str(port)]
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop
         self.process = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.url, self.log_path, self.timeout_s = f"http://127.0.0.1:{port}", log_path, timeout_s
@@ -315,7 +336,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks([x + width * (len(names) - 1) / 2 for x in range(len(TESTS))])
     ax.set_xticklabels([PLOT_LABELS[t] for t in TESTS])
     ax.set_ylabel("kvcentric / vLLM (median of rounds)")
-    ax.set_title(f"kvcentric vs vLLM {result['peer_version']}, small fp32, same checkpoint, interleaved")
+    ax.set_title(f"kvcentric vs vLLM {result['peer_version']}, {result['shape']} fp32, {result['isa']}, "
+                 f"{result['machine']['cpu']}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -339,11 +361,11 @@ def compare_outputs(outputs: dict[str, dict[str, dict]]) -> dict[str, dict]:
 
 def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
     """vLLM, and with --together every kvcentric cluster too (else each comes up in its turn: `Turns`)."""
-    peer = PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log")
+    peer = PeerServer(python, checkpoint, args.threads, log_dir / "vllm.log", extra_env=ISA_ENV[args.run_isa])
     servers: dict = {"vLLM": peer}
     try:
         for name in args.only if args.together else []:
-            servers[name] = start_cluster(name, checkpoint, log_dir)
+            servers[name] = start_cluster(name, checkpoint, log_dir, args.run_isa)
         peer.wait_ready()
     except BaseException:
         for server in servers.values():
@@ -352,11 +374,11 @@ def start_servers(args, checkpoint: Path, python: Path, log_dir: Path) -> dict:
     return servers
 
 
-def start_cluster(name: str, checkpoint: Path, log_dir: Path) -> UpProcess:
+def start_cluster(name: str, checkpoint: Path, log_dir: Path, isa: str = "native") -> UpProcess:
     flags, env = DEPLOYMENTS[name]
     print(f"starting {name}", file=sys.stderr, flush=True)
     return UpProcess(str(log_dir / name.replace(" ", "_")), "--model", str(checkpoint), *flags, timeout_s=600,
-                     env={"KVC_DTYPE": "float32", **env})
+                     env={"KVC_DTYPE": "float32", **ISA_ENV[isa], **env})
 
 
 def settle(timeout_s: float = 20.0, idle_share: float = 0.85) -> float:
@@ -406,8 +428,8 @@ class Turns:
         self.models: dict[str, str] = {}
         self.frozen: dict[str, list[int]] = {}
         """Server -> the processes stopped (SIGSTOP) for another's turn."""
-        self.warm = random_prompts(random.Random(1), args.concurrency, args.input_len)
-        self.warm_burst = random_prompts(random.Random(2), args.requests, args.input_len)
+        self.warm = random_prompts(random.Random(f"warm {args.seed}"), args.concurrency, args.input_len)
+        self.warm_burst = random_prompts(random.Random(f"warm burst {args.seed}"), args.requests, args.input_len)
         for name in list(servers):
             self.up(name)
 
@@ -418,7 +440,7 @@ class Turns:
                 self.thaw(other)
                 self.servers.pop(other).stop()
                 self.models.pop(other, None)
-            self.servers[name] = start_cluster(name, self.checkpoint, self.log_dir)
+            self.servers[name] = start_cluster(name, self.checkpoint, self.log_dir, self.args.run_isa)
         server = self.servers[name]
         self.thaw(name)
         if name not in self.models:
@@ -456,7 +478,7 @@ def measure(args, turns: Turns, report) -> None:
     """The rounds, the servers' turns in an order rotated each round, each after the machine is quiet;
     `report(rounds, outputs)` after each round (the JSON so far)."""
     names = ["vLLM", *args.only]
-    rng = random.Random(0)
+    rng = random.Random(f"measure {args.seed}")
     rounds: list[dict] = []
     outputs: dict = {}
     for index in range(args.rounds):
@@ -486,16 +508,17 @@ def write_report(args, python: Path, deployments: list[str], load_before) -> Cal
 
     def report(rounds: list[dict], outputs: dict) -> None:
         result = {"label": args.label, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "peer_version": version, "deployments": deployments,
+                  "peer_version": version, "deployments": deployments, "shape": args.run_shape,
+                  "isa": args.run_isa, "isa_env": ISA_ENV[args.run_isa],
                   "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                "tbt_output_len": args.tbt_output_len, "requests": args.requests,
                                "concurrency": args.concurrency, "vllm_threads": args.threads},
-                  "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                  "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "isa_flags": cpu_isa_flags(),
                               "load_average_before": load_before, "load_average_now": os.getloadavg()},
                   "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in deployments if n != "vLLM"},
                   "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
                   "failed_requests": FAILED}
-        out = Path(args.out)
+        out = Path(f"{args.out}_{args.run_shape}_{args.run_isa}.json")
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2))
         plot(result, out.with_suffix(".png"))
@@ -512,14 +535,41 @@ def main() -> None:
         print(f"SKIPPED: no vLLM peer in {args.peer_venv} (install it with bench/vllm_peer/setup.sh "
               f"{args.peer_venv}); nothing measured.")
         return
-    checkpoint = build_small_checkpoint(Path(args.checkpoint))
-    report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
-    with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
-        turns = Turns(args, start_servers(args, checkpoint, python, Path(logs)), checkpoint, Path(logs))
-        try:
-            measure(args, turns, report)
-        finally:
-            turns.stop()
+    for shape in args.shapes:
+        checkpoint = build_checkpoint(Path(args.checkpoint.format(shape=shape)), shape)
+        for isa in args.isa:
+            print(f"== {shape} on {isa} ({cpu_model()})", file=sys.stderr, flush=True)
+            args.run_shape, args.run_isa = shape, isa
+            args.seed = f"{shape} {isa} {time.time_ns()}"  # prompts never sent before, by any run
+            report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
+            with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
+                turns = Turns(args, start_servers(args, checkpoint, python, Path(logs)), checkpoint, Path(logs))
+                try:
+                    measure(args, turns, report)
+                finally:
+                    turns.stop()
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), else the architecture."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa_flags() -> list[str]:
+    """Which of the vector instruction sets that matter here the CPU has."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
 
 
 if __name__ == "__main__":

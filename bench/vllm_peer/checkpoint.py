@@ -1,4 +1,5 @@
-"""The checkpoint both sides of `bench/bench_vs_vllm.py` serve: random Llama weights of the `small` preset's shape
+"""The checkpoint both sides of `bench/bench_vs_vllm.py` serve: random Llama weights of a preset's shape (`small`,
+`medium`)
 saved as a Hugging Face directory, with a byte-level tokenizer.json whose ids are kvcentric's byte ids (0..255
 the bytes, 256 BOS, 257 EOS). It builds files only; it starts no server.
 """
@@ -39,17 +40,22 @@ def save_byte_tokenizer(directory: Path) -> None:
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": preset("small").max_position}))
+        "model_max_length": preset("small").max_position}))  # every CPU preset's
 
 
 def build_small_checkpoint(directory: Path, seed: int = 0) -> Path:
-    """Random weights (normal, std 0.02; norms 1) in the `small` preset's shape, saved with the byte tokenizer;
-    an existing complete directory is kept as it is."""
+    """`build_checkpoint` of the `small` preset."""
+    return build_checkpoint(directory, "small", seed)
+
+
+def build_checkpoint(directory: Path, shape_name: str, seed: int = 0) -> Path:
+    """Random weights (normal, std 0.02; norms 1) in a preset's shape, saved with the byte tokenizer; an existing
+    complete directory is kept as it is."""
     if (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists():
         return directory
     import transformers
 
-    shape = preset("small")
+    shape = preset(shape_name)
     config = transformers.LlamaConfig(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
