@@ -38,14 +38,16 @@ def with_cost(report, cost: MeasuredCost):
 
 
 def announce(core: Conductor, decode_cost: MeasuredCost | None = None, prefill_cost: MeasuredCost | None = None,
-             now: float = 0.0) -> None:
+             now: float = 0.0, running: int = 0) -> None:
+    """p0 and d0 report (d0 decoding `running` sequences: an idle one is never refused for TBT)."""
     core.observe(with_cost(prefill_report("p0"), prefill_cost) if prefill_cost else prefill_report("p0"), now)
-    core.observe(with_cost(decode_report("d0"), decode_cost) if decode_cost else decode_report("d0"), now)
+    decode = decode_report("d0", running=running)
+    core.observe(with_cost(decode, decode_cost) if decode_cost else decode, now)
 
 
 def test_a_trusted_prior_rejects_on_its_guess():
     core = conductor(prior_trusted=True)
-    announce(core)
+    announce(core, running=1)
     decision = core.schedule(schedule_request(100), {}, 0.1)
     assert isinstance(decision, Rejection) and decision.stage == "decode"
 
@@ -73,14 +75,14 @@ def test_the_measured_model_replaces_even_a_trusted_prior():
 def test_a_measured_model_that_predicts_overload_rejects():
     slow = msgspec.structs.replace(FAST_DECODE, decode=[1.0, 0.0, 0.0])
     core = conductor(prior_trusted=False)
-    announce(core, decode_cost=slow)
+    announce(core, decode_cost=slow, running=1)
     decision = core.schedule(schedule_request(100), {}, 0.1)
     assert isinstance(decision, Rejection) and "predicted TBT 1000.0 ms" in decision.message
 
 
 def test_with_measurements_ignored_the_prior_stays():
     core = conductor(prior_trusted=True, use_measured=False)
-    announce(core, decode_cost=FAST_DECODE)
+    announce(core, decode_cost=FAST_DECODE, running=1)
     assert isinstance(core.schedule(schedule_request(100), {}, 0.1), Rejection)
     assert core.registry.decode["d0"].cost is None
 

@@ -167,6 +167,11 @@ class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     decode_prefix_tokens: int = 0
     pipeline_addrs: list[str] = []
     """`prefill_id` heads a prefill group: the messengers of its later stages, in order (Mooncake §5.1)."""
+    ttft_slo_s: float = 0.0
+    """The TTFT SLO the request was admitted under, seconds (absolute, or relative to the unloaded speed); 0: none
+    known (no trusted model yet, or a conductor from before SLOs were sent)."""
+    tbt_slo_s: float = 0.0
+    """The TBT SLO it was admitted under, seconds; 0: none known."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
@@ -315,6 +320,10 @@ class MeasuredCost(msgspec.Struct, frozen=True, kw_only=True):
     dtype: str = ""
     version: int = 0
     """Bumped at every refit."""
+    guess: list[str] = []
+    """The parts ("prefill", "decode") whose fit rests on samples timed while the machine was busy with other work
+    (a calibration beside other processes): a guess, which the conductor ranks by but never rejects on, until the
+    engine has measured that part again on a quiet machine, consistently, or while serving."""
 
 
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -102,6 +102,8 @@ class SimConfig(SchedulerConfig):
         require(0 <= self.low_priority_share <= 1, "low_priority_share", "must be in [0, 1]")
         require(self.decode_max_batch >= 0, "decode_max_batch", "must be >= 0")
         require(self.ttft_slo_factor > 0 and self.tbt_slo_factor > 0, "ttft_slo_factor", "factors must be positive")
+        require(self.ttft_slo_s > 0 and self.tbt_slo_s > 0, "ttft_slo_s",
+                "the simulator's SLOs are absolute: give seconds, or --slo-reference for relative ones")
         require(self.model in PRESETS, "model", f"choose a preset: {', '.join(PRESETS)}")
         require(self.hardware in HARDWARE, "hardware", f"choose one of {', '.join(HARDWARE)}")
         for name in ("prefill_profile", "decode_profile"):

@@ -7,8 +7,10 @@ Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance
 are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
 in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
 its KV events say so). Placement ranks, and admission judges, each predicted TTFT times its instance's learned
-correction (`correction`: actual over predicted, from first tokens, timed chunks and late placements). It
-decides where
+correction (`correction`: actual over predicted, from first tokens, timed chunks and late placements), against the
+request's SLOs (`slo`: absolute, or relative to the unloaded speed of the fastest trusted model). An idle prefill
+instance refused on its prediction gets one request now and then anyway (`probe_every_s`), so a stale estimate is
+measured again instead of refusing for ever. It decides where
 a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
 the simulator drive this same class.
 """
@@ -31,9 +33,16 @@ from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.prefix import ExpectedBlocks
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
+from kvcentric.core.scheduling.slo import Slo
 
 MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
+
+
+RELATIVE_MIN_PREDICTED_S = 0.05
+"""With a relative TTFT SLO: predictions below this count as it in the TTFT correction's ratios."""
+RELATIVE_MAX_WAIT_S = 120.0
+"""With a relative TTFT SLO: a placement waiting longer than this for its first token is taken as lost."""
 
 
 EXPECTED_SLACK_S = 5.0
@@ -76,11 +85,16 @@ class Conductor:
         """PrfaaS routing across clusters (§3.3); None: one cluster, every instance a candidate."""
         self.admission = Admission(config.rejection, self.estimator, config.ttft_slo_s, config.tbt_slo_s,
                                    config.priority_step, config.top_priority, config.slo_headroom)
-        self.correction = TtftCorrection(config.ttft_slo_s / 20, max_wait_s=3 * config.ttft_slo_s,
+        self.slos = config.slos
+        floor, wait = ((config.ttft_slo_s / 20, 3 * config.ttft_slo_s) if config.ttft_slo_s
+                       else (RELATIVE_MIN_PREDICTED_S, RELATIVE_MAX_WAIT_S))
+        self.correction = TtftCorrection(floor, max_wait_s=wait,
                                          spread=config.ttft_correction_spread) if config.ttft_correction else None
         """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
+        self.probe_at: dict[str, float] = {}
+        """prefill instance id -> when it may next be given a probe (a request over its SLO, placed anyway)."""
         self.stats = Tally()
 
     def _make_policy(self, estimator: Estimator):
@@ -222,15 +236,44 @@ class Conductor:
         choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
-        decode = self._decode_for(request, choice, decodes, now)
+        slo = self.slo_for(request.n_tokens, alive, decodes)
+        decode = self._decode_for(request, choice, decodes, now, slo)
         judged_ttft_s = self.judged_ttft_s(choice)
-        verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d)
-        if verdict is not None:
+        verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d, slo)
+        if verdict is not None and not self._probe(choice, decode, verdict, now):
             self.stats[f"rejected_{verdict.stage}"] += 1
             return Rejection.overloaded(request.request_id, verdict.message, retry_after_s=verdict.retry_after_s,
                                         stage=verdict.stage, load=round(verdict.load, 4))
         self._account(request, choice, decode, now)
-        return self._placement(request, choice, decode)
+        return self._placement(request, choice, decode, slo)
+
+    def slo_for(self, n_tokens: int, prefills: list[PrefillState], decodes: list[DecodeState]) -> Slo:
+        """The SLOs of a request of `n_tokens`: the absolute ones, or relative to the unloaded speed of the
+        fastest trusted model among `prefills` and `decodes`."""
+        if not self.slos.relative:
+            return self.admission.slo
+        prior = self.estimator.cost
+        return self.slos.for_request(n_tokens, [s.cost or prior for s in prefills if s.trusted],
+                                     [s.cost or prior for s in decodes if s.trusted])
+
+    def slo_view(self, now: float) -> dict:
+        """The SLOs in force (absolute, or relative with their value for a 256-token prompt now), for /health."""
+        prior = self.estimator.cost
+        prefills = [s.cost or prior for s in self.registry.alive_prefill(now) if s.trusted]
+        decodes = [s.cost or prior for s in self.registry.alive_decode(now) if s.trusted]
+        return self.slos.describe(prefills, decodes)
+
+    def _probe(self, choice: PrefillChoice, decode: DecodeChoice, verdict, now: float) -> bool:
+        """Place a request its prefill instance's prediction refused, when that instance is idle and had no probe
+        for `probe_every_s`: what it measures then corrects the estimate (its own model, the TTFT correction)."""
+        every, instance = self.config.probe_every_s, choice.instance
+        if not every or verdict.stage != "prefill" or not decode.room or decode.load > verdict.threshold:
+            return False
+        if instance.queue_s(now) > 0 or len(instance.in_flight) or now < self.probe_at.get(instance.instance_id, 0.0):
+            return False
+        self.probe_at[instance.instance_id] = now + every
+        self.stats["probes"] += 1
+        return True
 
     @staticmethod
     def judged_ttft_s(choice: PrefillChoice) -> float:
@@ -258,15 +301,15 @@ class Conductor:
         return self.router.choose(request, prefills, hits, now)
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
-                    now: float) -> DecodeChoice:
+                    now: float, slo: Slo | None = None) -> DecodeChoice:
         """Colocated: an instance that reports in both roles decodes what it prefilled (no KV transfer)."""
         arrival = now + choice.ttft_s
         state = self.registry.serving_decode(choice.instance.instance_id, now)
         if state is None:
-            return self.admission.choose_decode(request, decodes, arrival, now, self.t_d)
+            return self.admission.choose_decode(request, decodes, arrival, now, self.t_d, slo)
         if self.admission.mode == "predictive":
-            return self.admission.judge_predicted(request, state, arrival, self.t_d)
-        return self.admission.judge_current(request, state, now)
+            return self.admission.judge_predicted(request, state, arrival, self.t_d, slo)
+        return self.admission.judge_current(request, state, now, slo)
 
     def _account(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice, now: float) -> None:
         instance = choice.instance
@@ -293,7 +336,8 @@ class Conductor:
         self.stats["placed"] += 1
         self.stats["placed_unjudged"] += not (choice.instance.trusted and decode.instance.trusted)
 
-    def _placement(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice) -> Placement:
+    def _placement(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice,
+                   slo: Slo | None = None) -> Placement:
         source = choice.source
         pull = request.block_hashes[choice.local_blocks:choice.prefix_blocks] if source is not None else []
         tbt = decode.tbt_s if math.isfinite(decode.tbt_s) else -1.0
@@ -308,7 +352,13 @@ class Conductor:
                          decode_prefix_addr=holder.kv_addr if holder is not None else "",
                          decode_prefix_hashes=request.block_hashes[:prefix_blocks],
                          decode_prefix_tokens=prefix_tokens if holder is not None else 0,
-                         pipeline_addrs=self.groups.later_stages(choice.instance.instance_id))
+                         pipeline_addrs=self.groups.later_stages(choice.instance.instance_id),
+                         ttft_slo_s=_finite(slo.ttft_s) if slo else 0.0, tbt_slo_s=_finite(slo.tbt_s) if slo else 0.0)
+
+
+def _finite(seconds: float) -> float:
+    """An SLO as a Placement carries it: rounded, 0 where there is none (infinite)."""
+    return round(seconds, 6) if math.isfinite(seconds) else 0.0
 
 
 def latest_chunk(report: LoadReport) -> tuple[list[float], int]:

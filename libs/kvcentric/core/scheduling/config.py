@@ -10,6 +10,7 @@ from typing import Literal, get_args
 from kvcentric.config import require, setting
 from kvcentric.core.scheduling.admission import RejectionMode
 from kvcentric.core.scheduling.policies import PlacementName
+from kvcentric.core.scheduling.slo import TBT_FACTOR, TTFT_FACTOR, SloPolicy
 
 QueueTime = Literal["reported", "tokens"]
 """Where a prefill instance's T_queue comes from (`--queue-time`)."""
@@ -20,8 +21,18 @@ class SchedulerConfig:
     policy: PlacementName = setting("kvcentric", "prefill placement policy (kvcentric = Mooncake Algorithm 1)")
     rejection: RejectionMode = setting(
         "early", "overload rejection (Mooncake §7; none: each stage on its own, on arrival; never: admit all)")
-    ttft_slo_s: float = setting(30.0, "TTFT SLO in seconds (a request predicted above it is rejected)")
-    tbt_slo_s: float = setting(0.1, "TBT SLO in seconds (time between tokens)")
+    ttft_slo_s: float = setting(30.0, "TTFT SLO in seconds (a request predicted above it is rejected); 0: relative, "
+                                      "--ttft-slo-factor x the unloaded prefill time of the request's prompt, from "
+                                      "the fastest measured model of the prefill pool")
+    tbt_slo_s: float = setting(0.1, "TBT SLO in seconds (time between tokens); 0: relative, --tbt-slo-factor x the "
+                                    "unloaded decode step (one sequence, the prompt's context), from the fastest "
+                                    "measured model of the decode pool")
+    ttft_slo_factor: float = setting(TTFT_FACTOR, "with --ttft-slo-s 0: the TTFT SLO is this x the unloaded prefill "
+                                                  "time of the prompt")
+    tbt_slo_factor: float = setting(TBT_FACTOR, "with --tbt-slo-s 0: the TBT SLO is this x the unloaded decode step")
+    probe_every_s: float = setting(0.0, "an idle prefill instance whose prediction is over the TTFT SLO is still "
+                                        "given one request (a probe) this often, so it is measured again instead "
+                                        "of refused for ever on a stale estimate (0: never)")
     kvcache_balancing_threshold: float = setting(
         2.0, "pull the best prefix from another instance when it is longer than this many times the local one")
     block_size: int = setting(16, "tokens per prefix-hash block (the engines' KV block size; 512 in Mooncake traces)")
@@ -55,8 +66,12 @@ class SchedulerConfig:
                                                  "deviations (as TCP's retransmission timeout; 0: the mean alone)")
 
     def __post_init__(self) -> None:
-        require(self.ttft_slo_s > 0, "ttft_slo_s", "must be positive")
-        require(self.tbt_slo_s > 0, "tbt_slo_s", "must be positive")
+        for name in ("ttft_slo_s", "tbt_slo_s"):
+            value = getattr(self, name)
+            require(math.isfinite(value) and value >= 0, name, "must be 0 (relative) or positive")
+        require(self.ttft_slo_factor > 0, "ttft_slo_factor", "must be positive")
+        require(self.tbt_slo_factor > 0, "tbt_slo_factor", "must be positive")
+        require(math.isfinite(self.probe_every_s) and self.probe_every_s >= 0, "probe_every_s", "must be 0 or more")
         require(self.kvcache_balancing_threshold >= 1, "kvcache_balancing_threshold", "must be >= 1")
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.link_gbps > 0, "link_gbps", "must be positive")
@@ -68,6 +83,11 @@ class SchedulerConfig:
         require(self.cache_aware_scheduling_min_tokens >= 0, "cache_aware_scheduling_min_tokens", "must be >= 0")
         require(self.queue_time in get_args(QueueTime), "queue_time",
                 f"choose {' or '.join(get_args(QueueTime))}, got {self.queue_time!r}")
+
+    @property
+    def slos(self) -> SloPolicy:
+        """The SLOs: absolute where set, else relative to the unloaded speed."""
+        return SloPolicy(self.ttft_slo_s, self.tbt_slo_s, self.ttft_slo_factor, self.tbt_slo_factor)
 
     @property
     def link_bytes_per_s(self) -> float:

@@ -3,8 +3,10 @@ reports), else the prior (`--profile`, else a roofline of `--model` on `--hardwa
 may trust it; and the view of predicted against measured times that the conductor's /health shows. Pure; it
 predicts nothing itself and rejects nothing.
 
-A measured model, or a prior that came from an explicit profile, is trusted. An instance that has not measured
-a part yet (its calibration ran out of time on a loaded machine, or serving one prompt shape cannot fit it)
+A measured model, or a prior that came from an explicit profile, is trusted. A part the instance says is a guess
+(`MeasuredCost.guess`: timed while the machine was busy) is not: it predicts (ranks) for the instance until measured
+again, a trusted peer's or a trusted prior's model standing in for it where there is one. An instance that has not
+measured a part yet (its calibration ran out of time on a loaded machine, or serving one prompt shape cannot fit it)
 is predicted by a peer's measured model of that part, a peer of the same cluster (the same hardware and model
 there), trusted as the peer's is: otherwise its roofline guess would rank it and admission could never
 judge its queue. A roofline prior only ranks instances: the Conductor places on an instance with no measured
@@ -66,11 +68,23 @@ class InstanceModels:
         if self._measures(instance_id, role):
             return self.models[instance_id], True
         peer = self.peer(instance_id, role)
-        return (self.models[peer], True) if peer is not None else (self.prior, self.prior_trusted)
+        if peer is not None:
+            return self.models[peer], True
+        if self.guesses(instance_id, role) and not self.prior_trusted:
+            return self.models[instance_id], False
+        return self.prior, self.prior_trusted
 
     def _measures(self, instance_id: str, role: str) -> bool:
+        """Whether the instance measured `role`'s part of its model, on a machine it could trust."""
         measured = self.measured.get(instance_id)
-        return measured is not None and bool(measured.prefill if role == "prefill" else measured.decode)
+        return measured is not None and bool(measured.prefill if role == "prefill" else measured.decode) \
+            and part(role) not in measured.guess
+
+    def guesses(self, instance_id: str, role: str) -> bool:
+        """Whether the instance's model of `role`'s part is a guess (timed while its machine was busy)."""
+        measured = self.measured.get(instance_id)
+        return measured is not None and part(role) in measured.guess \
+            and bool(measured.prefill if role == "prefill" else measured.decode)
 
     def peer(self, instance_id: str, role: str) -> str | None:
         """The first instance of `instance_id`'s cluster serving `role` that measured its part (None: none)."""
@@ -89,9 +103,12 @@ class InstanceModels:
 
     def source(self, instance_id: str, role: str) -> str:
         """"measured", "peer" (a peer's measured model), "prior" (trusted to reject: a profile, or --cost-source
-        prior) or "guess" (a roofline prior that only ranks)."""
+        prior), "busy" (its own, timed while its machine was busy: only ranks) or "guess" (a roofline prior that only
+        ranks)."""
         model, trusted = self.model_of(instance_id, role)
         if model is not self.prior:
+            if not trusted:
+                return "busy"
             return "measured" if self._measures(instance_id, role) else "peer"
         return "prior" if trusted else "guess"
 
@@ -117,6 +134,11 @@ class InstanceModels:
             shown["decode_step"] = _compare([int(batch), int(kv_tokens)], seconds, model.t_decode(batch, kv_tokens),
                                             self.prior.t_decode(batch, kv_tokens))
         return shown
+
+
+def part(role: str) -> str:
+    """The part of a cost model a role's work uses: a colocated instance reports as prefill and as decode."""
+    return "prefill" if role == "prefill" else "decode"
 
 
 def _compare(shape: list[int], measured_s: float, predicted_s: float, prior_s: float) -> dict:

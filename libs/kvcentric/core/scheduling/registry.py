@@ -94,6 +94,12 @@ class DecodeState:
     trusted: bool = True
     """Whether its predictions may reject a request (a measured model, or a prior from a profile)."""
 
+    @property
+    def idle(self) -> bool:
+        """Nothing decoding there nor waiting for a slot, per its last report: a request placed there alone
+        decodes at the unloaded speed."""
+        return self.running == 0 and self.waiting == 0
+
 
 class InstanceRegistry:
     def __init__(self, estimator: Estimator, stale_after_s: float = 1.5, stuck_after_s: float = math.inf,
