@@ -1,9 +1,10 @@
 """The decode service's asyncio shell: registers jobs from NATS, receives their KV through the
 in-process messenger's gRPC server, runs decode steps in the model thread, and streams tokens on
 `kvc.req.<id>.out`. It never computes a prompt: a request starts only once all its layers arrived, and
-only if the batch is predicted to keep its TBT SLO (--tbt-slo-s, 0.1 s unless set; 0: off) with it, else it
-is rejected with 429 (Mooncake §7). Without --profile the prediction is this instance's own measured decode
-model, so until it has one no request is rejected.
+only if the batch is predicted to keep its TBT SLO with it (--tbt-slo-s; unless set, --tbt-slo-factor 5 x the
+request's unloaded step, so a request alone is never refused), else it is rejected with 429 (Mooncake §7).
+Without --profile the prediction is this instance's own measured decode model, so until it has one, and while
+that is a guess (calibrated on a busy machine), no request is rejected.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ class DecodeService(EngineService):
     def __init__(self, config: EngineConfig, runner: ModelRunner | None = None) -> None:
         """`runner`: the model (weights and paged KV memory) of the service this one takes over from."""
         super().__init__(config, runner, with_host_pool=False)
-        self.prior = config.cost_model() if config.tbt_slo_s > 0 else None
+        self.prior = config.cost_model() if config.tbt_check else None
         """The model the TBT double-check starts from (read once: it parses the checkpoint's config)."""
         self.engine = DecodeEngine(self.runner, self.pool, config.max_batch, self.prior, config.tbt_slo_s,
-                                   config.kv_staging_mb << 20)
+                                   config.kv_staging_mb << 20, config.tbt_slo_factor)
         if not config.profile:  # the double-check predicts with this instance's own model, once measured
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
@@ -71,8 +72,10 @@ class DecodeService(EngineService):
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
-        if self.engine.tbt_slo_s > 0:
-            self.log.info("TBT double-check on: SLO %g s, steps predicted by %s", self.engine.tbt_slo_s,
+        if self.config.tbt_check:
+            slo = f"{self.engine.tbt_slo_s:g} s" if self.engine.tbt_slo_s else \
+                f"{self.engine.tbt_slo_factor:g}x the unloaded step"
+            self.log.info("TBT double-check on: SLO %s, steps predicted by %s", slo,
                           self.engine.cost.source if self.engine.cost else "the measured model (none yet)")
 
     # ---------------------------------------------------------------- jobs and cancels
@@ -110,9 +113,11 @@ class DecodeService(EngineService):
         return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
 
     def on_refit(self) -> None:
-        """Without --profile, the TBT double-check predicts steps with the decode model measured here."""
+        """Without --profile, the TBT double-check predicts steps with the decode model measured here (none while
+        that is a guess, timed on a busy machine)."""
         if self.prior is not None and not self.config.profile and self.speed.fit.decode.fit is not None:
-            self.engine.cost = self.speed.cost_model(self.prior)
+            guess = "decode" in self.speed.guess
+            self.engine.cost = None if guess else self.speed.cost_model(self.prior)
 
     def idle(self) -> bool:
         """Nothing waiting for KV, generating or still to send (a drain waits for this)."""

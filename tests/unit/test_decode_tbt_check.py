@@ -184,10 +184,23 @@ def engine_config(**settings) -> EngineConfig:
     return EngineConfig(**settings)
 
 
-def test_the_check_is_on_by_default_at_0_1_s_and_the_roofline_of_the_model_predicts_steps():
+def test_the_check_is_on_by_default_at_5x_the_unloaded_step_and_the_roofline_of_the_model_predicts_steps():
     config = engine_config()
-    assert config.tbt_slo_s == 0.1 and engine_config(tbt_slo_s=0.0).tbt_slo_s == 0.0  # Mooncake §8.1; 0: off
+    assert (config.tbt_slo_s, config.tbt_slo_factor, config.tbt_check) == (0.0, 5.0, True)  # relative (issue 48)
+    assert not engine_config(tbt_slo_factor=0.0).tbt_check and engine_config(tbt_slo_s=0.1).tbt_slo_s == 0.1
     assert config.cost_model().source == "roofline:tiny@cpu-2core"
+
+
+def test_a_relative_slo_never_refuses_a_request_alone_and_refuses_one_past_5x_its_unloaded_step():
+    runner = make_runner()
+    engine = DecodeEngine(runner, make_pool(runner), cost=PER_SEQUENCE, tbt_slo_factor=5.0)  # 1 s a sequence
+    for index in range(5):
+        arrived(engine, f"r{index}")
+        verdict = engine.check_tbt(f"r{index}")
+        assert verdict.accepted and verdict.slo_s == pytest.approx(5.0), index  # 5 x its unloaded 1 s step
+        engine.commit_kv(f"r{index}", 5)
+    arrived(engine, "sixth")
+    assert not engine.check_tbt("sixth").accepted  # 6 s with it in the batch
 
 
 def test_a_profile_file_gives_the_cost_model(tmp_path):

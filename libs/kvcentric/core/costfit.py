@@ -81,6 +81,20 @@ class ShapeWindow:
     def rows(self) -> np.ndarray:
         return np.asarray([s for bucket in self.buckets.values() for s in bucket], dtype=float).reshape(-1, 3)
 
+    def discard(self, samples: list[Sample]) -> int:
+        """Take these samples out (those still held: newer ones may have pushed some out); returns how many went.
+        A bucket left empty goes too."""
+        gone = 0
+        for sample in samples:
+            key = (int(sample[0]).bit_length(), int(sample[1]).bit_length())
+            bucket = self.buckets.get(key)
+            if bucket is not None and sample in bucket:
+                bucket.remove(sample)
+                gone += 1
+                if not bucket:
+                    del self.buckets[key]
+        return gone
+
 
 class PartFitter:
     """The online fit of one part (prefill or decode): a window of samples and its latest fit."""
@@ -109,6 +123,13 @@ class PartFitter:
         self.fresh += 1
         due = self.fresh >= (1 if self.fit is None else self.refit_every)
         return due and self.refit()
+
+    def predict(self, a: float, b: float, fit: PartFit | None = None) -> float:
+        """Seconds `fit` (default: the latest) predicts for one shape (0 without a fit)."""
+        fit = fit or self.fit
+        if fit is None:
+            return 0.0
+        return float(self.terms(np.asarray([float(a)]), np.asarray([float(b)]))[0] @ np.asarray(fit.coefficients))
 
     def refit(self) -> bool:
         """Fit the window now; False when it holds too few samples."""

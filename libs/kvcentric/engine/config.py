@@ -76,15 +76,22 @@ class EngineConfig(BusConfig):
                                           "pool layer by layer as each layer is computed (Mooncake §5.2); false: "
                                           "a prompt's blocks go whole when it ends")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
-    tbt_slo_s: float = setting(0.1, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
+    tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
-                                    "batch exceeds this (Mooncake §7's double-check, on by default at §8.1's "
-                                    "0.1 s; 0: off)")
+                                    "batch exceeds this (Mooncake §7's double-check); 0: relative, --tbt-slo-factor "
+                                    "x this instance's unloaded step for that request (one sequence, its context), "
+                                    "so a request alone is never refused")
+    tbt_slo_factor: float = setting(5.0, "decode with --tbt-slo-s 0: the TBT SLO is this x the unloaded step (the "
+                                         "papers' 5x; 0: no double-check)")
     profile: str = setting("", "decode with --tbt-slo-s: cost model JSON written by `kvcentric profile` that "
                                "predicts the step time instead of this instance's own measured model (default: "
                                "the measured model; until there is one, no request is rejected)")
     hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline that the "
                                          f"measured decode model is laid over: {', '.join(HARDWARE)}")
+    slow_step_s: float = setting(0.0, "testing: while --slow-while-file exists, every timed model call (calibration, "
+                                      "colocated steps) takes this many seconds more, as on a machine busy with "
+                                      "other work (0: never)")
+    slow_while_file: str = setting("", "testing: the file whose existence makes --slow-step-s apply")
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "
                                     "from the work served)")
@@ -168,7 +175,10 @@ class EngineConfig(BusConfig):
         require(0 <= self.kv_port < 65536, "kv_port", "must be 0..65535")
         require(DEVICE.fullmatch(self.device) is not None, "device",
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
-        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
+        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (relative) or positive")
+        require(math.isfinite(self.tbt_slo_factor) and self.tbt_slo_factor >= 0, "tbt_slo_factor",
+                "must be 0 (off) or positive")
+        require(math.isfinite(self.slow_step_s) and self.slow_step_s >= 0, "slow_step_s", "must be 0 or more")
         self._check_stage()
         require(self.hardware in HARDWARE, "hardware", f"choose a preset: {', '.join(HARDWARE)}")
         if self.profile:
@@ -204,6 +214,11 @@ class EngineConfig(BusConfig):
             return None
         index, stages = parse_stage(self.stage)
         return StagePosition(self.pipeline_group, index, stages)
+
+    @property
+    def tbt_check(self) -> bool:
+        """Whether decode double-checks TBT: an absolute SLO, or a relative one with a factor."""
+        return self.tbt_slo_s > 0 or self.tbt_slo_factor > 0
 
     def cost_model(self) -> CostModel:
         """What predicts a decode step: the --profile file, else the roofline of --model on --hardware."""

@@ -95,13 +95,14 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64, cost: CostModel | None = None,
-                 tbt_slo_s: float = 0.0, staging_bytes: int = 0) -> None:
-        """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s` (0: no check); `staging_bytes`
-        bounds the host memory that KV arriving at a full cache may wait in (0: none, refused at once)."""
+                 tbt_slo_s: float = 0.0, staging_bytes: int = 0, tbt_slo_factor: float = 0.0) -> None:
+        """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s`, or where that is 0 against
+        `tbt_slo_factor` x the request's unloaded step (0 too: no check); `staging_bytes` bounds the host memory
+        that KV arriving at a full cache may wait in (0: none, refused at once)."""
         if tbt_slo_s > 0 and cost is None:
             raise ValueError("a TBT SLO needs a cost model to predict decode steps with")
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
-        self.cost, self.tbt_slo_s = cost, tbt_slo_s
+        self.cost, self.tbt_slo_s, self.tbt_slo_factor = cost, tbt_slo_s, tbt_slo_factor
         self.requests: dict[str, DecodeRequest] = {}
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
@@ -176,11 +177,13 @@ class DecodeEngine:
         """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
         The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
         request = self._complete(request_id)
-        if self.tbt_slo_s <= 0 or self.cost is None:  # no SLO (the constructor pairs one with a cost model)
+        slo = self.tbt_slo_s or self.tbt_slo_factor * (self.cost.t_decode(1, request.context_tokens)
+                                                        if self.cost is not None else 0.0)
+        if slo <= 0 or self.cost is None:  # no SLO, or no model to predict with yet
             return TBTVerdict(True, 0.0, 0.0)
         batch = [r for r in self.requests.values() if r.state in ("running", "preempted")]
         return decode_tbt_check(self.cost, len(batch), sum(r.context_tokens for r in batch),
-                                request.context_tokens, self.tbt_slo_s)
+                                request.context_tokens, slo)
 
     def reject_kv(self, request_id: str, verdict: TBTVerdict) -> TokenChunk:
         """Refuse a request whose KV is all here (rejected after prefill): free its blocks now, and end it

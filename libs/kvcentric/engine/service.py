@@ -27,9 +27,12 @@ from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.spans import RequestSpans
-from kvcentric.engine.speed import SpeedMeter
+from kvcentric.engine.speed import RECALIBRATION_BUDGET_S, SpeedMeter
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
+
+RECALIBRATE_EVERY_S = 2.0
+"""While a part of its model is a guess (calibrated on a busy machine), an idle engine calibrates again this often."""
 
 
 class EngineService(Service):
@@ -59,7 +62,8 @@ class EngineService(Service):
         self.intake = JobIntake(self.counters)
         self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
-        self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk)
+        self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk, config.slow_step_s,
+                                config.slow_while_file)
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
         self.model_step = asyncio.Event()
         """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
@@ -103,7 +107,26 @@ class EngineService(Service):
         timed = await self.model.run(self.speed.calibrate, self.pool, self.role != "decode",
                                      self.role != "prefill", self.config.max_batch, borrow=False)
         self.on_refit()
-        self.log.info("calibrated %d shapes: %s", timed, self.speed.measured())
+        self.log.info("calibrated %d shapes (%s): %s", timed, self.calibration_state(), self.speed.measured())
+
+    async def recalibrate(self) -> None:
+        """While a part of the model is a guess and nothing is being served: calibrate that part again, so a
+        machine that has gone quiet is measured within seconds (`SpeedMeter.calibrate` says when it counts)."""
+        guess = set(self.speed.guess)
+        if not guess or not self.idle() or self.role_change.draining:
+            return
+        timed = await self.model.run(self.speed.calibrate, self.pool, "prefill" in guess, "decode" in guess,
+                                     self.config.max_batch, RECALIBRATION_BUDGET_S, borrow=False)
+        self.on_refit()
+        self.log.info("calibrated %s again, %d shapes (%s)", " and ".join(sorted(guess)), timed,
+                      self.calibration_state())
+
+    def calibration_state(self) -> str:
+        """What the latest calibration saw of the machine, and which parts are still a guess."""
+        stretch = self.speed.last_stretch
+        seen = stretch.describe() if stretch is not None else "not watched"
+        guess = ", ".join(sorted(self.speed.guess))
+        return f"{seen}; {'a guess: ' + guess if guess else 'measured'}"
 
     # ---------------------------------------------------------------- lifecycle, health
 
@@ -116,6 +139,8 @@ class EngineService(Service):
         await self.reporter.listen_for_resync()
         self.tasks.spawn(self.tasks.every(self.config.load_interval_s, self.report_load), "load-reports")
         self.tasks.spawn(self.tasks.every(self.config.kv_digest_every_s, self.reporter.publish_digest), "kv-digests")
+        if self.config.calibrate:
+            self.tasks.spawn(self.tasks.every(RECALIBRATE_EVERY_S, self.recalibrate), "recalibrate")
         self.tasks.spawn(self.outbox.send(self.bus), "outbox")
         self.tasks.spawn(self.work_loop(), "work-loop")
         await self.take_jobs()
@@ -148,6 +173,7 @@ class EngineService(Service):
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,
                 "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges(),
-                "measured_cost": msgspec.to_builtins(self.speed.measured())}
+                "measured_cost": msgspec.to_builtins(self.speed.measured()),
+                "calibration": self.calibration_state()}
 
 

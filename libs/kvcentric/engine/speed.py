@@ -1,11 +1,23 @@
 """What an engine knows of its own speed: each prefill chunk and decode step timed in the model thread, a
 short calibration of a few shapes at start, and the online fit of both (`kvcentric.core.costfit`) as the
 `MeasuredCost` its load reports carry. It measures and fits; it schedules nothing.
+
+A calibration timed while the machine was busy with other work (`cpuwatch`: other processes kept cores busy, or
+this one did not get the CPU its threads asked for) measured the crowd, not the engine: the parts it timed are
+reported as a guess (`MeasuredCost.guess`), which the conductor ranks by but never refuses work on. The engine
+calibrates again while idle (`recalibrate`, every few seconds) and its samples replace the guessed ones; the
+part counts as measured once a calibration was quiet, or agreed with the one before it (the machine is steadily
+that busy), or once serving has timed enough steps of that part to replace the guess.
+
+For tests, `--slow-step-s` with `--slow-while-file` makes every timed model call slower while a file exists, as a
+machine busy with other work would.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,9 +25,10 @@ from typing import Any
 import torch
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.core.costfit import OnlineCostFit, PartFitter
+from kvcentric.core.costfit import OnlineCostFit, PartFit, PartFitter, Sample
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import MeasuredCost
+from kvcentric.engine.cpuwatch import CpuWatch, Stretch
 from kvcentric.engine.runner import ModelRunner
 
 CALIBRATION_BUDGET_S = 3.0
@@ -26,16 +39,36 @@ REPEAT = 2
 """Timings per calibrated shape (the first shape of each part runs once more before, untimed)."""
 RESEND_EVERY = 20
 """A load report carries the model at least once in this many, so a conductor that starts later learns it."""
+RECALIBRATION_BUDGET_S = 1.5
+"""A calibration again while a part is a guess stops after the shape that takes it past this many seconds."""
+AGREE = 0.25
+"""Two calibrations agree when the median of the later one's times over what the earlier one's fit predicts is
+within this share of 1."""
+SERVED_TO_MEASURE = 8
+"""Steps of a guessed part timed while serving that replace the guess."""
 
 
 class SpeedMeter:
     """The timings of one engine and the cost model fitted to them."""
 
-    def __init__(self, runner: ModelRunner, model_name: str, prefill_chunk: int) -> None:
+    def __init__(self, runner: ModelRunner, model_name: str, prefill_chunk: int, slow_step_s: float = 0.0,
+                 slow_while_file: str = "") -> None:
+        """`slow_step_s`, `slow_while_file`: for tests, every timed model call sleeps that much more while that
+        file exists."""
         self.runner, self.model_name, self.prefill_chunk = runner, model_name, prefill_chunk
+        self.slow_step_s, self.slow_while_file = slow_step_s, slow_while_file
         self.fit = OnlineCostFit()
         self.sent_version = -1
         self.reports = 0
+        self.guess: set[str] = set()
+        """The parts whose fit rests on a calibration timed while the machine was busy."""
+        self.guessed: dict[str, list[Sample]] = {"prefill": [], "decode": []}
+        """The samples of each guessed part that the next calibration or serving replaces."""
+        self.served: dict[str, int] = {"prefill": 0, "decode": 0}
+        """Steps of each guessed part timed while serving since it became a guess."""
+        self.calibrations = 0
+        self.last_stretch: Stretch | None = None
+        """What the machine looked like during the latest calibration."""
 
     # ---------------------------------------------------------------- timing (in the model thread)
 
@@ -43,38 +76,91 @@ class SpeedMeter:
         """`fn(*args)` and the seconds it took on the device (the compute stream waited for on CUDA)."""
         start = time.perf_counter()
         result = fn(*args)
+        if self.slow_step_s and os.path.exists(self.slow_while_file):
+            time.sleep(self.slow_step_s)
         if self.runner.device.type == "cuda":
             torch.cuda.current_stream(self.runner.device).synchronize()
         return result, time.perf_counter() - start
 
     def prefill(self, n_new: int, n_cached: int, seconds: float) -> bool:
-        """One prefill chunk timed; True when the fit was redone."""
-        return self.fit.add_prefill(n_new, n_cached, seconds)
+        """One prefill chunk timed while serving; True when the fit was redone."""
+        return self.fit.add_prefill(n_new, n_cached, seconds) | self._served("prefill")
 
     def decode(self, batch: int, kv_tokens: int, seconds: float) -> bool:
-        """One decode step timed; True when the fit was redone."""
-        return self.fit.add_decode(batch, kv_tokens, seconds)
+        """One decode step timed while serving; True when the fit was redone."""
+        return self.fit.add_decode(batch, kv_tokens, seconds) | self._served("decode")
+
+    def _served(self, part: str) -> bool:
+        """Enough steps of a guessed part served replace the guess: its calibration samples go, the fit is redone."""
+        if part not in self.guess:
+            return False
+        self.served[part] += 1
+        if self.served[part] < SERVED_TO_MEASURE:
+            return False
+        self._part(part).window.discard(self.guessed[part])
+        self._measured(part)
+        return self.fit.refit()
+
+    def _part(self, part: str) -> PartFitter:
+        return self.fit.prefill if part == "prefill" else self.fit.decode
+
+    def _measured(self, part: str) -> None:
+        self.guess.discard(part)
+        self.guessed[part], self.served[part] = [], 0
 
     # ---------------------------------------------------------------- calibration (in the model thread)
 
-    def calibrate(self, pool: BlockPool, prefill: bool, decode: bool, max_batch: int) -> int:
+    def calibrate(self, pool: BlockPool, prefill: bool, decode: bool, max_batch: int,
+                  budget_s: float = CALIBRATION_BUDGET_S) -> int:
         """Time a few prefill and decode shapes with the pool's free blocks, then fit; returns the shapes timed.
-        Stops early past CALIBRATION_BUDGET_S (a slow model on a slow machine learns the rest by serving)."""
-        deadline = time.perf_counter() + CALIBRATION_BUDGET_S
+        Stops early past `budget_s` (a slow model on a slow machine learns the rest by serving). Run again, it
+        replaces what an earlier calibration timed on a busy machine."""
+        deadline = time.perf_counter() + budget_s
         prefills = [("prefill", shape) for shape in self.prefill_shapes(pool)] if prefill else []
         decodes = [("decode", shape) for shape in self.decode_shapes(pool, max_batch)] if decode else []
         shapes = [s for pair in itertools.zip_longest(prefills, decodes) for s in pair if s is not None]
+        before = {part: self._part(part).fit for part in ("prefill", "decode")}
+        taken: dict[str, list[Sample]] = {"prefill": [], "decode": []}
+        watch = CpuWatch(check_own=self.runner.device.type == "cpu")
         timed = 0
         for kind, (a, b) in shapes:  # small shapes of both parts first, so a short budget still covers both
             if time.perf_counter() > deadline:
                 break
+            warm_up = timed < 2 and not self.calibrations
             if kind == "prefill":
-                self._time_prefill(pool, a, b, warm_up=timed < 2)
+                taken[kind] += self._time_prefill(pool, a, b, warm_up)
             else:
-                self._time_decode(pool, a, b, warm_up=timed < 2)
+                taken[kind] += self._time_decode(pool, a, b, warm_up)
             timed += 1
-        self.fit.refit()
+        self.last_stretch = watch.stretch(self.runner.threads or torch.get_num_threads())
+        self.calibrations += 1
+        self._settle(taken, before)
         return timed
+
+    def _settle(self, taken: dict[str, list[Sample]], before: dict) -> None:
+        """A calibration's samples in: each part it timed is a guess when the machine was busy meanwhile, unless
+        it agrees with the guess before it; the samples of an earlier guess go."""
+        busy = self.last_stretch is not None and self.last_stretch.busy
+        for part, samples in taken.items():
+            if not samples:
+                continue
+            agrees = part in self.guess and self.agrees(part, samples, before[part])
+            self._part(part).window.discard(self.guessed[part])
+            if busy and not agrees:
+                self.guess.add(part)
+                self.guessed[part], self.served[part] = list(samples), 0
+            else:
+                self._measured(part)
+        self.fit.refit()
+
+    def agrees(self, part: str, samples: list[Sample], fit: PartFit | None) -> bool:
+        """Whether these samples' times are what `fit`, the part's fit before they came, predicts (their median
+        ratio within AGREE of 1)."""
+        if fit is None:
+            return False
+        fitter = self._part(part)
+        ratios = [s[2] / predicted for s in samples if (predicted := fitter.predict(s[0], s[1], fit)) > 0]
+        return bool(ratios) and abs(statistics.median(ratios) - 1.0) <= AGREE
 
     def prefill_shapes(self, pool: BlockPool) -> list[tuple[int, int]]:
         """(new, cached) from a small chunk to a full one, with no prefix and with a chunk-long one, cheapest
@@ -93,8 +179,9 @@ class SpeedMeter:
         shapes = [(b, c) for c in contexts for b in batches if b * pool.blocks_for(c + 1) <= pool.num_free]
         return sorted(shapes, key=lambda shape: shape[0] * shape[1])
 
-    def _time_prefill(self, pool: BlockPool, new: int, cached: int, warm_up: bool) -> None:
+    def _time_prefill(self, pool: BlockPool, new: int, cached: int, warm_up: bool) -> list[Sample]:
         table = pool.allocate(pool.blocks_for(new + cached))
+        taken = []
         try:
             tokens = torch.randint(0, self.runner.config.vocab_size, (new + cached,)).tolist()
             if cached:
@@ -102,20 +189,31 @@ class SpeedMeter:
             for run in range(REPEAT + warm_up):
                 _, seconds = self.timed(self.runner.prefill, tokens, table, cached)
                 if run or not warm_up:
-                    self.prefill(new, cached, seconds)
+                    taken.append(self._take(self.fit.prefill, new, cached, seconds))
         finally:
             pool.free(table)
+        return [s for s in taken if s is not None]
 
-    def _time_decode(self, pool: BlockPool, batch: int, context: int, warm_up: bool) -> None:
+    def _time_decode(self, pool: BlockPool, batch: int, context: int, warm_up: bool) -> list[Sample]:
         tables = [pool.allocate(pool.blocks_for(context + 1)) for _ in range(batch)]
+        taken = []
         try:
             for run in range(REPEAT + warm_up):
                 _, seconds = self.timed(self.runner.decode, [1] * batch, [context] * batch, tables)
                 if run or not warm_up:
-                    self.decode(batch, batch * (context + 1), seconds)
+                    taken.append(self._take(self.fit.decode, batch, batch * (context + 1), seconds))
         finally:
             for table in tables:
                 pool.free(table)
+        return [s for s in taken if s is not None]
+
+    @staticmethod
+    def _take(part: PartFitter, a: int, b: int, seconds: float) -> Sample | None:
+        """One calibration timing into the part's window (the fit is redone once the calibration ends)."""
+        if not seconds > 0:
+            return None
+        part.add(a, b, seconds)
+        return part.last
 
     # ---------------------------------------------------------------- what it publishes
 
@@ -131,7 +229,7 @@ class SpeedMeter:
                             last_prefill=list(fit.prefill.last or ()), last_decode=list(fit.decode.last or ()),
                             prefill_chunk=self.prefill_chunk, kv_bytes_per_token=self.kv_bytes_per_token,
                             model=self.model_name, device=str(self.runner.device), dtype=self.runner.dtype_name,
-                            version=fit.version)
+                            version=fit.version, guess=sorted(self.guess))
 
     @property
     def kv_bytes_per_token(self) -> int:
