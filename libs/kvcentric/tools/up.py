@@ -69,9 +69,11 @@ class UpConfig:
                                        "queued (a burst), a decode instance starts its steps at most this often "
                                        "and lends its core between them, at most 0.8 x --tbt-slo-s (0: steps "
                                        "back to back)")
-    tbt_slo_s: float = setting(0.1, "TBT SLO the decode instances double-check when a request's KV has arrived "
-                                    "(rejected with 429 when the predicted step exceeds it; Mooncake §7, 0.1 s "
-                                    "as in §8.1; 0: off); also the conductor's --tbt-slo-s when not 0")
+    tbt_slo_s: float = setting(0.0, "TBT SLO in seconds: the decode instances double-check it when a request's KV "
+                                    "has arrived (rejected with 429 when the predicted step exceeds it; Mooncake "
+                                    "§7), and the conductor admits by it; 0: relative, 5x the unloaded step each "
+                                    "measures (and the conductor's TTFT SLO 10x the unloaded prefill, unless "
+                                    "KVC_TTFT_SLO_S is set), so a slow model on slow hardware still serves")
     layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission); "
                                    "without --colocated, the prefill instances do (layer-wise KV offloading)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")
@@ -89,7 +91,7 @@ class UpConfig:
         require(self.max_batch >= 1, "max_batch", "must be at least 1")
         require(DEVICE.fullmatch(self.device) is not None, "device",
                 f"expected cpu, cuda or cuda:N, got {self.device!r}")
-        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (off) or positive")
+        require(math.isfinite(self.tbt_slo_s) and self.tbt_slo_s >= 0, "tbt_slo_s", "must be 0 (relative) or positive")
         require(self.colocated >= 0, "colocated", "must be 0 or more")
         require(self.prefill_pipeline >= 1, "prefill_pipeline", "must be at least 1")
         require(self.conductors >= 1, "conductors", "need at least one conductor")
@@ -145,9 +147,9 @@ class UpConfig:
         if core_share_dir and (device or self.device) == "cpu":
             flags += ["--core-share-dir", core_share_dir]
             flags += ["--lend-pace-s", str(self.decode_pace_s)] if command == "decode" else []
-        if command == "decode":  # its cost model is the conductor's; 0 turns its double-check off
+        if command == "decode":  # its cost model is the conductor's; 0: 5x its own unloaded step
             flags += ["--tbt-slo-s", str(self.tbt_slo_s)]
-            flags += ["--profile", self.profile] if self.profile and self.tbt_slo_s > 0 else []
+            flags += ["--profile", self.profile] if self.profile else []
         return flags
 
     def conductor_flags(self) -> list[str]:
@@ -281,6 +283,16 @@ class Cluster:
         gateway = self.processes.child("gateway").health_url
         return gateway is not None and _health(gateway.replace("/health", "/ready")) is not None
 
+    def slos(self) -> str:
+        """The SLOs in force, as the first conductor describes them ("" when it does not say)."""
+        from kvcentric.core.scheduling.slo import summary  # pure: no torch, no I/O
+
+        body = _health(self.processes.child(self.config.conductor_names[0]).health_url)
+        try:
+            return summary(body["slos"]) if body else ""
+        except (KeyError, TypeError):
+            return ""
+
     def tend(self) -> None:
         """Restart dead children (or, with --restart never, fail on the first death); say what was done."""
         if self.config.restart == "never":
@@ -338,7 +350,9 @@ def run_up(config: UpConfig) -> int:
         cluster.start()
         cluster.wait_healthy()
         url = f"http://{_client_host(config.host)}:{cluster.gateway_port}"
-        print(f"kvcentric: ready at {url}  (NATS {cluster.nats_url}, Redis {cluster.redis_url})\n"
+        slos = cluster.slos()
+        print(f"kvcentric: ready at {url}  (NATS {cluster.nats_url}, Redis {cluster.redis_url})"
+              + (f"  SLOs: {slos}" if slos else "") + "\n"
               f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"    -d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
               f"\"temperature\": 0}}'\nCtrl-C stops everything.", flush=True)

@@ -100,9 +100,11 @@ def summary(described: dict) -> str:
     (50 ms)" or the absolute values."""
     def part(name: str, shown: dict, unit_ms: bool) -> str:
         value = shown.get("s")
-        text = "?" if value is None else (f"{value * 1000:.0f} ms" if unit_ms else f"{value:.3g} s")
+        text = "" if value is None else (f"{value * 1000:.0f} ms" if unit_ms else f"{value:.3g} s")
         if shown.get("mode") == "absolute":
             return f"{name} {text}"
+        if value is None:
+            return f"{name} {shown['factor']:g}x unloaded (not measured yet)"
         tokens = f" for {shown['prompt_tokens']} tokens" if not unit_ms else ""
         return f"{name} {shown['factor']:g}x unloaded (~{text}{tokens})"
     return f"{part('TTFT', described['ttft'], False)}, {part('TBT', described['tbt'], True)}"
