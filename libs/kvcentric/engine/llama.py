@@ -146,16 +146,18 @@ weights in turn (`bench/bench_cpu_kernels.py`, 2-core box, 2026-11-27): 1.25-1.4
 
 class TwoLayouts:
     """A linear layer's fp32 CPU weight in two layouts: oneDNN's (`pack_weight`) for a step of many rows, and the
-    small GEMM's panels for one of at most SMALL_GEMM_ROWS (`SmallGemm`). Twice the weight's memory."""
+    small GEMM's panels for one of at most `rows` (`SmallGemm`, `small_rows`). Twice the weight's memory."""
 
-    def __init__(self, blocked: torch.Tensor, panels: torch.Tensor, out_features: int, gemm: SmallGemm) -> None:
+    def __init__(self, blocked: torch.Tensor, panels: torch.Tensor, out_features: int, gemm: SmallGemm,
+                 rows: int = SMALL_GEMM_ROWS) -> None:
         self.blocked, self.panels, self.out_features, self.gemm = blocked, panels, out_features, gemm
+        self.rows = rows
 
     def small(self, x: torch.Tensor, bias: torch.Tensor | None,
               residual: torch.Tensor | None = None) -> torch.Tensor | None:
         """The small GEMM's x @ weightᵀ (+ bias) (+ residual), or None where x has too many rows or is not one it
         takes."""
-        if x.shape[0] > SMALL_GEMM_ROWS:
+        if x.shape[0] > self.rows:
             return None
         return self.gemm.small_linear(x, self.panels, self.out_features, bias, residual)
 
@@ -164,13 +166,32 @@ Weight = torch.Tensor | TwoLayouts
 """What a fused projection holds: a torch weight (oneDNN's layout or plain), or both CPU layouts."""
 
 
+def small_rows(gemm: SmallGemm, out_features: int, in_features: int) -> int:
+    """Most rows the small GEMM runs for a weight of this shape: the engine's choice where the GEMM comes with one
+    (`kernels/chosen.py`: only where it beats torch's GEMM on this CPU), else SMALL_GEMM_ROWS; never more."""
+    chosen = getattr(gemm, "small_rows", None)
+    return SMALL_GEMM_ROWS if chosen is None else min(SMALL_GEMM_ROWS, chosen(out_features, in_features))
+
+
 def two_layouts(weight: Weight, gemm: SmallGemm) -> Weight:
-    """`weight` with the small GEMM's panels beside it where the GEMM takes it (else as it is)."""
+    """`weight` with the small GEMM's panels beside it where the GEMM takes it and runs it for some rows (else as it
+    is: no second layout)."""
     if isinstance(weight, TwoLayouts):
+        return weight
+    rows = small_rows(gemm, weight.shape[0], weight.shape[1])
+    if rows <= 0:
         return weight
     plain = weight.to_dense() if weight.is_mkldnn else weight  # oneDNN's blocked layout gives the weight back whole
     panels = gemm.pack_panels(plain)
-    return weight if panels is None else TwoLayouts(weight, panels, plain.shape[0], gemm)
+    return weight if panels is None else TwoLayouts(weight, panels, plain.shape[0], gemm, rows)
+
+
+def projection_shapes(config: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(out_features, in_features, with a residual) of a layer's fused projections as `fuse` makes them: q|k|v, o,
+    gate|up, down (the ones `TwoLayouts` may hold)."""
+    heads, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return [(heads + 2 * kv, hidden, False), (hidden, heads, True), (2 * inner, hidden, False), (hidden, inner, True)]
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -582,7 +603,7 @@ class LlamaModel(nn.Module):
 def use_ops(model: nn.Module, ops: LayerOps | None) -> None:
     """Every norm, rotary with cache write, and SwiGLU activation of `model` (a whole model or a pipeline stage's)
     through `ops` (None: torch's ops); with ops that have a small GEMM (`SmallGemm`, the CPU's), the fused
-    projections get its layout beside theirs (`TwoLayouts`)."""
+    projections get its layout beside theirs (`TwoLayouts`) where it runs for some rows (`small_rows`)."""
     gemm = cast(SmallGemm, ops) if hasattr(ops, "small_linear") and SMALL_GEMM_ROWS > 0 else None
     for module in model.modules():
         if isinstance(module, (RMSNorm, Attention, MLP)):
