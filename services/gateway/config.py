@@ -24,7 +24,13 @@ class GatewayConfig(BusConfig):
                "the engines here cache full blocks only, so it hits only in a store that saves partial ones)")
     hash_seed: str = setting("", "prefix block hash seed, shared by every service that hashes (gateway and "
                                  "engines): an integer, or empty for none (Llumnix GO_HASH_SEED; vLLM PYTHONHASHSEED)")
-    request_timeout_s: float = setting(120.0, "a request not finished after this long gets 504")
+    request_timeout_s: float = setting(120.0, "a request that makes no progress for this long gets 504: no token came "
+                                              "(before its first token: none this long past its placement plus "
+                                              "its predicted TTFT); a request whose tokens keep coming, or that is "
+                                              "queued within its predicted time, is never cut however long it runs")
+    keepalive_s: float = setting(10.0, "a streamed request with nothing to send for this long gets its status and "
+                                       "headers, then an SSE comment (': keep-alive') this often while it waits "
+                                       "(0: none; a request refused sooner still gets its own status)")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
     dispatch: Literal["conductor", "gateway"] = setting(
         "conductor", "who hands a placed request to the prefill and decode instances: conductor (it sends the "
@@ -56,6 +62,7 @@ class GatewayConfig(BusConfig):
         require(self.block_size >= 1, "block_size", "must be at least 1")
         require(self.request_timeout_s > 0, "request_timeout_s", "must be positive")
         require(self.bus_timeout_s > 0, "bus_timeout_s", "must be positive")
+        require(self.keepalive_s >= 0, "keepalive_s", "must be 0 (none) or positive")
         require(self.header_timeout_s > 0, "header_timeout_s", "must be positive")
         require(self.body_timeout_s > 0, "body_timeout_s", "must be positive")
         require(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: never migrate)")

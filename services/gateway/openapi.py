@@ -133,7 +133,7 @@ ERRORS = {
     "429": "the conductor or the decode instance rejected the request (overload); see the Retry-After header",
     "500": "the engine failed the request",
     "503": "no prefill and decode instance can serve, or an instance refused the job",
-    "504": "not finished within --request-timeout-s",
+    "504": "no progress (no token, nor a first within its predicted time) for --request-timeout-s",
 }
 
 

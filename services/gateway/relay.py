@@ -4,15 +4,21 @@ events in the completions or chat shape (echo, logprobs, best_of's choice of the
 
 `Job` keeps what the gateway needs to account for the request (times, token counts, placement, how it
 ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
+
+A request is timed out for silence, not for length (`watched`): it ends with a 504 only when no token came for
+--request-timeout-s, counted before its first token from when its placement predicted that token. A stream that
+waits sends SSE comments (keep-alives) every --keepalive-s, its status and headers going out with the first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -73,6 +79,9 @@ class Job:
     """Prompt tokens found cached at its first placement (the usage's `cached_tokens`)."""
     first_token_told: bool = False
     """Its first token was told to the conductors (kvc.conductor.first_token), or will not be."""
+    progress_at: float = 0.0
+    """time.perf_counter() of its latest progress: its latest token, or, before one came, the moment its latest
+    placement predicted the first (a request is cut only after --request-timeout-s of silence from this)."""
 
     def __post_init__(self) -> None:
         self.bus_id = self.bus_id or self.request_id
@@ -88,6 +97,7 @@ class Job:
         """Count tokens that just arrived; report the time per token since the previous ones (TBT)."""
         if not count:
             return
+        self.progress_at = now
         if self.first_token_at is None or self.last_token_at is None:
             self.first_token_at = now
         else:
@@ -212,19 +222,50 @@ class Shaper:
         return shaped
 
 
+async def watched(job: Job, stream: AsyncIterator[Piece], silence_s: float, keepalive_s: float = 0.0,
+                  keep_alive: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[Piece]:
+    """The pieces of `stream` as they come; TimeoutError once nothing has progressed for `silence_s` (from
+    `job.progress_at`: its latest token, or when its placement predicted the first); `keep_alive` awaited after
+    every `keepalive_s` without a piece (0: never)."""
+    pieces = aiter(stream)
+    upcoming: asyncio.Future = asyncio.ensure_future(anext(pieces))
+    try:
+        while True:
+            silent_at = max(job.progress_at, job.started) + silence_s
+            wait = silent_at - time.perf_counter()
+            if keepalive_s > 0:
+                wait = min(wait, keepalive_s)
+            done, _ = await asyncio.wait({upcoming}, timeout=max(0.0, wait))
+            if done:
+                try:
+                    piece = upcoming.result()
+                except StopAsyncIteration:
+                    return
+                yield piece
+                upcoming = asyncio.ensure_future(anext(pieces))
+            elif time.perf_counter() >= max(job.progress_at, job.started) + silence_s:
+                raise TimeoutError
+            elif keep_alive is not None:
+                await keep_alive()
+    finally:
+        upcoming.cancel()
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+            await upcoming
+
+
 # ---------------------------------------------------------------- answers
 
 
 async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: dict,
-                  shaper: Shaper) -> web.Response:
+                  shaper: Shaper, silence_s: float = float("inf")) -> web.Response:
     """The whole answer as one JSON body, `usage` included; with best_of, the n choices whose tokens are
-    likeliest (the highest sum of logprobs)."""
+    likeliest (the highest sum of logprobs). TimeoutError after `silence_s` without progress (`watched`)."""
     texts: dict[int, list[str]] = collections.defaultdict(list)
     token_ids: dict[int, list[int]] = collections.defaultdict(list)
     shaped: dict[int, list[dict]] = collections.defaultdict(list)
     sums: dict[int, float] = collections.defaultdict(float)
     reasons: dict[int, str | None] = {}
-    async for piece in stream:
+    async for piece in watched(job, stream, silence_s):
         texts[piece.index].append(shaper.text(piece))
         token_ids[piece.index] += piece.token_ids
         sums[piece.index] += sum(entry.logprob for entry in piece.logprobs)
@@ -318,6 +359,12 @@ class EventWriter:
             self.hold(body)
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
+    async def keep_alive(self, request: web.Request, headers: dict) -> None:
+        """An SSE comment, the stream opened first (its status and headers go out with it)."""
+        if self.job.response is None:
+            await self.open(request, headers)
+        await self.response.write(self.take() + b": keep-alive\n\n")
+
     async def error(self, error: ApiError) -> None:
         self.hold(error.body())
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
@@ -333,13 +380,17 @@ class EventWriter:
 
 
 async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
-                 shaper: Shaper) -> web.StreamResponse:
-    """Relay the pieces as SSE. The headers go out with the first piece, so a request that fails before its
-    first token (an instance refused it, the engine failed) still gets its HTTP status; an error after
-    that becomes an error event."""
+                 shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0) -> web.StreamResponse:
+    """Relay the pieces as SSE. The headers go out with the first piece, or the first keep-alive comment after
+    `keepalive_s` of waiting, so a request that fails before either (an instance refused it, the engine failed)
+    still gets its HTTP status; an error after that becomes an error event. TimeoutError after `silence_s`
+    without progress (`watched`)."""
     writer = EventWriter(job, model, shaper)
+
+    async def keep_alive() -> None:
+        await writer.keep_alive(request, headers)
     try:
-        async for piece in pieces:
+        async for piece in watched(job, pieces, silence_s, keepalive_s, keep_alive):
             if job.response is None:
                 await writer.open(request, headers)
             await writer.piece(piece)

@@ -245,23 +245,25 @@ class GatewayService(Service):
         job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         self.running[id(job)] = job
         shaper = relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
+        silence = self.config.request_timeout_s
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                placement = await self.place(job, job.token_ids, job.request.sampling)
-                def new_text() -> TextStream:
-                    return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-                pieces = relay.pieces(job, self.token_chunks(job), new_text, self.tbt.observe)
-                headers = self.response_headers(client_request_id(request) or job.request_id, placement)
-                if job.request.stream:
-                    response = await relay.stream(request, job, pieces, self.model_name, headers, shaper)
-                else:
-                    response = await relay.collect(job, pieces, self.model_name, headers, shaper)
-                return response, job.finish_reason or "500"
+            placement = await self.place(job, job.token_ids, job.request.sampling)
+
+            def new_text() -> TextStream:
+                return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
+            pieces = relay.pieces(job, self.token_chunks(job), new_text, self.tbt.observe)
+            headers = self.response_headers(client_request_id(request) or job.request_id, placement)
+            if job.request.stream:
+                response = await relay.stream(request, job, pieces, self.model_name, headers, shaper, silence,
+                                              self.config.keepalive_s)
+            else:
+                response = await relay.collect(job, pieces, self.model_name, headers, shaper, silence)
+            return response, job.finish_reason or "500"
         except ApiError as exc:
             return error_response(exc), str(exc.status)
         except TimeoutError:
-            error = ApiError(504, f"the request did not finish in {self.config.request_timeout_s} s "
-                                  f"(--request-timeout-s)", kind="timeout")
+            error = ApiError(504, f"the request made no progress for {silence:g} s (--request-timeout-s): no token "
+                                  f"came, nor its first within its predicted time", kind="timeout")
             if job.response is not None:  # the stream had started: the error goes into it
                 await relay.EventWriter(job, self.model_name, shaper).error(error)
                 return job.response, "504"
@@ -339,6 +341,7 @@ class GatewayService(Service):
             self.counters[labelled("rejections_total", reason=decision.reason)] += 1
             raise rejection_error(decision)
         job.placement = decision
+        job.progress_at = time.perf_counter() + max(0.0, decision.predicted_ttft_s)
         if job.cached_tokens is None:
             job.cached_tokens = decision.cached_tokens
         self.migrations.placed(job)
@@ -476,6 +479,10 @@ class GatewayService(Service):
 
     @staticmethod
     def response_headers(request_id: str, placement: Placement) -> dict:
+        """Where the request runs, its predicted TTFT, and the SLOs it was admitted under (when the conductor
+        knew them)."""
+        slos = {f"x-kvcentric-{name}-slo-s": f"{seconds:.6f}" for name, seconds in
+                (("ttft", placement.ttft_slo_s), ("tbt", placement.tbt_slo_s)) if seconds > 0}
         return {"x-request-id": request_id, "x-kvcentric-prefill": placement.prefill_id,
                 "x-kvcentric-decode": placement.decode_id,
-                "x-kvcentric-predicted-ttft-s": f"{placement.predicted_ttft_s:.6f}"}
+                "x-kvcentric-predicted-ttft-s": f"{placement.predicted_ttft_s:.6f}", **slos}
