@@ -11,14 +11,15 @@ import dataclasses
 import os
 import warnings
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
 from kvcentric.engine.pools import serial_workers
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.llama import (SMALL_GEMM_ROWS, AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel,
-                                    PaddedRows, SequenceSlice, empty_model, load_checkpoint, random_init, use_ops)
+from kvcentric.engine.llama import (AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel, PaddedRows,
+                                    SequenceSlice, SmallGemm, empty_model, load_checkpoint, projection_shapes,
+                                    random_init, small_rows, use_ops)
 from kvcentric.engine.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -65,11 +66,14 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
 
 
 def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
-                   cpu: bool = True, gpu: bool = True) -> tuple[AttentionKernels | None, LayerOps | None]:
+                   cpu: bool = True, gpu: bool = True,
+                   onednn: bool = True) -> tuple[AttentionKernels | None, LayerOps | None]:
     """The attention kernels and fused layer ops of the device, or None for either (torch's ops).
 
     On the CPU: the C++ attention kernels (`engine/kernels`, built on first use) for an fp32 or bf16 model when
-    `cpu` and they build, and for fp32 the fused SwiGLU and rotary + cache write of the same library. On CUDA,
+    `cpu` and they build, and for fp32 the fused SwiGLU, RMSNorm, rotary + cache write and small GEMM of the same
+    library; each only where it beats torch's op on this CPU at the model's shapes (`kernels/chosen.py`,
+    KVC_KERNELS; `onednn`: torch's GEMM is oneDNN's over blocked weights). On CUDA,
     when `gpu`: the Triton paged decode (`kernels/paged.py`) and fused norm, rotary + cache write and SwiGLU
     (`kernels/fused.py`), once they pass their check at the model's shapes (`gpu_kernels_work`)."""
     if device.type == "cuda":
@@ -82,8 +86,17 @@ def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device
         return kernels, fused.FusedOps()
     if not cpu or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16):
         return None, None
-    from kvcentric.engine import kernels as cpu_kernels  # builds nothing until asked: CUDA engines never load it
-    return cpu_kernels.load(), cpu_kernels.load_layer_ops() if dtype == torch.float32 else None
+    from kvcentric.engine.kernels import chosen  # builds nothing until asked: CUDA engines never load it
+    return chosen.cpu_kernels(config, dtype, block_size, onednn)
+
+
+def weight_copies(config: ModelConfig, ops: LayerOps | None) -> int:
+    """Copies of the projections' weights a model keeps: two where the small GEMM runs for some shape
+    (`llama.TwoLayouts`), else one."""
+    if not hasattr(ops, "small_linear"):
+        return 1
+    gemm = cast(SmallGemm, ops)
+    return 2 if any(small_rows(gemm, out, width) > 0 for out, width, _ in projection_shapes(config)) else 1
 
 
 def gpu_kernels_work(config: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int) -> bool:
@@ -144,7 +157,8 @@ class ModelRunner:
                  dtype: str = "float32", device: str = "cpu", onednn: bool = True, cpu_kernels: bool = True,
                  gpu_kernels: bool = True, cuda_graphs: bool = True) -> None:
         """`cpu_kernels`: attention runs through the CPU kernels (`engine/kernels`, built on first use; fp32 and
-        bf16) where they build; else through SDPA, decode rows over a gathered copy. `gpu_kernels`: on CUDA,
+        bf16) where they build and beat torch's ops (`kernels/chosen.py`); else through SDPA, decode rows over a
+        gathered copy. `gpu_kernels`: on CUDA,
         decode attention reads the paged cache in place through a Triton kernel (`kernels/paged.py`).
         With `gpu_kernels` the layers' norms, rotary + cache write and SwiGLU run fused (`kernels/fused.py`).
         `cuda_graphs`: with that kernel, the cache gets one spare block for the padding rows of decode steps
@@ -158,11 +172,11 @@ class ModelRunner:
         self.device = torch.device(device)
         dtype_size = torch.tensor([], dtype=self.dtype).element_size()
         kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
+        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels,
+                                           onednn)
         if self.device.type == "cpu":  # an fp32 model's projections in two layouts (`llama.TwoLayouts`)
-            copies = 2 if cpu_kernels and self.dtype == torch.float32 and SMALL_GEMM_ROWS > 0 else 1
-            check_fits(config, kv_bytes, dtype_size, available_memory_bytes(), copies)
+            check_fits(config, kv_bytes, dtype_size, available_memory_bytes(), weight_copies(config, ops))
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
-        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels)
         use_ops(self.model, ops)
         spare = int(cuda_graphs and self.device.type == "cuda" and self.kernels is not None)
         shape = (config.num_layers, (num_blocks + spare) * block_size, config.num_kv_heads, config.head_dim)

@@ -88,7 +88,8 @@ class StageRunner(ModelRunner):
         self.layered = None  # a stage's cache is whole blocks (no LayerKV)
         self.num_blocks = num_blocks
         self.graphs = None  # stages compute prompts only
-        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels)
+        self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels,
+                                           onednn)
         model = stage_model(config, self.layers, position.first, position.last, self.dtype, self.device)
         model = load_stage_checkpoint(model, config.path) if config.path else random_init(model, seed)
         self.model = _fuse(model.eval(), onednn)
