@@ -5,7 +5,6 @@ read back without timing; engines choosing so compute the tokens of torch's ops.
 
 from __future__ import annotations
 
-import functools
 import json
 
 import pytest
@@ -164,7 +163,7 @@ def test_the_check_times_once_then_reads_its_cache(tmp_path, monkeypatch):
     attention = kernels.load()
     ops = kernels.CpuLayerOps(attention.path)
     target = Target(preset("tiny"), block_size=4, gemm_rows=4)
-    first = choice.choose(target, attention, ops, directory=tmp_path, budget_s=60.0)
+    first = choice.choose(target, attention, ops, tmp_path, kernels.cpu_signature(), budget_s=60.0)
     [written] = tmp_path.glob("choice-*.json")
     cases = json.loads(written.read_text())["cases"]
     assert set(cases) == set(first.timings) and all(site.case(site.rows[0]) in cases for site in first.sites)
@@ -173,7 +172,7 @@ def test_the_check_times_once_then_reads_its_cache(tmp_path, monkeypatch):
         raise AssertionError("timed a case the cache has")
 
     monkeypatch.setattr(races, "race", no_timing)
-    again = choice.choose(target, attention, ops, directory=tmp_path)
+    again = choice.choose(target, attention, ops, tmp_path, kernels.cpu_signature())
     assert again.limits == first.limits and again.timings == first.timings
 
 
@@ -200,7 +199,8 @@ def test_engines_choosing_kernels_compute_the_tokens_of_torchs_ops(tmp_path, mon
     monkeypatch.setenv("KVC_KERNELS", "auto")
     monkeypatch.setattr(races, "MIN_PAIRS", 1)
     monkeypatch.setattr(races, "CASE_S", 0.0)
-    monkeypatch.setattr(chosen, "choose", functools.partial(choice.choose, directory=tmp_path))
+    monkeypatch.setattr(chosen, "choose", lambda target, attention, ops, directory, cpu:
+                        choice.choose(target, attention, ops, tmp_path, cpu, budget_s=1.0))
     assert greedy_tokens() == expected  # as timed on this machine
     every_way = {"decode_attention": 1, "prefill_attention": 64, "rms_norm": 16, "silu_mul": 1, "rotate_store": 1,
                  "gemm 64->128": 2, "gemm 64->64": 1, "gemm 64->256": 128, "gemm 128->64": 0}

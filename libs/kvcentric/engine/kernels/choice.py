@@ -107,13 +107,18 @@ class Target:
     gemm_rows: int = SMALL_GEMM_ROWS
     """The most rows the small GEMM may take (KVC_SMALL_GEMM_ROWS; 0: never)."""
 
+    @property
+    def decode_context(self) -> int:
+        """Positions each sequence of a decode race attends to."""
+        return min(DECODE_CONTEXT, self.config.max_position - 1)
+
     def sites(self, layer_ops: bool = True) -> list[Site]:
         """Every site of the model's steps: attention's; with `layer_ops` (fp32) the layer ops' and the GEMM's."""
         c = self.config
         kind = str(self.dtype).removeprefix("torch.")
         heads = f"{kind} {c.num_heads}/{c.num_kv_heads}x{c.head_dim}"
-        context = min(DECODE_CONTEXT, c.max_position - 1)
-        sites = [Site("decode_attention", f"{heads} block {self.block_size} context {context}", DECODE_BATCHES),
+        sites = [Site("decode_attention", f"{heads} block {self.block_size} context {self.decode_context}",
+                      DECODE_BATCHES),
                  Site("prefill_attention", heads, tuple(n for n in PREFILL_LENGTHS if n <= c.max_position))]
         if not layer_ops or self.dtype != torch.float32:
             return sites
@@ -247,23 +252,20 @@ def write_timings(path: Path, timings: Mapping[str, Timing], about: Mapping[str,
                     path, error)
 
 
-def choose(target: Target, attention, ops=None, directory: Path | None = None, budget_s: float | None = None,
+def choose(target: Target, attention, ops, directory: Path, cpu: str, budget_s: float | None = None,
            retime: bool = False) -> Choice:
-    """The choice for `target` with these kernels (`kernels.CpuAttention`, `kernels.CpuLayerOps` or None): the
-    cached timings, plus the cases still missing timed now, within `budget_s` (KVC_KERNEL_CHECK_S), and cached;
-    `retime`: every case timed again."""
-    from kvcentric.engine import kernels
-
+    """The choice for `target` with these kernels (`kernels.CpuAttention`, `kernels.CpuLayerOps` or None) on this
+    `cpu` (`kernels.cpu_signature`): the timings cached in `directory`, plus the cases still missing timed now,
+    within `budget_s` (KVC_KERNEL_CHECK_S), and cached; `retime`: every case timed again."""
     sites = target.sites(ops is not None)
     threads, build = torch.get_num_threads(), Path(attention.path).name
-    directory = directory or kernels.cache_dir()
-    path = cache_path(directory, cache_key(kernels.cpu_signature(), torch.__version__, threads, build))
+    path = cache_path(directory, cache_key(cpu, torch.__version__, threads, build))
     with one_at_a_time(directory):  # engines starting together: the first times, the others read its timings
         timings = {} if retime else read_timings(path)
         measured = time_missing(target, sites, timings, attention, ops, BUDGET_S if budget_s is None else budget_s)
         if measured:
-            write_timings(path, measured, {"cpu": kernels.cpu_signature().strip(), "torch": torch.__version__,
-                                           "threads": threads, "build": build})
+            write_timings(path, measured, {"cpu": cpu.strip(), "torch": torch.__version__, "threads": threads,
+                                           "build": build})
     return decide(sites, timings)
 
 
@@ -288,7 +290,8 @@ def time_missing(target: Target, sites: Sequence[Site], timings: dict[str, Timin
                  budget_s: float) -> dict[str, Timing]:
     """Time the cases `next_cases` asks for, round after round, into `timings` until none is left or `budget_s` is
     spent; returns the ones to cache (those timed on a quiet machine)."""
-    started, measured, unsteady = time.perf_counter(), {}, 0
+    started, unsteady = time.perf_counter(), 0
+    measured: dict[str, Timing] = {}
     prepared: dict[str, races.Prepared] = {}
     while pending := next_cases(sites, timings):
         for site, rows in pending:

@@ -45,7 +45,8 @@ def cpu_kernels(config: ModelConfig, dtype: torch.dtype, block_size: int,
     ops = kernels.CpuLayerOps(attention.path) if dtype == torch.float32 else None
     if how == "on":
         return attention, ops
-    choice = choose(Target(config, dtype, block_size, onednn), attention, ops)
+    choice = choose(Target(config, dtype, block_size, onednn), attention, ops, kernels.cache_dir(),
+                    kernels.cpu_signature())
     log.info("%s", choice.summary())
     return ChosenAttention.of(attention, choice), None if ops is None else ChosenOps.of(ops, choice)
 

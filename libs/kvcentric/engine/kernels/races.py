@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from kvcentric.engine.kernels import CpuAttention, CpuLayerOps
     from kvcentric.engine.kernels.choice import Site, Target
 
+T = TypeVar("T")
 Call = Callable[[], object]
 Prepared = Callable[[int], tuple[Call, Call]]
 """rows -> (the kernel's call, torch's) at that row count."""
@@ -33,8 +34,11 @@ Prepared = Callable[[int], tuple[Call, Call]]
 PAIRS = 16
 """The most samples of each side, interleaved (kernel first, then torch first, ...); the fastest of each is kept."""
 MIN_PAIRS = 5
-CASE_S = 0.02
+CASE_S = 0.01
 """After MIN_PAIRS, sampling stops once the case has taken this long."""
+CLEAR_PAIRS = 3
+CLEAR_RATIO = 2.0
+"""After CLEAR_PAIRS, sampling stops where one side is this many times as fast as the other."""
 SAMPLE_S = 0.0002
 """A sample is one call, or as many calls as take about this long. Short samples: on a loaded machine (a thread of
 the team descheduled for a slice of several ms) the fastest of many short ones is one that nothing disturbed."""
@@ -49,12 +53,31 @@ def race(kernel: Call, torch_op: Call) -> tuple[float, float, bool]:
     calls = (calls_per_sample(kernel), calls_per_sample(torch_op))
     sides, best = (kernel, torch_op), [math.inf, math.inf]
     turns = crowded_turns = 0
-    while turns < PAIRS and (turns < MIN_PAIRS or time.perf_counter() - started < CASE_S):
+    while not settled(turns, time.perf_counter() - started, best[0] / best[1] if turns else 1.0):
         crowded_turns += crowded()
         for side in ((0, 1) if turns % 2 == 0 else (1, 0)):
             best[side] = min(best[side], sample(sides[side], calls[side]))
         turns += 1
     return best[0], best[1], 2 * crowded_turns <= turns
+
+
+def settled(turns: int, elapsed_s: float, ratio: float) -> bool:
+    if turns >= PAIRS or (turns >= MIN_PAIRS and elapsed_s > CASE_S):
+        return True
+    return turns >= CLEAR_PAIRS and not 1 / CLEAR_RATIO < ratio < CLEAR_RATIO
+
+
+def calls_per_sample(fn: Call) -> int:
+    """Calls in a sample, from the first call's time (which warms up: allocations, oneDNN's primitive for this
+    shape; it may overstate a call, so a sample may be shorter than SAMPLE_S)."""
+    return max(1, min(1000, int(SAMPLE_S / max(sample(fn, 1), 1e-9))))
+
+
+def sample(fn: Call, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
 
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -69,18 +92,6 @@ def crowded() -> bool:
     except (OSError, ValueError, IndexError):
         return False
     return running > CORES
-
-
-def calls_per_sample(fn: Call) -> int:
-    fn()  # the first call: allocations, oneDNN's primitive for this shape
-    return max(1, min(1000, int(SAMPLE_S / max(sample(fn, 1), 1e-9))))
-
-
-def sample(fn: Call, calls: int) -> float:
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
 
 
 def prepare(site: Site, target: Target, attention: CpuAttention, ops: CpuLayerOps | None) -> Prepared:
@@ -115,13 +126,13 @@ def last_level_cache_bytes() -> int:
 
 
 def copies(each_bytes: int, layers: int) -> int:
-    """How many copies of a tensor a race cycles through: more than the last-level cache holds (a step reads its
-    weights and KV from memory), at most one per layer and COPIES_BYTES."""
+    """How many copies of a tensor each side of a race cycles through: more than the last-level cache holds (a step
+    reads its weights and KV from memory), at most one per layer and COPIES_BYTES."""
     wanted = -(-3 * last_level_cache_bytes() // (2 * max(each_bytes, 1)))
     return max(1, min(wanted, layers, COPIES_BYTES // max(each_bytes, 1)))
 
 
-def cycling(items: list) -> Callable[[], object]:
+def cycling(items: list[T]) -> Callable[[], T]:
     turn = itertools.cycle(items)
     return lambda: next(turn)
 
@@ -129,9 +140,12 @@ def cycling(items: list) -> Callable[[], object]:
 def gemm(target: Target, ops: CpuLayerOps, out_features: int, in_features: int, residual: int) -> Prepared:
     """The small GEMM over its panels against `llama.linear` (or `linear_add`) over the engine's weight layout."""
     plain = noise(out_features, in_features, scale=0.02)
-    count = copies(2 * plain.numel() * 4, target.config.num_layers)
-    blocked = [pack_weight(plain.clone(), target.onednn) for _ in range(count)]
-    panels = [ops.pack_panels(plain) for _ in range(count)]
+    count = copies(plain.numel() * 4, target.config.num_layers)
+    first_blocked, first_panels = pack_weight(plain, target.onednn), ops.pack_panels(plain)
+    if first_panels is None:  # not a site: `Target.gemm_sites` takes only the shapes it packs
+        raise ValueError(f"the small GEMM does not take a [{out_features}, {in_features}] weight")
+    blocked = [first_blocked, *(first_blocked.clone() for _ in range(count - 1))]
+    panels = [first_panels, *(first_panels.clone() for _ in range(count - 1))]
 
     def at(rows: int) -> tuple[Call, Call]:
         x = noise(rows, in_features)
@@ -148,10 +162,7 @@ def gemm(target: Target, ops: CpuLayerOps, out_features: int, in_features: int, 
 
 def decode_attention(target: Target, attention: CpuAttention) -> Prepared:
     """One query row per sequence over its paged KV read in place, against gathering the blocks for masked SDPA."""
-    from kvcentric.engine.kernels.choice import DECODE_CONTEXT
-
-    c, block = target.config, target.block_size
-    context = min(DECODE_CONTEXT, c.max_position - 1)
+    c, block, context = target.config, target.block_size, target.decode_context
     per_row = -(-context // block)
 
     def at(batch: int) -> tuple[Call, Call]:
