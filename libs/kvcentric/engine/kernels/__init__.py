@@ -310,10 +310,21 @@ def load_layer_ops() -> CpuLayerOps | None:
     return None if kernels is None else CpuLayerOps(kernels.path)
 
 
-def main() -> None:
-    """Build the kernels (or say why not) and check one call against the gather + SDPA it replaces."""
+def main(argv: list[str] | None = None) -> None:
+    """Build the kernels (or say why not), check one call of each against torch's op, then time them against torch's
+    ops at a model's shapes and print where each runs (`choice.py`)."""
+    import argparse
+
     import torch.nn.functional as F
 
+    parser = argparse.ArgumentParser(prog="python -m kvcentric.engine.kernels", description=main.__doc__)
+    parser.add_argument("--model", default="small", help="preset or checkpoint directory whose shapes are timed")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--budget-s", type=float, default=60.0, help="most seconds spent timing cases not cached")
+    parser.add_argument("--retime", action="store_true", help="time every case again, cached or not")
+    args = parser.parse_args(argv)
     try:
         kernel = CpuAttention(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
@@ -352,6 +363,17 @@ def main() -> None:
     print(f"{kernel.path}: RMSNorm, max |kernel - torch| = {norm_error:.1e}")
     if max(error, prefill_error, ops_error, norm_error) > 1e-4:
         raise SystemExit("the kernels disagree with SDPA")
+    from kvcentric.engine.kernels import choice
+    from kvcentric.model.config import load_model_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = choice.Target(load_model_config(args.model), getattr(torch, args.dtype), args.block_size)
+    ops = CpuLayerOps(kernel.path) if target.dtype == torch.float32 else None
+    chosen = choice.choose(target, kernel, ops, cache_dir(), cpu_signature(), args.budget_s, args.retime)
+    print(f"\n{args.model}, {args.dtype}, {torch.get_num_threads()} threads, torch {torch.__version__}:")
+    print(chosen.table())
+    print(chosen.summary())
 
 
 if __name__ == "__main__":
