@@ -6,6 +6,7 @@ read back without timing; engines choosing so compute the tokens of torch's ops.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -93,21 +94,36 @@ def test_the_cache_key_changes_with_the_cpu_torch_threads_and_build():
 
 def test_timings_are_merged_into_the_cache_file(tmp_path):
     path = choice.cache_path(tmp_path, "k")
-    choice.write_timings(path, {"a x1": WIN}, {"threads": 2})
+    crowded = Timing(1.0, 3.0, steady=False)
+    choice.write_timings(path, {"a x1": WIN, "c x1": crowded}, {"threads": 2})
     choice.write_timings(path, {"b x1": LOSS}, {"threads": 2})  # another engine's, later
-    assert choice.read_timings(path) == {"a x1": WIN, "b x1": LOSS}
+    assert choice.read_timings(path) == {"a x1": WIN, "b x1": LOSS, "c x1": crowded}
     assert json.loads(path.read_text())["about"] == {"threads": 2}
     path.write_text("{not json")
     assert choice.read_timings(path) == {}
 
 
-def test_a_timing_taken_on_a_crowded_machine_decides_but_is_not_cached(monkeypatch):
-    sites = [NORM]
+def test_timings_taken_on_a_crowded_machine_are_timed_again_once_it_is_quiet(tmp_path, monkeypatch):
+    attention, target = SimpleNamespace(path="attention-0123.so"), Target(preset("tiny"))
     monkeypatch.setattr(races, "prepare", lambda *args: lambda rows: (int, int))
+    monkeypatch.setattr(races, "crowded", lambda: True)
     monkeypatch.setattr(races, "race", lambda kernel, torch_op: (1.0, 2.0, False))
-    timings: dict[str, Timing] = {}
-    assert choice.time_missing(Target(preset("tiny")), sites, timings, None, None, 10.0) == {}
-    assert row_limit(NORM, timings) == UNLIMITED
+    crowded = choice.choose(target, attention, None, tmp_path, "cpu")
+    assert crowded.rows("decode_attention") == UNLIMITED  # it decides as timed
+    assert not any(timing.steady for timing in crowded.timings.values())
+
+    def no_timing(*args):
+        raise AssertionError("timed again on a crowded machine")
+
+    monkeypatch.setattr(races, "race", no_timing)
+    assert choice.choose(target, attention, None, tmp_path, "cpu").limits == crowded.limits  # cached as it was
+    monkeypatch.setattr(races, "crowded", lambda: False)
+    monkeypatch.setattr(races, "race", lambda kernel, torch_op: (2.0, 1.0, True))
+    quiet = choice.choose(target, attention, None, tmp_path, "cpu")
+    assert quiet.rows("decode_attention") == 0
+    assert all(quiet.timings[site.case(site.rows[0])].steady for site in quiet.sites)
+    monkeypatch.setattr(races, "race", no_timing)
+    assert choice.choose(target, attention, None, tmp_path, "cpu").limits == quiet.limits
 
 
 def test_the_budget_stops_the_timing(monkeypatch):

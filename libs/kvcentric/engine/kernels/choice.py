@@ -13,7 +13,8 @@ and a GEMM shape with a limit of 0 gets no second weight layout.
 The timings are cached on disk beside the built library (`kernels.cache_dir()`), one JSON file per CPU, torch
 version, thread count and library build, each case named by its shapes; a later start reads them and times nothing.
 A start times at most KVC_KERNEL_CHECK_S seconds (default 2) of cases not yet cached; a case left over counts as a
-loss until a later start has timed it.
+loss until a later start has timed it. A case timed while more threads wanted to run than there are cores is
+cached as such, decides as timed, and is timed again by a start that finds the machine quiet.
 
 It times, decides and caches; it does not apply the choice (`chosen.py`). `decide` and `next_cases` are pure.
 """
@@ -61,7 +62,7 @@ class Timing:
     kernel_s: float
     torch_s: float
     steady: bool = True
-    """Timed on a quiet machine (`races.crowded`); a timing that was not decides for its start but is not cached."""
+    """Timed on a quiet machine (`races.crowded`); one that was not is timed again at a start that finds it quiet."""
 
     @property
     def ratio(self) -> float:
@@ -233,7 +234,8 @@ def cache_path(directory: Path, key: str) -> Path:
 def read_timings(path: Path) -> dict[str, Timing]:
     try:
         cases = json.loads(path.read_text())["cases"]
-        return {case: Timing(float(pair[0]), float(pair[1])) for case, pair in cases.items()}
+        return {case: Timing(float(kernel_s), float(torch_s), bool(steady))
+                for case, (kernel_s, torch_s, steady) in cases.items()}
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return {}
 
@@ -241,7 +243,8 @@ def read_timings(path: Path) -> dict[str, Timing]:
 def write_timings(path: Path, timings: Mapping[str, Timing], about: Mapping[str, object]) -> None:
     """The timings added to those on disk (another engine may have written some meanwhile), atomically."""
     merged = {**read_timings(path), **timings}
-    body = {"about": dict(about), "cases": {case: [t.kernel_s, t.torch_s] for case, t in sorted(merged.items())}}
+    body = {"about": dict(about),
+            "cases": {case: [t.kernel_s, t.torch_s, t.steady] for case, t in sorted(merged.items())}}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, delete=False) as scratch:
@@ -256,13 +259,17 @@ def choose(target: Target, attention, ops, directory: Path, cpu: str, budget_s: 
            retime: bool = False) -> Choice:
     """The choice for `target` with these kernels (`kernels.CpuAttention`, `kernels.CpuLayerOps` or None) on this
     `cpu` (`kernels.cpu_signature`): the timings cached in `directory`, plus the cases still missing timed now,
-    within `budget_s` (KVC_KERNEL_CHECK_S), and cached; `retime`: every case timed again."""
+    within `budget_s` (KVC_KERNEL_CHECK_S), and cached; on a quiet machine the cases timed on a crowded one are
+    timed again (their cached timing decides where the budget runs out first); `retime`: every case timed again."""
     sites = target.sites(ops is not None)
     threads, build = torch.get_num_threads(), Path(attention.path).name
     path = cache_path(directory, cache_key(cpu, torch.__version__, threads, build))
     with one_at_a_time(directory):  # engines starting together: the first times, the others read its timings
-        timings = {} if retime else read_timings(path)
+        cached = {} if retime else read_timings(path)
+        quiet = not races.crowded()
+        timings = {case: timing for case, timing in cached.items() if timing.steady or not quiet}
         measured = time_missing(target, sites, timings, attention, ops, BUDGET_S if budget_s is None else budget_s)
+        timings = {**cached, **timings}
         if measured:
             write_timings(path, measured, {"cpu": cpu.strip(), "torch": torch.__version__, "threads": threads,
                                            "build": build})
@@ -289,7 +296,7 @@ def one_at_a_time(directory: Path) -> Iterator[None]:
 def time_missing(target: Target, sites: Sequence[Site], timings: dict[str, Timing], attention, ops,
                  budget_s: float) -> dict[str, Timing]:
     """Time the cases `next_cases` asks for, round after round, into `timings` until none is left or `budget_s` is
-    spent; returns the ones to cache (those timed on a quiet machine)."""
+    spent; returns the ones timed."""
     started, unsteady = time.perf_counter(), 0
     measured: dict[str, Timing] = {}
     prepared: dict[str, races.Prepared] = {}
@@ -305,11 +312,9 @@ def time_missing(target: Target, sites: Sequence[Site], timings: dict[str, Timin
             timing = timings[site.case(rows)] = Timing(*races.race(*prepared[site.kernel](rows)))
             if not timing.wins or rows == site.rows[-1]:
                 del prepared[site.kernel]  # decided: its tensors go
-            if timing.steady:
-                measured[site.case(rows)] = timing
-            else:
-                unsteady += 1
+            measured[site.case(rows)] = timing
+            unsteady += not timing.steady
     if unsteady:
         log.warning("kernel choice: %d cases timed while more threads wanted to run than there are cores; they "
-                    "decide for this start only and are timed again at the next", unsteady)
+                    "are timed again at a start that finds the machine quiet", unsteady)
     return measured
