@@ -48,6 +48,8 @@ class UpProcess:
     def __init__(self, log_dir: str, *flags: str, port: int = 0, timeout_s: float = 120.0,
                  env: dict[str, str] | None = None) -> None:
         self.log_dir = log_dir
+        self.ready_line = ""
+        """What `up` said when it was ready (its URL, its servers, the SLOs in force)."""
         argv = [sys.executable, "-m", "kvcentric", "up", "--port", str(port), "--log-dir", log_dir,
                 "--startup-timeout-s", str(timeout_s), *flags]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -71,6 +73,7 @@ class UpProcess:
             lines.append(line)
             ready = re.search(r"ready at (http://\S+)", line)
             if ready:
+                self.ready_line = line
                 return ready.group(1)
         self.stop()
         raise RuntimeError("kvcentric up did not become ready:\n" + "".join(lines))

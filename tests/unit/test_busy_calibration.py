@@ -73,19 +73,24 @@ def test_a_busy_calibration_is_a_guess_and_a_quiet_one_replaces_it(meter):
     assert not held & set(guessed)  # the busy samples are gone from the fit
 
 
-def test_a_busy_calibration_that_agrees_with_the_one_before_is_a_measurement(meter, monkeypatch):
+def test_a_busy_calibration_that_agrees_with_the_one_before_is_steady_until_a_quiet_one(meter, monkeypatch):
     speed, _ = meter
     calibrate(meter, busy=True)
-    monkeypatch.setattr(speed, "agrees", lambda part, samples, fit: True)
+    monkeypatch.setattr(speed, "agrees", lambda *args: True)
     calibrate(meter, busy=True)
-    assert speed.measured().guess == []
+    assert speed.measured().guess == [] and speed.steady == {"prefill", "decode"} == speed.unsettled  # trusted
+    monkeypatch.setattr(speed, "agrees", lambda *args: False)
+    calibrate(meter, busy=True)  # the machine's load changed: a guess again
+    assert speed.guess == {"prefill", "decode"} and not speed.steady
+    calibrate(meter, busy=False)
+    assert not speed.unsettled
 
 
 def test_a_busy_calibration_that_disagrees_stays_a_guess_with_its_own_samples(meter, monkeypatch):
     speed, _ = meter
     calibrate(meter, busy=True)
     first = list(speed.guessed["prefill"])
-    monkeypatch.setattr(speed, "agrees", lambda part, samples, fit: False)
+    monkeypatch.setattr(speed, "agrees", lambda *args: False)
     calibrate(meter, busy=True)
     assert "prefill" in speed.guess and speed.guessed["prefill"] and speed.guessed["prefill"] != first
     assert not {tuple(row) for row in speed.fit.prefill.window.rows()} & set(first)
@@ -99,6 +104,9 @@ def test_timings_agree_when_the_fit_before_them_predicted_them(meter):
     assert speed.agrees("decode", samples, fit)
     assert not speed.agrees("decode", [(b, k, 3 * s) for b, k, s in samples], fit)
     assert not speed.agrees("decode", samples, None)
+    earlier = [(1, 65, 0.1), (1, 65, 0.12), (4, 260, 0.3)]  # shape by shape, where the earlier one timed it
+    assert speed.agrees("decode", [(1, 65, 0.11), (4, 260, 0.33)], None, earlier)
+    assert not speed.agrees("decode", [(1, 65, 0.2), (4, 260, 0.6)], fit, earlier)
 
 
 def test_steps_served_replace_a_guess(meter):

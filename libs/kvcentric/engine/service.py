@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -27,12 +28,14 @@ from kvcentric.engine.reporter import Reporter
 from kvcentric.engine.roles import RoleChange
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.spans import RequestSpans
-from kvcentric.engine.speed import RECALIBRATION_BUDGET_S, SpeedMeter
+from kvcentric.engine.speed import RECALIBRATION_BUDGET_S, STEADY_BUDGET_S, SpeedMeter
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVPusher
 
 RECALIBRATE_EVERY_S = 2.0
 """While a part of its model is a guess (calibrated on a busy machine), an idle engine calibrates again this often."""
+STEADY_EVERY_S = 4.0
+"""While a part is steady (measured on a steadily busy machine), an idle engine calibrates it again this often."""
 
 
 class EngineService(Service):
@@ -65,6 +68,8 @@ class EngineService(Service):
         self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk, config.slow_step_s,
                                 config.slow_while_file)
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
+        self.recalibrated_at = 0.0
+        """time.monotonic() of the latest calibration made while idle."""
         self.model_step = asyncio.Event()
         """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
 
@@ -110,23 +115,42 @@ class EngineService(Service):
         self.log.info("calibrated %d shapes (%s): %s", timed, self.calibration_state(), self.speed.measured())
 
     async def recalibrate(self) -> None:
-        """While a part of the model is a guess and nothing is being served: calibrate that part again, so a
-        machine that has gone quiet is measured within seconds (`SpeedMeter.calibrate` says when it counts)."""
-        guess = set(self.speed.guess)
-        if not guess or not self.idle() or self.role_change.draining:
+        """While a part of the model is a guess or not fitted yet (the first calibration ran out of time; every
+        RECALIBRATE_EVERY_S) or steady (every STEADY_EVERY_S, more briefly) and nothing is being served: calibrate it
+        again, so a machine that has gone quiet is measured within seconds (`SpeedMeter.calibrate` says when it
+        counts)."""
+        fits = {"prefill": self.speed.fit.prefill.fit, "decode": self.speed.fit.decode.fit}
+        missing = {part for part in self.parts if fits[part] is None}
+        parts, now = self.speed.unsettled | missing, time.monotonic()
+        steady_only = not (self.speed.guess or missing)
+        if not parts or not self.idle() or self.role_change.draining or \
+                (steady_only and now - self.recalibrated_at < STEADY_EVERY_S):
             return
-        timed = await self.model.run(self.speed.calibrate, self.pool, "prefill" in guess, "decode" in guess,
-                                     self.config.max_batch, RECALIBRATION_BUDGET_S, borrow=False)
-        self.on_refit()
-        self.log.info("calibrated %s again, %d shapes (%s)", " and ".join(sorted(guess)), timed,
+        timed = await self.calibrate_again(parts, STEADY_BUDGET_S if steady_only else RECALIBRATION_BUDGET_S)
+        if steady_only and self.speed.guess:  # the machine changed under a steady model: measure it fully now
+            timed = await self.calibrate_again(set(self.speed.unsettled), RECALIBRATION_BUDGET_S)
+        self.log.info("calibrated %s again, %d shapes (%s)", " and ".join(sorted(parts)), timed,
                       self.calibration_state())
+
+    async def calibrate_again(self, parts: set[str], budget_s: float) -> int:
+        timed = await self.model.run(self.speed.calibrate, self.pool, "prefill" in parts, "decode" in parts,
+                                     self.config.max_batch, budget_s, borrow=False)
+        self.recalibrated_at = time.monotonic()
+        self.on_refit()
+        return timed
+
+    @property
+    def parts(self) -> set[str]:
+        """The parts of the cost model this role's work times: prefill, decode, or both (colocated)."""
+        return {part for part, runs in (("prefill", self.role != "decode"), ("decode", self.role != "prefill")) if runs}
 
     def calibration_state(self) -> str:
         """What the latest calibration saw of the machine, and which parts are still a guess."""
         stretch = self.speed.last_stretch
         seen = stretch.describe() if stretch is not None else "not watched"
-        guess = ", ".join(sorted(self.speed.guess))
-        return f"{seen}; {'a guess: ' + guess if guess else 'measured'}"
+        guess, steady = (", ".join(sorted(parts)) for parts in (self.speed.guess, self.speed.steady))
+        said = [f"a guess: {guess}" if guess else "", f"steady on a busy machine: {steady}" if steady else ""]
+        return f"{seen}; {'; '.join(part for part in said if part) or 'measured'}"
 
     # ---------------------------------------------------------------- lifecycle, health
 

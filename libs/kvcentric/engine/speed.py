@@ -7,7 +7,8 @@ this one did not get the CPU its threads asked for) measured the crowd, not the 
 reported as a guess (`MeasuredCost.guess`), which the conductor ranks by but never refuses work on. The engine
 calibrates again while idle (`recalibrate`, every few seconds) and its samples replace the guessed ones; the
 part counts as measured once a calibration was quiet, or agreed with the one before it (the machine is steadily
-that busy), or once serving has timed enough steps of that part to replace the guess.
+that busy: `steady`, trusted, but calibrated again now and then while idle, so that once the machine quiets
+down the model follows within seconds), or once serving has timed enough steps of that part to replace it.
 
 For tests, `--slow-step-s` with `--slow-while-file` makes every timed model call slower while a file exists, as a
 machine busy with other work would.
@@ -19,7 +20,7 @@ import itertools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,9 +42,14 @@ RESEND_EVERY = 20
 """A load report carries the model at least once in this many, so a conductor that starts later learns it."""
 RECALIBRATION_BUDGET_S = 1.5
 """A calibration again while a part is a guess stops after the shape that takes it past this many seconds."""
-AGREE = 0.25
-"""Two calibrations agree when the median of the later one's times over what the earlier one's fit predicts is
-within this share of 1."""
+STEADY_BUDGET_S = 0.5
+"""A calibration again of a steady part (trusted, measured on a busy machine) stops past this many seconds."""
+AGREE = 0.3
+"""Two calibrations agree when the median of the later one's times over the earlier one's, shape by shape (over
+what the earlier fit predicts where they share no shape), is within this share of 1."""
+CHANGED = 2.0
+"""A steady part becomes a guess again when a busy calibration's times are more than this factor off the one before
+(a busy machine's timings scatter; a change of load, or a machine gone quiet under other work, moves them more)."""
 SERVED_TO_MEASURE = 8
 """Steps of a guessed part timed while serving that replace the guess."""
 
@@ -62,8 +68,11 @@ class SpeedMeter:
         self.reports = 0
         self.guess: set[str] = set()
         """The parts whose fit rests on a calibration timed while the machine was busy."""
+        self.steady: set[str] = set()
+        """The parts measured on a busy machine by calibrations that agreed: trusted, and calibrated again while idle
+        until one is quiet."""
         self.guessed: dict[str, list[Sample]] = {"prefill": [], "decode": []}
-        """The samples of each guessed part that the next calibration or serving replaces."""
+        """The samples of each guessed or steady part that the next calibration or serving replaces."""
         self.served: dict[str, int] = {"prefill": 0, "decode": 0}
         """Steps of each guessed part timed while serving since it became a guess."""
         self.calibrations = 0
@@ -90,9 +99,15 @@ class SpeedMeter:
         """One decode step timed while serving; True when the fit was redone."""
         return self.fit.add_decode(batch, kv_tokens, seconds) | self._served("decode")
 
+    @property
+    def unsettled(self) -> set[str]:
+        """The parts a calibration while idle should measure again: guessed or steady."""
+        return self.guess | self.steady
+
     def _served(self, part: str) -> bool:
-        """Enough steps of a guessed part served replace the guess: its calibration samples go, the fit is redone."""
-        if part not in self.guess:
+        """Enough steps of a guessed (or steady) part served replace its calibration: those samples go, the fit is
+        redone."""
+        if part not in self.guess and part not in self.steady:
             return False
         self.served[part] += 1
         if self.served[part] < SERVED_TO_MEASURE:
@@ -106,6 +121,7 @@ class SpeedMeter:
 
     def _measured(self, part: str) -> None:
         self.guess.discard(part)
+        self.steady.discard(part)
         self.guessed[part], self.served[part] = [], 0
 
     # ---------------------------------------------------------------- calibration (in the model thread)
@@ -124,9 +140,9 @@ class SpeedMeter:
         watch = CpuWatch(check_own=self.runner.device.type == "cpu")
         timed = 0
         for kind, (a, b) in shapes:  # small shapes of both parts first, so a short budget still covers both
-            if time.perf_counter() > deadline:
-                break
-            warm_up = timed < 2 and not self.calibrations
+            if time.perf_counter() > deadline and all(taken[part] for part, _ in shapes):
+                break  # past the budget, once every part asked for has a shape timed
+            warm_up = timed < (1 if self.calibrations else 2)  # a calibration again: the first shape after idling
             if kind == "prefill":
                 taken[kind] += self._time_prefill(pool, a, b, warm_up)
             else:
@@ -138,29 +154,40 @@ class SpeedMeter:
         return timed
 
     def _settle(self, taken: dict[str, list[Sample]], before: dict) -> None:
-        """A calibration's samples in: each part it timed is a guess when the machine was busy meanwhile, unless
-        it agrees with the guess before it; the samples of an earlier guess go."""
+        """A calibration's samples in, replacing those of an earlier busy one: each part it timed is measured when
+        the machine was quiet meanwhile; else steady when it agrees with the part's fit before it (a guess or
+        steady already), else a guess."""
         busy = self.last_stretch is not None and self.last_stretch.busy
         for part, samples in taken.items():
             if not samples:
                 continue
-            agrees = part in self.guess and self.agrees(part, samples, before[part])
+            tolerance = CHANGED - 1 if part in self.steady else AGREE
+            agrees = part in self.unsettled and self.agrees(part, samples, before[part], self.guessed[part], tolerance)
             self._part(part).window.discard(self.guessed[part])
-            if busy and not agrees:
-                self.guess.add(part)
-                self.guessed[part], self.served[part] = list(samples), 0
-            else:
+            if not busy:
                 self._measured(part)
+                continue
+            (self.steady if agrees else self.guess).add(part)
+            (self.guess if agrees else self.steady).discard(part)
+            self.guessed[part], self.served[part] = list(samples), 0
         self.fit.refit()
 
-    def agrees(self, part: str, samples: list[Sample], fit: PartFit | None) -> bool:
-        """Whether these samples' times are what `fit`, the part's fit before they came, predicts (their median
-        ratio within AGREE of 1)."""
-        if fit is None:
+    def agrees(self, part: str, samples: list[Sample], fit: PartFit | None, earlier: Sequence[Sample] = (),
+               tolerance: float = AGREE) -> bool:
+        """Whether these samples' times are those of the `earlier` calibration's samples of the same shapes, or
+        where there are none what `fit`, the part's fit before they came, predicts: the median ratio within
+        `tolerance` of 1 (and at least 1 / (1 + tolerance))."""
+        times: dict[tuple[float, float], list[float]] = {}
+        for a, b, seconds in earlier:
+            times.setdefault((a, b), []).append(seconds)
+        ratios = [s[2] / statistics.median(times[(s[0], s[1])]) for s in samples if (s[0], s[1]) in times]
+        if not ratios and fit is not None:
+            fitter = self._part(part)
+            ratios = [s[2] / predicted for s in samples if (predicted := fitter.predict(s[0], s[1], fit)) > 0]
+        if not ratios:
             return False
-        fitter = self._part(part)
-        ratios = [s[2] / predicted for s in samples if (predicted := fitter.predict(s[0], s[1], fit)) > 0]
-        return bool(ratios) and abs(statistics.median(ratios) - 1.0) <= AGREE
+        ratio = statistics.median(ratios)
+        return 1 / (1 + tolerance) <= ratio <= 1 + tolerance
 
     def prefill_shapes(self, pool: BlockPool) -> list[tuple[int, int]]:
         """(new, cached) from a small chunk to a full one, with no prefix and with a chunk-long one, cheapest
