@@ -1,8 +1,9 @@
-"""Mooncake §7's TBT double-check is on by default: a stack started without --tbt-slo-s (`kvcentric up`,
-real nats-server, redis, kvs-meta, conductor with --rejection none, prefill, decode, gateway) holds decode to
-0.1 s (§8.1's TBT SLO). The cost model is a profile file, so the cut is known: one sequence's decode step
-lasts 10 ms + 0.2 ms per context token, so a lone prompt of up to 449 tokens joins and a longer one is
-rejected after its prefill, with 429."""
+"""Mooncake §7's TBT double-check is on by default, relative to the decode instance's own speed (issue 48): a
+stack started without --tbt-slo-s (`kvcentric up`, real nats-server, redis, kvs-meta, conductor with --rejection
+none, prefill, decode, gateway) holds decode to 5x the unloaded step of each request, so a request alone is never
+refused however slow its step. The cost model is a profile file, so the steps are known: one sequence's decode step
+lasts 10 ms + 0.2 ms per context token, so the long prompt's lone step (over 0.1 s, the old absolute default that
+refused it) is within 5x itself, and is served."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from harness import UpProcess
 from test_decode_tbt_reject import LONG, SHORT, argv, post
 
 COST = CostModel((0.001, 1e-6, 0.0, 0.0), (0.01, 0.0, 2e-4), 4096, "test")
-DEFAULT_SLO_S = 0.1
+OLD_DEFAULT_SLO_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -29,16 +30,15 @@ def stack(tmp_path_factory):
         up.stop()
 
 
-def test_the_cut_falls_between_the_two_prompts():
+def test_the_long_prompt_alone_steps_slower_than_the_old_default():
     short, long = (len(ByteTokenizer().encode(p)) for p in (SHORT, LONG))
-    assert COST.t_decode(1, short + 1) < DEFAULT_SLO_S < COST.t_decode(1, long + 1)
+    assert COST.t_decode(1, short + 1) < OLD_DEFAULT_SLO_S < COST.t_decode(1, long + 1)
 
 
-def test_without_the_flag_decode_rejects_a_request_over_0_1_s_and_serves_one_within(stack):
+def test_without_the_flag_decode_checks_relative_to_its_speed_and_serves_a_request_alone(stack):
     decode = argv(stack, "decode-0")
-    assert decode[decode.index("--tbt-slo-s") + 1] == str(DEFAULT_SLO_S)
-    status, body = post(stack.url, SHORT)
-    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
-    status, body = post(stack.url, LONG)
-    assert status == 429 and "rejected by decode for TBT" in body["error"]["message"], body
-    assert stack.health("decode-0")["stats"]["requests_rejected_tbt"] == 1
+    assert decode[decode.index("--tbt-slo-s") + 1] == "0.0"  # relative: 5x the unloaded step
+    for prompt in (SHORT, LONG):
+        status, body = post(stack.url, prompt)
+        assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    assert stack.health("decode-0")["stats"].get("requests_rejected_tbt", 0) == 0
