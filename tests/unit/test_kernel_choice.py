@@ -142,6 +142,18 @@ def test_kvc_kernels_names_itself_when_wrong(monkeypatch):
     assert chosen.cpu_kernels(preset("tiny"), torch.float32, 4) == (None, None)
 
 
+@needs_compiler
+def test_a_choice_that_fails_leaves_every_kernel_on(monkeypatch, caplog):
+    def failing(*args):
+        raise RuntimeError("a race went wrong")
+
+    monkeypatch.setenv("KVC_KERNELS", "auto")
+    monkeypatch.setattr(chosen, "choose", failing)
+    attention, ops = chosen.cpu_kernels(preset("tiny"), torch.float32, 4)
+    assert isinstance(attention, kernels.CpuAttention) and isinstance(ops, kernels.CpuLayerOps)
+    assert "a race went wrong" in caplog.text
+
+
 def forced(wins: dict[str, int]) -> Choice:
     """The choice where each kernel named wins up to that many rows of its site's counts (the others never)."""
     sites = Target(preset("tiny")).sites()

@@ -45,8 +45,13 @@ def cpu_kernels(config: ModelConfig, dtype: torch.dtype, block_size: int,
     ops = kernels.CpuLayerOps(attention.path) if dtype == torch.float32 else None
     if how == "on":
         return attention, ops
-    choice = choose(Target(config, dtype, block_size, onednn), attention, ops, kernels.cache_dir(),
-                    kernels.cpu_signature())
+    try:
+        choice = choose(Target(config, dtype, block_size, onednn), attention, ops, kernels.cache_dir(),
+                        kernels.cpu_signature())
+    except (RuntimeError, ValueError, OSError) as error:  # a race that failed: the kernels run as they did before
+        log.warning("kernel choice failed (%s: %s); every kernel runs wherever it takes the tensors",
+                    type(error).__name__, error)
+        return attention, ops
     log.info("%s", choice.summary())
     return ChosenAttention.of(attention, choice), None if ops is None else ChosenOps.of(ops, choice)
 
