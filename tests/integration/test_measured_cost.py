@@ -1,10 +1,11 @@
 """The conductor predicts from what the engines measure (`kvcentric up`: nats-server, redis, kvs-meta, conductor,
 prefill, decode, gateway). The conductor's prior is a profile that says a decode step takes 10 s, so with the
-default early rejection and 0.1 s TBT SLO it would reject every request: with that prior alone
-(`--cost-source prior`) it does; by default the engines' calibrated models replace it and the request is served,
-and /health shows each instance's measured model against the prior. With calibration off and no profile the
-roofline prior only ranks: requests are placed, and the model moves from the prior to the measured one as the
-engines serve."""
+default early rejection and a 0.1 s TBT SLO it would reject every request: with that prior alone
+(`--cost-source prior`) it does (the conductor, or for a request alone, which the conductor never refuses for
+TBT at an idle decode instance, the decode instance's double-check by the same profile); by default the engines'
+calibrated models replace it and the request is served, and /health shows each instance's measured model against
+the prior. With calibration off and no profile the roofline prior only ranks: requests are placed, and the model
+moves from the prior to the measured one as the engines serve."""
 
 from __future__ import annotations
 
@@ -57,10 +58,11 @@ def terrible_profile(tmp_path_factory):
 
 
 def test_with_only_the_terrible_prior_the_request_is_rejected(tmp_path, terrible_profile):
-    up = UpProcess(str(tmp_path), "--conductors", "1", "--profile", terrible_profile, env={"KVC_COST_SOURCE": "prior"})
+    up = UpProcess(str(tmp_path), "--conductors", "1", "--profile", terrible_profile, "--tbt-slo-s", "0.1",
+                   env={"KVC_COST_SOURCE": "prior"})
     try:
         status, body = post(up.url)
-        assert status == 429 and "decode load" in body["error"]["message"], body
+        assert status == 429 and "TBT" in body["error"]["message"], body
         assert models(up)["decode-0"]["model_source"] == {"decode": "prior"}
     finally:
         up.stop()

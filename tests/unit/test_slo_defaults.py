@@ -76,16 +76,18 @@ def test_an_idle_decode_instance_is_never_refused_for_tbt():
     assert isinstance(decision, Rejection) and decision.stage == "decode" and "100 ms SLO" in decision.message
 
 
-def test_an_idle_prefill_instance_refused_on_its_prediction_gets_a_probe_now_and_then():
+def test_an_idle_prefill_instance_refused_on_its_prediction_for_a_while_gets_a_probe():
     core = cluster(ttft_slo_s=0.5, probe_every_s=5.0)  # 1 s predicted for 1000 tokens, over the 0.5 s SLO
-    assert isinstance(place(core, "probe"), Placement) and core.stats["probes"] == 1
-    assert isinstance(place(core, "behind", now=0.2), Rejection)  # not idle any more: the probe is in flight
-    core.forget("probe")
-    assert isinstance(place(core, "soon", now=1.0), Rejection)  # idle again, but a probe went out 0.9 s ago
+    assert isinstance(place(core, "first"), Rejection)  # refused since 0.1 s
     for report in (prefill_report("p0"), decode_report("d0")):  # still alive 5 s on
-        core.observe(report, 5.1)
-    assert isinstance(place(core, "later", now=5.2), Placement) and core.stats["probes"] == 2
-    assert isinstance(place(cluster(ttft_slo_s=0.5)), Rejection)  # probes are off unless asked for
+        core.observe(report, 5.0)
+    assert isinstance(place(core, "probe", now=5.2), Placement) and core.stats["probes"] == 1
+    assert isinstance(place(core, "behind", now=5.3), Rejection)  # not idle any more: the probe is in flight
+    core.forget("probe")
+    assert isinstance(place(core, "soon", now=5.5), Rejection)  # idle again, refused again since now
+    assert core.stats["probes"] == 1
+    off = cluster(ttft_slo_s=0.5)  # probes are off unless asked for
+    assert [isinstance(place(off, f"r{i}", now=0.1 + i / 10), Rejection) for i in range(5)] == [True] * 5
 
 
 def test_a_model_timed_on_a_busy_machine_ranks_but_never_rejects():

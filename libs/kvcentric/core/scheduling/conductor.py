@@ -93,8 +93,9 @@ class Conductor:
         """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
-        self.probe_at: dict[str, float] = {}
-        """prefill instance id -> when it may next be given a probe (a request over its SLO, placed anyway)."""
+        self.refused_since: dict[str, float] = {}
+        """prefill instance id -> since when it has been idle and refused work on its prediction, with no placement
+        (after `probe_every_s` of that it is given a probe: one request over its SLO, placed anyway)."""
         self.stats = Tally()
 
     def _make_policy(self, estimator: Estimator):
@@ -264,14 +265,17 @@ class Conductor:
         return self.slos.describe(prefills, decodes)
 
     def _probe(self, choice: PrefillChoice, decode: DecodeChoice, verdict, now: float) -> bool:
-        """Place a request its prefill instance's prediction refused, when that instance is idle and had no probe
-        for `probe_every_s`: what it measures then corrects the estimate (its own model, the TTFT correction)."""
+        """Place a request its prefill instance's prediction refused, when that instance is idle and has been
+        refused work (with nothing placed there) for `probe_every_s`: what it measures then corrects the estimate
+        (its own model, the TTFT correction), instead of a stale one refusing for ever."""
         every, instance = self.config.probe_every_s, choice.instance
         if not every or verdict.stage != "prefill" or not decode.room or decode.load > verdict.threshold:
             return False
-        if instance.queue_s(now) > 0 or len(instance.in_flight) or now < self.probe_at.get(instance.instance_id, 0.0):
+        if instance.queue_s(now) > 0 or len(instance.in_flight):
             return False
-        self.probe_at[instance.instance_id] = now + every
+        since = self.refused_since.setdefault(instance.instance_id, now)
+        if now - since < every:
+            return False
         self.stats["probes"] += 1
         return True
 
@@ -313,6 +317,7 @@ class Conductor:
 
     def _account(self, request: ScheduleRequest, choice: PrefillChoice, decode: DecodeChoice, now: float) -> None:
         instance = choice.instance
+        self.refused_since.pop(instance.instance_id, None)
         if self.router is not None:
             self.router.account(request, choice, now)
         cached = self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks)
