@@ -31,9 +31,10 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     tbt_slo_s: float = setting(0.0, "TBT SLO in seconds (time between tokens); 0: relative, --tbt-slo-factor (5) x "
                                     "the unloaded decode step (one sequence, the prompt's context), from the fastest "
                                     "measured model of the decode pool")
-    probe_every_s: float = setting(5.0, "an idle prefill instance whose prediction is over the TTFT SLO is still "
-                                        "given one request (a probe) this often, so it is measured again instead "
-                                        "of refused for ever on a stale estimate (0: never)")
+    probe_every_s: float = setting(5.0, "an idle prefill instance refused work on its prediction (over the TTFT "
+                                        "SLO) for this long, with nothing placed there, is given one request (a "
+                                        "probe), so it is measured again instead of refused for ever on a stale "
+                                        "estimate (0: never)")
     slo_headroom: float = setting(0.1, "admit only while the predicted load is at most (1 - this) x its threshold: "
                                        "a margin for predictions that run short as the load grows (0: admit up "
                                        "to the SLO itself, as the simulator does by default)")

@@ -51,8 +51,9 @@ class UpConfig:
     nats_url: str = setting("", "use this NATS server instead of starting one")
     redis_url: str = setting("", "use this Redis instead of starting one")
     cluster: str = setting("local", "cluster name of every service")
-    profile: str = setting("", "cost model from `kvcentric profile` for the conductor and, with --tbt-slo-s, the "
-                               "decode instances (default: a roofline of the model on this machine)")
+    profile: str = setting("", "cost model from `kvcentric profile` for the conductor and the decode instances' TBT "
+                               "double-check (default: a roofline of the model on this machine, which the "
+                               "engines' measured models replace)")
     num_kv_blocks: int = setting(2048, "KV blocks per engine instance")
     prefill_kv_blocks: int = setting(0, "device KV blocks per prefill instance (0: --num-kv-blocks)")
     block_size: int = setting(16, "tokens per KV block")

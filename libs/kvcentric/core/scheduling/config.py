@@ -30,9 +30,10 @@ class SchedulerConfig:
     ttft_slo_factor: float = setting(TTFT_FACTOR, "with --ttft-slo-s 0: the TTFT SLO is this x the unloaded prefill "
                                                   "time of the prompt")
     tbt_slo_factor: float = setting(TBT_FACTOR, "with --tbt-slo-s 0: the TBT SLO is this x the unloaded decode step")
-    probe_every_s: float = setting(0.0, "an idle prefill instance whose prediction is over the TTFT SLO is still "
-                                        "given one request (a probe) this often, so it is measured again instead "
-                                        "of refused for ever on a stale estimate (0: never)")
+    probe_every_s: float = setting(0.0, "an idle prefill instance refused work on its prediction (over the TTFT "
+                                        "SLO) for this long, with nothing placed there, is given one request (a "
+                                        "probe), so it is measured again instead of refused for ever on a stale "
+                                        "estimate (0: never)")
     kvcache_balancing_threshold: float = setting(
         2.0, "pull the best prefix from another instance when it is longer than this many times the local one")
     block_size: int = setting(16, "tokens per prefix-hash block (the engines' KV block size; 512 in Mooncake traces)")
