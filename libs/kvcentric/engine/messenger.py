@@ -1,7 +1,8 @@
-"""An engine's in-process messenger: the KVTransfer gRPC server that takes pushed KV into the role's sink
-and serves this node's host-pool blocks to peers that pull them (hot-spot replication).
+"""An engine's in-process messenger: the KVTransfer gRPC server that takes pushed KV into the role's sink,
+serves this node's host-pool blocks to peers that pull them (hot-spot replication) and keeps the blocks a
+decode instance puts back there (the KV of the tokens it generated, for a request migrated after it dies).
 
-It moves KV in and blocks out; what pushed KV becomes is the sink's business.
+It moves KV in and blocks in and out; what pushed KV becomes is the sink's business.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Messenger:
 
     def __init__(self, sink: KVSink, host: HostBlockPool | None, runner: ModelRunner) -> None:
         source = HostPoolSource(host, runner) if host is not None else None
-        self.transfer = KVTransferServicer(sink, source)
+        self.transfer = KVTransferServicer(sink, source, host)
         self.addr = ""
         self._server = None
         self.more_services: list = []

@@ -44,6 +44,11 @@ class KVTransferStub:
                 request_serializer=kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.SerializeToString,
                 response_deserializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.FromString,
                 _registered_method=True)
+        self.PutBlocks = channel.stream_unary(
+                '/kvcentric.kv.KVTransfer/PutBlocks',
+                request_serializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.SerializeToString,
+                response_deserializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
+                _registered_method=True)
         self.PullKV = channel.unary_stream(
                 '/kvcentric.kv.KVTransfer/PullKV',
                 request_serializer=kvcentric_dot_proto_dot_kv__pb2.PullRequest.SerializeToString,
@@ -77,6 +82,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutBlocks(self, request_iterator, context):
+        """Put blocks into a peer's pool (a decode instance hands the blocks of the tokens it generated to the
+        prefill instance named in the push's header.pool_addr): one BlockChunk per block, with its depth.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PullKV(self, request, context):
         """Pull the KV a peer holds for one request (or for a list of block hashes), as a stream.
         """
@@ -103,6 +116,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PullBlocks,
                     request_deserializer=kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.FromString,
                     response_serializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.SerializeToString,
+            ),
+            'PutBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutBlocks,
+                    request_deserializer=kvcentric_dot_proto_dot_kv__pb2.BlockChunk.FromString,
+                    response_serializer=kvcentric_dot_proto_dot_kv__pb2.PushAck.SerializeToString,
             ),
             'PullKV': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKV,
@@ -169,6 +187,33 @@ class KVTransfer:
             '/kvcentric.kv.KVTransfer/PullBlocks',
             kvcentric_dot_proto_dot_kv__pb2.PullBlocksRequest.SerializeToString,
             kvcentric_dot_proto_dot_kv__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/kvcentric.kv.KVTransfer/PutBlocks',
+            kvcentric_dot_proto_dot_kv__pb2.BlockChunk.SerializeToString,
+            kvcentric_dot_proto_dot_kv__pb2.PushAck.FromString,
             options,
             channel_credentials,
             insecure,

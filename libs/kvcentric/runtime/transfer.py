@@ -1,8 +1,9 @@
-"""KV bytes between nodes over gRPC (grpcio, C core): the servicer that receives pushes into a sink and
-serves block pulls from a source, and the client that pushes a request's layers as they are produced,
-optionally striped over several connections and held to a per-peer rate (to emulate a slow link). A peer
-on this host gets the layers' bytes through a shared-memory segment (`runtime/shm.py`), the stream
-carrying only where they lie; a peer that cannot open it is pushed to inline from then on.
+"""KV bytes between nodes over gRPC (grpcio, C core): the servicer that receives pushes into a sink,
+serves block pulls from a source and takes block puts into a pool, and the client that pushes a request's
+layers as they are produced, optionally striped over several connections and held to a per-peer rate (to
+emulate a slow link), and puts blocks into a peer's pool. A peer on this host gets the layers' bytes
+through a shared-memory segment (`runtime/shm.py`), the stream carrying only where they lie; a peer that
+cannot open it is pushed to inline from then on.
 
 The contract is `kvcentric/proto/kv.proto`; what a receiver does with the bytes (write into a decode
 engine's paged cache, keep in a host pool) is the sink's business, not this module's.
@@ -90,6 +91,13 @@ class BlockSource(Protocol):
         """(hash, data) in order; data None for the first hash no longer held (the pull stops there)."""
 
 
+class BlockSink(Protocol):
+    """Where a messenger keeps the blocks a peer puts (PutBlocks): this node's pool."""
+
+    def put(self, block_hash: str, depth: int, data: bytes) -> bool:
+        """Keep one block (ValueError when it is not a block of this pool); False when there is no room."""
+
+
 def checksum(*parts: bytes | memoryview) -> int:
     """CRC-32C (Castagnoli) of the parts in order, on the CPU's SSE4.2/ARMv8 instructions (many times
     faster than zlib's crc32), so the check costs little next to the transfer."""
@@ -100,8 +108,8 @@ def checksum(*parts: bytes | memoryview) -> int:
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    def __init__(self, sink: KVSink, source: BlockSource | None = None) -> None:
-        self.sink, self.source = sink, source
+    def __init__(self, sink: KVSink, source: BlockSource | None = None, pool: BlockSink | None = None) -> None:
+        self.sink, self.source, self.pool = sink, source, pool
         self.stats: collections.Counter[str] = collections.Counter()
         self.segments = AttachedSegments()
         """Same-host senders' shared memory, mapped here."""
@@ -191,6 +199,25 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             self.stats["bytes_sent"] += len(data)
             yield kv_pb2.BlockChunk(block_hash=block_hash, found=True, data=data, checksum=checksum(data))
 
+    async def PutBlocks(self, request_iterator, context) -> kv_pb2.PushAck:
+        """Blocks a peer hands over into `pool`; a corrupt or misshapen block ends the stream with an error
+        (those before it are kept)."""
+        if self.pool is None:
+            return kv_pb2.PushAck(ok=False, error="this messenger has no pool to put blocks in")
+        received = 0
+        try:
+            async for chunk in request_iterator:
+                if checksum(chunk.data) != chunk.checksum:
+                    self.stats["checksum_failures"] += 1
+                    raise ChecksumMismatch(f"checksum mismatch in block {chunk.block_hash}")
+                kept = self.pool.put(chunk.block_hash, chunk.depth, chunk.data)
+                self.stats["blocks_put" if kept else "blocks_put_refused"] += 1
+                received += len(chunk.data)
+        except (ChecksumMismatch, ValueError) as exc:
+            return kv_pb2.PushAck(ok=False, error=str(exc), bytes_received=received)
+        self.stats["bytes_put"] += received
+        return kv_pb2.PushAck(ok=True, bytes_received=received)
+
     async def PullKV(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger does not serve request pulls")
 
@@ -213,6 +240,9 @@ def add_servicer(server: grpc.aio.Server, servicer: KVTransferServicer) -> None:
         "PullBlocks": grpc.unary_stream_rpc_method_handler(
             servicer.PullBlocks, request_deserializer=kv_pb2.PullBlocksRequest.FromString,
             response_serializer=kv_pb2.BlockChunk.SerializeToString),
+        "PutBlocks": grpc.stream_unary_rpc_method_handler(
+            servicer.PutBlocks, request_deserializer=kv_pb2.BlockChunk.FromString,
+            response_serializer=kv_pb2.PushAck.SerializeToString),
         "PullKV": grpc.unary_stream_rpc_method_handler(
             servicer.PullKV, request_deserializer=kv_pb2.PullRequest.FromString,
             response_serializer=kv_pb2.KVChunk.SerializeToString),
@@ -467,3 +497,19 @@ async def stream_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], dt
             yield chunk.block_hash, chunk.data
     except grpc.aio.AioRpcError as exc:
         raise TransferError(f"pulling blocks from {addr} failed: {exc.code().name}: {exc.details()}") from exc
+
+
+async def put_blocks(pusher: KVPusher, addr: str, blocks: Sequence[tuple[str, int, bytes]],
+                     timeout_s: float = 30.0) -> int:
+    """Put (hash, depth, data) blocks into the pool of the messenger at `addr` in one stream; returns the bytes it
+    took. TransferError when it refused them or cannot be reached."""
+    chunks = (kv_pb2.BlockChunk(block_hash=block_hash, found=True, data=data, checksum=checksum(data), depth=depth)
+              for block_hash, depth, data in blocks)
+    try:
+        ack = await pusher.stub(addr).PutBlocks(iter(chunks), timeout=timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        raise TransferError(f"putting blocks into {addr} failed: {exc.code().name}: {exc.details()}") from exc
+    if not ack.ok:
+        raise TransferError(f"putting blocks into {addr} refused: {ack.error}")
+    pusher.stats["blocks_put"] += len(blocks)
+    return ack.bytes_received
