@@ -19,13 +19,14 @@ import msgspec
 from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import DecodeEngine, KVRejected
+from kvcentric.engine.decode import DecodeEngine, DecodeRequest, KVRejected
 from kvcentric.engine.assembly import AssemblingSink
 from kvcentric.engine.kvsink import DecodeSink
 from kvcentric.engine.prefixkv import PrefixPulls
 from kvcentric.engine.reporter import Load
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.service import EngineService
+from kvcentric.engine.writeback import FilledBlock, OutputBlocks, WriteBack
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
 log = logging.getLogger("kvcentric.decode")
@@ -69,6 +70,10 @@ class DecodeService(EngineService):
         self.attach(AssemblingSink(self.sink, self.engine))  # KV of a prefill group comes from each stage
         self.prefix_pulls = PrefixPulls(self.pusher, self.runner.dtype_name, self.runner.block_size)
         self.sink.prefixes = self.prefix_pulls
+        self.output_blocks = OutputBlocks(self.runner, config.hasher()) \
+            if config.kv_write_back and self.runner.layered is None else None
+        """The blocks each step fills with generated tokens' KV, for the prefill's pool (--kv-write-back)."""
+        self.write_back = WriteBack(self.pusher, self.counters)
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
@@ -145,16 +150,26 @@ class DecodeService(EngineService):
                 await self.wake.sleep(0.05)
                 continue
             try:
-                tokens = await self.model.run(self.engine.execute, batch)
+                tokens, filled = await self.model.run(self.step, batch)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 self.log.exception("decode step failed")
                 self.outbox.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
                 continue
             kv_tokens = sum(r.context_tokens for r in batch)
             self.outbox.emit(self.engine.update(batch, tokens))
+            self.write_back.send(filled)
             if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
                 self.on_refit()
             await self.pace(started)
+
+    def step(self, batch: list[DecodeRequest]) -> tuple[list[int], list[FilledBlock]]:
+        """One decode step (the model thread): its tokens, and the blocks it filled that go to a prefill's pool."""
+        tokens = self.engine.execute(batch)
+        return tokens, self.output_blocks.collect(batch) if self.output_blocks is not None else []
+
+    async def stop(self) -> None:
+        await self.write_back.close()
+        await super().stop()
 
     async def pace(self, started: float) -> None:
         """While an instance beside this one computes (a prefill, on the cores lent between them), start steps

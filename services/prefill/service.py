@@ -320,7 +320,8 @@ class PrefillService(EngineService):
         self.spans.start(work.request_id, "prefill.run", prompt_tokens=work.num_tokens,
                          cached_tokens=work.num_cached)
         self.pushes[work.request_id] = RequestPush(self.runner, self.pusher, work, self.config.kv_retries,
-                                                   self.spans.context(work.request_id, "prefill.run"))
+                                                   self.spans.context(work.request_id, "prefill.run"),
+                                                   pool_addr=self.messenger.addr if self.host is not None else "")
 
     def end_push(self, work: PrefillWork, error: str = "") -> None:
         """Stop the push (if still running), release the prompt's blocks, close its spans."""

@@ -76,6 +76,9 @@ class EngineConfig(BusConfig):
                                           "pool layer by layer as each layer is computed (Mooncake §5.2); false: "
                                           "a prompt's blocks go whole when it ends")
     kv_retries: int = setting(2, "resend a request's KV this many times when the receiver finds it corrupt")
+    kv_write_back: bool = setting(True, "decode: each block filled with the KV of generated tokens goes into the "
+                                        "host pool of the prefill instance that sent the prompt, so a request "
+                                        "migrated after this instance dies computes only its last partial block")
     tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
                                     "batch exceeds this (Mooncake §7's double-check); 0: relative, --tbt-slo-factor "

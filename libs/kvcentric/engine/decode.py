@@ -63,6 +63,8 @@ class DecodeRequest:
     """Its prompt KV in host memory (layer, start, end, key, value), waiting for blocks; None: on the device."""
     staged_bytes: int = 0
     """Host staging bytes reserved for it."""
+    pool_addr: str = ""
+    """The messenger whose pool takes the blocks its generated tokens fill (the prefill's, named in the push)."""
 
     @property
     def request_id(self) -> str:
@@ -122,8 +124,9 @@ class DecodeEngine:
         self.requests[job.request_id] = DecodeRequest(job, deadline=now + job.kv_wait_s)
 
     def begin_kv(self, request_id: str, num_tokens: int, num_layers: int, prompt: Sequence[int] = (),
-                 join: bool = False) -> None:
-        """Allocate blocks for a request's prompt KV; `join`: another stripe of a transfer already begun."""
+                 join: bool = False, pool_addr: str = "") -> None:
+        """Allocate blocks for a request's prompt KV; `join`: another stripe of a transfer already begun;
+        `pool_addr`: where the blocks its generated tokens fill may go (`engine/writeback.py`)."""
         if join and request_id in self.requests and self.requests[request_id].state == "receiving":
             return
         request = self._expect(request_id, "waiting_kv")
@@ -138,6 +141,7 @@ class DecodeEngine:
         request.prompt = list(prompt)
         request.layer_tokens = [0] * num_layers
         request.state = "receiving"
+        request.pool_addr = pool_addr
 
     def _stage(self, request: DecodeRequest, needed: int) -> None:
         """No blocks for the request now (or older requests wait for them): its KV waits in host memory,

@@ -63,7 +63,7 @@ class DecodeSink:
             self.engine.requests[header.request_id].state == "waiting_kv"
         try:
             self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
-                                 join=header.stripes > 1)
+                                 join=header.stripes > 1, pool_addr=header.pool_addr)
         except KVNoRoom as exc:  # overload, not failure: the request ends with a 429 the client may retry
             self.emit([self.engine.abort(header.request_id, "error", str(exc), status=429)])
             raise

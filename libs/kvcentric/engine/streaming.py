@@ -43,8 +43,10 @@ slow hardware takes minutes): what bounds a push that stalls is the drain deadli
 
 class RequestPush:
     def __init__(self, runner: ModelRunner, pusher: KVPusher, work: PrefillWork, retries: int = 2,
-                 trace_context=None, handoff_bytes: int = HANDOFF_BYTES) -> None:
-        self.runner, self.work, self.handoff_bytes = runner, work, handoff_bytes
+                 trace_context=None, handoff_bytes: int = HANDOFF_BYTES, pool_addr: str = "") -> None:
+        """`pool_addr`: the sender's messenger, named in the header so that the receiver may put the blocks of
+        the tokens it generates into its pool ("": the sender has none)."""
+        self.runner, self.work, self.handoff_bytes, self.pool_addr = runner, work, handoff_bytes, pool_addr
         self.skip = work.job.kv_skip_tokens
         self.loop = asyncio.get_running_loop()
         self.layers: asyncio.Queue = asyncio.Queue()
@@ -168,7 +170,7 @@ class RequestPush:
         config, work = self.runner.config, self.work
         return kv_pb2.KVHeader(request_id=work.request_id, num_layers=config.num_layers, num_tokens=work.num_tokens,
                                num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                               dtype=self.runner.dtype_name, token_ids=work.job.token_ids)
+                               dtype=self.runner.dtype_name, token_ids=work.job.token_ids, pool_addr=self.pool_addr)
 
     def _chunks(self, attempt: int):
         return self._live() if attempt == 0 else self._resend()
