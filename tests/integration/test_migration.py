@@ -1,6 +1,7 @@
 """Request migration on a real cluster (`kvcentric up --prefill 2 --decode 2`, fp32, greedy): a decode
 instance killed with SIGKILL mid-stream, or a prefill instance killed during a long prefill, and the client
-still gets one uninterrupted stream of exactly max_tokens tokens, the same text as an undisturbed run."""
+still gets one uninterrupted stream of exactly max_tokens tokens, the same text as an undisturbed run; the
+continuation of a killed decode's stream computes neither its prompt nor its output again."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ MAX_TOKENS = 1200
 DETECTION_BOUND_S = 1.5 * 3 + 5.0
 """The gateway's --silent-after-s at its worst (nobody heard at all) plus the 5 s a migration may take."""
 ALIVE_ERRORS = (OSError, ValueError, KeyError)
+BLOCK_SIZE = 16
+"""Tokens per KV block (up's --block-size default)."""
 
 
 class Stream:
@@ -96,10 +99,11 @@ def engines_alive(up: UpProcess) -> bool:
 @pytest.fixture(scope="module")
 def up(tmp_path_factory):
     """2 prefill + 2 decode instances of the tiny model in fp32; KV pushes capped at 0.005 Gbit/s, so a
-    1,500-token prompt's KV takes seconds to reach its decode instance (a prefill can be killed mid-way)."""
+    1,500-token prompt's KV takes seconds to reach its decode instance (a prefill can be killed mid-way); host
+    pools of 8 MiB (1,024 blocks of the tiny model), where the decode instances write back their output's KV."""
     cluster = UpProcess(str(tmp_path_factory.mktemp("up-migration")), "--prefill", "2", "--decode", "2",
                         "--model", "tiny", "--prefill-chunk", "64",
-                        env={"KVC_KV_RATE_LIMIT_GBPS": "0.005", "KVC_HOST_POOL_MB": "0"}, timeout_s=240.0)
+                        env={"KVC_KV_RATE_LIMIT_GBPS": "0.005", "KVC_HOST_POOL_MB": "8"}, timeout_s=240.0)
     try:
         yield cluster
     finally:
@@ -133,6 +137,41 @@ def test_a_stream_whose_decode_instance_is_killed_goes_on_elsewhere_with_the_sam
     stall_s = max(later - earlier for earlier, later in zip(after_kill, after_kill[1:]))
     print(f"decode killed: the stream stalled {stall_s:.2f} s (detection + migration)")
     assert stall_s < DETECTION_BOUND_S
+    eventually(lambda: engines_alive(up), "the killed decode instance restarted", timeout_s=60, ignoring=ALIVE_ERRORS)
+
+
+def prefill_tokens_computed(up: UpProcess) -> int:
+    """Prompt tokens the prefill instances computed (not found cached), together."""
+    return sum(up.health(name)["stats"]["prefill_tokens_computed"] for name in ("prefill-0", "prefill-1"))
+
+
+def test_a_killed_decode_instances_migrated_stream_resumes_without_recomputing_the_prompt(up):
+    """Nor its output: the decode instance wrote the blocks its tokens filled back to the prefill's host pool, so
+    the continuation (prompt + every token streamed) computes only what follows the last of them."""
+    eventually(lambda: engines_alive(up), "every engine alive", timeout_s=60, ignoring=ALIVE_ERRORS)
+    body = {**request([5 + (i * 13) % 240 for i in range(1000)]), "max_tokens": 200}  # a prompt no test sent
+    before = prefill_tokens_computed(up)
+
+    stream = Stream(up.port, body)
+    events = stream.events()
+    while len(stream.text) < 80:  # 80 tokens out at least (one character is one byte token or more): 5 blocks
+        next(events)
+    prompt_computed = prefill_tokens_computed(up) - before
+    killed_at = kill(up, stream.decode_id)
+    for _ in events:
+        pass
+    stream.connection.close()
+    continuation_computed = prefill_tokens_computed(up) - before - prompt_computed
+
+    assert stream.errors == [] and stream.usage["completion_tokens"] == 200
+    assert prompt_computed == 1000
+    # What follows the last block written back: the partial block, and at most one block still on its way.
+    assert continuation_computed < 3 * BLOCK_SIZE, continuation_computed
+    after_kill = [killed_at, *(t for t in stream.times if t > killed_at)]
+    stall_s = max(later - earlier for earlier, later in zip(after_kill, after_kill[1:]))
+    print(f"decode killed: the continuation computed {continuation_computed} tokens; the stream stalled "
+          f"{stall_s:.2f} s")
+    assert stream.text == Stream(up.port, body).finish().text  # the KV written back is the KV it had
     eventually(lambda: engines_alive(up), "the killed decode instance restarted", timeout_s=60, ignoring=ALIVE_ERRORS)
 
 
