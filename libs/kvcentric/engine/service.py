@@ -36,6 +36,9 @@ RECALIBRATE_EVERY_S = 2.0
 """While a part of its model is a guess (calibrated on a busy machine), an idle engine calibrates again this often."""
 STEADY_EVERY_S = 4.0
 """While a part is steady (measured on a steadily busy machine), an idle engine calibrates it again this often."""
+IDLE_BEFORE_S = 3.0
+"""A calibration again waits until the engine has timed no step for this long (it borrows KV blocks meanwhile: a
+request just served finds its blocks all free again first)."""
 
 
 class EngineService(Service):
@@ -70,6 +73,8 @@ class EngineService(Service):
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
         self.recalibrated_at = 0.0
         """time.monotonic() of the latest calibration made while idle."""
+        self.steps_seen, self.worked_at = 0, 0.0
+        """Steps timed so far as the latest look at them counted, and when that count (or the work) last moved."""
         self.model_step = asyncio.Event()
         """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
 
@@ -112,6 +117,7 @@ class EngineService(Service):
         timed = await self.model.run(self.speed.calibrate, self.pool, self.role != "decode",
                                      self.role != "prefill", self.config.max_batch, borrow=False)
         self.on_refit()
+        self.steps_seen = self.speed.fit.prefill.seen + self.speed.fit.decode.seen  # its own steps are no work
         self.log.info("calibrated %d shapes (%s): %s", timed, self.calibration_state(), self.speed.measured())
 
     async def recalibrate(self) -> None:
@@ -123,7 +129,10 @@ class EngineService(Service):
         missing = {part for part in self.parts if fits[part] is None}
         parts, now = self.speed.unsettled | missing, time.monotonic()
         steady_only = not (self.speed.guess or missing)
-        if not parts or not self.idle() or self.role_change.draining or \
+        steps = self.speed.fit.prefill.seen + self.speed.fit.decode.seen
+        if steps != self.steps_seen or not self.idle():
+            self.steps_seen, self.worked_at = steps, now
+        if not parts or now - self.worked_at < IDLE_BEFORE_S or self.role_change.draining or \
                 (steady_only and now - self.recalibrated_at < STEADY_EVERY_S):
             return
         timed = await self.calibrate_again(parts, STEADY_BUDGET_S if steady_only else RECALIBRATION_BUDGET_S)
@@ -136,6 +145,7 @@ class EngineService(Service):
         timed = await self.model.run(self.speed.calibrate, self.pool, "prefill" in parts, "decode" in parts,
                                      self.config.max_batch, budget_s, borrow=False)
         self.recalibrated_at = time.monotonic()
+        self.steps_seen = self.speed.fit.prefill.seen + self.speed.fit.decode.seen  # its own steps are no work
         self.on_refit()
         return timed
 
