@@ -79,6 +79,8 @@ class GatewayService(Service):
         self.migrations = Migrations(self.bus, self.metrics, self.running, MigrationPolicy(config.max_migrations),
                                      config.silent_after_s, self.log)
         self.token_texts: dict[int, str] = {}
+        self.slos: dict[str, float] = {}
+        """The SLOs the latest placement was admitted under (the conductor's, absolute or relative), for /health."""
         self.conductors = Leadership(f"gateway-{uuid.uuid4().hex[:8]}", time.monotonic(), CONDUCTOR_LEASE_S)
         """The conductor replicas heard from lately: a retry after a silent one goes straight to one of them."""
         histogram = self.metrics.histogram
@@ -146,7 +148,8 @@ class GatewayService(Service):
         body = {"status": "ok" if self.ready else "starting", "role": self.role, "model": self.model_name,
                 "conductor": instances is not None,
                 "prefill_alive": sum(i.role == "prefill" for i in instances or []),
-                "decode_alive": sum(i.role == "decode" for i in instances or [])}
+                "decode_alive": sum(i.role == "decode" for i in instances or []),
+                "slos_last_placed": self.slos}
         return (200 if self.ready else 503), body
 
     async def readiness(self) -> str:
@@ -342,6 +345,8 @@ class GatewayService(Service):
             raise rejection_error(decision)
         job.placement = decision
         job.progress_at = time.perf_counter() + max(0.0, decision.predicted_ttft_s)
+        if decision.ttft_slo_s > 0 or decision.tbt_slo_s > 0:
+            self.slos = {"ttft_s": decision.ttft_slo_s, "tbt_s": decision.tbt_slo_s}
         if job.cached_tokens is None:
             job.cached_tokens = decision.cached_tokens
         self.migrations.placed(job)

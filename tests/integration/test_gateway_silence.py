@@ -115,6 +115,10 @@ async def test_a_stream_whose_tokens_keep_coming_outlives_the_timeout_and_comple
     assert status == 200 and took > 3 * SILENCE_S, (status, took, text[-300:])
     assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
     assert headers["x-kvcentric-ttft-slo-s"] == "10.000000" and headers["x-kvcentric-tbt-slo-s"] == "0.500000"
+    async with aiohttp.ClientSession() as session:
+        async with session.get(bus[1] + "/health") as response:
+            health = await response.json()
+    assert health["slos_last_placed"] == {"ttft_s": 10.0, "tbt_s": 0.5}  # the SLOs the conductor placed it under
 
 
 async def test_a_request_queued_within_its_predicted_time_is_not_cut(bus, nc):

@@ -39,8 +39,10 @@ MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
 
 
-RELATIVE_MIN_PREDICTED_S = 0.05
-"""With a relative TTFT SLO: predictions below this count as it in the TTFT correction's ratios."""
+RELATIVE_MIN_PREDICTED_S = 0.25
+"""With a relative TTFT SLO: predictions below this count as it in the TTFT correction's ratios (a first token's
+fixed costs beside the prefill, the bus and the KV hand-over, are not a slower machine; an absolute SLO's is a
+twentieth of it)."""
 RELATIVE_MAX_WAIT_S = 120.0
 """With a relative TTFT SLO: a placement waiting longer than this for its first token is taken as lost."""
 
