@@ -10,7 +10,8 @@
 //
 // Each (sequence, kv head) is one work item for the OpenMP team of the calling thread (torch's own team:
 // libgomp is loaded once per process). Scores, softmax and sums are fp32; bf16 is read and written as its
-// upper 16 bits of an fp32.
+// upper 16 bits of an fp32. The inner loops are written once over simd.h's vectors (AVX-512 or AVX2), their
+// register tiles sized per instruction set; without either, scalar loops.
 
 #include <algorithm>
 #include <cmath>
@@ -20,12 +21,20 @@
 #include <vector>
 
 #include "fast_exp.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
+
+#if defined(KVC_SIMD)
+using simd::vec;
+constexpr int LANES = simd::LANES;
+// A decode item's weighed values, in registers: two query rows x WEIGH_VECTORS vectors of the head a pass over the
+// values (2 x 8 accumulators: a head of up to 128 in one pass with AVX-512, 64 with AVX2, whose sixteen registers
+// then spill a few, yet ran 5-25% faster than passes of 4 or 6 vectors). An odd last row of a group is computed
+// twice as a pair with itself (AVX-512, as written and measured there) or alone (AVX2: 10-15% faster at group 1).
+constexpr int WEIGH_VECTORS = 8;
+constexpr bool ODD_ROW_ALONE = LANES == 8;
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
@@ -79,15 +88,15 @@ inline void each_slot(const T* cache, const int64_t* table, int64_t block_size, 
     }
 }
 
-// The dot product of two fp32 rows. With AVX-512 and whole vectors, the partial sums are added in a tree
-// (`_mm512_reduce_add_ps`) where the compiler's loop added its sixteen lanes one after another: one decode score
-// is one such product, so that chain was most of the kernel's time with its KV in cache.
+// The dot product of two fp32 rows. With vectors and whole ones, the partial sums are added in a tree
+// (`simd::reduce_add`) where the compiler's loop added its lanes one after another: one decode score is one such
+// product, so that chain was most of the kernel's time with its KV in cache.
 inline float dot(const float* a, const float* b, int64_t size) {
-#if defined(__AVX512F__)
-    if (size % 16 == 0 && size > 0) {
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-        for (int64_t d = 16; d < size; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-        return _mm512_reduce_add_ps(acc);
+#if defined(KVC_SIMD)
+    if (size % LANES == 0 && size > 0) {
+        vec acc = simd::mul(simd::load(a), simd::load(b));
+        for (int64_t d = LANES; d < size; d += LANES) acc = simd::fmadd(simd::load(a + d), simd::load(b + d), acc);
+        return simd::reduce_add(acc);
     }
 #endif
     float s = 0.f;
@@ -108,60 +117,86 @@ inline float exp_shifted(float* x, int64_t count, float shift) {
     return sum;
 }
 
-#if defined(__AVX512F__)
-// acc[r] = sum_i p[r][i] value_i for two query rows of one kv head, their accumulators in registers across every
-// position (V vectors of 16 per head), each value vector loaded once for the two.
-template <int V>
-inline void weigh_two(const float* v_cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
-                      int64_t column, int64_t first, int64_t length, const float* p0, const float* p1, float* acc0,
-                      float* acc1) {
-    __m512 a0[V], a1[V];
-    for (int c = 0; c < V; ++c) a0[c] = a1[c] = _mm512_setzero_ps();
+#if defined(KVC_SIMD)
+// acc[r] = sum_i p[r][i] value_i for ROWS (1 or 2) query rows of one kv head over V vectors of the head from
+// `column`, their accumulators in registers across every position, each value vector loaded once for the rows.
+template <int ROWS, int V>
+inline void weigh_rows(const float* v_cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                       int64_t column, int64_t first, int64_t length, const float* p0, const float* p1, float* acc0,
+                       float* acc1) {
+    static_assert(ROWS == 1 || ROWS == 2, "one row or two");
+    vec a[ROWS][V];
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < V; ++c) a[r][c] = simd::zero();
+    const float* p[2] = {p0, p1};
     each_slot(v_cache, table, block_size, slot_stride, column, first, length, [&](int64_t i, const float* slot) {
-        const __m512 w0 = _mm512_set1_ps(p0[i]), w1 = _mm512_set1_ps(p1[i]);
+        vec w[ROWS];
+        for (int r = 0; r < ROWS; ++r) w[r] = simd::set1(p[r][i]);
         for (int c = 0; c < V; ++c) {
-            const __m512 v = _mm512_loadu_ps(slot + 16 * c);
-            a0[c] = _mm512_fmadd_ps(w0, v, a0[c]);
-            a1[c] = _mm512_fmadd_ps(w1, v, a1[c]);
+            const vec v = simd::load(slot + LANES * c);
+            for (int r = 0; r < ROWS; ++r) a[r][c] = simd::fmadd(w[r], v, a[r][c]);
         }
-    }, V * 64);
-    for (int c = 0; c < V; ++c) {
-        _mm512_storeu_ps(acc0 + 16 * c, a0[c]);
-        _mm512_storeu_ps(acc1 + 16 * c, a1[c]);
+    }, V * LANES * static_cast<int64_t>(sizeof(float)));
+    float* acc[2] = {acc0, acc1};
+    for (int r = 0; r < ROWS; ++r)
+        for (int c = 0; c < V; ++c) simd::store(acc[r] + LANES * c, a[r][c]);
+}
+
+static_assert(WEIGH_VECTORS == 8, "weigh_rows_of switches over 1 .. 8 vectors");
+
+// weigh_rows over `vectors` (1 .. WEIGH_VECTORS) vectors. A switch: a chain of templates calling the next cost
+// AVX-512's loops two more instructions a position.
+template <int ROWS>
+inline void weigh_rows_of(int64_t vectors, const float* v_cache, const int64_t* table, int64_t block_size,
+                          int64_t slot_stride, int64_t column, int64_t first, int64_t length, const float* p0,
+                          const float* p1, float* acc0, float* acc1) {
+    if (vectors < 1 || vectors > WEIGH_VECTORS) __builtin_unreachable();
+#define KVC_WEIGH(V) \
+    weigh_rows<ROWS, V>(v_cache, table, block_size, slot_stride, column, first, length, p0, p1, acc0, acc1)
+    switch (vectors) {
+        case 1: KVC_WEIGH(1); break;
+        case 2: KVC_WEIGH(2); break;
+        case 3: KVC_WEIGH(3); break;
+        case 4: KVC_WEIGH(4); break;
+        case 5: KVC_WEIGH(5); break;
+        case 6: KVC_WEIGH(6); break;
+        case 7: KVC_WEIGH(7); break;
+        default: KVC_WEIGH(8);
     }
+#undef KVC_WEIGH
 }
 #endif
 
 // The weighed values of a decode item ([rows][head_dim] into acc, rows of kv head h being h * group ..) kept in
-// registers per pair of rows (fp32, AVX-512, head_dim 16 to 128 in whole vectors); false where it does not apply
-// (the caller's loop, which adds into acc in memory at every position, then runs).
+// registers per pair of rows, WEIGH_VECTORS vectors of the head a pass (fp32, head_dim up to 128 in whole
+// vectors); false where it does not apply (the caller's loop, which adds into acc in memory at every position,
+// then runs). An odd last row of a group is computed twice (as a pair with itself), or alone with
+// ODD_ROW_ALONE.
 template <typename T>
 inline bool weigh_values(const T*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
                          int64_t, int64_t, int64_t, int64_t, float*) {
     return false;
 }
 
-#if defined(__AVX512F__)
+#if defined(KVC_SIMD)
 template <>
 inline bool weigh_values<float>(const float* v_cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
                                 int64_t column, int64_t first, int64_t length, const float* scores, int64_t n,
                                 int64_t group, int64_t span, int64_t head_dim, float* acc) {
-    if (head_dim % 16 != 0 || head_dim > 128 || head_dim == 0) return false;
+    if (head_dim % LANES != 0 || head_dim > 128 || head_dim == 0) return false;
     for (int64_t h = 0; h < span; ++h) {
         for (int64_t g = 0; g < group; g += 2) {
-            const int64_t r0 = h * group + g, r1 = g + 1 < group ? r0 + 1 : r0;  // an odd last row: computed twice
+            const bool pair = g + 1 < group;
+            const int64_t r0 = h * group + g, r1 = pair ? r0 + 1 : r0;
             const float *p0 = scores + r0 * n, *p1 = scores + r1 * n;
-            float *acc0 = acc + r0 * head_dim, *acc1 = acc + r1 * head_dim;
-            const int64_t at = column + h * head_dim;
-            switch (head_dim / 16) {
-                case 1: weigh_two<1>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 2: weigh_two<2>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 3: weigh_two<3>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 4: weigh_two<4>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 5: weigh_two<5>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 6: weigh_two<6>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                case 7: weigh_two<7>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1); break;
-                default: weigh_two<8>(v_cache, table, block_size, slot_stride, at, first, length, p0, p1, acc0, acc1);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += WEIGH_VECTORS * LANES) {
+                const int64_t vectors = std::min<int64_t>(WEIGH_VECTORS, (head_dim - d0) / LANES), at = column + h * head_dim + d0;
+                if (ODD_ROW_ALONE && !pair)
+                    weigh_rows_of<1>(vectors, v_cache, table, block_size, slot_stride, at, first, length, p0, p1,
+                                     acc + r0 * head_dim + d0, acc + r1 * head_dim + d0);
+                else
+                    weigh_rows_of<2>(vectors, v_cache, table, block_size, slot_stride, at, first, length, p0, p1,
+                                     acc + r0 * head_dim + d0, acc + r1 * head_dim + d0);
             }
         }
     }
@@ -235,10 +270,19 @@ void decode_attention(const T* q, int64_t q_row, const T* k_cache, const T* v_ca
 }
 
 
-constexpr int64_t TILE_KEYS = 64;     // keys per tile: four 16-lane vectors of scores per query row
+constexpr int64_t TILE_KEYS = 64;     // keys per tile
 constexpr int64_t TILE_QUERIES = 64;  // query positions per work item
-constexpr int64_t LANES = 16;         // the vector width the loops are written for (head_dim a multiple)
-static_assert(TILE_KEYS == 4 * LANES, "a key tile's scores are four vectors a row");
+constexpr int64_t HEAD_STEP = 16;     // prefill takes a head_dim that is a multiple of this (whole vectors)
+#if defined(KVC_SIMD)
+static_assert(TILE_KEYS % LANES == 0 && HEAD_STEP % LANES == 0, "a key tile and a head are whole vectors");
+constexpr int TILE_VECTORS = TILE_KEYS / LANES;
+// The register tiles of prefill, 4 query rows x: SCORE_VECTORS vectors of a key tile's scores (AVX-512: the whole
+// tile, 4 x 4 accumulators + 4 keys; AVX2: a quarter, 4 x 2 + 2), VALUE_VECTORS vectors of head_dim accumulated
+// (AVX-512: 4 x 4 + 4 values; AVX2: 4 x 2 + 2, within 5% of 4 x 3 and 4 x 4 at heads of 48 to 128).
+constexpr int SCORE_VECTORS = LANES == 16 ? 4 : 2;
+constexpr int VALUE_VECTORS = LANES == 16 ? 4 : 2;
+static_assert(TILE_VECTORS % SCORE_VECTORS == 0, "a key tile is whole register tiles of scores");
+#endif
 
 // e^x of a tile's scores (all <= 0), -inf giving 0.
 inline void exp_tile(const float* x, float* y) {
@@ -246,59 +290,64 @@ inline void exp_tile(const float* x, float* y) {
     for (int64_t j = 0; j < TILE_KEYS; ++j) y[j] = x[j] == -INFINITY ? 0.f : kvc_exp_in_range(std::max(x[j], -87.f));
 }
 
-#if defined(__AVX512F__)
-// Scores of four query rows against a key tile ([d][j]): the 4 x 64 scores in sixteen registers, each key vector
-// loaded once for the four rows.
-inline void scores_of_four(const float* query, int64_t head_dim, const float* keys, float* out) {
-    __m512 s[4][4];
+#if defined(KVC_SIMD)
+// Scores of four query rows against keys j0 .. j0 + V LANES - 1 of a key tile ([d][j]): the 4 x V vectors of
+// scores in registers, each key vector loaded once for the four rows.
+template <int V>
+inline void scores_of_four_at(const float* query, int64_t head_dim, const float* keys, float* out, int64_t j0) {
+    vec s[4][V];
     for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < 4; ++c) s[r][c] = _mm512_setzero_ps();
+        for (int c = 0; c < V; ++c) s[r][c] = simd::zero();
     for (int64_t d = 0; d < head_dim; ++d) {
-        const float* kd = keys + d * TILE_KEYS;
-        const __m512 k0 = _mm512_loadu_ps(kd), k1 = _mm512_loadu_ps(kd + 16), k2 = _mm512_loadu_ps(kd + 32),
-                     k3 = _mm512_loadu_ps(kd + 48);
+        const float* kd = keys + d * TILE_KEYS + j0;
+        vec k[V];
+        for (int c = 0; c < V; ++c) k[c] = simd::load(kd + LANES * c);
         for (int r = 0; r < 4; ++r) {
-            const __m512 a = _mm512_set1_ps(query[r * head_dim + d]);
-            s[r][0] = _mm512_fmadd_ps(a, k0, s[r][0]);
-            s[r][1] = _mm512_fmadd_ps(a, k1, s[r][1]);
-            s[r][2] = _mm512_fmadd_ps(a, k2, s[r][2]);
-            s[r][3] = _mm512_fmadd_ps(a, k3, s[r][3]);
+            const vec a = simd::set1(query[r * head_dim + d]);
+            for (int c = 0; c < V; ++c) s[r][c] = simd::fmadd(a, k[c], s[r][c]);
         }
     }
     for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + r * TILE_KEYS + 16 * c, s[r][c]);
+        for (int c = 0; c < V; ++c) simd::store(out + r * TILE_KEYS + j0 + LANES * c, s[r][c]);
 }
 
-// acc[r] += sum_j p[r][j] values[j] for four rows over `width` vectors of head_dim (at most four) from d0: the
-// 4 x width accumulators in registers across the tile (sixteen independent chains keep both FMA ports busy, where
-// one vector at a time left four), each value vector loaded once for the four rows. Every acc element sums over j
-// in the same order as one vector at a time, so the result is the same to the bit.
+inline void scores_of_four(const float* query, int64_t head_dim, const float* keys, float* out) {
+    for (int64_t j0 = 0; j0 < TILE_KEYS; j0 += SCORE_VECTORS * LANES)
+        scores_of_four_at<SCORE_VECTORS>(query, head_dim, keys, out, j0);
+}
+
+// acc[r] += sum_j p[r][j] values[j] for four rows over WIDTH vectors of head_dim from d0: the 4 x WIDTH
+// accumulators in registers across the tile (with AVX-512, sixteen independent chains keep both FMA ports busy,
+// where one vector at a time left four), each value vector loaded once for the four rows. Every acc element sums
+// over j in the same order as one vector at a time, so the result is the same to the bit.
 template <int WIDTH>
 inline void accumulate_four_wide(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys,
                                  int64_t d0) {
-    __m512 a[4][WIDTH];
+    vec a[4][WIDTH];
     for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < WIDTH; ++c) a[r][c] = _mm512_loadu_ps(acc + r * head_dim + d0 + 16 * c);
+        for (int c = 0; c < WIDTH; ++c) a[r][c] = simd::load(acc + r * head_dim + d0 + LANES * c);
     for (int64_t j = 0; j < keys; ++j) {
         const float* vj = values + j * head_dim + d0;
-        __m512 v[WIDTH];
-        for (int c = 0; c < WIDTH; ++c) v[c] = _mm512_loadu_ps(vj + 16 * c);
+        vec v[WIDTH];
+        for (int c = 0; c < WIDTH; ++c) v[c] = simd::load(vj + LANES * c);
         for (int r = 0; r < 4; ++r) {
-            const __m512 pr = _mm512_set1_ps(p[r * TILE_KEYS + j]);
-            for (int c = 0; c < WIDTH; ++c) a[r][c] = _mm512_fmadd_ps(pr, v[c], a[r][c]);
+            const vec pr = simd::set1(p[r * TILE_KEYS + j]);
+            for (int c = 0; c < WIDTH; ++c) a[r][c] = simd::fmadd(pr, v[c], a[r][c]);
         }
     }
     for (int r = 0; r < 4; ++r)
-        for (int c = 0; c < WIDTH; ++c) _mm512_storeu_ps(acc + r * head_dim + d0 + 16 * c, a[r][c]);
+        for (int c = 0; c < WIDTH; ++c) simd::store(acc + r * head_dim + d0 + LANES * c, a[r][c]);
 }
 
 inline void accumulate_four(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys) {
     int64_t d0 = 0;
-    for (; d0 + 4 * LANES <= head_dim; d0 += 4 * LANES) accumulate_four_wide<4>(p, values, head_dim, acc, keys, d0);
-    switch ((head_dim - d0) / LANES) {
-        case 3: accumulate_four_wide<3>(p, values, head_dim, acc, keys, d0); break;
-        case 2: accumulate_four_wide<2>(p, values, head_dim, acc, keys, d0); break;
-        case 1: accumulate_four_wide<1>(p, values, head_dim, acc, keys, d0); break;
+    for (; d0 + VALUE_VECTORS * LANES <= head_dim; d0 += VALUE_VECTORS * LANES)
+        accumulate_four_wide<VALUE_VECTORS>(p, values, head_dim, acc, keys, d0);
+    static_assert(VALUE_VECTORS <= 4, "the rest of a head is at most three vectors");
+    switch ((head_dim - d0) / LANES) {  // the compiler drops the cases of VALUE_VECTORS and more
+        case 3: if constexpr (VALUE_VECTORS > 3) accumulate_four_wide<3>(p, values, head_dim, acc, keys, d0); break;
+        case 2: if constexpr (VALUE_VECTORS > 2) accumulate_four_wide<2>(p, values, head_dim, acc, keys, d0); break;
+        case 1: if constexpr (VALUE_VECTORS > 1) accumulate_four_wide<1>(p, values, head_dim, acc, keys, d0); break;
         default: break;
     }
 }
@@ -325,8 +374,8 @@ inline void scores_of_four(const float* query, int64_t head_dim, const float* ke
 // acc[r] += sum_j p[r][j] values[j] for four rows, a vector of head_dim at a time: each value vector loaded once
 // for the four rows, the accumulators in registers across the tile.
 inline void accumulate_four(const float* p, const float* values, int64_t head_dim, float* acc, int64_t keys) {
-    for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {
-        float a0[LANES], a1[LANES], a2[LANES], a3[LANES];
+    for (int64_t d0 = 0; d0 < head_dim; d0 += HEAD_STEP) {
+        float a0[HEAD_STEP], a1[HEAD_STEP], a2[HEAD_STEP], a3[HEAD_STEP];
         std::memcpy(a0, acc + d0, sizeof(a0));
         std::memcpy(a1, acc + head_dim + d0, sizeof(a1));
         std::memcpy(a2, acc + 2 * head_dim + d0, sizeof(a2));
@@ -334,7 +383,7 @@ inline void accumulate_four(const float* p, const float* values, int64_t head_di
         for (int64_t j = 0; j < keys; ++j) {
             const float* vj = values + j * head_dim + d0;
             const float p0 = p[j], p1 = p[TILE_KEYS + j], p2 = p[2 * TILE_KEYS + j], p3 = p[3 * TILE_KEYS + j];
-            for (int64_t l = 0; l < LANES; ++l) {
+            for (int64_t l = 0; l < HEAD_STEP; ++l) {
                 a0[l] += p0 * vj[l];
                 a1[l] += p1 * vj[l];
                 a2[l] += p2 * vj[l];
@@ -349,47 +398,30 @@ inline void accumulate_four(const float* p, const float* values, int64_t head_di
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(KVC_SIMD)
 // One row of a key tile through the online softmax, in registers: scores past `seen` masked, the tile's maximum,
-// e^(s - max) (the series of `kvc_exp_in_range`, in registers), the row's running maximum, sum and accumulator updated. The scores
-// become the probabilities the values are weighed by (zeros where masked or where nothing is visible).
+// e^(s - max) (`simd::exp_nonpositive`), the row's running maximum, sum and accumulator updated. The scores become
+// the probabilities the values are weighed by (zeros where masked or where nothing is visible).
 inline void online_softmax(float* sr, int64_t seen, float& top, float& total, float* acc, int64_t head_dim) {
-    const __m512 minus_infinity = _mm512_set1_ps(-INFINITY);
-    __m512 x[4];
-    __m512 tile_top = minus_infinity;
-    for (int c = 0; c < 4; ++c) {
-        const int64_t visible = std::max<int64_t>(0, std::min<int64_t>(16, seen - 16 * c));
-        const __mmask16 keep = static_cast<__mmask16>(visible >= 16 ? 0xffff : (1u << visible) - 1);
-        x[c] = _mm512_mask_loadu_ps(minus_infinity, keep, sr + 16 * c);
-        tile_top = _mm512_max_ps(tile_top, x[c]);
+    const vec minus_infinity = simd::set1(-INFINITY);
+    vec x[TILE_VECTORS];
+    vec tile_top = minus_infinity;
+    for (int c = 0; c < TILE_VECTORS; ++c) {
+        x[c] = simd::load_first(sr + LANES * c, seen - LANES * c, -INFINITY);
+        tile_top = simd::max(tile_top, x[c]);
     }
-    const float tile_max = _mm512_reduce_max_ps(tile_top);
+    const float tile_max = simd::reduce_max(tile_top);
     if (tile_max == -INFINITY) {  // nothing visible: adds nothing
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sr + 16 * c, _mm512_setzero_ps());
+        for (int c = 0; c < TILE_VECTORS; ++c) simd::store(sr + LANES * c, simd::zero());
         return;
     }
     const float new_top = std::max(top, tile_max);
-    const __m512 shift = _mm512_set1_ps(new_top), floor = _mm512_set1_ps(-87.f);
-    const __m512 log2e = _mm512_set1_ps(1.4426950408889634f), ln2 = _mm512_set1_ps(0.6931471805599453f);
-    __m512 sum = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
-        const __m512 d = _mm512_sub_ps(x[c], shift);
-        const __m512 t = _mm512_mul_ps(_mm512_max_ps(d, floor), log2e);
-        const __m512 whole = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, whole), ln2);
-        __m512 series = _mm512_set1_ps(1.f / 5040);
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 720));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 120));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 24));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f / 6));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(0.5f));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f));
-        series = _mm512_fmadd_ps(series, f, _mm512_set1_ps(1.f));
-        const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(whole), _mm512_set1_epi32(127)), 23);
-        const __mmask16 masked = _mm512_cmp_ps_mask(x[c], minus_infinity, _CMP_EQ_OQ);
-        const __m512 p = _mm512_maskz_mul_ps(static_cast<__mmask16>(~masked), series, _mm512_castsi512_ps(bits));
-        _mm512_storeu_ps(sr + 16 * c, p);
-        sum = _mm512_add_ps(sum, p);
+    const vec shift = simd::set1(new_top);
+    vec sum = simd::zero();
+    for (int c = 0; c < TILE_VECTORS; ++c) {
+        const vec p = simd::zero_where_equal(x[c], minus_infinity, simd::exp_nonpositive(simd::sub(x[c], shift)));
+        simd::store(sr + LANES * c, p);
+        sum = simd::add(sum, p);
     }
     if (new_top != top) {
         const float rescale = top == -INFINITY ? 0.f : std::exp(top - new_top);
@@ -397,7 +429,7 @@ inline void online_softmax(float* sr, int64_t seen, float& top, float& total, fl
         for (int64_t d = 0; d < head_dim; ++d) acc[d] *= rescale;
         top = new_top;
     }
-    total += _mm512_reduce_add_ps(sum);
+    total += simd::reduce_add(sum);
 }
 #else
 inline void online_softmax(float* sr, int64_t seen, float& top, float& total, float* acc, int64_t head_dim) {
@@ -498,6 +530,15 @@ extern "C" {
 
 int kvc_kernels_version() { return 2; }
 
+// The vectors the kernels were built for: "avx512", "avx2" or "portable" (scalar loops).
+const char* kvc_kernels_isa() {
+#if defined(KVC_SIMD)
+    return simd::NAME;
+#else
+    return "portable";
+#endif
+}
+
 // dtype: 0 = float32, 1 = bfloat16. Returns 0, or -1 for a shape it does not take.
 int kvc_paged_decode_attention(int dtype, const void* q, int64_t q_row, const void* k_cache, const void* v_cache,
                                const int64_t* tables, int64_t max_blocks, const int64_t* lengths, void* out,
@@ -522,7 +563,7 @@ int kvc_paged_decode_attention(int dtype, const void* q, int64_t q_row, const vo
 int kvc_prefill_attention(int dtype, const void* q, int64_t q_row, const void* k, int64_t k_row, const void* v,
                           int64_t v_row, void* out, int64_t out_row, const int64_t* starts, const int64_t* lengths,
                           int64_t sequences, int64_t heads, int64_t kv_heads, int64_t head_dim, float scale) {
-    if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim % LANES != 0) return -1;
+    if (kv_heads <= 0 || heads % kv_heads != 0 || head_dim <= 0 || head_dim % HEAD_STEP != 0) return -1;
     if (dtype == 0) {
         prefill_attention(static_cast<const float*>(q), q_row, static_cast<const float*>(k), k_row,
                           static_cast<const float*>(v), v_row, static_cast<float*>(out), out_row, starts, lengths,
