@@ -23,9 +23,12 @@ layers"). Its sums do not depend on the rows beside a row.
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's
 torch team rather than a second one; it is called through ctypes, which releases the GIL for the call.
-Built once per source, compiler flags and CPU into a cache directory (`KVC_KERNEL_CACHE`, default
-~/.cache/kvcentric/kernels), atomically, so concurrent engines share one build. Where no compiler works
-(`CXX`, else c++/g++/clang++) `load()` says why once and returns None, and the engine keeps the gather.
+Its loops are written once over the vectors of `simd.h`: AVX-512, AVX2 + FMA, or scalar, whichever the build's
+instruction set has (`KVC_CPU_ISA`: native, the default, or avx512, avx2, portable; `isas.py`, which also gives
+the environment that holds torch to the same set for a comparison). Built once per source, compiler flags and
+CPU into a cache directory (`KVC_KERNEL_CACHE`, default ~/.cache/kvcentric/kernels), atomically, so concurrent
+engines share one build. Where no compiler works (`CXX`, else c++/g++/clang++) `load()` says why once and
+returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU cannot run, it raises.
 
 It computes; it decides nothing about when a kernel is used (`ModelRunner`, `llama.Attention`).
 
@@ -49,19 +52,22 @@ from pathlib import Path
 
 import torch
 
+from kvcentric.engine.kernels.isas import COMMON_FLAGS, ISA_FLAGS, Isa, UnsupportedIsa, capped_env, check_cpu, \
+    checked, isa, runnable
+
+__all__ = ["CpuAttention", "CpuLayerOps", "Isa", "UnsupportedIsa", "build", "cache_dir", "capped_env", "compiler",
+           "cpu_signature", "flags", "isa", "load", "load_layer_ops", "runnable"]
+
 log = logging.getLogger("kvcentric.kernels")
 
 SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"),
            Path(__file__).with_name("gemm.cpp"))
-HEADERS = (Path(__file__).with_name("fast_exp.h"),)
+HEADERS = (Path(__file__).with_name("fast_exp.h"), Path(__file__).with_name("simd.h"))
 """Included by the sources: part of what a build is cached by, not compiled on their own."""
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-PORTABLE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-"""Where the compiler does not take -march=native."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 BUILD_TIMEOUT_S = 120.0
 
-_loaded: dict[str, CpuAttention | None] = {}
+_loaded: dict[tuple[str, Isa], CpuAttention | None] = {}
 
 
 def cache_dir() -> Path:
@@ -88,30 +94,38 @@ def cpu_signature() -> str:
     return platform.machine() + "".join(lines)
 
 
-def build(directory: Path | None = None) -> Path:
-    """The built library's path (built now when this source, compiler and CPU have none yet); raises
-    RuntimeError saying why it cannot be built."""
+def flags(name: Isa) -> list[tuple[str, ...]]:
+    """The compiler flags of a build for `name`, each set of them tried in turn until one compiles."""
+    return [(*COMMON_FLAGS, *own) for own in ISA_FLAGS[name]]
+
+
+def build(directory: Path | None = None, isa: str | None = None) -> Path:
+    """The built library's path for instruction set `isa` (default: KVC_CPU_ISA's, `native` when unset), built now
+    when this source, compiler, ISA (and for `native` the CPU) have none yet; raises RuntimeError saying why it
+    cannot be built. It builds for any ISA whatever this CPU runs (`load` checks that)."""
+    name = checked(isa)
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
     directory = directory or cache_dir()
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    machine = cpu_signature() if name == "native" else platform.machine()
     errors = []
-    for flags in (FLAGS, PORTABLE_FLAGS):
-        key = hashlib.sha256(source + " ".join((cxx, *flags)).encode() + cpu_signature().encode()).hexdigest()[:16]
-        target = directory / f"attention-{key}.so"
+    for flag_set in flags(name):
+        key = hashlib.sha256(source + " ".join((cxx, *flag_set)).encode() + machine.encode()).hexdigest()[:16]
+        target = directory / f"kernels-{name}-{key}.so"
         if target.exists():
             return target
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=directory) as scratch:
             built = Path(scratch) / target.name
-            result = subprocess.run([cxx, *flags, "-o", str(built), *map(str, SOURCES)], capture_output=True, text=True,
-                                    timeout=BUILD_TIMEOUT_S)
+            result = subprocess.run([cxx, *flag_set, "-o", str(built), *map(str, SOURCES)], capture_output=True,
+                                    text=True, timeout=BUILD_TIMEOUT_S)
             if result.returncode == 0:
                 os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
                 return target
-            errors.append(f"{cxx} {' '.join(flags)}: {result.stderr.strip()[-500:]}")
-    raise RuntimeError("the kernels did not compile:\n" + "\n".join(errors))
+            errors.append(f"{cxx} {' '.join(flag_set)}: {result.stderr.strip()[-500:]}")
+    raise RuntimeError(f"the kernels did not compile for {name}:\n" + "\n".join(errors))
 
 
 class CpuAttention:
@@ -120,6 +134,9 @@ class CpuAttention:
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
         self.path = path
+        library.kvc_kernels_isa.restype = ctypes.c_char_p
+        self.isa: str = library.kvc_kernels_isa().decode()
+        """The vectors the library was built with: avx512, avx2 or portable (scalar loops)."""
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self.decode_function = library.kvc_paged_decode_attention
         self.decode_function.argtypes = [ctypes.c_int, pointer, size, pointer, pointer, pointer, size, pointer,
@@ -291,22 +308,28 @@ class CpuLayerOps:
                 and v_cache.is_contiguous() and qkv.shape[2] % 2 == 0 and k_cache.device.type == "cpu")
 
 
-def load() -> CpuAttention | None:
-    """The kernels of this process (built on first use), or None when they cannot be built here (logged once)."""
-    key = str(cache_dir())
+def load(isa: str | None = None) -> CpuAttention | None:
+    """The kernels of this process for instruction set `isa` (default: KVC_CPU_ISA's; built on first use), or None
+    when they cannot be built here (logged once); UnsupportedIsa where this CPU cannot run that set."""
+    name = checked(isa)
+    check_cpu(name)
+    key = (str(cache_dir()), name)
     if key not in _loaded:
         try:
-            _loaded[key] = CpuAttention(build())
+            kernels = CpuAttention(build(isa=name))
         except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
             log.warning("CPU attention kernels unavailable, attention runs through torch's SDPA (decode over a "
                         "gathered copy of the KV): %s", exc)
             _loaded[key] = None
+        else:
+            log.info("CPU kernels built for %s (KVC_CPU_ISA=%s): %s", kernels.isa, name, kernels.path)
+            _loaded[key] = kernels
     return _loaded[key]
 
 
-def load_layer_ops() -> CpuLayerOps | None:
+def load_layer_ops(isa: str | None = None) -> CpuLayerOps | None:
     """The fused layer ops of the same library (None where it cannot be built: `load` has said why)."""
-    kernels = load()
+    kernels = load(isa)
     return None if kernels is None else CpuLayerOps(kernels.path)
 
 

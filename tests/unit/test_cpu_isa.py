@@ -1,0 +1,264 @@
+"""The CPU kernels in every instruction-set build this CPU can run (`KVC_CPU_ISA`: portable, avx2, avx512, native),
+each loaded from its own library in this process: decode and prefill attention give SDPA's numbers, the layer ops
+torch's, the small GEMM torch's linear to fp32 rounding and the same bits in every build (one in-order fused
+multiply-add chain per output, whatever the vectors); the AVX-512 build compiles on any x86-64 machine; the ISA
+is chosen by name, checked against the CPU before loading, and capped alike for torch in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvcentric.engine import kernels
+from kvcentric.engine.kernels import isas
+from kvcentric.engine.llama import AttentionBatch, Rotary
+from kvcentric.model.config import preset
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")
+
+VECTORS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512"}
+"""What the library of each ISA says it was built with (`native`: whichever this CPU has)."""
+
+
+@pytest.fixture(scope="session")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    """Each runnable ISA's library, built side by side into a directory of this session (`native` from the cache
+    the engine uses, built there once per source)."""
+    directory = tmp_path_factory.mktemp("kernels")
+    names = [name for name in kernels.runnable() if name != "native"]
+    with ThreadPoolExecutor(len(names) + 1) as pool:
+        built = {name: pool.submit(kernels.build, directory, name) for name in names}
+        built["native"] = pool.submit(kernels.build, None, "native")
+        return {name: future.result() for name, future in built.items()}
+
+
+@pytest.fixture(params=list(isas.ISAS))
+def library(request, builds) -> tuple[str, kernels.CpuAttention, kernels.CpuLayerOps]:
+    if request.param not in builds:
+        pytest.skip(f"this CPU cannot run {request.param}")
+    path = builds[request.param]
+    return request.param, kernels.CpuAttention(path), kernels.CpuLayerOps(path)
+
+
+def test_each_build_says_which_vectors_it_has(library):
+    name, attention, _ = library
+    expected = VECTORS.get(name) or ("avx512" if "avx512f" in isas.cpu_flags() else
+                                     "avx2" if {"avx2", "fma"} <= isas.cpu_flags() else "portable")
+    assert attention.isa == expected and f"kernels-{name}-" in attention.path.name
+
+
+def paged_case(batch, heads, kv_heads, head_dim, block_size, max_len, seed, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    per_row = -(-max_len // block_size)
+    blocks = batch * per_row + 2
+    k_cache, v_cache = (torch.randn(blocks * block_size, kv_heads, head_dim, generator=generator).to(dtype)
+                        for _ in range(2))
+    tables = torch.randperm(blocks, generator=generator)[:batch * per_row].view(batch, per_row).contiguous()
+    lengths = torch.randint(1, max_len + 1, (batch,), generator=generator)
+    q = torch.randn(batch, heads, head_dim, generator=generator).to(dtype)
+    return q, k_cache, v_cache, tables, lengths
+
+
+def gathered_sdpa(q, k_cache, v_cache, tables, lengths, block_size, window=None):
+    blocks = k_cache.shape[0] // block_size
+    keys, values = (c.view(blocks, block_size, *c.shape[1:])[tables].flatten(1, 2).transpose(1, 2).float()
+                    for c in (k_cache, v_cache))
+    position = torch.arange(tables.shape[1] * block_size)[None]
+    mask = position < lengths[:, None]
+    if window is not None:
+        mask &= position >= lengths[:, None] - window
+    return F.scaled_dot_product_attention(q[:, :, None].float(), keys, values, attn_mask=mask[:, None, None],
+                                          enable_gqa=True)[:, :, 0]
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,head_dim,block_size,max_len,window", [
+    (3, 4, 4, 32, 16, 70, None),     # no GQA: every row alone
+    (5, 8, 4, 64, 16, 200, None),    # groups of two, `small`'s heads
+    (4, 12, 4, 128, 8, 90, None),    # groups of three (an odd last row), a wide head: two passes of AVX2 vectors
+    (9, 16, 4, 64, 16, 50, 20),      # a whole slot's heads per item, groups of four, a sliding window
+    (2, 6, 2, 48, 4, 33, None),      # three vectors of AVX-512, six of AVX2
+])
+def test_decode_is_sdpa_over_the_gathered_blocks(library, batch, heads, kv_heads, head_dim, block_size, max_len,
+                                                 window):
+    _, attention, _ = library
+    q, k_cache, v_cache, tables, lengths = paged_case(batch, heads, kv_heads, head_dim, block_size, max_len, head_dim)
+    out = attention.decode(q, k_cache, v_cache, tables, lengths, block_size, window)
+    expected = gathered_sdpa(q, k_cache, v_cache, tables, lengths, block_size, window)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_decode_bf16_within_its_rounding(library):
+    _, attention, _ = library
+    q, k_cache, v_cache, tables, lengths = paged_case(6, 8, 4, 64, 16, 120, 1, torch.bfloat16)
+    out = attention.decode(q, k_cache, v_cache, tables, lengths, 16)
+    assert out is not None and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), gathered_sdpa(q, k_cache, v_cache, tables, lengths, 16), atol=1e-2,
+                               rtol=1e-2)
+
+
+def causal_case(lengths, heads, kv_heads, head_dim, seed):
+    generator = torch.Generator().manual_seed(seed)
+    rows = torch.randn(sum(lengths), heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = rows[:, :heads], rows[:, heads:heads + kv_heads], rows[:, heads + kv_heads:]
+    starts = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))])
+    expected = torch.cat([F.scaled_dot_product_attention(*(t[a:a + n].transpose(0, 1) for t in (q, k, v)),
+                                                         is_causal=True, enable_gqa=True).transpose(0, 1)
+                          for a, n in zip(starts.tolist(), lengths)])
+    return q, k, v, starts, torch.tensor(lengths), expected
+
+
+@pytest.mark.parametrize("lengths,heads,kv_heads,head_dim", [
+    ([1, 2, 63, 64, 65, 130], 4, 1, 32),  # lengths around the key and query tiles, multi-query
+    ([100], 8, 4, 64),                    # `small`'s heads
+    ([70], 12, 4, 128),                   # groups of three, a wide head
+    ([30, 17], 6, 6, 48),                 # no GQA, an odd number of vectors a head
+])
+def test_prefill_is_causal_sdpa(library, lengths, heads, kv_heads, head_dim):
+    _, attention, _ = library
+    q, k, v, starts, lengths_, expected = causal_case(lengths, heads, kv_heads, head_dim, head_dim)
+    out = torch.empty(q.shape)
+    assert attention.prefill(q, k, v, out, starts, lengths_)
+    torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+
+
+def test_prefill_takes_heads_of_whole_16s_only(library):
+    _, attention, _ = library
+    q, k, v, starts, lengths, _ = causal_case([9], 4, 2, 24, 0)
+    assert not attention.prefill(q, k, v, torch.empty(q.shape), starts, lengths)
+
+
+def test_layer_ops_are_torchs(library):
+    _, _, ops = library
+    generator = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(7, 2 * 200, generator=generator) * 4
+    gate_up[0, :4] = torch.tensor([100.0, -100.0, 88.8, -88.8])  # e^-x past both ends of its range
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :200]) * gate_up[:, 200:], rtol=1e-6, atol=0)
+    x, weight = torch.randn(33, 200, generator=generator) * 3, torch.randn(200, generator=generator)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (200,), weight, 1e-5), rtol=2e-6,
+                               atol=1e-6)
+    config = preset("small")
+    rotary = Rotary(config)
+    rotary.compute_tables(torch.device("cpu"), torch.float32)
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    qkv = torch.randn(40, heads + 2 * kv_heads, config.head_dim, generator=generator)
+    positions, slots = torch.randint(0, 512, (40,), generator=generator), torch.randperm(64, generator=generator)[:40]
+    caches = [torch.zeros(64, kv_heads, config.head_dim) for _ in range(2)]
+    q, k, v = ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots, *caches)
+    rotated = rotary(qkv[:, :heads + kv_heads], AttentionBatch(positions, slots))
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])  # bit for bit
+    assert torch.equal(caches[0][slots], rotated[:, heads:]) and torch.equal(caches[1][slots], v)
+
+
+GEMM_SHAPES = [(48, 33), (80, 64), (208, 40)]
+"""[out, in]: a last panel of 16 (48, 80, 208 = 13 x 16: AVX2's strips of 4 and 2 panels with one left over), an
+input width no multiple of a vector (33, 40)."""
+
+
+def gemm_case(out_features, in_features, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+    x = torch.randn(37, in_features + 5, generator=generator)[:, 5:]  # rows of a wider tensor
+    return weight, x, torch.randn(out_features, generator=generator), torch.randn(37, out_features,
+                                                                                 generator=generator)
+
+
+@pytest.mark.parametrize("out_features,in_features", GEMM_SHAPES)
+def test_small_gemm_is_torchs_linear_at_every_row_count(library, out_features, in_features):
+    """Rows 1 to 37: every register block of rows and strip of panels, with and without bias and residual."""
+    _, _, ops = library
+    weight, x, bias, residual = gemm_case(out_features, in_features)
+    panels = ops.pack_panels(weight)
+    full = x.double() @ weight.double().t()
+    for rows in range(1, 38):
+        for b, r in ((None, None), (bias, residual[:rows]), (None, residual[:rows])):
+            got = ops.small_linear(x[:rows], panels, out_features, b, r)
+            want = full[:rows] + (0 if b is None else b.double()) + (0 if r is None else r.double())
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_small_gemm_gives_the_same_bits_in_every_build(builds):
+    """Each output is one in-order fused multiply-add chain from zero in every build, so the vectors change no bit
+    (a row alone or among others, on one thread or two)."""
+    outputs = {}
+    threads = torch.get_num_threads()
+    try:
+        for name, path in builds.items():
+            ops = kernels.CpuLayerOps(path)
+            for count in (1, 2):
+                torch.set_num_threads(count)
+                for out_features, in_features in GEMM_SHAPES:
+                    weight, x, bias, residual = gemm_case(out_features, in_features, seed=1)
+                    panels = ops.pack_panels(weight)
+                    for rows in (1, 2, 3, 5, 13, 37):
+                        got = ops.small_linear(x[:rows], panels, out_features, bias, residual[:rows])
+                        outputs.setdefault((out_features, rows), []).append((name, got))
+                        alone = ops.small_linear(x[rows - 1:rows], panels, out_features, bias, residual[rows - 1:rows])
+                        assert torch.equal(alone[0], got[-1]), (name, out_features, rows)
+    finally:
+        torch.set_num_threads(threads)
+    for case, results in outputs.items():
+        first_name, first = results[0]
+        for name, got in results[1:]:
+            assert torch.equal(got, first), (case, first_name, name)
+
+
+def test_the_avx512_build_compiles_on_any_x86_64_machine(tmp_path):
+    """Compile only (unoptimized: the intrinsics and their target checks, quickly); it runs where the CPU has it."""
+    if not isas.X86:
+        pytest.skip("not an x86-64 machine")
+    cxx = kernels.compiler()
+    assert cxx is not None
+    errors = []
+    for flags in kernels.flags("avx512"):
+        result = subprocess.run([cxx, *flags, "-O0", "-o", str(tmp_path / "avx512.so"), *map(str, kernels.SOURCES)],
+                                capture_output=True, text=True, timeout=120)
+        if result.returncode == 0:
+            break
+        errors.append(result.stderr[-2000:])
+    else:
+        pytest.fail("\n".join(errors))
+    symbols = subprocess.run(["nm", "-D", str(tmp_path / "avx512.so")], capture_output=True, text=True).stdout
+    assert "kvc_small_gemm" in symbols and "kvc_prefill_attention" in symbols
+
+
+def test_an_isa_this_cpu_cannot_run_is_refused_before_loading(monkeypatch):
+    monkeypatch.setattr(isas, "cpu_flags", lambda: {"sse2", "avx", "avx2", "fma", "bmi2", "f16c", "movbe"})
+    monkeypatch.setattr(isas, "X86", True)
+    with pytest.raises(kernels.UnsupportedIsa, match="this CPU has no avx512f, .*KVC_CPU_ISA=avx512 cannot run here"):
+        kernels.load("avx512")
+    monkeypatch.setenv("KVC_CPU_ISA", "avx512")
+    with pytest.raises(kernels.UnsupportedIsa, match="KVC_CPU_ISA=avx512"):
+        kernels.load()
+    assert kernels.runnable() == ["native", "avx2", "portable"]
+
+
+def test_the_isa_is_chosen_by_name(monkeypatch):
+    monkeypatch.delenv("KVC_CPU_ISA", raising=False)
+    assert kernels.isa() == "native"
+    monkeypatch.setenv("KVC_CPU_ISA", " AVX2 ")
+    assert kernels.isa() == "avx2"
+    monkeypatch.setenv("KVC_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="KVC_CPU_ISA='sse9'"):
+        kernels.isa()
+    with pytest.raises(ValueError, match="'avx3'"):
+        kernels.build(isa="avx3")
+    assert kernels.flags("avx2")[0][-1] == "-march=x86-64-v3" and kernels.flags("avx512")[0][-1] == "-march=x86-64-v4"
+    assert all("-march=native" not in flags for name in ("portable", "avx2", "avx512")
+               for flags in kernels.flags(name))
+
+
+def test_capped_env_holds_torch_to_the_same_isa():
+    assert kernels.capped_env("avx2") == {"KVC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+                                          "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert kernels.capped_env("native") == {"KVC_CPU_ISA": "native"}
+    probe = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    env = {**os.environ, **kernels.capped_env("portable")}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "DEFAULT", result.stderr[-1000:]
