@@ -1,7 +1,7 @@
 """PutBlocks over real gRPC (a messenger on a free loopback port): the blocks a decode instance writes back land
-in the messenger's host pool, to be announced and found there; a corrupt block is refused with those before it
-kept; a messenger without a pool, or none at all, refuses with a TransferError (the writer drops the blocks), and
-the writer keeps a bounded number of bytes waiting for one."""
+in the messenger's host pool, through shared memory or inline, to be announced and found there; a corrupt
+block is refused with those before it kept; a messenger without a pool, or none at all, refuses with a
+TransferError (the writer drops the blocks), and the writer keeps a bounded number of bytes waiting for one."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine import writeback
 from kvcentric.engine.writeback import FilledBlock, WriteBack
 from kvcentric.proto import kv_pb2
+from kvcentric.runtime.shm import UNAVAILABLE, SharedMemoryUnavailable
 from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, TransferError, checksum, put_blocks, start_server
 from kvcentric.tools.processes import free_port
 from waiting import eventually_async
@@ -39,18 +40,37 @@ def block(index: int) -> tuple[str, int, bytes]:
     return f"hash-{index}", index, bytes([index]) * BLOCK_BYTES
 
 
-async def test_put_blocks_land_in_the_peers_host_pool_and_are_announced_there():
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "inline"])
+async def test_put_blocks_land_in_the_peers_host_pool_and_are_announced_there(shared_memory):
     pool = HostBlockPool(8, BLOCK_BYTES)
     server, servicer, addr = await messenger(pool)
-    pusher = KVPusher()
+    pusher = KVPusher(shared_memory=shared_memory)
     try:
         taken = await put_blocks(pusher, addr, [block(3), block(4)])
+        taken += await put_blocks(pusher, addr, [block(5)])  # the segment again, reused
     finally:
         await pusher.close()
         await server.stop(None)
-    assert taken == 2 * BLOCK_BYTES and servicer.stats["blocks_put"] == 2
-    assert pool.read("hash-4") == bytes([4]) * BLOCK_BYTES
-    assert pool.drain_events() == (["hash-3", "hash-4"], [])
+    assert taken == 3 * BLOCK_BYTES and servicer.stats["blocks_put"] == 3
+    assert servicer.stats["shm_bytes_received"] == (3 * BLOCK_BYTES if shared_memory else 0)
+    assert pool.read("hash-4") == bytes([4]) * BLOCK_BYTES and pool.read("hash-5") == bytes([5]) * BLOCK_BYTES
+    assert pool.drain_events() == (["hash-3", "hash-4", "hash-5"], [])
+
+
+async def test_a_peer_that_cannot_open_the_segment_gets_the_blocks_inline_from_then_on(monkeypatch):
+    pool = HostBlockPool(8, BLOCK_BYTES)
+    server, servicer, addr = await messenger(pool)
+
+    def unavailable(name):
+        raise SharedMemoryUnavailable(f"{UNAVAILABLE}: cannot open segment {name}: another host")
+    monkeypatch.setattr(servicer.segments, "attach", unavailable)
+    pusher = KVPusher()
+    try:
+        assert await put_blocks(pusher, addr, [block(1)]) == BLOCK_BYTES
+    finally:
+        await pusher.close()
+        await server.stop(None)
+    assert addr in pusher.inline_peers and pool.read("hash-1") == bytes([1]) * BLOCK_BYTES
 
 
 async def test_a_corrupt_block_is_refused_and_those_before_it_are_kept():

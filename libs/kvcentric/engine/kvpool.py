@@ -51,7 +51,7 @@ class HostBlockPool:
             count += 1
         return count
 
-    def put(self, block_hash: str, depth: int, data: torch.Tensor | bytes) -> bool:
+    def put(self, block_hash: str, depth: int, data: torch.Tensor | bytes | memoryview) -> bool:
         """Store one block (`depth`: its index in its request); False when every slot is pinned."""
         if block_hash in self.slot_of or block_hash in self._reserved_hashes:
             if block_hash in self.slot_of:

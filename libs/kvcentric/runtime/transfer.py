@@ -94,7 +94,7 @@ class BlockSource(Protocol):
 class BlockSink(Protocol):
     """Where a messenger keeps the blocks a peer puts (PutBlocks): this node's pool."""
 
-    def put(self, block_hash: str, depth: int, data: bytes) -> bool:
+    def put(self, block_hash: str, depth: int, data: bytes | memoryview) -> bool:
         """Keep one block (ValueError when it is not a block of this pool); False when there is no room."""
 
 
@@ -207,16 +207,28 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         received = 0
         try:
             async for chunk in request_iterator:
-                if checksum(chunk.data) != chunk.checksum:
+                data = self._block_data(chunk)
+                if checksum(data) != chunk.checksum:
                     self.stats["checksum_failures"] += 1
                     raise ChecksumMismatch(f"checksum mismatch in block {chunk.block_hash}")
-                kept = self.pool.put(chunk.block_hash, chunk.depth, chunk.data)
+                kept = self.pool.put(chunk.block_hash, chunk.depth, data)
                 self.stats["blocks_put" if kept else "blocks_put_refused"] += 1
-                received += len(chunk.data)
-        except (ChecksumMismatch, ValueError) as exc:
+                received += len(data)
+        except (ChecksumMismatch, ValueError, SharedMemoryUnavailable) as exc:
             return kv_pb2.PushAck(ok=False, error=str(exc), bytes_received=received)
         self.stats["bytes_put"] += received
         return kv_pb2.PushAck(ok=True, bytes_received=received)
+
+    def _block_data(self, chunk: kv_pb2.BlockChunk) -> bytes | memoryview:
+        """A put block's bytes: inline, or a view of the same-host sender's segment."""
+        if not chunk.shm_segment:
+            return chunk.data
+        segment = self.segments.attach(chunk.shm_segment)
+        end = chunk.shm_offset + chunk.shm_bytes
+        if segment.buf is None or end > segment.size:
+            raise ValueError(f"block {chunk.block_hash} lies beyond its shared memory segment")
+        self.stats["shm_bytes_received"] += chunk.shm_bytes
+        return segment.buf[chunk.shm_offset:end]
 
     async def PullKV(self, request, context):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger does not serve request pulls")
@@ -499,17 +511,46 @@ async def stream_blocks(pusher: KVPusher, addr: str, block_hashes: list[str], dt
         raise TransferError(f"pulling blocks from {addr} failed: {exc.code().name}: {exc.details()}") from exc
 
 
-async def put_blocks(pusher: KVPusher, addr: str, blocks: Sequence[tuple[str, int, bytes]],
-                     timeout_s: float = 30.0) -> int:
-    """Put (hash, depth, data) blocks into the pool of the messenger at `addr` in one stream; returns the bytes it
-    took. TransferError when it refused them or cannot be reached."""
-    chunks = (kv_pb2.BlockChunk(block_hash=block_hash, found=True, data=data, checksum=checksum(data), depth=depth)
-              for block_hash, depth, data in blocks)
+Block = tuple[str, int, bytes]
+"""A block to put: its hash, its depth (index in its sequence) and its bytes."""
+
+
+async def put_blocks(pusher: KVPusher, addr: str, blocks: Sequence[Block], timeout_s: float = 30.0) -> int:
+    """Put blocks into the pool of the messenger at `addr` in one stream, their bytes through a shared-memory
+    segment to a peer on this host (inline to one that cannot open it, from then on); returns the bytes it took.
+    TransferError when it refused them or cannot be reached."""
+    if pusher.shared_memory and same_host(addr) and addr not in pusher.inline_peers:
+        segment = pusher.segments.acquire(sum(len(data) for _, _, data in blocks))
+        try:
+            return await _put(pusher, addr, _placed(blocks, segment), len(blocks), timeout_s)
+        except TransferError as exc:
+            if UNAVAILABLE not in str(exc):
+                raise
+            pusher.inline_peers.add(addr)
+        finally:
+            pusher.segments.release(segment)
+    inline = [kv_pb2.BlockChunk(block_hash=block_hash, found=True, data=data, checksum=checksum(data), depth=depth)
+              for block_hash, depth, data in blocks]
+    return await _put(pusher, addr, inline, len(blocks), timeout_s)
+
+
+def _placed(blocks: Sequence[Block], segment) -> list[kv_pb2.BlockChunk]:
+    """The blocks' bytes copied into `segment`, and the chunks that say where."""
+    chunks, offset, view = [], 0, segment.buf
+    for block_hash, depth, data in blocks:
+        view[offset:offset + len(data)] = data
+        chunks.append(kv_pb2.BlockChunk(block_hash=block_hash, found=True, checksum=checksum(data), depth=depth,
+                                        shm_segment=segment.name, shm_offset=offset, shm_bytes=len(data)))
+        offset += len(data)
+    return chunks
+
+
+async def _put(pusher: KVPusher, addr: str, chunks: list[kv_pb2.BlockChunk], count: int, timeout_s: float) -> int:
     try:
         ack = await pusher.stub(addr).PutBlocks(iter(chunks), timeout=timeout_s)
     except grpc.aio.AioRpcError as exc:
         raise TransferError(f"putting blocks into {addr} failed: {exc.code().name}: {exc.details()}") from exc
     if not ack.ok:
         raise TransferError(f"putting blocks into {addr} refused: {ack.error}")
-    pusher.stats["blocks_put"] += len(blocks)
+    pusher.stats["blocks_put"] += count
     return ack.bytes_received
