@@ -31,7 +31,8 @@ def make_sink():
 
 def header(request_id: str, engine: DecodeEngine, num_tokens: int = 4):
     return types.SimpleNamespace(request_id=request_id, dtype=engine.runner.dtype_name, num_tokens=num_tokens,
-                                 num_layers=engine.runner.config.num_layers, token_ids=[1] * num_tokens, stripes=1)
+                                 num_layers=engine.runner.config.num_layers, token_ids=[1] * num_tokens, stripes=1,
+                                 pool_addr="")
 
 
 def test_kv_that_overtakes_its_job_waits_for_it():
