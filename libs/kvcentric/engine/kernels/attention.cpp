@@ -190,7 +190,8 @@ inline bool weigh_values<float>(const float* v_cache, const int64_t* table, int6
             const int64_t r0 = h * group + g, r1 = pair ? r0 + 1 : r0;
             const float *p0 = scores + r0 * n, *p1 = scores + r1 * n;
             for (int64_t d0 = 0; d0 < head_dim; d0 += WEIGH_VECTORS * LANES) {
-                const int64_t vectors = std::min<int64_t>(WEIGH_VECTORS, (head_dim - d0) / LANES), at = column + h * head_dim + d0;
+                const int64_t vectors = std::min<int64_t>(WEIGH_VECTORS, (head_dim - d0) / LANES);
+                const int64_t at = column + h * head_dim + d0;
                 if (ODD_ROW_ALONE && !pair)
                     weigh_rows_of<1>(vectors, v_cache, table, block_size, slot_stride, at, first, length, p0, p1,
                                      acc + r0 * head_dim + d0, acc + r1 * head_dim + d0);

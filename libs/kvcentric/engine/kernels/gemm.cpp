@@ -31,9 +31,10 @@ namespace {
 //   panels of 16 columns (panels of 32 with 2 or 3 rows x 4 vectors ran 10-35% slower at 32-128 rows).
 // - strip_panels(rows): the panels a work item reads side by side when its row blocks are that many rows. With
 //   AVX2, one panel at a time left a single row's sums latency-bound on two chains and one stream from memory:
-//   0.8-0.9x torch's GEMV at one row, against 1.4-1.6x over four panels (measured with one thread, 2026-11-27).
-// - PREFETCH_ROWS: software prefetch from this many rows up (AVX2: at one row the hardware's prefetcher did better
-//   alone, by 10-20%).
+//   0.8-0.9x torch's GEMV at one row, against 1.4-1.6x over four panels; 2 and 3 rows ran 5-15% faster over two
+//   (one thread, an AMD EPYC without AVX-512, 2026-11-27).
+// - PREFETCH_ROWS: software prefetch from this many rows up (AVX2 on that EPYC: at one row the hardware's
+//   prefetcher did 10-20% better alone).
 #if KVC_SIMD == 8
 constexpr int64_t PANEL = 16;
 constexpr int64_t ROW_BLOCK = 6;
