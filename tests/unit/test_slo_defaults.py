@@ -14,7 +14,7 @@ from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import MeasuredCost, Placement, Rejection
 from kvcentric.core.scheduling.conductor import Conductor
 from kvcentric.core.scheduling.config import SchedulerConfig
-from kvcentric.core.scheduling.slo import Slo, SloPolicy, summary
+from kvcentric.core.scheduling.slo import TBT_FLOOR_S, TTFT_FLOOR_S, Slo, SloPolicy, summary
 
 PRIOR = CostModel((0.001, 1e-3, 0.0, 0.0), (10.0, 0.0, 0.0), 1000, "roofline:terrible")
 """A roofline guess: it only ranks."""
@@ -49,7 +49,18 @@ def test_relative_slos_are_the_papers_multiples_of_the_unloaded_times():
 
 def test_the_fastest_trusted_model_sets_the_relative_slo():
     fast, slow = (CostModel((0.0, per_token, 0.0, 0.0), (0.01, 0.0, 0.0), 1) for per_token in (1e-4, 1e-3))
-    assert SloPolicy().ttft_s(1000, [slow, fast]) == pytest.approx(1.0)
+    assert SloPolicy().ttft_s(5000, [slow, fast]) == pytest.approx(5.0)
+
+
+def test_a_relative_slo_is_never_tighter_than_its_floor():
+    """10x the prefill of a short prompt of a fast model is milliseconds, less than a request's hops: the floors
+    (the absolute defaults of before) hold, and the multiples take over where they are larger."""
+    fast = CostModel((0.0, 1e-5, 0.0, 0.0), (0.002, 0.0, 0.0), 1)
+    assert SloPolicy().for_request(16, [fast], [fast]) == Slo(TTFT_FLOOR_S, TBT_FLOOR_S)
+    slow = CostModel((0.0, 1e-3, 0.0, 0.0), (0.2, 0.0, 0.0), 1)
+    assert SloPolicy().for_request(1000, [slow], [slow]) == Slo(pytest.approx(10.0), pytest.approx(1.0))
+    assert SloPolicy(ttft_floor_s=0.0, tbt_floor_s=0.0).for_request(16, [fast], [fast]) == Slo(
+        pytest.approx(10 * 16e-5), pytest.approx(0.01))
 
 
 def test_a_slow_model_serves_a_lone_request_with_the_default_slos():

@@ -23,6 +23,7 @@ from typing import Literal
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.migration import history
+from kvcentric.core.scheduling.slo import relative_tbt_s
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, plain_greedy
 from kvcentric.core.stopping import finish_reason
@@ -181,8 +182,9 @@ class DecodeEngine:
         """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
         The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
         request = self._complete(request_id)
-        slo = self.tbt_slo_s or self.tbt_slo_factor * (self.cost.t_decode(1, request.context_tokens)
-                                                        if self.cost is not None else 0.0)
+        relative = (relative_tbt_s(self.tbt_slo_factor, self.cost.t_decode(1, request.context_tokens))
+                    if self.cost is not None and self.tbt_slo_factor > 0 else 0.0)
+        slo = self.tbt_slo_s or relative
         if slo <= 0 or self.cost is None:  # no SLO, or no model to predict with yet
             return TBTVerdict(True, 0.0, 0.0)
         batch = [r for r in self.requests.values() if r.state in ("running", "preempted")]

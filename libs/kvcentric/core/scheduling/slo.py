@@ -7,6 +7,11 @@ x the unloaded decode step (a batch of one, the prompt's context). Pure; it comp
 prefill chunk and decode step they timed): the fastest trusted one of the pool, so a slow model on slow hardware
 gets SLOs it can meet, and a lone request at an idle instance is never over its SLO by prediction. With no
 trusted model yet there is no relative SLO (infinite): nothing is judged on a guess anyway.
+
+A relative SLO is never tighter than its floor (`TTFT_FLOOR_S`, `TBT_FLOOR_S`: the absolute defaults of before):
+10x the prefill of a 16-token prompt of a 24 M model is a few milliseconds, less than the hops every request takes
+(gateway, bus, conductor) and than one step beside a burst, so without a floor a fast model refused short prompts
+on an idle cluster. The floors keep what served before; the factors let a slow model on slow hardware serve.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ TTFT_FACTOR = 10.0
 """Relative TTFT SLO: this many times the unloaded prefill time of the prompt (the papers' 10x)."""
 TBT_FACTOR = 5.0
 """Relative TBT SLO: this many times the unloaded decode step (the papers' 5x)."""
+TTFT_FLOOR_S = 1.0
+"""The least relative TTFT SLO, seconds (the absolute default before SLOs were relative)."""
+TBT_FLOOR_S = 0.1
+"""The least relative TBT SLO, seconds (likewise)."""
 SHOWN_PROMPT_TOKENS = 256
 """The prompt length whose relative TTFT SLO /health and `kvcentric up` show as an example."""
 
@@ -43,6 +52,10 @@ class SloPolicy:
     """Absolute TBT SLO, seconds; 0: relative."""
     ttft_factor: float = TTFT_FACTOR
     tbt_factor: float = TBT_FACTOR
+    ttft_floor_s: float = TTFT_FLOOR_S
+    """The least relative TTFT SLO."""
+    tbt_floor_s: float = TBT_FLOOR_S
+    """The least relative TBT SLO."""
 
     def __post_init__(self) -> None:
         if self.ttft_slo_s < 0 or self.tbt_slo_s < 0 or self.ttft_factor <= 0 or self.tbt_factor <= 0:
@@ -62,13 +75,13 @@ class SloPolicy:
         if self.ttft_slo_s:
             return self.ttft_slo_s
         unloaded = unloaded_ttft_s(n_tokens, models)
-        return self.ttft_factor * unloaded if unloaded > 0 else math.inf
+        return max(self.ttft_floor_s, self.ttft_factor * unloaded) if unloaded > 0 else math.inf
 
     def tbt_s(self, n_tokens: int, models: Iterable[CostModel]) -> float:
         if self.tbt_slo_s:
             return self.tbt_slo_s
         unloaded = unloaded_tbt_s(n_tokens, models)
-        return self.tbt_factor * unloaded if unloaded > 0 else math.inf
+        return relative_tbt_s(self.tbt_factor, unloaded, self.tbt_floor_s) if unloaded > 0 else math.inf
 
     def describe(self, prefill_models: list[CostModel], decode_models: list[CostModel],
                  n_tokens: int = SHOWN_PROMPT_TOKENS) -> dict:
@@ -83,6 +96,11 @@ class SloPolicy:
                     "s": round(value, 6) if math.isfinite(value) else None}
         return {"ttft": shown(self.ttft_slo_s, self.ttft_factor, slo.ttft_s),
                 "tbt": shown(self.tbt_slo_s, self.tbt_factor, slo.tbt_s)}
+
+
+def relative_tbt_s(factor: float, unloaded_s: float, floor_s: float = TBT_FLOOR_S) -> float:
+    """A relative TBT SLO: `factor` x the unloaded step, at least `floor_s` (the decode's double-check too)."""
+    return max(floor_s, factor * unloaded_s)
 
 
 def unloaded_ttft_s(n_tokens: int, models: Iterable[CostModel]) -> float:
