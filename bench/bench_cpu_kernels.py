@@ -1,23 +1,35 @@
-"""The CPU kernels of `engine/kernels` against what torch does without them, one call each at the shapes of the
-`small` model (8 query heads, 4 KV heads, head size 64, hidden 512, SwiGLU 1408), fp32, side by side in one
-process: decode attention over the paged cache (its KV in cache, and the KV of 8 layers taken in turn, so out
-of it, as in the engine) against gathering the blocks for SDPA; prefill of 8 prompts x 256 against causal SDPA
-per prompt; RMSNorm, SwiGLU and rotary + cache write against torch's ops; the 32 linear layers of a decode step
-(every weight of the 8 layers in turn, as a step reads them) through the small GEMM against oneDNN's GEMM on
-the blocked weights the engine packs (`llama.pack_weight`), the "torch" column. Medians of `--repeat` calls; JSON in
-bench/results/cpu_kernels.json.
+"""The CPU kernels of `engine/kernels` against what torch does without them, built for one instruction set
+(`--isa`: native, avx512, avx2, portable, or all those this CPU runs, one after another), torch held to the same
+set (`kernels.capped_env`: the script runs itself again in a process with that environment, as torch picks its
+kernels when it is imported). At the shapes of `small` (hidden 512, 8 heads, 4 KV heads of 64, SwiGLU 1408) and
+`medium` (the 136M Llama: hidden 1024, 16 heads, 4 KV heads, SwiGLU 2816), fp32, on 2 threads and on 1:
 
-    .venv/bin/python bench/bench_cpu_kernels.py [--threads 2]
+- the small GEMM of each linear layer (q|k|v, o, gate|up, down) at 1 to 128 rows against F.linear (MKL) and
+  oneDNN's GEMM on the blocked weight the engine packs (`llama.pack_weight`), each weight copied to 64 MB or more
+  and the copies taken in turn, so they stream from memory as a decode step's do;
+- decode attention over the paged cache (its KV in cache, and the KV of the model's layers taken in turn) against
+  gathering the blocks for SDPA; prefill of whole prompts against causal SDPA per prompt;
+- SwiGLU's silu x up, rotary + cache write and RMSNorm against torch's ops.
+
+Each figure is the least of interleaved calls (`--repeat`, within a time budget each): wall time on 2 threads,
+the thread's CPU time on 1 (a crowded 2-core machine deschedules it, and CPU time leaves that out). The ratios
+are kernel / torch time: under 1, the kernel is faster. JSON in bench/results/cpu_kernels_<isa>.json.
+
+    .venv/bin/python bench/bench_cpu_kernels.py --isa all
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import platform
-import statistics
+import re
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,34 +38,90 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs"))
 
 from kvcentric.engine import kernels  # noqa: E402
-from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight  # noqa: E402
-from kvcentric.model.config import preset  # noqa: E402
+from kvcentric.engine.kernels.isas import ISAS, TORCH_CAPS  # noqa: E402
+from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
+    projection_shapes  # noqa: E402
+from kvcentric.model.config import ModelConfig, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+STREAMED_BYTES = 64 << 20  # each weight copied to at least this much, more than the last-level cache
+Timed = Callable[[], object]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=30)
-    parser.add_argument("--out", default=str(RESULTS / "cpu_kernels.json"))
-    return parser.parse_args()
+    parser.add_argument("--isa", choices=(*ISAS, "all"), default="native",
+                        help="instruction set of the kernels and of torch (all: each this CPU runs)")
+    parser.add_argument("--models", nargs="+", default=["small", "medium"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[2, 1])
+    parser.add_argument("--repeat", type=int, default=30, help="calls of each (at most)")
+    parser.add_argument("--budget-s", type=float, default=4.0, help="seconds one comparison may take")
+    parser.add_argument("--out", help="JSON file (default: bench/results/cpu_kernels_<isa>.json)")
+    return parser.parse_args(argv)
 
 
-def median_ms(fn, repeat: int) -> float:
-    for _ in range(3):
+def least_ms(fns: dict[str, Timed], threads: int, repeat: int, budget_s: float) -> dict[str, float]:
+    """The least time of a call of each, the calls interleaved (one of each a round) until `repeat` rounds or the
+    budget is spent (at least three rounds). On a crowded machine a call of two threads waits now and then for a
+    thread the scheduler took away (ms, where the call takes us): the least call is the one that did not."""
+    clock = time.thread_time if threads == 1 else time.perf_counter
+    for fn in fns.values():
         fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return round(1e3 * statistics.median(times), 3)
+    best = dict.fromkeys(fns, math.inf)
+    start = time.perf_counter()
+    for done in range(repeat):
+        for name, fn in fns.items():
+            begin = clock()
+            fn()
+            best[name] = min(best[name], clock() - begin)
+        spent = time.perf_counter() - start
+        if (done >= 2 and spent > budget_s) or spent > 3 * budget_s:  # the portable build's GEMM: seconds a call
+            break
+    return {name: round(1e3 * seconds, 4) for name, seconds in best.items()}
 
 
-def decode_case(batch: int, positions: int, layers: int, block_size: int = 16):
+def figures(ms: dict[str, float]) -> dict[str, float]:
+    """The times with each torch way's kernel / torch ratio (under 1: the kernel is faster)."""
+    return {**ms, **{f"kernel/{name.removesuffix('_ms')}": round(ms["kernel_ms"] / ms[name], 3)
+                     for name in ms if name != "kernel_ms"}}
+
+
+def gemm_fns(ops: kernels.CpuLayerOps, x: torch.Tensor, out: int, weights: list[torch.Tensor],
+             panels: list[torch.Tensor], blocked: list[torch.Tensor]) -> dict[str, Timed]:
+    """x times one weight a call, three ways, each way taking the next copy of the weight at each call (so it
+    comes from memory, as in a decode step)."""
+    turns = {name: iter(range(1 << 30)) for name in ("kernel", "linear", "onednn")}
+    return {"kernel_ms": lambda: ops.small_linear(x, panels[next(turns["kernel"]) % len(panels)], out),
+            "F.linear_ms": lambda: F.linear(x, weights[next(turns["linear"]) % len(weights)]),
+            "onednn_ms": lambda: linear(x, blocked[next(turns["onednn"]) % len(blocked)])}
+
+
+def time_gemms(ops: kernels.CpuLayerOps, config: ModelConfig, threads: int, args) -> dict:
+    """Each linear layer of `config` at GEMM_ROWS rows: the small GEMM against F.linear and oneDNN."""
+    results = {}
+    generator = torch.Generator().manual_seed(1)
+    names = ("qkv", "o", "gate_up", "down")
+    for name, (out, width, _) in zip(names, projection_shapes(config)):
+        copies = max(2, math.ceil(STREAMED_BYTES / (4 * out * width)))
+        weights = [torch.randn(out, width, generator=generator) * 0.02 for _ in range(copies)]
+        blocked = [pack_weight(w, True) for w in weights]
+        panels = [ops.pack_panels(w) for w in weights]
+        by_rows: dict[str, list[float]] = {}  # a list of GEMM_ROWS's figures each
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, width, generator=generator)
+            ms = least_ms(gemm_fns(ops, x, out, weights, panels, blocked), threads, max(args.repeat, 3 * copies),
+                          args.budget_s)
+            for key, value in figures(ms).items():
+                by_rows.setdefault(key, []).append(value)
+        results[f"{name} {width}->{out}"] = by_rows
+        print(f"  {config.name} {name} {width}->{out}, {threads} thread(s): kernel/F.linear "
+              + " ".join(f"{rows}:{ratio}" for rows, ratio in zip(GEMM_ROWS, by_rows["kernel/F.linear"])), flush=True)
+    return results
+
+
+def decode_case(config: ModelConfig, batch: int, positions: int, layers: int, block_size: int = 16):
     """q and `layers` caches of `batch` sequences of `positions`, their blocks shuffled over each cache."""
-    config = preset("small")
     blocks = (positions + block_size - 1) // block_size
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, config.num_heads, config.head_dim, generator=generator)
@@ -64,8 +132,9 @@ def decode_case(batch: int, positions: int, layers: int, block_size: int = 16):
     return q, caches, tables, torch.full((batch,), positions)
 
 
-def time_decode(kernel: kernels.CpuAttention, batch: int, positions: int, layers: int, repeat: int) -> dict:
-    q, caches, tables, lengths = decode_case(batch, positions, layers)
+def decode_fns(kernel: kernels.CpuAttention, config: ModelConfig, batch: int, positions: int,
+               layers: int) -> dict[str, Timed]:
+    q, caches, tables, lengths = decode_case(config, batch, positions, layers)
     turn = iter(range(1 << 30))
     mask = (torch.arange(tables.shape[1] * 16)[None] < lengths[:, None])[:, None, None]
 
@@ -78,11 +147,10 @@ def time_decode(kernel: kernels.CpuAttention, batch: int, positions: int, layers
         keys, values = gather_blocks(k, tables, 16), gather_blocks(v, tables, 16)
         F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)
 
-    return {"kernel_ms": median_ms(ours, repeat), "torch_ms": median_ms(torchs, repeat)}
+    return {"kernel_ms": ours, "torch_ms": torchs}
 
 
-def time_prefill(kernel: kernels.CpuAttention, prompts: int, length: int, repeat: int) -> dict:
-    config = preset("small")
+def prefill_fns(kernel: kernels.CpuAttention, config: ModelConfig, prompts: int, length: int) -> dict[str, Timed]:
     heads, kv_heads = config.num_heads, config.num_kv_heads
     rows = torch.randn(prompts * length, heads + 2 * kv_heads, config.head_dim)
     q, k, v = rows[:, :heads], rows[:, heads:heads + kv_heads], rows[:, heads + kv_heads:]
@@ -96,12 +164,10 @@ def time_prefill(kernel: kernels.CpuAttention, prompts: int, length: int, repeat
                                            *(t[rows].repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)[None]
                                              for t in (k, v)), is_causal=True)
 
-    return {"kernel_ms": median_ms(lambda: kernel.prefill(q, k, v, out, starts, lengths), repeat),
-            "torch_ms": median_ms(torchs, repeat)}
+    return {"kernel_ms": lambda: kernel.prefill(q, k, v, out, starts, lengths), "torch_ms": torchs}
 
 
-def time_layer_ops(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
-    config = preset("small")
+def layer_op_fns(ops: kernels.CpuLayerOps, config: ModelConfig, rows: int) -> dict[str, dict[str, Timed]]:
     gate_up = torch.randn(rows, 2 * config.intermediate_size)
 
     def torch_swiglu():
@@ -122,69 +188,96 @@ def time_layer_ops(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
         v_cache.index_copy_(0, slots, qkv[:, heads + kv_heads:])
 
     hidden, weight = torch.randn(rows, config.hidden_size), torch.randn(config.hidden_size)
-    return {"rms_norm": {"kernel_ms": median_ms(lambda: ops.rms_norm(hidden, weight, 1e-5), repeat),
-                         "torch_ms": median_ms(lambda: F.rms_norm(hidden, weight.shape, weight, 1e-5), repeat)},
-            "swiglu": {"kernel_ms": median_ms(lambda: ops.silu_mul(gate_up), repeat),
-                       "torch_ms": median_ms(torch_swiglu, repeat)},
+    return {"swiglu": {"kernel_ms": lambda: ops.silu_mul(gate_up), "torch_ms": torch_swiglu},
             "rotary_and_cache_write": {
-                "kernel_ms": median_ms(lambda: ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin,
-                                                                positions, slots, k_cache, v_cache), repeat),
-                "torch_ms": median_ms(torch_rotary, repeat)}}
+                "kernel_ms": lambda: ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots,
+                                                      k_cache, v_cache),
+                "torch_ms": torch_rotary},
+            "rms_norm": {"kernel_ms": lambda: ops.rms_norm(hidden, weight, 1e-5),
+                         "torch_ms": lambda: F.rms_norm(hidden, weight.shape, weight, 1e-5)}}
 
 
-def time_decode_linears(ops: kernels.CpuLayerOps, rows: int, repeat: int) -> dict:
-    """A decode step's q|k|v, o, gate|up and down projections of all 8 layers of `small` (94 MB of weights, read
-    in turn as a step reads them), `rows` rows: the small GEMM's panels against oneDNN's blocked weights."""
-    config = preset("small")
-    hidden, inner = config.hidden_size, config.intermediate_size
-    q_kv = (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-    shapes = [(q_kv, hidden), (hidden, config.num_heads * config.head_dim), (2 * inner, hidden), (hidden, inner)]
-    generator = torch.Generator().manual_seed(1)
-    weights = [torch.randn(out, width, generator=generator) * 0.02 for _ in range(config.num_layers)
-               for out, width in shapes]
-    blocked = [pack_weight(w, True) for w in weights]
-    panels = [ops.pack_panels(w) for w in weights]
-    inputs = {width: torch.randn(rows, width, generator=generator) for _, width in shapes}
-
-    def onednn():
-        for w, b in zip(weights, blocked):
-            linear(inputs[w.shape[1]], b)
-
-    def small():
-        for w, p in zip(weights, panels):
-            ops.small_linear(inputs[w.shape[1]], p, w.shape[0])
-
-    return {"kernel_ms": median_ms(small, repeat), "torch_ms": median_ms(onednn, repeat)}
+def time_others(kernel: kernels.CpuAttention, ops: kernels.CpuLayerOps, config: ModelConfig, threads: int,
+                args) -> dict:
+    cases = {
+        "decode, 32 x 288, KV in cache": decode_fns(kernel, config, 32, 288, 1),
+        f"decode, 32 x 288, {config.num_layers} layers' KV in turn": decode_fns(kernel, config, 32, 288,
+                                                                                 config.num_layers),
+        "decode, 1 x 2048": decode_fns(kernel, config, 1, 2048, 1),
+        "prefill, 4 prompts x 256": prefill_fns(kernel, config, 4, 256),
+        "prefill, one 2048-token prompt": prefill_fns(kernel, config, 1, 2048),
+        **{f"{name}, {rows} rows": fns for rows in (32, 2048) for name, fns in layer_op_fns(ops, config, rows).items()},
+    }
+    results = {}
+    for name, fns in cases.items():
+        results[name] = figures(least_ms(fns, threads, args.repeat, args.budget_s))
+        print(f"  {config.name} {name}, {threads} thread(s): kernel/torch {results[name]['kernel/torch']}", flush=True)
+    return results
 
 
-def main() -> None:
-    args = parse_args()
-    torch.set_num_threads(args.threads)
-    kernel, ops = kernels.load(), kernels.load_layer_ops()
-    if kernel is None or ops is None:
+def rerun_capped(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """The exit status of this script run again in a process whose torch is held to args.isa (each ISA in turn for
+    `all`), or None where this process already is."""
+    if args.isa == "all":
+        others = [a for i, a in enumerate(argv) if not a.startswith("--isa") and (i == 0 or argv[i - 1] != "--isa")]
+        statuses = [subprocess.run([sys.executable, __file__, *others, "--isa", name]).returncode
+                    for name in kernels.runnable()]
+        return max(statuses)
+    wanted = kernels.capped_env(args.isa)
+    if all(os.environ.get(key) == value for key, value in TORCH_CAPS[args.isa].items()):
+        return None
+    return subprocess.run([sys.executable, __file__, *argv], env={**os.environ, **wanted}).returncode
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    status = rerun_capped(args, argv)
+    if status is not None:
+        raise SystemExit(status)
+    kernel = kernels.load(args.isa)
+    if kernel is None:
         print("SKIPPED: the CPU kernels cannot be built here (no C++ compiler)")
         return
-    results = {
-        "decode, 32 x 288, KV in cache": time_decode(kernel, 32, 288, 1, args.repeat),
-        "decode, 32 x 288, 8 layers' KV in turn": time_decode(kernel, 32, 288, 8, args.repeat),
-        "decode, 1 x 2048": time_decode(kernel, 1, 2048, 1, args.repeat),
-        "prefill, 8 prompts x 256": time_prefill(kernel, 8, 256, args.repeat),
-        "prefill, one 2048-token prompt": time_prefill(kernel, 1, 2048, max(5, args.repeat // 5)),
-        **{f"{name}, {rows} rows": figures for rows in (32, 2048)
-           for name, figures in time_layer_ops(ops, rows, args.repeat).items()},
-        **{f"decode step's linear layers, {rows} rows (torch: oneDNN)": time_decode_linears(ops, rows, args.repeat)
-           for rows in (1, 8, 16, 32, 64, 128, 256)},
-    }
-    for figures in results.values():
-        figures["ratio"] = round(figures["torch_ms"] / figures["kernel_ms"], 2)
-    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "threads": args.threads,
-              "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
-              "library": kernel.path.name, "results": results}
-    print("| one call, `small`, fp32 | torch | kernel | torch / kernel |\n|---|---:|---:|---:|")
-    for name, figures in results.items():
-        print(f"| {name} | {figures['torch_ms']} ms | {figures['kernel_ms']} ms | {figures['ratio']}x |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    ops = kernels.CpuLayerOps(kernel.path)
+    print(f"kernels built for {kernel.isa} (--isa {args.isa}), torch's CPU capability "
+          f"{torch.backends.cpu.get_cpu_capability()}: {kernel.path.name}", flush=True)
+    results: dict[str, dict] = {}
+    load_before = os.getloadavg()
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name in args.models:
+            config = preset(name)
+            figures_here = {"gemm": time_gemms(ops, config, threads, args),
+                            **time_others(kernel, ops, config, threads, args)}
+            results.setdefault(f"{threads} thread(s)", {})[name] = figures_here
+    record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "isa": args.isa, "library": kernel.isa,
+              "torch_capability": torch.backends.cpu.get_cpu_capability(),
+              "env": {key: os.environ.get(key) for key in kernels.capped_env("portable")},
+              "machine": {"cpu": cpu_name(), "torch": torch.__version__},
+              "timing": "least of interleaved calls: wall time on 2 threads, the thread's CPU time on 1; "
+                        "kernel/X = kernel time / X's time; gemm figures at gemm_rows rows",
+              "load_average": {"before": [round(x, 2) for x in load_before],
+                               "after": [round(x, 2) for x in os.getloadavg()]},
+              "gemm_rows": list(GEMM_ROWS), "results": results}
+    out = Path(args.out or RESULTS / f"cpu_kernels_{args.isa}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(compact_json(record) + "\n")
+    print(f"wrote {out}")
+
+
+def compact_json(record: dict) -> str:
+    """JSON with each list of numbers on one line."""
+    text = json.dumps(record, indent=1)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

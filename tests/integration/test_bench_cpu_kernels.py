@@ -1,5 +1,6 @@
 """`bench/bench_cpu_kernels.py` runs end to end: every kernel timed beside torch's way (the small GEMM beside
-oneDNN's), the ratios derived, the JSON written (or, without a compiler, a clear SKIPPED)."""
+`F.linear` and oneDNN's) per model shape and thread count, the ratios derived, the JSON written with the
+instruction set the kernels were built for (or, without a compiler, a clear SKIPPED)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,25 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_cpu_kernels_writes_every_figure(tmp_path):
     out = tmp_path / "cpu_kernels.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_kernels.py"), "--repeat", "2",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_kernels.py"), "--models", "tiny",
+                           "--threads", "1", "--repeat", "2", "--budget-s", "0.2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     if kernels.compiler() is None:
         assert "SKIPPED" in done.stdout and not out.exists()
         return
-    results = json.loads(out.read_text())["results"]
-    assert len(results) == 18  # 5 attention cases, 3 layer ops at 32 and 2048 rows, a step's linears at 7 row counts
-    for name, figures in results.items():
-        assert figures["kernel_ms"] > 0 and figures["torch_ms"] > 0, name
-        assert figures["ratio"] == round(figures["torch_ms"] / figures["kernel_ms"], 2)
-    assert "| decode, 32 x 288, KV in cache |" in done.stdout
-    assert "| decode step's linear layers, 16 rows (torch: oneDNN) |" in done.stdout
+    written = json.loads(out.read_text())
+    assert written["isa"] == "native" and written["library"] in ("avx512", "avx2", "scalar", "portable")
+    figures = written["results"]["1 thread(s)"]["tiny"]
+    gemm = figures.pop("gemm")
+    assert set(gemm) == {"qkv 64->128", "o 64->64", "gate_up 64->256", "down 128->64"}
+    rows = written["gemm_rows"]
+    for shape, cell in gemm.items():  # each figure a list over `gemm_rows`
+        assert all(len(cell[key]) == len(rows) for key in ("kernel_ms", "F.linear_ms", "onednn_ms")), shape
+        for kernel_ms, linear_ms, ratio in zip(cell["kernel_ms"], cell["F.linear_ms"], cell["kernel/F.linear"]):
+            assert kernel_ms > 0 and linear_ms > 0, shape
+            assert ratio == round(kernel_ms / linear_ms, 3), shape
+    assert len(figures) == 11  # 5 attention cases, 3 layer ops at 32 and 2048 rows
+    for name, cell in figures.items():
+        assert cell["kernel_ms"] > 0 and cell["torch_ms"] > 0, name
+        assert cell["kernel/torch"] == round(cell["kernel_ms"] / cell["torch_ms"], 3), name
