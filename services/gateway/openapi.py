@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcentric.core.openai_api import CHAT_ROLES, MAX_LOGIT_BIAS, MAX_PRIORITY, MAX_TOP_K, SEED_MAX, SEED_MIN
+from kvcentric.core.openai_api import MAX_LOGIT_BIAS, MAX_PRIORITY, MAX_TOP_K, SEED_MAX, SEED_MIN
+from kvcentric.core.openai_chat import CHAT_ROLES
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES
 
 

@@ -194,3 +194,84 @@ def test_n_and_best_of_sample_best_of_sequences_and_rank_them_by_logprobs():
     assert parse(prompt="x", n=3).sampling.n == 3 and parse(prompt="x", n=3).sampling.logprobs is None
     with pytest.raises(ApiError, match="cannot be streamed"):
         parse(prompt="x", n=1, best_of=2, stream=True)
+
+
+# ---------------------------------------------------------------- the defects of issue 45
+
+
+@pytest.mark.parametrize("mode", [{}, [], 1, True])
+def test_a_logprobs_mode_that_is_not_a_string_is_a_400_not_a_crash(mode):
+    with pytest.raises(ApiError) as caught:
+        parse(prompt="x", logprobs_mode=mode)
+    assert caught.value.status == 400 and caught.value.param == "logprobs_mode"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"max_tokens": "AAA", "max_completion_tokens": 4}, "max_tokens"),
+    ({"max_tokens": 4, "max_completion_tokens": "AAA"}, "max_completion_tokens"),
+    ({"max_tokens": -1, "max_completion_tokens": 4}, "max_tokens"),
+])
+def test_max_tokens_is_checked_even_beside_max_completion_tokens(body, param):
+    with pytest.raises(ApiError) as caught:
+        chat(messages=[{"role": "user", "content": "x"}], **body)
+    assert caught.value.param == param
+    both = chat(messages=[{"role": "user", "content": "x"}], max_tokens=9, max_completion_tokens=4)
+    assert both.sampling.max_tokens == 4
+
+
+def test_stream_options_need_stream_and_take_continuous_usage_stats():
+    request = parse(prompt="x", stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert request.include_usage and request.continuous_usage
+    only = parse(prompt="x", stream=True, stream_options={"continuous_usage_stats": True})
+    assert only.continuous_usage and not only.include_usage
+    assert not parse(prompt="x", stream=False, stream_options={}).include_usage  # an empty object asks nothing
+    for bad in ({"include_usage": True}, {"continuous_usage_stats": False}):
+        with pytest.raises(ApiError, match="only allowed with 'stream': true") as caught:
+            parse(prompt="x", stream_options=bad)
+        assert caught.value.param == "stream_options"
+    for bad in ({"obfuscate": True}, {"continuous_usage_stats": "yes"}, ["include_usage"]):
+        with pytest.raises(ApiError) as caught:
+            parse(prompt="x", stream=True, stream_options=bad)
+        assert caught.value.param == "stream_options"
+
+
+def test_message_name_tool_calls_and_tool_call_id_reach_the_template():
+    call = {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    request = chat(messages=[{"role": "user", "content": "hi", "name": "ann"},
+                             {"role": "assistant", "tool_calls": [call]},
+                             {"role": "tool", "content": "-3C", "tool_call_id": "call_1"}])
+    assert request.messages == [
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "call_1", "type": "function",
+                         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": "-3C", "tool_call_id": "call_1"}]
+
+
+@pytest.mark.parametrize("message", [
+    {"role": "user"}, {"role": "system", "content": None}, {"role": "user", "content": "x", "name": 3},
+    {"role": "user", "content": "x", "tool_calls": []}, {"role": "user", "content": "x", "tool_call_id": "c"},
+    {"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f"}}]},
+    {"role": "assistant", "tool_calls": "f()"}, {"role": "user", "content": "x", "audio": {"id": "a"}},
+])
+def test_bad_message_fields_are_400_naming_messages(message):
+    with pytest.raises(ApiError) as caught:
+        chat(messages=[message])
+    assert caught.value.status == 400 and caught.value.param == "messages"
+
+
+def test_a_batch_of_prompts_is_split_one_request_per_prompt():
+    request = parse(prompt=["a", "bc"], n=2)
+    assert request.batch == ("a", "bc") and request.prompt == "a"
+    assert [(r.prompt, r.prompt_token_ids, r.batch) for r in request.each_prompt()] == [("a", None, ()),
+                                                                                       ("bc", None, ())]
+    tokens = parse(prompt=[[1, 2], [3]])
+    assert [r.prompt_token_ids for r in tokens.each_prompt()] == [[1, 2], [3]]
+    assert parse(prompt=["one"]).batch == () and parse(prompt=["one"]).each_prompt()[0].prompt == "one"
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], ["a", ""], ["a", [1]], [[1], [300]], ["a"] * 257, [["a"]]])
+def test_a_bad_batch_is_a_400_naming_prompt(prompt):
+    with pytest.raises(ApiError) as caught:
+        parse(prompt=prompt)
+    assert caught.value.status == 400 and caught.value.param == "prompt"

@@ -23,6 +23,15 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_s
     assert adjusted(prompt=[0], generated=[1], repetition_penalty=2.0) == [1.0, -2.0, 0.5, 1.0, -3.0]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1e-5, 1.0])
+def test_a_repetition_penalty_near_zero_leaves_finite_logits_and_a_token(temperature):
+    params = SamplingParams(temperature=temperature, seed=3, repetition_penalty=5e-324, logprobs=2,
+                            processed_logprobs=True)
+    assert all(abs(v) < float("inf") for v in adjust(LOGITS.clone(), params, [0, 3], [], ()).tolist())
+    token, logprob = choose(LOGITS.clone(), params, 0, prompt=[0, 3])
+    assert token in (0, 3) and logprob is not None and logprob.logprob == logprob.logprob  # not NaN
+
+
 def test_frequency_and_presence_penalties_count_the_output_only():
     got = adjusted(prompt=[2], generated=[0, 0, 3], frequency_penalty=0.5, presence_penalty=0.25)
     assert got == pytest.approx([2.0 - 1.0 - 0.25, -1.0, 0.5, 1.0 - 0.5 - 0.25, -3.0])

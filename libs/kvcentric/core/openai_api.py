@@ -16,19 +16,9 @@ from typing import Any
 
 import msgspec
 
+from kvcentric.core.api_error import ApiError, check as _check
+from kvcentric.core.openai_chat import parse_messages
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 MAX_STOP_STRINGS = 4
@@ -38,7 +28,10 @@ GREEDY_BELOW = 1e-5
 """Temperatures below this are taken as 0 (greedy), as vLLM does: dividing logits by less overflows."""
 MAX_PRIORITY = 1000
 MAX_TOP_K = 2 ** 31 - 1
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+MAX_PROMPTS = 256
+"""Prompts one completion request may batch (each is placed and run as a request of its own)."""
+Prompt = str | list[int]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +46,8 @@ class CompletionRequest:
     """Strings that end the output when they appear in it (not included in the answer)."""
     user: str | None = None
     messages: list[dict] | None = None
-    """Chat requests only: the conversation, each message {"role", "content"} with content as text."""
+    """Chat requests only: the conversation, each message {"role", "content"} with content as text, plus its
+    `name`, `tool_calls` and `tool_call_id` when it has them (`kvcentric.core.openai_chat`)."""
     max_tokens_defaulted: bool = False
     """No max_tokens was given (chat): the gateway lowers it to what is left of the context."""
     priority: int = 0
@@ -71,11 +65,18 @@ class CompletionRequest:
     """vLLM's extension: each choice carries the ids of its tokens (`token_ids`; streamed, those of the event)
     and the answer the prompt's (`prompt_token_ids`: in the choices of a completion, at the top of a chat
     answer; streamed, in the first event only)."""
+    continuous_usage: bool = False
+    """vLLM's `stream_options.continuous_usage_stats`: every streamed chunk carries the usage so far."""
+    batch: tuple[Prompt, ...] = ()
+    """Completions: the prompts of a batch of more than one (`prompt`/`prompt_token_ids` hold the first);
+    `each_prompt` splits it, and prompt i's choices are answered at indices i*n .. i*n+n-1, as OpenAI's."""
 
-
-def _check(condition: bool, message: str, param: str | None) -> None:
-    if not condition:
-        raise ApiError(400, message, param)
+    def each_prompt(self) -> list[CompletionRequest]:
+        """One request per prompt of the batch (itself when it is not a batch)."""
+        if not self.batch:
+            return [self]
+        return [dataclasses.replace(self, batch=(), prompt=p if isinstance(p, str) else None,
+                                    prompt_token_ids=None if isinstance(p, str) else list(p)) for p in self.batch]
 
 
 def _is_int(value: Any) -> bool:
@@ -92,20 +93,28 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _prompt(body: dict, vocab_size: int) -> tuple[str | None, list[int] | None]:
+def _prompts(body: dict, vocab_size: int) -> list[Prompt]:
+    """The prompt, or each prompt of a batch: a string, a list of token ids, or a list of either."""
     _check("prompt" in body, "'prompt' is a required property", "prompt")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+    batched = isinstance(prompt, list) and len(prompt) > 0 and any(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if batched else [prompt]
+    _check(not batched or all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts),
+           "'prompt' batches either strings or lists of token ids, not both", "prompt")
+    _check(len(prompts) <= MAX_PROMPTS, f"'prompt' batches at most {MAX_PROMPTS} prompts", "prompt")
+    return [_one_prompt(one, vocab_size) for one in prompts]
+
+
+def _one_prompt(prompt: Any, vocab_size: int) -> Prompt:
     if isinstance(prompt, str):
         _check(len(prompt) > 0, "'prompt' must not be empty", "prompt")
-        return prompt, None
+        return prompt
     _check(isinstance(prompt, list) and len(prompt) > 0 and all(type(t) is int for t in prompt),
-           "'prompt' must be a string or a non-empty list of token ids (one prompt per request)", "prompt")
+           "'prompt' must be a non-empty string, a non-empty list of token ids, or a list of either", "prompt")
     if min(prompt) < 0 or max(prompt) >= vocab_size:
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         raise ApiError(400, f"token ids must be in [0, {vocab_size}); got {bad[:5]}", "prompt")
-    return None, list(prompt)
+    return list(prompt)
 
 
 def _model(body: dict, served: str | Sequence[str]) -> str:
@@ -138,15 +147,17 @@ def _flag(body: dict, name: str) -> bool:
 
 
 def _max_tokens(body: dict, allow_zero: bool = False) -> int | None:
-    """The completion budget the body asks for, or None when it names none."""
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        return None
+    """The completion budget the body asks for, or None when it names none. Both names are checked;
+    `max_completion_tokens` (OpenAI's newer name) wins when both are given."""
     low = 0 if allow_zero else 1
-    _check(_is_int(value) and value >= low, f"'{name}' must be an integer >= {low}"
-           + ("" if allow_zero else " (0 only with echo)"), name)
-    return value
+    values = {}
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None:
+            _check(_is_int(value) and value >= low, f"'{name}' must be an integer >= {low}"
+                   + ("" if allow_zero else " (0 only with echo)"), name)
+            values[name] = value
+    return values.get("max_completion_tokens", values.get("max_tokens"))
 
 
 COMMON_FIELDS = frozenset({
@@ -198,7 +209,7 @@ def _penalties(body: dict, vocab_size: int, max_tokens: int) -> dict:
     """presence, frequency and repetition penalties, min_tokens, logit_bias, the logprobs mode."""
     mode = body.get("logprobs_mode")
     mode = "raw_logprobs" if mode is None else mode
-    _check(mode in LOGPROBS_MODES, f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
+    _check(isinstance(mode, str) and mode in LOGPROBS_MODES, f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
     return {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
             "repetition_penalty": _positive(body, "repetition_penalty", 1.0, 2.0),
@@ -212,6 +223,27 @@ def _positive(body: dict, name: str, default: float, high: float) -> float:
     return value
 
 
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+"""OpenAI's `include_usage` (a trailing usage chunk) and vLLM's `continuous_usage_stats` (usage on every chunk)."""
+
+
+def _stream_options(body: dict, stream: bool) -> dict[str, bool]:
+    """The stream options that are set. They need `stream: true`, as OpenAI and vLLM say; an empty object
+    is no option."""
+    options = body.get("stream_options")
+    if options is None:
+        return {}
+    _check(isinstance(options, dict), "'stream_options' must be an object", "stream_options")
+    unknown = [key for key, value in options.items() if key not in STREAM_OPTIONS and value is not None]
+    _check(not unknown, f"'stream_options.{unknown[0] if unknown else ''}' is not supported by this server",
+           "stream_options")
+    set_ = {key: options[key] for key in STREAM_OPTIONS if options.get(key) is not None}
+    _check(all(isinstance(value, bool) for value in set_.values()),
+           f"'stream_options' takes booleans: {', '.join(STREAM_OPTIONS)}", "stream_options")
+    _check(stream or not options, "'stream_options' is only allowed with 'stream': true", "stream_options")
+    return set_
+
+
 def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size: int) -> dict:
     """The fields /v1/completions and /v1/chat/completions share, validated."""
     n = _integer(body, "n", 1, 1, MAX_SEQUENCES) or 1
@@ -220,11 +252,8 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
            f"'seed' must be an integer in [{SEED_MIN}, {SEED_MAX}] (a 64-bit signed integer)", "seed")
     user = body.get("user")
     _check(user is None or isinstance(user, str), "'user' must be a string", "user")
-    options = body.get("stream_options")
-    options = {} if options is None else options
-    include_usage = options.get("include_usage") if isinstance(options, dict) else None
-    _check(isinstance(options, dict) and (include_usage is None or isinstance(include_usage, bool)),
-           "'stream_options' must be an object whose include_usage is a boolean", "stream_options")
+    stream = _flag(body, "stream")
+    options = _stream_options(body, stream)
     priority = body.get("priority", 0)  # vLLM's extension
     _check(_is_int(priority) and abs(priority) <= MAX_PRIORITY,
            f"'priority' must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}]", "priority")
@@ -236,8 +265,9 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0),
                               n=n, **_penalties(body, vocab_size, max_tokens))
-    return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": _flag(body, "stream"),
-            "include_usage": bool(include_usage), "stop": _stop(body), "user": user,
+    return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": stream,
+            "include_usage": options.get("include_usage", False),
+            "continuous_usage": options.get("continuous_usage_stats", False), "stop": _stop(body), "user": user,
             "priority": priority or 0, "return_token_ids": _flag(body, "return_token_ids")}
 
 
@@ -247,7 +277,8 @@ def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: i
     the prompt too; `max_tokens` 0 is allowed with `echo` (the prompt alone is answered)."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
     _known_fields(body, COMPLETION_FIELDS)
-    prompt, token_ids = _prompt(body, vocab_size)
+    prompts = _prompts(body, vocab_size)
+    first = prompts[0]
     echo = _flag(body, "echo")
     max_tokens = _max_tokens(body, allow_zero=echo)
     common = _common(body, served_model, 16 if max_tokens is None else max(1, max_tokens), vocab_size)
@@ -257,35 +288,10 @@ def parse_completion(body: Any, served_model: str | Sequence[str], vocab_size: i
     ranked = 0 if best_of > common["n"] and logprobs is None else logprobs  # best_of ranks by logprobs
     sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=ranked, n=best_of,
                                        prompt_logprobs=logprobs if echo else None)
-    return CompletionRequest(prompt=prompt, prompt_token_ids=token_ids, sampling=sampling, echo=echo,
+    return CompletionRequest(prompt=first if isinstance(first, str) else None,
+                             prompt_token_ids=None if isinstance(first, str) else first,
+                             batch=tuple(prompts) if len(prompts) > 1 else (), sampling=sampling, echo=echo,
                              discard_output=max_tokens == 0, show_logprobs=logprobs is not None, **common)
-
-
-def _content(message: dict, index: int) -> str:
-    """A message's content as text: a string, or the text parts of a list of content parts."""
-    content = message.get("content")
-    if content is None and message.get("role") == "assistant":
-        return ""
-    if isinstance(content, list):
-        _check(all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content), f"messages[{index}].content: only text parts are supported", "messages")
-        return "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts", "messages")
-    return content
-
-
-def _messages(body: dict) -> list[dict]:
-    _check("messages" in body, "'messages' is a required property", "messages")
-    messages = body["messages"]
-    _check(isinstance(messages, list) and len(messages) > 0, "'messages' must be a non-empty list", "messages")
-    parsed = []
-    for index, message in enumerate(messages):
-        _check(isinstance(message, dict), f"messages[{index}] must be an object", "messages")
-        role = message.get("role")
-        _check(role in CHAT_ROLES, f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}", "messages")
-        parsed.append({"role": role, "content": _content(message, index)})
-    return parsed
 
 
 def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
@@ -294,7 +300,7 @@ def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
     gateway caps it once the prompt is tokenized), as vLLM does."""
     _check(isinstance(body, dict), "the request body must be a JSON object", None)
     _known_fields(body, CHAT_FIELDS)
-    messages = _messages(body)
+    messages = parse_messages(body)
     max_tokens = _max_tokens(body)
     common = _common(body, served_model, max_tokens or context_len, vocab_size)
     wants = _flag(body, "logprobs")

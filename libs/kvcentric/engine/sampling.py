@@ -17,6 +17,9 @@ from kvcentric.core.protocol import SamplingParams, TokenLogprob
 
 SEQUENCE_STRIDE = 7_919_000_017
 """Seeds of a request's sequences lie this far apart (sequence 0 draws as a request with n = 1 does)."""
+PENALISED_LOGIT_MAX = 1e30
+"""Where a repetition penalty close to 0 leaves a positive logit (dividing by it would overflow float32 to inf,
+and a softmax over inf is NaN); still finite after the smallest temperature divides it (1e-5)."""
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
@@ -67,8 +70,8 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
     if params.repetition_penalty != 1.0 and (prompt or generated):
         seen = torch.tensor(sorted({*prompt, *generated}), dtype=torch.long, device=logits.device)
         values = logits[seen]
-        logits[seen] = torch.where(values > 0, values / params.repetition_penalty,
-                                   values * params.repetition_penalty)
+        divided = (values / params.repetition_penalty).clamp(max=PENALISED_LOGIT_MAX)
+        logits[seen] = torch.where(values > 0, divided, values * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and generated:
         counts = torch.bincount(torch.tensor(list(generated), device=logits.device), minlength=vocab)[:vocab]
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)

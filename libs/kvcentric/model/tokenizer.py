@@ -9,6 +9,7 @@ multi-byte character split across two tokens comes out once complete).
 from __future__ import annotations
 
 import codecs
+import json
 from collections.abc import Callable
 
 BYTE_VOCAB = 258
@@ -69,7 +70,22 @@ class StreamDecoder:
 
 
 SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
-"""How dummy models render chat messages: one "role: content" line each, then "assistant: "."""
+"""How dummy models render chat messages: one "role: content" line each, then "assistant: ". A message's
+`name` (or a tool message's `tool_call_id`) follows its role in parentheses, and an assistant's tool calls
+follow its content, each as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`."""
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the conversation (its own `raise_exception`, or a Jinja error): the client's
+    messages break what the template expects, such as alternating roles."""
+
+
+def simple_chat_line(message: dict) -> str:
+    """One message in the simple template."""
+    tag = message.get("name") or message.get("tool_call_id")
+    role = f"{message['role']} ({tag})" if tag else message["role"]
+    calls = "".join(f"<tool_call>{json.dumps(call['function'])}</tool_call>" for call in message.get("tool_calls", ()))
+    return SIMPLE_CHAT_TEMPLATE.format(role=role, content=message["content"] + calls)
 
 
 class ByteChat:
@@ -79,8 +95,7 @@ class ByteChat:
     encode: Callable[..., list[int]]  # the tokenizer this is mixed into
 
     def apply_chat_template(self, messages: list[dict]) -> str:
-        lines = "".join(SIMPLE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"]) for m in messages)
-        return lines + "assistant: "
+        return "".join(simple_chat_line(m) for m in messages) + "assistant: "
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered conversation, ready for generation (BOS included once)."""
@@ -137,13 +152,17 @@ class HFTokenizer:
         import jinja2
 
         def raise_exception(message: str):
-            raise ValueError(message)
+            raise ChatTemplateError(message)
 
         env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "")
+        template = env.from_string(self.chat_template)  # a template that does not compile is the server's fault
+        try:
+            return template.render(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "")
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered conversation; a template writes its own BOS, so none is added."""
