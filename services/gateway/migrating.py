@@ -119,7 +119,7 @@ class Migrations:
             job.avoid.append(failure.instance_id)
         if job.stalled_at is None:
             job.stalled_at = job.last_token_at or job.started
-        job.bus_id = f"{job.request_id}-m{job.migrations}"
+        job.bus_id = f"{job.own_id}-m{job.migrations}"
         job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         prompt, sampling = continuation(job.token_ids, job.received, job.request.sampling)
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvcentric.core.openai_api import MAX_LOGIT_BIAS, MAX_PRIORITY, MAX_TOP_K, SEED_MAX, SEED_MIN
+from kvcentric.core.openai_api import MAX_LOGIT_BIAS, MAX_PROMPTS, MAX_PRIORITY, MAX_TOP_K, SEED_MAX, SEED_MIN
 from kvcentric.core.openai_chat import CHAT_ROLES
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES
 
@@ -38,8 +38,10 @@ def common_fields(served: Sequence[str], context: int, vocab: int) -> dict:
         "top_p": nullable(number(1e-6, 1)),
         "n": nullable(integer(1, MAX_SEQUENCES, description="choices, sampled in parallel from one prefill")),
         "stream": {"type": "boolean"},
-        "stream_options": nullable({"type": "object", "properties": {
-            "include_usage": nullable({"type": "boolean"})}}),
+        "stream_options": nullable({"type": "object", "additionalProperties": {"type": "null"},
+                                    "description": "only with stream: true (an empty object is no option)",
+                                    "properties": {"include_usage": nullable({"type": "boolean"}),
+                                                   "continuous_usage_stats": nullable({"type": "boolean"})}}),
         "stop": nullable({"anyOf": [{"type": "string", "minLength": 1},
                                     {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}]}),
         "seed": nullable(integer(SEED_MIN, SEED_MAX)),
@@ -65,26 +67,71 @@ def common_fields(served: Sequence[str], context: int, vocab: int) -> dict:
 def completion_request(served: Sequence[str], context: int, vocab: int) -> dict:
     token_ids = {"type": "array", "minItems": 1, "items": integer(0, vocab - 1)}
     text = {"type": "string", "minLength": 1}
-    prompt = {"anyOf": [text, token_ids, {"type": "array", "minItems": 1, "maxItems": 1, "items": text},
-                        {"type": "array", "minItems": 1, "maxItems": 1, "items": token_ids}],
-              "description": "text or token ids, or a batch of one of either"}
+    prompt = {"anyOf": [text, token_ids, {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": text},
+                        {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS, "items": token_ids}],
+              "description": "text or token ids, or a batch of either (one choice per prompt and n)"}
     fields = {"prompt": prompt, "max_tokens": nullable(integer(0, context - 1, description="0 only with echo")),
               "echo": {"type": "boolean"}, "logprobs": nullable(integer(0, MAX_LOGPROBS)),
               "best_of": nullable(integer(1, MAX_SEQUENCES, description="at least n; not streamed above n"))}
     return _request(["prompt"], {**common_fields(served, context, vocab), **fields})
 
 
-def chat_request(served: Sequence[str], context: int, vocab: int) -> dict:
+def messages_schema() -> dict:
+    """A message of each role: content required but for an assistant's (which may only call tools); `name` on
+    any; `tool_calls` only on an assistant's, `tool_call_id` only on a tool's."""
     part = {"type": "object", "required": ["type", "text"],
             "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": list(CHAT_ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}, {"type": "null"}],
-                    "description": "null only for the assistant"}}}
-    fields = {"messages": {"type": "array", "minItems": 1, "items": message},
+    content = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    name = nullable({"type": "string", "minLength": 1})
+    call = {"type": "object", "required": ["id", "type", "function"], "properties": {
+        "id": {"type": "string"}, "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name", "arguments"],
+                     "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}
+
+    def message(roles: list[str], required: list[str], **properties: dict) -> dict:
+        return {"type": "object", "required": ["role", *required], "additionalProperties": {"type": "null"},
+                "properties": {"role": {"enum": roles}, "name": name, **properties}}
+    return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        message([r for r in CHAT_ROLES if r not in ("assistant", "tool")], ["content"], content=content),
+        message(["assistant"], [], content=nullable(content),
+                tool_calls=nullable({"type": "array", "items": call})),
+        message(["tool"], ["content"], content=content, tool_call_id=nullable({"type": "string"}))]}}
+
+
+def chat_request(served: Sequence[str], context: int, vocab: int) -> dict:
+    fields = {"messages": messages_schema(),
               "max_tokens": nullable(integer(1, context - 1)), "logprobs": {"type": "boolean"},
               "top_logprobs": nullable(integer(0, MAX_LOGPROBS, description="needs logprobs: true"))}
     return _request(["messages"], {**common_fields(served, context, vocab), **fields})
+
+
+def tokenize_request(served: Sequence[str]) -> dict:
+    """vLLM's /tokenize: a prompt, or messages (then add_special_tokens may only be false)."""
+    flag = nullable({"type": "boolean"})
+    model = nullable({"type": "string", "enum": list(served)})
+    prompt = _request(["prompt"], {"model": model, "prompt": {"type": "string"}, "add_special_tokens": flag,
+                                   "return_token_strs": flag})
+    chat = _request(["messages"], {"model": model, "messages": messages_schema(),
+                                   "add_special_tokens": nullable({"const": False}), "add_generation_prompt": flag,
+                                   "return_token_strs": flag})
+    return {"anyOf": [prompt, chat]}
+
+
+def detokenize_request(served: Sequence[str], vocab: int) -> dict:
+    return _request(["tokens"], {"model": nullable({"type": "string", "enum": list(served)}),
+                                 "tokens": {"type": "array", "items": integer(0, vocab - 1)}})
+
+
+TOKENIZED = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"], "properties": {
+    "count": integer(0), "max_model_len": integer(1), "tokens": {"type": "array", "items": integer(0)},
+    "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}}}
+DETOKENIZED = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+
+
+def _tokens_post(summary: str, request: dict, ok: dict, keyed: bool) -> dict:
+    return {"post": {"summary": summary, **_security(keyed),
+                     "responses": {"200": _json(ok, "the answer"), **_errors(["400", "401"], keyed)},
+                     "requestBody": {"required": True, "content": {"application/json": {"schema": request}}}}}
 
 
 def _request(required: list[str], properties: dict) -> dict:
@@ -180,6 +227,10 @@ def openapi_document(served: Sequence[str], context: int, vocab: int, keyed: boo
             "/v1/completions": _post("text completion", completion_request(served, context, vocab), COMPLETION,
                                      keyed),
             "/v1/chat/completions": _post("chat completion", chat_request(served, context, vocab), CHAT, keyed),
+            "/tokenize": _tokens_post("vLLM's tokenize: the token ids of a prompt or of chat messages",
+                                      tokenize_request(served), TOKENIZED, keyed),
+            "/detokenize": _tokens_post("vLLM's detokenize: the text of token ids", detokenize_request(served, vocab),
+                                        DETOKENIZED, keyed),
             "/v1/models": {"get": {"summary": "the served model", **_security(keyed),
                                    "responses": {"200": _json(models, "a list with one model card"),
                                                  **_errors(["401"], keyed)}}},

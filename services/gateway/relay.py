@@ -82,9 +82,19 @@ class Job:
     progress_at: float = 0.0
     """time.perf_counter() of its latest progress: its latest token, or, before one came, the moment its latest
     placement predicted the first (a request is cut only after --request-timeout-s of silence from this)."""
+    answered: bool = False
+    """Every one of its choices ended (`pieces` returned)."""
+    batch_index: int | None = None
+    """Which prompt of a batched completion request it serves (None: the request has one prompt). The prompts of
+    a batch share the client's `request_id`; each has a bus id of its own."""
 
     def __post_init__(self) -> None:
-        self.bus_id = self.bus_id or self.request_id
+        self.bus_id = self.bus_id or self.own_id
+
+    @property
+    def own_id(self) -> str:
+        """Its id on the bus before any migration: the request's id, with the prompt's index in a batch."""
+        return self.request_id if self.batch_index is None else f"{self.request_id}-p{self.batch_index}"
 
     @property
     def ttft_s(self) -> float | None:
@@ -172,6 +182,7 @@ async def pieces(job: Job, chunks: AsyncIterator[TokenChunk], new_text: Callable
             yield piece
         if all(choice.done for choice in choices):
             job.engine_finished = all(choice.engine_done for choice in choices)
+            job.answered = True
             return
     raise ApiError(500, "the token stream ended early", kind="server_error")
 
@@ -258,6 +269,12 @@ async def watched(job: Job, stream: AsyncIterator[Piece], silence_s: float, keep
 
 async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: dict,
                   shaper: Shaper, silence_s: float = float("inf")) -> web.Response:
+    """The whole answer as one JSON response (`collect_body`)."""
+    return web.json_response(await collect_body(job, stream, model, shaper, silence_s), headers=headers)
+
+
+async def collect_body(job: Job, stream: AsyncIterator[Piece], model: str, shaper: Shaper,
+                       silence_s: float = float("inf")) -> dict:
     """The whole answer as one JSON body, `usage` included; with best_of, the n choices whose tokens are
     likeliest (the highest sum of logprobs). TimeoutError after `silence_s` without progress (`watched`)."""
     texts: dict[int, list[str]] = collections.defaultdict(list)
@@ -283,7 +300,7 @@ async def collect(job: Job, stream: AsyncIterator[Piece], model: str, headers: d
         for choice, index in zip(choices, kept):
             choice["token_ids"] = token_ids[index]
         shaper.prompt_token_ids(body)
-    return web.json_response(body, headers=headers)
+    return body
 
 
 def _choice(job: Job, model: str, index: int, text: str, finish_reason: str | None, shaped: list[dict]) -> dict:
@@ -308,9 +325,11 @@ class EventWriter:
     last piece goes out with the usage event, `[DONE]` and the end of the body: every write is a system
     call and a wake-up of the client, and on loopback those are most of what a token costs here."""
 
-    def __init__(self, job: Job, model: str, shaper: Shaper) -> None:
+    def __init__(self, job: Job, model: str, shaper: Shaper, offset: int = 0) -> None:
         self.job, self.model, self.shaper, self.created = job, model, shaper, int(time.time())
         self.held: list[bytes] = []
+        self.offset = offset
+        """Added to each choice's index: i*n for the i-th prompt of a batch (OpenAI's order)."""
 
     @property
     def response(self) -> web.StreamResponse:
@@ -342,19 +361,20 @@ class EventWriter:
         if self.job.chat:
             delta = {"content": text} if text else {}
             body = chat_chunk(self.job.request_id, self.model, delta, piece.finish_reason, None, self.created,
-                              logprobs=logprobs, index=piece.index)
+                              logprobs=logprobs, index=self.offset + piece.index)
         else:
             body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
-                                   logprobs=logprobs, index=piece.index)
+                                   logprobs=logprobs, index=self.offset + piece.index)
         self.hold(self.token_ids(body, piece))
         if piece.finish_reason is None:
             await self.response.write(self.take())
 
-    async def close(self) -> None:
+    async def close(self, total: dict | None = None) -> None:
+        """The held events, the usage chunk when asked for (`total`, a batch's, or the job's), `[DONE]`."""
         if self.job.request.include_usage:  # OpenAI's extra last chunk: no choices, the usage
             shape: Callable[..., dict] = chat_chunk if self.job.chat else completion_body
             empty = {} if self.job.chat else ""
-            body = shape(self.job.request_id, self.model, empty, None, self.job.usage(), self.created)
+            body = shape(self.job.request_id, self.model, empty, None, total or self.job.usage(), self.created)
             body["choices"] = []
             self.hold(body)
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
@@ -370,7 +390,9 @@ class EventWriter:
         await self.response.write_eof(self.take() + b"data: [DONE]\n\n")
 
     def hold(self, body: dict) -> None:
-        if self.job.request.include_usage and "choices" in body:  # OpenAI: usage null on all chunks but the last
+        if self.job.request.continuous_usage and body.get("choices"):  # vLLM: the usage so far on every chunk
+            body["usage"] = self.job.usage()
+        elif self.job.request.include_usage and "choices" in body:  # OpenAI: usage null on all chunks but the last
             body.setdefault("usage", None)
         self.held.append(b"data: " + json.dumps(body).encode() + b"\n\n")
 

@@ -18,12 +18,14 @@ import json
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import msgspec
 import nats.errors
 from aiohttp import web
 
-from kvc_gateway import relay
+from kvc_gateway import batch, relay
+from kvc_gateway.batch import all_or_none
 from kvc_gateway.config import GatewayConfig
 from kvc_gateway.migrating import Migrations
 from kvc_gateway.openapi import openapi_document
@@ -33,12 +35,13 @@ from kvcentric.core.errors import rejection_error
 from kvcentric.core.hashing import to_hex
 from kvcentric.core.migration import MigrationPolicy
 from kvcentric.core.metrics import SIZE_BUCKETS, TOKEN_GAP_BUCKETS_S, labelled
-from kvcentric.core.openai_api import ApiError, check_context, parse_chat, parse_completion
+from kvcentric.core.openai_api import (ApiError, check_context, parse_chat, parse_completion, parse_detokenize,
+                                       parse_tokenize)
 from kvcentric.core.protocol import (BadMessage, Cancel, ConductorAlive, Dispatch, InstancesQuery, InstancesReply,
                                      Placement, Rejection, RequestOutcome, SamplingParams, ScheduleReply,
                                      ScheduleRequest, Subjects, TokenChunk, decode, encode)
 from kvcentric.core.scheduling.leadership import Leadership
-from kvcentric.model.tokenizer import load_tokenizer
+from kvcentric.model.tokenizer import ChatTemplateError, load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.http import BUS_DOWN, RETRY_AFTER_S, error_response
 from kvcentric.runtime.service import Service
@@ -117,6 +120,8 @@ class GatewayService(Service):
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model_id}", self.model_card)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
 
     def gauges(self) -> dict[str, float]:
         return {"requests_in_flight": self.in_flight}
@@ -181,6 +186,27 @@ class GatewayService(Service):
         return web.json_response(openapi_document(self.config.served_names, self.model.max_position,
                                                   self.model.vocab_size, bool(self.config.api_key)))
 
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize: the ids a prompt (or messages, rendered as a chat request is) becomes."""
+        asked = parse_tokenize(await self.request_body(request), self.config.served_names)
+        try:
+            if asked.messages is not None:
+                tokens = self.tokenizer.encode_chat(asked.messages, asked.add_generation_prompt)
+            else:
+                tokens = self.tokenizer.encode(asked.prompt or "", add_bos=asked.add_special_tokens)
+        except UnicodeEncodeError:
+            raise ApiError(400, "the text is not valid Unicode (it holds a lone surrogate escape)") from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}", "messages") from None
+        strs = [self.tokenizer.token_str(token) for token in tokens] if asked.return_token_strs else None
+        return web.json_response({"count": len(tokens), "max_model_len": self.model.max_position,
+                                  "tokens": tokens, "token_strs": strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /detokenize: the text of token ids."""
+        tokens = parse_detokenize(await self.request_body(request), self.config.served_names, self.model.vocab_size)
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
     # ---------------------------------------------------------------- completions
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -194,41 +220,51 @@ class GatewayService(Service):
         with tracing.span("gateway.request", tracing.extract_headers(request.headers), tracing.SpanKind.SERVER,
                           {"http.route": request.path}) as span:
             try:
-                job = await self.parse(request, chat, started)
+                jobs = await self.parse(request, chat, started)
             except ApiError as exc:
                 self.counters[labelled("requests_total", outcome=str(exc.status))] += 1
                 span.set_attribute("http.response.status_code", exc.status)
                 return error_response(exc)
-            span.set_attributes({"kvc.request_id": job.request_id, "kvc.prompt_tokens": len(job.token_ids),
-                                 "kvc.max_tokens": job.request.sampling.max_tokens,
-                                 "kvc.stream": job.request.stream, "enduser.id": job.request.user or ""})
-            self.in_flight += 1
+            lead = jobs[0]
+            span.set_attributes({"kvc.request_id": lead.request_id,
+                                 "kvc.prompt_tokens": sum(len(job.token_ids) for job in jobs),
+                                 "kvc.prompts": len(jobs), "kvc.max_tokens": lead.request.sampling.max_tokens,
+                                 "kvc.stream": lead.request.stream, "enduser.id": lead.request.user or ""})
+            self.in_flight += len(jobs)
             outcome = "cancelled"
             try:
-                response, outcome = await self.generate(request, job)
+                response, outcome = await self.generate(request, jobs)
                 span.set_attribute("http.response.status_code", response.status)
                 return response
             finally:
-                self.in_flight -= 1
+                self.in_flight -= len(jobs)
                 span.set_attribute("kvc.outcome", outcome)
-                await self.finish(job, outcome)
+                for job in jobs:  # a prompt of a batch answered whole keeps its own ending
+                    await self.finish(job, job.finish_reason if len(jobs) > 1 and job.answered and
+                                      job.finish_reason else outcome)
 
-    async def parse(self, request: web.Request, chat: bool, started: float) -> relay.Job:
+    async def request_body(self, request: web.Request):
+        """The request's JSON body; a 400 for what is not JSON."""
         try:
-            body = await request.json()
+            return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the body is not valid JSON: {exc}") from None
         except LookupError:
             raise ApiError(400, f"unknown charset {request.charset!r} in Content-Type: send UTF-8 JSON") from None
         except RecursionError:
             raise ApiError(400, "the JSON body is nested too deeply") from None
+
+    async def parse(self, request: web.Request, chat: bool, started: float) -> list[relay.Job]:
+        body = await self.request_body(request)
         try:
-            return self.job_of(body, chat, started)
+            return self.jobs_of(body, chat, started)
         except UnicodeEncodeError:
             raise ApiError(400, "the text is not valid Unicode (it holds a lone surrogate escape)") from None
+        except ChatTemplateError as exc:
+            raise ApiError(400, f"the model's chat template refused the messages: {exc}", "messages") from None
 
-    def job_of(self, body, chat: bool, started: float) -> relay.Job:
-        """The validated, tokenized request."""
+    def jobs_of(self, body, chat: bool, started: float) -> list[relay.Job]:
+        """The validated, tokenized request: one job, or one per prompt of a batch (sharing its id)."""
         context = self.model.max_position
         if chat:
             parsed = parse_chat(body, self.config.served_names, context, self.model.vocab_size)
@@ -236,49 +272,79 @@ class GatewayService(Service):
             if parsed.max_tokens_defaulted:
                 sampling = msgspec.structs.replace(parsed.sampling, max_tokens=max(1, context - len(token_ids)))
                 parsed = dataclasses.replace(parsed, sampling=sampling)
-        else:
-            parsed = parse_completion(body, self.config.served_names, self.model.vocab_size)
-            token_ids = parsed.prompt_token_ids or self.tokenizer.encode(parsed.prompt)
-        check_context(len(token_ids), parsed.sampling.max_tokens, context)
-        prefix = "chatcmpl" if chat else "cmpl"
-        return relay.Job(f"{prefix}-{uuid.uuid4().hex}", parsed, token_ids, chat, started)
+            check_context(len(token_ids), parsed.sampling.max_tokens, context)
+            return [relay.Job(f"chatcmpl-{uuid.uuid4().hex}", parsed, token_ids, chat, started)]
+        parsed = parse_completion(body, self.config.served_names, self.model.vocab_size)
+        request_id, prompts = f"cmpl-{uuid.uuid4().hex}", parsed.each_prompt()
+        jobs = []
+        for index, one in enumerate(prompts):
+            token_ids = one.prompt_token_ids or self.tokenizer.encode(one.prompt)
+            check_context(len(token_ids), one.sampling.max_tokens, context)
+            jobs.append(relay.Job(request_id, one, token_ids, chat, started,
+                                  batch_index=index if len(prompts) > 1 else None))
+        return jobs
 
-    async def generate(self, request: web.Request, job: relay.Job) -> tuple[web.StreamResponse, str]:
-        """Place, relay and answer; returns the response and the outcome label of the request."""
+    def new_text(self, job: relay.Job) -> TextStream:
+        return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
+
+    async def open_job(self, job: relay.Job) -> AsyncIterator[relay.Piece]:
+        """Listen for the job's tokens and place it; its pieces (`relay.pieces`) once placed."""
         job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         self.running[id(job)] = job
-        shaper = relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
+        await self.place(job, job.token_ids, job.request.sampling)
+        return relay.pieces(job, self.token_chunks(job), lambda: self.new_text(job), self.tbt.observe)
+
+    async def close_job(self, job: relay.Job) -> None:
+        self.running.pop(id(job), None)
+        if job.output is not None:
+            with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams`, or NATS is draining
+                await job.output.unsubscribe()
+
+    async def generate(self, request: web.Request, jobs: list[relay.Job]) -> tuple[web.StreamResponse, str]:
+        """Place, relay and answer; returns the response and the outcome label of the request."""
+        lead = jobs[0]
+        shapers = [relay.Shaper(job, self.token_text, self.prompt_text(job) if job.request.echo else "")
+                   for job in jobs]
         silence = self.config.request_timeout_s
         try:
-            placement = await self.place(job, job.token_ids, job.request.sampling)
-
-            def new_text() -> TextStream:
-                return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
-            pieces = relay.pieces(job, self.token_chunks(job), new_text, self.tbt.observe)
-            headers = self.response_headers(client_request_id(request) or job.request_id, placement)
-            if job.request.stream:
-                response = await relay.stream(request, job, pieces, self.model_name, headers, shaper, silence,
-                                              self.config.keepalive_s)
+            streams = await all_or_none(self.open_job(job) for job in jobs)
+            headers = self.response_headers(client_request_id(request) or lead.request_id, lead.placement)
+            if len(jobs) > 1:
+                return await self.answer_batch(request, jobs, streams, batch.headers_of(headers, jobs), shapers)
+            if lead.request.stream:
+                response = await relay.stream(request, lead, streams[0], self.model_name, headers, shapers[0],
+                                              silence, self.config.keepalive_s)
             else:
-                response = await relay.collect(job, pieces, self.model_name, headers, shaper, silence)
-            return response, job.finish_reason or "500"
+                response = await relay.collect(lead, streams[0], self.model_name, headers, shapers[0], silence)
+            return response, lead.finish_reason or "500"
         except ApiError as exc:
             return error_response(exc), str(exc.status)
         except TimeoutError:
             error = ApiError(504, f"the request made no progress for {silence:g} s (--request-timeout-s): no token "
                                   f"came, nor its first within its predicted time", kind="timeout")
-            if job.response is not None:  # the stream had started: the error goes into it
-                await relay.EventWriter(job, self.model_name, shaper).error(error)
-                return job.response, "504"
+            if lead.response is not None:  # the stream had started: the error goes into it
+                await relay.EventWriter(lead, self.model_name, shapers[0]).error(error)
+                return lead.response, "504"
             return error_response(error), "504"
         except ConnectionResetError:
-            if job.response is None:  # the client left before its stream opened: nothing to answer with
+            if lead.response is None:  # the client left before its stream opened: nothing to answer with
                 raise
-            return job.response, "cancelled"
+            return lead.response, "cancelled"
         finally:
-            self.running.pop(id(job), None)
-            with contextlib.suppress(nats.errors.Error):  # already ended by `end_streams`, or NATS is draining
-                await job.output.unsubscribe()
+            for job in jobs:
+                await self.close_job(job)
+
+    async def answer_batch(self, request: web.Request, jobs: list[relay.Job], streams: list, headers: dict,
+                           shapers: list[relay.Shaper]) -> tuple[web.StreamResponse, str]:
+        """A batch's answer (`kvc_gateway.batch`); its outcome is its prompts' if they all ended alike."""
+        silence = self.config.request_timeout_s
+        if jobs[0].request.stream:
+            response = await batch.stream(request, jobs, streams, self.model_name, headers, shapers, silence,
+                                          self.config.keepalive_s)
+        else:
+            response = await batch.collect(jobs, streams, self.model_name, headers, shapers, silence)
+        reasons = {job.finish_reason or "500" for job in jobs}
+        return response, reasons.pop() if len(reasons) == 1 else "mixed"
 
     async def end_streams(self) -> None:
         """The bus connection dropped: what the engines publish until it is back is lost, so every request
@@ -364,7 +430,7 @@ class GatewayService(Service):
             await job.output.unsubscribe()
         self.counters["schedule_retries_total"] += 1
         job.bus_id = f"{job.bus_id.partition('-')[0]}-{uuid.uuid4().hex}"
-        if job.placement is None:  # its first placement: the client hears the new id too
+        if job.placement is None and job.batch_index is None:  # its first placement: the client hears the new id
             job.request_id = job.bus_id
         job.output = await self.bus.subscribe_raw(Subjects.out(job.bus_id))
         return msgspec.structs.replace(ask, request_id=job.bus_id)

@@ -26,8 +26,8 @@ def call(url: str, method: str = "GET", data: bytes | None = None, headers: dict
 def test_an_unknown_path_and_a_wrong_method_are_openai_errors(cluster):
     status, _, body = call(cluster.url + "/v1/nothing-here")
     assert status == 404 and body["error"]["type"] == "not_found_error"
-    status, _, body = call(cluster.url + "/v1/completions")  # GET on a POST route
-    assert status == 405 and body["error"]["code"] == "method_not_allowed"
+    status, headers, body = call(cluster.url + "/v1/completions")  # GET on a POST route
+    assert status == 405 and body["error"]["code"] == "method_not_allowed" and headers["Allow"] == "POST"
 
 
 def test_a_body_over_the_limit_is_a_400_request_too_large(cluster):

@@ -40,3 +40,9 @@ def test_aiohttps_refusals_and_the_handlers_own_errors_keep_their_meaning():
     assert answer(web.HTTPRequestEntityTooLarge(1 << 20, 2 << 20)).body()["error"]["code"] == "request_too_large"
     own = ApiError(408, "slow", code="request_timeout")
     assert answer(own) is own
+
+
+def test_a_405_says_which_methods_the_path_takes():
+    error = answer(web.HTTPMethodNotAllowed("GET", ["POST", "OPTIONS"]))
+    assert error.status == 405 and error.headers["Allow"] == "OPTIONS, POST"
+    assert error.body()["error"]["code"] == "method_not_allowed"

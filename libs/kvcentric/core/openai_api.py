@@ -209,7 +209,8 @@ def _penalties(body: dict, vocab_size: int, max_tokens: int) -> dict:
     """presence, frequency and repetition penalties, min_tokens, logit_bias, the logprobs mode."""
     mode = body.get("logprobs_mode")
     mode = "raw_logprobs" if mode is None else mode
-    _check(isinstance(mode, str) and mode in LOGPROBS_MODES, f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
+    _check(isinstance(mode, str) and mode in LOGPROBS_MODES,
+           f"'logprobs_mode' must be one of {', '.join(LOGPROBS_MODES)}", "logprobs_mode")
     return {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
             "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0),
             "repetition_penalty": _positive(body, "repetition_penalty", 1.0, 2.0),
@@ -309,6 +310,56 @@ def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
     sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=(top or 0) if wants else None)
     return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages, sampling=sampling,
                              max_tokens_defaulted=max_tokens is None, show_logprobs=wants, **common)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's POST /tokenize: a prompt, or messages rendered as a chat request would be."""
+
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool = True
+    """The prompt form: BOS as a completion's prompt gets it (vLLM's default); the messages form takes only false
+    (what a chat request is prompted with: the template writes its own special tokens)."""
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                             "return_token_strs"})
+
+
+def parse_tokenize(body: Any, served_model: str | Sequence[str]) -> TokenizeRequest:
+    """Validate a /tokenize body: `prompt` (a string) or `messages`, as vLLM takes them."""
+    _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    _known_fields(body, TOKENIZE_FIELDS)
+    _model(body, served_model)
+    chat = body.get("messages") is not None
+    _check(chat != (body.get("prompt") is not None), "give either 'prompt' or 'messages'", "prompt")
+    if not chat:
+        _check(isinstance(body["prompt"], str), "'prompt' must be a string", "prompt")
+        _check(body.get("add_generation_prompt") is None, "'add_generation_prompt' goes with 'messages'",
+               "add_generation_prompt")
+    special = body.get("add_special_tokens")
+    special = not chat if special is None else special
+    _check(isinstance(special, bool) and (not chat or not special),
+           "'add_special_tokens' must be a boolean (false with 'messages': the template writes them)",
+           "add_special_tokens")
+    generation = body.get("add_generation_prompt")
+    return TokenizeRequest(prompt=None if chat else body["prompt"], messages=parse_messages(body) if chat else None,
+                           add_special_tokens=special, add_generation_prompt=True if generation is None else
+                           _flag(body, "add_generation_prompt"), return_token_strs=_flag(body, "return_token_strs"))
+
+
+def parse_detokenize(body: Any, served_model: str | Sequence[str], vocab_size: int) -> list[int]:
+    """Validate a /detokenize body: {"model"?, "tokens": [ids]}; the ids."""
+    _check(isinstance(body, dict), "the request body must be a JSON object", None)
+    _known_fields(body, frozenset({"model", "tokens"}))
+    _model(body, served_model)
+    tokens = body.get("tokens")
+    _check(isinstance(tokens, list) and all(_is_int(t) and 0 <= t < vocab_size for t in tokens),
+           f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
+    return tokens
 
 
 def check_context(n_prompt: int, max_tokens: int, max_model_len: int) -> None:

@@ -46,6 +46,11 @@ class ByteTokenizer:
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self.vocab_size)
 
+    def token_str(self, token_id: int) -> str:
+        """The token as the vocabulary spells it (vLLM's `token_strs`): its text, a byte on its own as U+FFFD
+        when it is not ASCII."""
+        return self.decode([token_id])
+
 
 class StreamDecoder:
     """Turns a stream of token ids into text pieces, holding back incomplete characters; word ids come out
@@ -94,12 +99,12 @@ class ByteChat:
     chat_template = None
     encode: Callable[..., list[int]]  # the tokenizer this is mixed into
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
-        return "".join(simple_chat_line(m) for m in messages) + "assistant: "
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return "".join(simple_chat_line(m) for m in messages) + ("assistant: " if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation, ready for generation (BOS included once)."""
-        return self.encode(self.apply_chat_template(messages), add_bos=True)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=True)
 
 
 class DummyTokenizer(ByteTokenizer, ByteChat):
@@ -145,10 +150,14 @@ class HFTokenizer:
     def stream_decoder(self) -> HFStreamDecoder:
         return HFStreamDecoder(self)
 
-    def apply_chat_template(self, messages: list[dict]) -> str:
+    def token_str(self, token_id: int) -> str:
+        """The token as the vocabulary spells it (vLLM's `token_strs`, such as "Ġhello")."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """Render with the checkpoint's Jinja chat template (special tokens as text, as HF does)."""
         if not self.chat_template:
-            return ByteChat().apply_chat_template(messages)
+            return ByteChat().apply_chat_template(messages, add_generation_prompt)
         import jinja2
 
         def raise_exception(message: str):
@@ -159,16 +168,15 @@ class HFTokenizer:
         template = env.from_string(self.chat_template)  # a template that does not compile is the server's fault
         try:
             return template.render(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "")
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; a template writes its own BOS, so none is added."""
-        if not self.chat_template:
-            return self.encode(self.apply_chat_template(messages), add_bos=True)
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        return self.encode(text, add_bos=not self.chat_template)
 
 
 class HFStreamDecoder:

@@ -85,6 +85,10 @@ def error_for(exc: Exception, method: str, path: str, max_body_bytes: int) -> Ap
     405, a body over the limit), a 503 with Retry-After when a dependency is down, else a 500."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, web.HTTPMethodNotAllowed):  # RFC 9110: a 405 says which methods the path takes
+        error = http_error(exc.status, method, path, max_body_bytes)
+        error.headers["Allow"] = ", ".join(sorted(exc.allowed_methods))
+        return error
     if isinstance(exc, web.HTTPException):
         return http_error(exc.status, method, path, max_body_bytes)
     dependency = unavailable(exc)
