@@ -19,7 +19,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -30,6 +30,8 @@ from kvcentric.core.openai_logprobs import TokenText, chat_logprobs, completion_
 from kvcentric.core.migration import Failure
 from kvcentric.core.protocol import Placement, TokenChunk, TokenLogprob
 
+
+T = TypeVar("T")
 
 ERROR_KINDS = {429: "rate_limit_exceeded", 500: "server_error", 503: "service_unavailable"}
 """The HTTP statuses an error chunk may carry (anything else is a 500), and their OpenAI error types."""
@@ -233,8 +235,8 @@ class Shaper:
         return shaped
 
 
-async def watched(job: Job, stream: AsyncIterator[Piece], silence_s: float, keepalive_s: float = 0.0,
-                  keep_alive: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[Piece]:
+async def watched(job: Job, stream: AsyncIterator[T], silence_s: float, keepalive_s: float = 0.0,
+                  keep_alive: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[T]:
     """The pieces of `stream` as they come; TimeoutError once nothing has progressed for `silence_s` (from
     `job.progress_at`: its latest token, or when its placement predicted the first); `keep_alive` awaited after
     every `keepalive_s` without a piece (0: never)."""

@@ -308,6 +308,7 @@ class GatewayService(Service):
         silence = self.config.request_timeout_s
         try:
             streams = await all_or_none(self.open_job(job) for job in jobs)
+            assert lead.placement is not None, "a job is placed once opened"
             headers = self.response_headers(client_request_id(request) or lead.request_id, lead.placement)
             if len(jobs) > 1:
                 return await self.answer_batch(request, jobs, streams, batch.headers_of(headers, jobs), shapers)

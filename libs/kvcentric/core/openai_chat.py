@@ -73,7 +73,7 @@ def _tool_calls(calls: Any, index: int) -> list[dict]:
     check(isinstance(calls, list), f"{where} must be a list", "messages")
     parsed = []
     for number, call in enumerate(calls):
-        function = call.get("function") if isinstance(call, dict) else None
+        function: Any = call.get("function") if isinstance(call, dict) else None
         check(isinstance(call, dict) and isinstance(call.get("id"), str) and call.get("type") == "function"
               and isinstance(function, dict) and isinstance(function.get("name"), str)
               and isinstance(function.get("arguments"), str),
