@@ -98,9 +98,19 @@ class ColocatedService(EngineService):
 
     def gauges(self) -> dict[str, float]:
         layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
+        running, waiting = self.occupancy()
         return {**self.engine.prefill.stats, **self.engine.decode.stats, **self.messenger.stats, **layerkv,
-                **self.model.stats(),
+                **self.model.stats(), "requests_running": running, "requests_waiting": waiting,
                 "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks}
+
+    def occupancy(self) -> tuple[int, int]:
+        """Decode's sequences, and the prompts queued or computing on prefill (waiting for their first token)."""
+        running, waiting = self.engine.decode.occupancy()
+        prefill = self.engine.prefill
+        return running, waiting + len(prefill.queue) + len(prefill.running)
+
+    def preemptions(self) -> int:
+        return self.engine.decode.stats["preemptions"]
 
     # ---------------------------------------------------------------- the work loop
 

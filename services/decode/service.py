@@ -129,8 +129,16 @@ class DecodeService(EngineService):
         return not self.engine.requests and not self.sink.waiting and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
+        running, waiting = self.engine.occupancy()
         return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(),
-                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes}
+                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes,
+                "requests_running": running, "requests_waiting": waiting}
+
+    def occupancy(self) -> tuple[int, int]:
+        return self.engine.occupancy()
+
+    def preemptions(self) -> int:
+        return self.engine.stats["preemptions"]
 
     # ---------------------------------------------------------------- the work loop
 

@@ -92,6 +92,12 @@ class GatewayService(Service):
         self.e2e = histogram("e2e_seconds", help="request in to last token out")
         self.ttft_error = histogram("ttft_prediction_error_seconds", help="|actual - conductor-predicted| TTFT")
         self.prompt_tokens = histogram("prompt_tokens", SIZE_BUCKETS, help="prompt length in tokens")
+        self.generated = histogram("generation_tokens", SIZE_BUCKETS, help="tokens generated per finished request")
+        self.metrics.vllm_labels = {"model_name": self.model_name}
+        self.metrics.vllm_histograms.update({  # the same observations under vLLM's names
+            "time_to_first_token_seconds": self.ttft, "inter_token_latency_seconds": self.tbt,
+            "time_per_output_token_seconds": self.tbt, "e2e_request_latency_seconds": self.e2e,
+            "request_prompt_tokens": self.prompt_tokens, "request_generation_tokens": self.generated})
         self.http.limits = config.http_limits
         self.http.on_error = self.count_error
 
@@ -498,6 +504,7 @@ class GatewayService(Service):
         With the bus gone (the gateway stopping) the answer already made stands; nothing more is sent."""
         self.counters[labelled("requests_total", outcome=outcome)] += 1
         self.prompt_tokens.observe(len(job.token_ids))
+        self.count_for_vllm(job, outcome)
         try:
             await self.cancel_on_engines(job, outcome)
             await self.report_outcome(job, outcome)
@@ -505,6 +512,19 @@ class GatewayService(Service):
             self.counters["outcomes_unsent_total"] += 1
             self.log.warning("request %s ended (%s) but the bus is unavailable: %s", job.request_id, outcome,
                              type(exc).__name__)
+
+    def count_for_vllm(self, job: relay.Job, outcome: str) -> None:
+        """vLLM's request counters for a request that reached the engines: its tokens, and how it finished
+        (`stop`, `length`, or `abort` for any other ending)."""
+        if job.placement is None:
+            return
+        counters = self.metrics.vllm_counters
+        reason = outcome if outcome in ("stop", "length") else "abort"
+        counters[labelled("request_success_total", finished_reason=reason)] += 1
+        counters["prompt_tokens_total"] += len(job.token_ids)
+        counters["generation_tokens_total"] += job.completion_tokens
+        if reason != "abort":
+            self.generated.observe(job.completion_tokens)
 
     async def cancel_on_engines(self, job: relay.Job, outcome: str) -> None:
         """Every ending but the engines' own (a final chunk that is not an error) cancels the request where

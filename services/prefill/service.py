@@ -151,6 +151,9 @@ class PrefillService(EngineService):
         return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats(), **layerkv,
                 **self.model.stats()}
 
+    def occupancy(self) -> tuple[int, int]:
+        return len(self.engine.running), len(self.engine.queue)
+
     def successor(self) -> Service | None:
         if self.layerkv is not None:  # the next role runs the model over whole device blocks
             self.layerkv.layered.detach()

@@ -58,3 +58,33 @@ def test_render_groups_each_family_under_one_type_line_and_skips_non_numbers():
 def test_label_values_are_escaped():
     text = render({"role": 'a"b'}, {"x_total": 1}, {}, {})
     assert 'role="a\\"b"' in text
+
+
+def test_running_totals_reported_as_gauges_are_counters_named_total_and_every_family_has_help():
+    gauges = {"tokens_generated": 5, "requests_finished": 2, "kv_blocks_total": 64, "kv_blocks_free": 60,
+              "placements_pulling_total": 3.0, "requests_running": 1}
+    text = render({"role": "decode"}, {"bus_drops_total": 1}, gauges, {"ttft_seconds": Histogram([1])})
+    lines = text.splitlines()
+    types = dict(line.split()[2:4] for line in lines if line.startswith("# TYPE"))
+    assert types == {"kvc_bus_drops_total": "counter", "kvc_tokens_generated_total": "counter",
+                     "kvc_requests_finished_total": "counter", "kvc_kv_blocks_capacity": "gauge",
+                     "kvc_kv_blocks_free": "gauge", "kvc_placements_pulling_total": "counter",
+                     "kvc_requests_running": "gauge", "kvc_ttft_seconds": "histogram"}
+    assert not [name for name, kind in types.items() if kind == "gauge" and name.endswith("_total")]
+    helped = {line.split()[2] for line in lines if line.startswith("# HELP") and len(line.split()) > 3}
+    assert helped == set(types)
+    assert 'kvc_tokens_generated_total{role="decode"} 5' in lines
+    for name in types:  # HELP, then TYPE, then the samples
+        assert lines[lines.index(f"# TYPE {name} {types[name]}") - 1].startswith(f"# HELP {name} ")
+
+
+def test_vllm_named_series_carry_the_model_name_beside_ours():
+    from kvcentric.runtime.http import Metrics
+
+    metrics = Metrics("decode", "d-0", lambda: {"tokens_generated": 1})
+    assert "vllm:" not in metrics.render()
+    metrics.vllm_labels = {"model_name": "tiny"}
+    metrics.vllm_gauges = lambda: {"num_requests_running": 2, "num_preemptions_total": 0}
+    text = metrics.render()
+    assert 'vllm:num_requests_running{model_name="tiny",role="decode",instance="d-0"} 2' in text
+    assert "# TYPE vllm:num_preemptions_total counter" in text and "# TYPE kvc_tokens_generated_total counter" in text

@@ -2,7 +2,9 @@
 (no registry, no global state, no I/O); `Service` renders it on GET /metrics.
 
 A counter or gauge name may carry labels in Prometheus syntax, `requests_total{outcome="200"}`; the
-service adds `role` and `instance` to every sample and the `kvc_` prefix to every name.
+service adds `role` and `instance` to every sample and the `kvc_` prefix to every name (`vllm:` and a
+`model_name` label for the series named as vLLM names them). Which reported values are running totals,
+and the HELP texts, are in `kvcentric.core.metric_catalog`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Iterable, Mapping
+
+from kvcentric.core.metric_catalog import exposed, help_of
 
 LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                      30.0, 60.0, 120.0)
@@ -77,32 +81,43 @@ def labelled(name: str, **labels: object) -> str:
 
 def render(base_labels: Mapping[str, str], counters: Mapping[str, float], gauges: Mapping[str, object],
            histograms: Mapping[str, Histogram], prefix: str = "kvc_") -> str:
-    """The Prometheus text format (version 0.0.4) of one service's metrics."""
+    """The Prometheus text format (version 0.0.4) of one service's metrics: each family with its HELP and
+    TYPE. A value reported among the gauges that is a running total is a counter (`metric_catalog.exposed`)."""
     base = ",".join(f"{k}={_quote(v)}" for k, v in base_labels.items())
+    families: dict[str, tuple[str, list[tuple[str, float]]]] = {}
+    for key, value in _numbers(gauges):
+        reported, labels = split_name(key)
+        name, kind = exposed(reported)
+        families.setdefault(name, (kind, []))[1].append((labels, value))
+    for key, value in _numbers(counters):
+        name, labels = split_name(key)
+        families.setdefault(name, ("counter", []))[1].append((labels, value))
     lines: list[str] = []
-    for kind, values in (("counter", counters), ("gauge", gauges)):
-        for name, samples in _families(values).items():
-            lines.append(f"# TYPE {prefix}{name} {kind}")
-            lines += [f"{prefix}{name}{{{_join(base, labels)}}} {_number(value)}" for labels, value in samples]
+    for name, (family_kind, samples) in sorted(families.items()):
+        lines += [f"# HELP {prefix}{name} {_help(help_of(name, family_kind))}",
+                  f"# TYPE {prefix}{name} {family_kind}"]
+        lines += [f"{prefix}{name}{{{_join(base, labels)}}} {_number(value)}" for labels, value in sorted(samples)]
     for name, histogram in sorted(histograms.items()):
-        if histogram.help:
-            lines.append(f"# HELP {prefix}{name} {histogram.help}")
+        lines.append(f"# HELP {prefix}{name} {_help(histogram.help or help_of(name, 'histogram'))}")
         lines.append(f"# TYPE {prefix}{name} histogram")
         lines += histogram.samples(prefix + name, base)
     return "\n".join(lines) + "\n"
 
 
-def _families(values: Mapping[str, object]) -> dict[str, list[tuple[str, float]]]:
-    """Numeric samples grouped by metric name (the text format wants a family's lines together)."""
-    families: dict[str, list[tuple[str, float]]] = {}
-    for key, value in sorted(values.items()):
+def _numbers(values: Mapping[str, object]) -> list[tuple[str, float]]:
+    """The numeric samples (a boolean as 0 or 1; text is skipped)."""
+    numbers = []
+    for key, value in values.items():
         if isinstance(value, bool):
             value = int(value)
-        if not isinstance(value, (int, float)):
-            continue
-        name, labels = split_name(key)
-        families.setdefault(name, []).append((labels, value))
-    return families
+        if isinstance(value, (int, float)):
+            numbers.append((key, value))
+    return numbers
+
+
+def _help(text: str) -> str:
+    """HELP text escaped as the text format wants (backslash and line feed)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
 
 
 def _join(*parts: str) -> str:

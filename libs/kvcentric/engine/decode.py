@@ -344,6 +344,12 @@ class DecodeEngine:
         self._deferred_free = []
         return [self._emit(r, t) for r, t in zip(batch, tokens) if r.key in self.requests]
 
+    def occupancy(self) -> tuple[int, int]:
+        """(running, waiting) sequences now: in the step batch, and admitted but not in it (their KV on its way,
+        or preempted for blocks)."""
+        running = sum(r.state == "running" for r in self.requests.values())
+        return running, len(self.requests) - running
+
     @property
     def has_work(self) -> bool:
         return any(r.state in ("running", "preempted") for r in self.requests.values())

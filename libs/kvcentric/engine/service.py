@@ -77,6 +77,8 @@ class EngineService(Service):
         """Steps timed so far as the latest look at them counted, and when that count (or the work) last moved."""
         self.model_step = asyncio.Event()
         """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
+        self.metrics.vllm_labels = {"model_name": self.runner.config.name}
+        self.metrics.vllm_gauges = self.vllm_gauges
 
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
@@ -87,6 +89,22 @@ class EngineService(Service):
                                       self.reporter.publish_cache_forgotten)
         self.reporter.speed = self.speed
         self.reporter.block_bytes = self.runner.block_bytes
+
+    def occupancy(self) -> tuple[int, int]:
+        """(running, waiting) requests on this instance now; a role fills it in."""
+        return 0, 0
+
+    def preemptions(self) -> int:
+        """Sequences preempted for want of KV blocks so far (a role that decodes fills it in)."""
+        return 0
+
+    def vllm_gauges(self) -> dict[str, float]:
+        """The series vLLM's dashboards read of an engine, under vLLM's names: requests running and waiting,
+        the KV cache's use (0..1; `gpu_cache_usage_perc` is its name before vLLM 0.10), preemptions."""
+        running, waiting = self.occupancy()
+        used = 1.0 - self.pool.num_free / max(1, self.pool.num_blocks)
+        return {"num_requests_running": running, "num_requests_waiting": waiting, "kv_cache_usage_perc": used,
+                "gpu_cache_usage_perc": used, "num_preemptions_total": self.preemptions()}
 
     # ---------------------------------------------------------------- what a role fills in
 

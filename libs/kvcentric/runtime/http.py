@@ -25,13 +25,20 @@ from kvcentric.runtime.connections import LINGER_S, ConnectionCap, HttpLimits
 
 
 class Metrics:
-    """A service's counters, histograms and gauges, rendered as Prometheus text with role/instance labels."""
+    """A service's counters, histograms and gauges, rendered as Prometheus text with role/instance labels; and,
+    once `vllm_labels` names the model (`model_name`), the series a vLLM server would expose under vLLM's
+    names (`vllm:...`), for dashboards and autoscalers written for vLLM."""
 
     def __init__(self, role: str, instance_id: str, gauges: Callable[[], dict[str, float]] = dict) -> None:
         self.labels = {"role": role, "instance": instance_id}
         self.counters: collections.Counter[str] = collections.Counter()
         self.histograms: dict[str, Histogram] = {}
         self.gauges = gauges
+        self.vllm_labels: dict[str, str] = {}
+        """{"model_name": ...}: set by a service that exposes vLLM-named series (none until then)."""
+        self.vllm_counters: collections.Counter[str] = collections.Counter()
+        self.vllm_histograms: dict[str, Histogram] = {}
+        self.vllm_gauges: Callable[[], dict[str, float]] = dict
 
     def histogram(self, name: str, buckets=LATENCY_BUCKETS_S, help: str = "") -> Histogram:
         """The histogram `name` (exposed as kvc_<name> on /metrics), made on first use with `buckets`."""
@@ -41,7 +48,11 @@ class Metrics:
         return histogram
 
     def render(self) -> str:
-        return render(self.labels, self.counters, {**process_gauges(), **self.gauges()}, self.histograms)
+        text = render(self.labels, self.counters, {**process_gauges(), **self.gauges()}, self.histograms)
+        if self.vllm_labels:
+            text += render({**self.vllm_labels, **self.labels}, self.vllm_counters, self.vllm_gauges(),
+                           self.vllm_histograms, prefix="vllm:")
+        return text
 
 
 def process_gauges() -> dict[str, float]:
