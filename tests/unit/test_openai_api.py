@@ -165,7 +165,7 @@ def test_penalties_bias_and_min_tokens_reach_the_sampling_params():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"suffix": "s"}, "suffix"), ({"tools": []}, "tools"), ({"response_format": {"type": "text"}}, "response_format"),
+    ({"suffix": "s"}, "suffix"), ({"tools": []}, "tools"), ({"response_format": {"type": "yaml"}}, "response_format"),
     ({"best_of": 17}, "best_of"), ({"n": 3, "best_of": 2}, "best_of"), ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"), ({"top_k": 2 ** 31}, "top_k"), ({"stream_options": {"include_usage": 1}},
                                                                          "stream_options"),

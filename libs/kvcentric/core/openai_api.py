@@ -18,6 +18,8 @@ import msgspec
 
 from kvcentric.core.api_error import ApiError, check as _check
 from kvcentric.core.openai_chat import parse_messages
+from kvcentric.core.structured import FIELDS as STRUCTURED_FIELDS
+from kvcentric.core.structured import parse_guide
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
 
 
@@ -160,7 +162,7 @@ def _max_tokens(body: dict, allow_zero: bool = False) -> int | None:
     return values.get("max_completion_tokens", values.get("max_tokens"))
 
 
-COMMON_FIELDS = frozenset({
+COMMON_FIELDS = STRUCTURED_FIELDS | frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "stream_options",
     "stop", "seed", "user", "presence_penalty", "frequency_penalty", "logit_bias",
     "ignore_eos", "top_k", "priority", "repetition_penalty", "min_tokens", "logprobs_mode", "return_token_ids"})
@@ -265,7 +267,10 @@ def _common(body: dict, served: str | Sequence[str], max_tokens: int, vocab_size
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               top_p=_number(body, "top_p", 1.0, 1e-6, 1.0), seed=seed,
                               ignore_eos=_flag(body, "ignore_eos"), top_k=max(0, top_k or 0),
-                              n=n, **_penalties(body, vocab_size, max_tokens))
+                              n=n, guide=parse_guide(body), **_penalties(body, vocab_size, max_tokens))
+    _check(not sampling.guide or not (sampling.ignore_eos or sampling.min_tokens),
+           "structured output ends where its grammar does: it takes neither 'ignore_eos' nor 'min_tokens'",
+           "ignore_eos" if sampling.ignore_eos else "min_tokens")
     return {"model": _model(body, served), "sampling": sampling, "n": n, "stream": stream,
             "include_usage": options.get("include_usage", False),
             "continuous_usage": options.get("continuous_usage_stats", False), "stop": _stop(body), "user": user,

@@ -115,6 +115,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     resumed_tokens: int = 0
     """A migrated request's continuation (`kvcentric.core.migration`): its prompt's last this many tokens
     were generated before the move, and penalties, min_tokens and seeded draws count them as output."""
+    guide: str = ""
+    """Structured output: an llguidance grammar (`kvcentric.core.structured`) every sequence's tokens must
+    follow, applied as a token mask at each sampling step ("": none)."""
 
 
 # ---------------------------------------------------------------- conductor

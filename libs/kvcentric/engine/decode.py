@@ -25,6 +25,7 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.migration import history
 from kvcentric.core.scheduling.slo import relative_tbt_s
 from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.guided import Guides
 from kvcentric.engine.sampling import choose, plain_greedy
 from kvcentric.core.stopping import finish_reason
 from kvcentric.core.protocol import DecodeJob, FirstToken, TokenChunk, TokenLogprob, decode
@@ -107,6 +108,8 @@ class DecodeEngine:
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
         self.cost, self.tbt_slo_s, self.tbt_slo_factor = cost, tbt_slo_s, tbt_slo_factor
         self.requests: dict[str, DecodeRequest] = {}
+        self.guides = Guides(runner.config)
+        """Structured output's grammar state of each guided sequence."""
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
         self._deferred_free: list[int] = []
@@ -326,7 +329,8 @@ class DecodeEngine:
         sampling = request.job.sampling
         prompt, output = history(sampling, request.prompt, request.generated)
         token, request.next_logprob = choose(logits, sampling, len(output), prompt, output,
-                                             self.runner.config.eos_token_ids, request.index)
+                                             self.runner.config.eos_token_ids, request.index,
+                                             self.guides.mask(request.key, sampling, output))
         return token
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:

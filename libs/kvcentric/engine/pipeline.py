@@ -21,7 +21,6 @@ import torch
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, decode, encode
 from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.sampling import choose
 from kvcentric.engine.runner import kv_payload
 from kvcentric.engine.stage import StageRunner, hidden_bytes, hidden_tensor
 from kvcentric.engine.streaming import RequestPush
@@ -124,18 +123,14 @@ class StageEngine(PrefillEngine):
     def compute(self, chunk: PrefillChunk, on_layer=None) -> int | bytes | None:
         """Compute one chunk: the hidden states as bytes (not the last stage), else on the last chunk the
         first generated token."""
-        work, sampling = chunk.work, chunk.work.job.sampling
+        work = chunk.work
         hidden = chunk.hidden if isinstance(chunk, StageChunk) else None
         out = self.stage.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, hidden=hidden)
         if not self.stage.position.last:
             return hidden_bytes(out)
         if not chunk.last:
             return None
-        eos = self.stage.config.eos_token_ids
-        token, work.first_logprob = choose(out, sampling, 0, work.job.token_ids, (), eos)
-        work.siblings = [choose(out, sampling, 0, work.job.token_ids, (), eos, index)
-                         for index in range(1, sampling.n)]
-        return token
+        return self.sample_first(work, out)
 
     def forget(self, request_id: str) -> None:
         """Drop what arrived for a request that ended."""

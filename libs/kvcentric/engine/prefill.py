@@ -14,6 +14,7 @@ import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.pools import serial_workers
+from kvcentric.engine.guided import Guides
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
@@ -110,6 +111,8 @@ class PrefillEngine:
         """Loads prefixes from the host pool layer by layer beside the compute (Mooncake §5.2); without it
         a prefix is copied whole before the prompt's first chunk."""
         self.queue: collections.deque[PrefillJob] = collections.deque()
+        self.guides = Guides(runner.config)
+        """Structured output's grammar state of each guided sequence (its first token is sampled here)."""
         self.running: dict[str, PrefillWork] = {}
         self.computing: set[str] = set()
         """Prompts whose chunk is being computed now, by a second model thread's pass or the first's (a prefill
@@ -356,8 +359,11 @@ class PrefillEngine:
         a migrated request's resumed tokens count as output (`history`)."""
         sampling, eos = work.job.sampling, self.runner.config.eos_token_ids
         prompt, output = history(sampling, work.job.token_ids, ())
-        token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos)
-        work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index)
+        request_id = work.job.request_id
+        token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos, 0,
+                                           self.guides.mask(request_id, sampling, output))
+        work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index,
+                                self.guides.mask(f"{request_id}#{index}", sampling, output))
                          for index in range(1, sampling.n)]
         return token
 

@@ -29,11 +29,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
 
 def choose(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequence[int] = (),
            generated: Sequence[int] = (), stop_ids: Collection[int] = (),
-           sequence: int = 0) -> tuple[int, TokenLogprob | None]:
+           sequence: int = 0, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
     """The next token and, when asked for, its logprobs. `generated` is the output so far (its length is
     normally `step`), `stop_ids` the tokens min_tokens holds back (EOS and the request's stop tokens),
-    `sequence` which of the request's n sequences draws (each has its own seeded draws)."""
-    adjusted = adjust(logits.float(), params, prompt, generated, stop_ids)
+    `sequence` which of the request's n sequences draws (each has its own seeded draws), `allowed` the tokens
+    a structured output's grammar allows (`kvcentric.engine.guided`; None: all)."""
+    adjusted = adjust(logits.float(), params, prompt, generated, stop_ids, allowed)
     token = draw(adjusted, params, step, sequence)
     if params.logprobs is None:
         return token, None
@@ -47,19 +48,23 @@ def plain_greedy(params: SamplingParams) -> bool:
     """`choose` would return the argmax of the raw logits and no logprobs, whatever the history: greedy, no
     logprobs, nothing that adjusts the logits (no min_tokens, bias or penalty)."""
     return (params.temperature <= 0.0 and params.logprobs is None and not params.min_tokens and not params.logit_bias
-            and not params.presence_penalty and not params.frequency_penalty and params.repetition_penalty == 1.0)
+            and not params.presence_penalty and not params.frequency_penalty and params.repetition_penalty == 1.0
+            and not params.guide)
 
 
 def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int],
-           stop_ids: Collection[int]) -> torch.Tensor:
-    """min_tokens, logit_bias and the penalties applied to float32 logits (a copy when any applies)."""
+           stop_ids: Collection[int], allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """min_tokens, logit_bias, the penalties and a grammar's mask applied to float32 logits (a copy when any
+    applies)."""
     vocab = logits.shape[-1]
     stop_ids = () if params.ignore_eos else stop_ids
     holds_stops = len(generated) < params.min_tokens and (stop_ids or params.stop_token_ids)
     penalised = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-    if not (holds_stops or params.logit_bias or penalised):
+    if not (holds_stops or params.logit_bias or penalised or allowed is not None):
         return logits
     logits = logits.clone()
+    if allowed is not None:
+        logits[~allowed.to(logits.device)] = float("-inf")
     if holds_stops:
         held = [t for t in {*stop_ids, *params.stop_token_ids} if 0 <= t < vocab]
         logits[torch.tensor(held, dtype=torch.long, device=logits.device)] = float("-inf")

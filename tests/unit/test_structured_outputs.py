@@ -1,0 +1,99 @@
+"""Structured outputs: what the API asks for becomes one llguidance grammar (a 400 when it cannot be enforced),
+and the engines' sampler, masked by it step after step, only ever produces text the grammar accepts, for a
+random model sampling at temperature 1; a sequence's grammar state is rebuilt from its output anywhere."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from kvcentric.core.openai_api import ApiError, parse_chat, parse_completion
+from kvcentric.core.protocol import SamplingParams
+from kvcentric.core.structured import parse_guide
+from kvcentric.engine.guided import Guides
+from kvcentric.engine.sampling import choose
+from kvcentric.model.config import PRESETS
+from kvcentric.model.tokenizer import ByteTokenizer
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "size": {"enum": ["S", "M", "L"]},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"type": "string", "maxLength": 6}},
+          "required": ["ok", "size", "count", "tag"], "additionalProperties": False}
+
+
+def generate(guides: Guides, guide: str, seed: int, key: str = "r", limit: int = 200) -> str:
+    """Sample a random model's logits under the grammar until EOS; the text."""
+    params = SamplingParams(temperature=1.0, seed=seed, guide=guide, max_tokens=limit)
+    vocab, generator, output = guides.vocab_size, torch.Generator().manual_seed(seed), []
+    for step in range(limit):
+        logits = torch.randn(vocab, generator=generator) * 4
+        token, _ = choose(logits, params, step, [256], output, {257}, 0, guides.mask(key, params, output))
+        if token == 257:
+            return ByteTokenizer(vocab).decode(output)
+        output.append(token)
+    raise AssertionError(f"no EOS in {limit} tokens: {ByteTokenizer(vocab).decode(output)!r}")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_a_random_model_under_a_json_schema_always_gives_json_the_schema_accepts(preset):
+    guides = Guides(PRESETS[preset])
+    guide = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    for seed in range(8):
+        value = json.loads(generate(guides, guide, seed, key=f"r{seed}"))
+        assert set(value) == {"ok", "size", "count", "tag"} and isinstance(value["ok"], bool)
+        assert value["size"] in "SML" and 0 <= value["count"] <= 99 and len(value["tag"]) <= 6
+
+
+def test_choice_regex_and_json_object_hold_at_temperature_one():
+    guides = Guides(PRESETS["tiny"])
+    choice = parse_guide({"structured_outputs": {"choice": ["yes", "no", "a|b", "1+1/2"]}})
+    regex = parse_guide({"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})
+    anything = parse_guide({"response_format": {"type": "json_object"}})
+    for seed in range(6):
+        assert generate(guides, choice, seed, key=f"c{seed}") in ("yes", "no", "a|b", "1+1/2")
+        assert re.fullmatch(r"[a-z]{2,5}-[0-9]{3}", generate(guides, regex, seed, key=f"x{seed}"))
+        assert isinstance(json.loads(generate(guides, anything, seed, key=f"o{seed}", limit=2000)), dict)
+
+
+def test_a_sequence_replayed_elsewhere_gets_the_same_mask():
+    guide = parse_guide({"structured_outputs": {"json": json.dumps(SCHEMA)}})
+    kept, elsewhere = Guides(PRESETS["tiny"]), Guides(PRESETS["tiny"])
+    output = list(b'{"ok":true,"si')
+    for end in range(len(output) + 1):
+        first = kept.allowed("r", guide, output[:end])
+        assert torch.equal(first, elsewhere.allowed(f"other{end}", guide, output[:end]))
+    assert first.nonzero().flatten().tolist() == [ord("z")]
+    kept.forget("r")
+    assert torch.equal(kept.allowed("r", guide, output), first)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
+])
+def test_what_cannot_be_enforced_is_a_400_naming_the_field(body, param):
+    with pytest.raises(ApiError) as caught:
+        parse_completion({"prompt": "x", **body}, "tiny", 258)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_text_is_no_constraint_and_every_way_of_asking_reaches_the_sampling_params():
+    assert parse_completion({"prompt": "x", "response_format": {"type": "text"}}, "tiny", 258).sampling.guide == ""
+    messages = [{"role": "user", "content": "x"}]
+    for asked in ({"response_format": {"type": "json_object"}}, {"guided_json": SCHEMA},
+                  {"structured_outputs": {"json_object": True}}, {"guided_choice": ["a", "b"]}):
+        assert parse_chat({"messages": messages, **asked}, "tiny", 2048).sampling.guide
