@@ -61,6 +61,32 @@ def common_fields(served: Sequence[str], context: int, vocab: int) -> dict:
         "logprobs_mode": nullable({"type": "string", "enum": ["raw_logprobs", "processed_logprobs"]}),
         "return_token_ids": {"type": "boolean", "description": "vLLM extension: the answer carries token_ids and "
                                                                "prompt_token_ids"},
+        **structured_fields(),
+    }
+
+
+def structured_fields() -> dict:
+    """Structured output (at most one of these; not with ignore_eos or min_tokens): OpenAI's response_format
+    and vLLM's structured_outputs and guided_* fields."""
+    schema = {"type": "object", "description": "a JSON schema"}
+    regex = {"type": "string", "minLength": 1}
+    choice = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+    json_schema = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string"}, "schema": nullable(schema), "strict": nullable({"type": "boolean"}),
+        "description": nullable({"type": "string"})}}
+    return {
+        "response_format": nullable({"type": "object", "required": ["type"], "additionalProperties": False,
+                                     "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                                                    "json_schema": json_schema},
+                                     "description": "json_schema needs json_schema"}),
+        "structured_outputs": nullable({"type": "object", "additionalProperties": {"type": "null"},
+                                        "description": "vLLM extension: exactly one of json, regex, choice, "
+                                                       "json_object (true)",
+                                        "properties": {"json": nullable({"anyOf": [schema, {"type": "string"}]}),
+                                                       "regex": nullable(regex), "choice": nullable(choice),
+                                                       "json_object": nullable({"type": "boolean"})}}),
+        "guided_json": nullable({"anyOf": [schema, {"type": "string"}], "description": "vLLM extension"}),
+        "guided_regex": nullable(regex), "guided_choice": nullable(choice),
     }
 
 

@@ -71,3 +71,21 @@ def test_prompts_at_once_get_the_reference_tokens_and_mixed_steps_compute_some_o
         assert stats["lane_calls"] > 0
     else:
         assert "lane_calls" not in stats  # split steps run no lane
+
+
+def test_structured_output_holds_on_split_and_mixed_steps(colocated):
+    """A JSON schema at temperature 1 through the colocated engine (its mixed steps sample first tokens and
+    decode tokens in one pass): every choice is JSON the schema accepts."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "boolean"}},
+              "required": ["n", "b"], "additionalProperties": False}
+    body = {"prompt": "json please", "max_tokens": 100, "temperature": 1.0, "seed": 11, "n": 3,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "nb", "schema": schema}}}
+    request = urllib.request.Request(colocated.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps(body).encode())
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.load(response)
+    for choice in answer["choices"]:
+        value = json.loads(choice["text"])
+        assert set(value) == {"n", "b"} and 0 <= value["n"] <= 9 and isinstance(value["b"], bool)
+        assert choice["finish_reason"] == "stop"

@@ -97,3 +97,8 @@ def test_text_is_no_constraint_and_every_way_of_asking_reaches_the_sampling_para
     for asked in ({"response_format": {"type": "json_object"}}, {"guided_json": SCHEMA},
                   {"structured_outputs": {"json_object": True}}, {"guided_choice": ["a", "b"]}):
         assert parse_chat({"messages": messages, **asked}, "tiny", 2048).sampling.guide
+
+
+def test_a_grammar_that_does_not_build_lets_its_sequence_only_end():
+    guides = Guides(PRESETS["tiny"])
+    assert guides.allowed("k", "not a grammar {", []).nonzero().flatten().tolist() == [257]

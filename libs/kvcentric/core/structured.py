@@ -9,6 +9,7 @@ compile is the client's 400, not an engine's failure. It masks nothing itself: `
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from llguidance import LLMatcher
@@ -40,9 +41,22 @@ def parse_guide(body: dict) -> str:
     else:
         grammar = _one(LEGACY[name], body[name], name)
     if grammar:
-        error = LLMatcher.validate_grammar(grammar)
+        error = _guarded(lambda: LLMatcher.validate_grammar(grammar), name)
         check(not error, f"'{name}' cannot be enforced: {error}", name)
     return grammar
+
+
+def _guarded(make: Callable[[], str], field: str) -> str:
+    """What llguidance makes, its refusal a 400: an error it raises, or a panic of its Rust code (which
+    reaches Python as a BaseException)."""
+    try:
+        return make()
+    except Exception as exc:  # noqa: BLE001 - whatever it refuses is the client's input
+        raise ApiError(400, f"'{field}' cannot be enforced: {exc}", field) from None
+    except BaseException as exc:
+        if type(exc).__name__ != "PanicException":
+            raise
+        raise ApiError(400, f"'{field}' cannot be enforced: {exc}", field) from None
 
 
 def _response_format(value: Any) -> str:
@@ -65,8 +79,11 @@ def _response_format(value: Any) -> str:
           "response_format")
     check(spec.get("strict") is None or isinstance(spec["strict"], bool),
           "'response_format.json_schema.strict' must be a boolean", "response_format")
+    check(spec.get("description") is None or isinstance(spec["description"], str),
+          "'response_format.json_schema.description' must be a string", "response_format")
     schema = spec.get("schema")
     schema = {"type": "object"} if schema is None else schema  # OpenAI: a missing schema is any object
+    check(isinstance(schema, dict), "'response_format.json_schema.schema' must be an object", "response_format")
     return _json(schema, "response_format")
 
 
@@ -92,21 +109,19 @@ def _one(kind: str, value: Any, field: str) -> str:
                 value = json.loads(value)
             except ValueError:
                 raise ApiError(400, f"'{field}': the JSON schema is not valid JSON", field) from None
-        check(isinstance(value, (dict, bool)), f"'{field}': a JSON schema must be an object", field)
+        check(isinstance(value, dict), f"'{field}': a JSON schema must be an object", field)
         return _json(value, field)
     if kind == "regex":
         check(isinstance(value, str) and value != "", f"'{field}': the regex must be a non-empty string", field)
-        return LLMatcher.grammar_from_regex(value)
+        return _guarded(lambda: LLMatcher.grammar_from_regex(value), field)
     check(isinstance(value, list) and len(value) > 0 and all(isinstance(c, str) and c for c in value),
           f"'{field}': the choice must be a non-empty list of non-empty strings", field)
-    return LLMatcher.grammar_from_regex("|".join(_literal(choice) for choice in value))
+    return _guarded(lambda: LLMatcher.grammar_from_regex("|".join(_literal(choice) for choice in value)), field)
 
 
-def _json(schema: Any, field: str) -> str:
-    try:
-        return LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)  # type: ignore[arg-type]
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise ApiError(400, f"'{field}': the JSON schema cannot be enforced: {exc}", field) from None
+def _json(schema: dict, field: str) -> str:
+    return _guarded(lambda: LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS),  # type: ignore[arg-type]
+                    field)
 
 
 def _literal(text: str) -> str:

@@ -88,15 +88,18 @@ class Guides:
         """The sequence's matcher, fed the output it has not seen yet (made and fed from the start if none is
         kept, or if the output is not the one it has seen)."""
         kept = self.matchers.pop(key, None)
-        matcher, seen = kept if kept is not None else (LLMatcher(self.tokenizer, grammar), 0)
-        if seen > len(output):
-            matcher, seen = LLMatcher(self.tokenizer, grammar), 0
+        matcher, seen = kept if kept is not None and kept[1] <= len(output) else (self.new_matcher(grammar), 0)
         if seen < len(output):
             matcher.consume_tokens(list(output[seen:]))
         self.matchers[key] = (matcher, len(output))
         while len(self.matchers) > MAX_SEQUENCES_KEPT:
             self.matchers.popitem(last=False)
         return matcher
+
+    def new_matcher(self, grammar: str) -> LLMatcher:
+        """A matcher at the grammar's start. One whose grammar does not build (the gateway checked it, so this
+        is not expected) is in its error state, and `allowed` lets its sequence only end."""
+        return LLMatcher(self.tokenizer, grammar)
 
     def forget(self, key: str) -> None:
         self.matchers.pop(key, None)
