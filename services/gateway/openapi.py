@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvcentric.core.openai_api import MAX_LOGIT_BIAS, MAX_PROMPTS, MAX_PRIORITY, MAX_TOP_K, SEED_MAX, SEED_MIN
 from kvcentric.core.openai_chat import CHAT_ROLES
+from kvcentric.core.openai_tools import MAX_TOOLS
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES
 
 
@@ -127,8 +128,27 @@ def messages_schema() -> dict:
 def chat_request(served: Sequence[str], context: int, vocab: int) -> dict:
     fields = {"messages": messages_schema(),
               "max_tokens": nullable(integer(1, context - 1)), "logprobs": {"type": "boolean"},
-              "top_logprobs": nullable(integer(0, MAX_LOGPROBS, description="needs logprobs: true"))}
+              "top_logprobs": nullable(integer(0, MAX_LOGPROBS, description="needs logprobs: true")),
+              **tool_fields()}
     return _request(["messages"], {**common_fields(served, context, vocab), **fields})
+
+
+def tool_fields() -> dict:
+    """Function calling: the tools, which of them the model must or may call, and whether more than one."""
+    function = {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": nullable({"type": "string"}),
+        "parameters": nullable({"type": "object", "description": "a JSON schema"}),
+        "strict": nullable({"type": "boolean"})}}
+    tool = {"type": "object", "required": ["type", "function"],
+            "properties": {"type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                                    "properties": {"name": {"type": "string"}}}}}
+    return {"tools": nullable({"type": "array", "minItems": 1, "maxItems": MAX_TOOLS, "items": tool,
+                               "description": "distinct names"}),
+            "tool_choice": nullable({"anyOf": [{"enum": ["none", "auto", "required"]}, named],
+                                     "description": "needs tools (but none); a named function must be among them"}),
+            "parallel_tool_calls": nullable({"type": "boolean"})}
 
 
 def tokenize_request(served: Sequence[str]) -> dict:
@@ -170,7 +190,7 @@ NULLABLE_OBJECT = {"type": ["object", "null"]}
 USAGE = {"type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"], "properties": {
     "prompt_tokens": integer(0), "completion_tokens": integer(0), "total_tokens": integer(0),
     "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": integer(0)}}}}
-FINISH = {"enum": ["stop", "length", None]}
+FINISH = {"enum": ["stop", "length", "tool_calls", None]}
 
 
 def answer(kind: str, choice: dict, **extra: dict) -> dict:
@@ -181,6 +201,10 @@ def answer(kind: str, choice: dict, **extra: dict) -> dict:
 
 
 TOKEN_IDS = {"type": "array", "items": integer(0), "description": "with return_token_ids"}
+TOOL_CALLS = {"type": "array", "items": {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}}}}
 COMPLETION = answer("text_completion", {"type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                                         "properties": {"index": integer(0), "text": {"type": "string"},
                                                        "logprobs": NULLABLE_OBJECT, "finish_reason": FINISH,
@@ -190,7 +214,8 @@ CHAT = answer("chat.completion", {"type": "object", "required": ["index", "messa
                                                  "finish_reason": FINISH, "token_ids": TOKEN_IDS,
                                                  "message": {"type": "object", "required": ["role", "content"],
                                                              "properties": {"role": {"const": "assistant"},
-                                                                            "content": {"type": "string"}}}}},
+                                                                            "content": {"type": ["string", "null"]},
+                                                                            "tool_calls": TOOL_CALLS}}}},
               prompt_token_ids=TOKEN_IDS)
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "param", "code"], "properties": {

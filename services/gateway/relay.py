@@ -26,6 +26,7 @@ from aiohttp import web
 from kvc_gateway.textstream import TextStream
 from kvcentric.core.openai_api import (ApiError, CompletionRequest, chat_body, chat_chunk, completion_body,
                                        usage)
+from kvcentric.core.openai_tools import ToolCallStream, split_answer
 from kvcentric.core.openai_logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from kvcentric.core.migration import Failure
 from kvcentric.core.protocol import Placement, TokenChunk, TokenLogprob
@@ -308,9 +309,27 @@ async def collect_body(job: Job, stream: AsyncIterator[Piece], model: str, shape
 def _choice(job: Job, model: str, index: int, text: str, finish_reason: str | None, shaped: list[dict]) -> dict:
     if job.chat:
         merged = {"content": [t for part in shaped for t in part["content"]], "refusal": None} if shaped else None
-        return chat_body(job.request_id, model, text, finish_reason, None, logprobs=merged, index=index)["choices"][0]
+        choice = chat_body(job.request_id, model, text, finish_reason, None, logprobs=merged, index=index)["choices"][0]
+        names = called_names(job)
+        if names:
+            content, calls = split_answer(text, names)
+            if calls:
+                choice["message"].update(content=content, tool_calls=calls)
+                choice["finish_reason"] = tool_finish(finish_reason)
+        return choice
     return completion_body(job.request_id, model, text, finish_reason, None,
                            logprobs=merge_completion_logprobs(shaped), index=index)["choices"][0]
+
+
+def called_names(job: Job) -> set[str]:
+    """The functions a chat request's answer may call (none unless it declared tools, tool_choice not none)."""
+    tools = job.request.tools
+    return tools.names if tools is not None and tools.choice != "none" else set()
+
+
+def tool_finish(reason: str | None) -> str | None:
+    """OpenAI's finish reason of a choice that called tools: `tool_calls` where the model ended it."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 class EventStream(web.StreamResponse):
@@ -332,6 +351,10 @@ class EventWriter:
         self.held: list[bytes] = []
         self.offset = offset
         """Added to each choice's index: i*n for the i-th prompt of a batch (OpenAI's order)."""
+        names = called_names(job)
+        self.calls = {index: ToolCallStream(names) for index in range(job.request.sampling.n)} if names else {}
+        """Chat with tools: each choice's tool calls, taken out of its text as they close."""
+        self.called: dict[int, int] = collections.Counter()
 
     @property
     def response(self) -> web.StreamResponse:
@@ -361,8 +384,8 @@ class EventWriter:
     async def piece(self, piece: Piece) -> None:
         text, logprobs = self.shaper.text(piece), self.shaper.logprobs(piece)
         if self.job.chat:
-            delta = {"content": text} if text else {}
-            body = chat_chunk(self.job.request_id, self.model, delta, piece.finish_reason, None, self.created,
+            delta, finish = self.delta(piece, text)
+            body = chat_chunk(self.job.request_id, self.model, delta, finish, None, self.created,
                               logprobs=logprobs, index=self.offset + piece.index)
         else:
             body = completion_body(self.job.request_id, self.model, text, piece.finish_reason, None, self.created,
@@ -370,6 +393,23 @@ class EventWriter:
         self.hold(self.token_ids(body, piece))
         if piece.finish_reason is None:
             await self.response.write(self.take())
+
+    def delta(self, piece: Piece, text: str) -> tuple[dict, str | None]:
+        """A chat event's delta and finish reason: its text, or with tools the content and the tool calls that
+        closed in it (`delta.tool_calls`, each whole, indexed per choice)."""
+        calls_of = self.calls.get(piece.index)
+        if calls_of is None:
+            return ({"content": text} if text else {}), piece.finish_reason
+        content, calls = calls_of.feed(text)
+        if piece.finish_reason is not None:
+            content += calls_of.finish()
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if calls:
+            first = self.called[piece.index]
+            delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            self.called[piece.index] += len(calls)
+        called = self.called[piece.index] > 0
+        return delta, tool_finish(piece.finish_reason) if called else piece.finish_reason
 
     async def close(self, total: dict | None = None) -> None:
         """The held events, the usage chunk when asked for (`total`, a batch's, or the job's), `[DONE]`."""

@@ -274,7 +274,8 @@ class GatewayService(Service):
         context = self.model.max_position
         if chat:
             parsed = parse_chat(body, self.config.served_names, context, self.model.vocab_size)
-            token_ids = self.tokenizer.encode_chat(parsed.messages)
+            shown = parsed.tools.shown if parsed.tools is not None else None
+            token_ids = self.tokenizer.encode_chat(parsed.messages, tools=shown)
             if parsed.max_tokens_defaulted:
                 sampling = msgspec.structs.replace(parsed.sampling, max_tokens=max(1, context - len(token_ids)))
                 parsed = dataclasses.replace(parsed, sampling=sampling)

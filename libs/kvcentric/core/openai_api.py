@@ -18,6 +18,8 @@ import msgspec
 
 from kvcentric.core.api_error import ApiError, check as _check
 from kvcentric.core.openai_chat import parse_messages
+from kvcentric.core.openai_tools import FIELDS as TOOL_FIELDS
+from kvcentric.core.openai_tools import Tools, parse_tools, tool_grammar
 from kvcentric.core.structured import FIELDS as STRUCTURED_FIELDS
 from kvcentric.core.structured import parse_guide
 from kvcentric.core.protocol import MAX_LOGPROBS, MAX_SEQUENCES, SamplingParams
@@ -69,6 +71,8 @@ class CompletionRequest:
     answer; streamed, in the first event only)."""
     continuous_usage: bool = False
     """vLLM's `stream_options.continuous_usage_stats`: every streamed chunk carries the usage so far."""
+    tools: Tools | None = None
+    """Chat: the functions the model may call, and what the request asks of them (`openai_tools`)."""
     batch: tuple[Prompt, ...] = ()
     """Completions: the prompts of a batch of more than one (`prompt`/`prompt_token_ids` hold the first);
     `each_prompt` splits it, and prompt i's choices are answered at indices i*n .. i*n+n-1, as OpenAI's."""
@@ -169,7 +173,7 @@ COMMON_FIELDS = STRUCTURED_FIELDS | frozenset({
 """What both endpoints take (the last seven are vLLM's extensions); any other field that is not null is a 400
 naming it, so nothing a client asks for is silently dropped."""
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"}
+CHAT_FIELDS = COMMON_FIELDS | TOOL_FIELDS | {"messages", "logprobs", "top_logprobs"}
 MAX_LOGIT_BIAS = 300
 TOKEN_ID = re.compile(r"[0-9]{1,10}")
 LOGPROBS_MODES = {"raw_logprobs": False, "processed_logprobs": True}
@@ -313,8 +317,23 @@ def parse_chat(body: Any, served_model: str | Sequence[str], context_len: int,
     top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     _check(top is None or wants, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
     sampling = msgspec.structs.replace(common.pop("sampling"), logprobs=(top or 0) if wants else None)
+    tools = parse_tools(body)
+    sampling = _tool_sampling(sampling, tools)
     return CompletionRequest(prompt=None, prompt_token_ids=None, messages=messages, sampling=sampling,
-                             max_tokens_defaulted=max_tokens is None, show_logprobs=wants, **common)
+                             max_tokens_defaulted=max_tokens is None, show_logprobs=wants, tools=tools, **common)
+
+
+def _tool_sampling(sampling: SamplingParams, tools: Tools | None) -> SamplingParams:
+    """With tool_choice required or a named function, the sampling follows the calls' grammar; it cannot
+    also follow a response format, nor go on past its end (ignore_eos, min_tokens)."""
+    grammar = tool_grammar(tools) if tools is not None else ""
+    if not grammar:
+        return sampling
+    _check(not sampling.guide, "'tool_choice' required or a named function cannot be combined with a structured "
+                               "output (response_format, structured_outputs, guided_*)", "tool_choice")
+    _check(not (sampling.ignore_eos or sampling.min_tokens), "'tool_choice' required or a named function takes "
+                                                            "neither 'ignore_eos' nor 'min_tokens'", "tool_choice")
+    return msgspec.structs.replace(sampling, guide=grammar)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -75,7 +75,8 @@ class StreamDecoder:
 
 
 SIMPLE_CHAT_TEMPLATE = "{role}: {content}\n"
-"""How dummy models render chat messages: one "role: content" line each, then "assistant: ". A message's
+"""How dummy models render chat messages: one "role: content" line each, then "assistant: "; a request's tools
+first, as one line `tools: [...]` (OpenAI's declarations as JSON). A message's
 `name` (or a tool message's `tool_call_id`) follows its role in parentheses, and an assistant's tool calls
 follow its content, each as `<tool_call>{"name": ..., "arguments": ...}</tool_call>`."""
 
@@ -99,12 +100,16 @@ class ByteChat:
     chat_template = None
     encode: Callable[..., list[int]]  # the tokenizer this is mixed into
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return "".join(simple_chat_line(m) for m in messages) + ("assistant: " if add_generation_prompt else "")
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        shown = f"tools: {json.dumps(tools)}\n" if tools else ""
+        lines = "".join(simple_chat_line(m) for m in messages)
+        return shown + lines + ("assistant: " if add_generation_prompt else "")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation, ready for generation (BOS included once)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_bos=True)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_bos=True)
 
 
 class DummyTokenizer(ByteTokenizer, ByteChat):
@@ -154,10 +159,12 @@ class HFTokenizer:
         """The token as the vocabulary spells it (vLLM's `token_strs`, such as "Ġhello")."""
         return self._tokenizer.id_to_token(token_id) or ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render with the checkpoint's Jinja chat template (special tokens as text, as HF does)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Render with the checkpoint's Jinja chat template (special tokens as text, as HF does); `tools` as
+        OpenAI declares them, for a template that shows them to the model."""
         if not self.chat_template:
-            return ByteChat().apply_chat_template(messages, add_generation_prompt)
+            return ByteChat().apply_chat_template(messages, add_generation_prompt, tools)
         import jinja2
 
         def raise_exception(message: str):
@@ -169,13 +176,14 @@ class HFTokenizer:
         try:
             return template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "")
+                eos_token=self.eos_token or "", tools=tools or None)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"{type(exc).__name__}: {exc}") from None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered conversation; a template writes its own BOS, so none is added."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         return self.encode(text, add_bos=not self.chat_template)
 
 
