@@ -60,3 +60,37 @@ def test_what_cannot_be_enforced_is_a_400(client):
     answer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2,
                                             response_format={"type": "text"})
     assert answer.usage.completion_tokens >= 1
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Lima"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_choice_required_always_returns_a_parsable_call(client):
+    for seed in range(2):
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, CLOCK],
+            tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=seed, n=2,
+            max_tokens=200)  # type: ignore[arg-type]
+        for choice in answer.choices:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (call,) = choice.message.tool_calls or []
+            arguments = json.loads(call.function.arguments)
+            assert call.type == "function" and call.id.startswith("call_")
+            assert (call.function.name, list(arguments)) in (("get_weather", ["city"]), ("get_time", ["zone"]))
+
+
+def test_a_named_function_streams_its_call_as_delta_tool_calls(client):
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Time?"}], tools=[WEATHER, CLOCK], temperature=1.0,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, parallel_tool_calls=False, seed=4,
+        max_tokens=200, stream=True))  # type: ignore[arg-type]
+    calls = [call for chunk in chunks for call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_time"
+    assert -12 <= json.loads(calls[0].function.arguments)["zone"] <= 14
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
