@@ -1,6 +1,7 @@
 """lm-evaluation-harness (`lm-eval`) scores a multiple-choice task defined in a local file with its
-`local-completions` model against the gateway serving a locally built Llama checkpoint (no downloads):
-every loglikelihood equals the one transformers computes on the same checkpoint and tokens, to 1e-3."""
+`local-completions` model against the gateway serving a locally built Llama checkpoint (no downloads), four
+prompts to a request (`batch_size=4`: batched prompts of token ids, each answered at its index): every
+loglikelihood equals the one transformers computes on the same checkpoint and tokens, to 1e-3."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_lm_eval_loglikelihoods_through_the_gateway_equal_transformers(checkpoin
 
     model = get_json(served.url + "/v1/models")[1]["data"][0]["id"]
     args = (f"model={model},base_url={served.url}/v1/completions,tokenizer={checkpoint},"
-            f"tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
+            f"tokenizer_backend=huggingface,num_concurrent=1,max_retries=1,batch_size=4")
     task = write_task(tmp_path)
     results = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[task],
                                       task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
