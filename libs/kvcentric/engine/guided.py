@@ -58,9 +58,17 @@ class Guides:
     """The matchers of the guided sequences an engine samples for, and the masks they give."""
 
     def __init__(self, model: ModelConfig) -> None:
-        self.model, self.vocab_size, self.eos_ids = model, model.vocab_size, tuple(sorted(model.eos_token_ids))
+        self.model = model
         self._tokenizer: LLTokenizer | None = None
         self.matchers: collections.OrderedDict[str, tuple[LLMatcher, int]] = collections.OrderedDict()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return sorted(self.model.eos_token_ids)
 
     @property
     def tokenizer(self) -> LLTokenizer:
@@ -106,5 +114,5 @@ class Guides:
 
     def only_eos(self) -> torch.Tensor:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-        allowed[list(self.eos_ids)] = True
+        allowed[self.eos_ids] = True
         return allowed
