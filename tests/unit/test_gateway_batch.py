@@ -85,3 +85,42 @@ async def test_all_or_none_cancels_the_others_when_one_fails():
         await batch.all_or_none([long(), failing()])
     assert cancelled == [True]
     assert await batch.all_or_none([asyncio.sleep(0, "a"), asyncio.sleep(0, "b")]) == ["a", "b"]
+
+
+class Written:
+    """What an SSE response was sent (the writer's only use of it)."""
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    async def write(self, data: bytes) -> None:
+        self.data += data
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.data += data
+
+    def events(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in self.data.decode().split("\n\n") if line.startswith("data: {")]
+
+
+async def test_a_streamed_tool_call_goes_out_whole_in_delta_tool_calls_with_usage_on_every_chunk():
+    from kvcentric.core.openai_api import parse_chat
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    request = parse_chat({"messages": [{"role": "user", "content": "x"}], "tools": [tool], "stream": True,
+                          "stream_options": {"continuous_usage_stats": True}}, "tiny", 2048)
+    job = relay.Job("chatcmpl-1", request, [1, 2, 3], True, time.perf_counter())
+    job.response = Written()  # type: ignore[assignment]
+    writer = relay.EventWriter(job, "tiny", relay.Shaper(job, str, ""))
+    for text, finish in (("Sure. <tool_call>{\"name\": \"f\", ", None), ('"arguments": {"a": 1}}', None),
+                         ("</tool_call>", "stop")):
+        job.completion_tokens += 1
+        await writer.piece(relay.Piece(text, finish_reason=finish, index=0))
+    await writer.close()
+    events = job.response.events()  # type: ignore[attr-defined]
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert deltas == [{"content": "Sure. "}, {}, {"tool_calls": [{"index": 0, "id": deltas[2]["tool_calls"][0]["id"],
+                                                                 "type": "function", "function": {
+                                                                     "name": "f", "arguments": '{"a": 1}'}}]}]
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert [event["usage"]["completion_tokens"] for event in events] == [1, 2, 3]
