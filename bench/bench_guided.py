@@ -56,7 +56,7 @@ def step_s(runner: ModelRunner, batch: int, guided: bool, steps: int) -> float:
 def mask_s(vocab: int, steps: int) -> float:
     """Median seconds of one row's mask (the matcher fed one token more each step, as in serving)."""
     guides = Guides(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
-    guides.tokenizer  # built once, outside the timing
+    assert guides.tokenizer is not None  # built once, outside the timing
     times, output = [], list(PREFIX)
     for _ in range(steps):
         started = time.perf_counter()

@@ -31,6 +31,11 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     tbt_slo_s: float = setting(0.0, "TBT SLO in seconds (time between tokens); 0: relative, --tbt-slo-factor (5) x "
                                     "the unloaded decode step (one sequence, the prompt's context), from the fastest "
                                     "measured model of the decode pool")
+    burst_s: float = setting(30.0, "a burst of requests is queued, not refused, while the prefill work offered "
+                                   "lately (a bucket drained at the pool's capacity) is at most this many seconds "
+                                   "per prefill instance: a request is then admitted while its predicted TTFT is "
+                                   "within this, its SLO or not; a sustained rate above capacity fills the bucket "
+                                   "and the TTFT SLO alone judges (0: always, the paper's admission)")
     probe_every_s: float = setting(5.0, "an idle prefill instance refused work on its prediction (over the TTFT "
                                         "SLO) for this long, with nothing placed there, is given one request (a "
                                         "probe), so it is measured again instead of refused for ever on a stale "

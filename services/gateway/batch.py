@@ -87,8 +87,9 @@ class Progress:
 async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncIterator[Piece]], model: str,
                  headers: dict, shapers: list[Shaper], silence_s: float, keepalive_s: float) -> web.StreamResponse:
     """Server-sent events of every prompt's choices as they come, each at its batch index; one usage chunk
-    (the batch's) and one `[DONE]` at the end. Each prompt is timed out for silence on its own (`watched`).
-    Before the first event an error is raised (its status answers); after it, it becomes an error event."""
+    (the batch's) and one `[DONE]` at the end. Every prompt is placed: the status and headers go out now (as a
+    single prompt's stream, `relay.stream`). Each prompt is timed out for silence on its own (`watched`); an
+    error becomes an error event."""
     lead = jobs[0]
     writers = [EventWriter(job, model, shaper, offset=index * job.request.n)
                for index, (job, shaper) in enumerate(zip(jobs, shapers))]
@@ -102,8 +103,8 @@ async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncItera
                 job.response = response
 
     async def keep_alive() -> None:
-        await opened()
         await writers[0].keep_alive(request, headers)
+    await opened()  # every prompt is placed: the client hears at once that the batch was admitted
     try:
         progress: Any = Progress(jobs)  # what `watched` reads of a job
         async for index, piece in watched(progress, merged(watchers), silence_s, keepalive_s, keep_alive):

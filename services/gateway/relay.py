@@ -7,7 +7,8 @@ ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
 
 A request is timed out for silence, not for length (`watched`): it ends with a 504 only when no token came for
 --request-timeout-s, counted before its first token from when its placement predicted that token. A stream that
-waits sends SSE comments (keep-alives) every --keepalive-s, its status and headers going out with the first.
+opens (status and headers) once the request is placed, and while it waits sends SSE comments (keep-alives) every
+--keepalive-s.
 """
 
 from __future__ import annotations
@@ -445,14 +446,15 @@ class EventWriter:
 
 async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
                  shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0) -> web.StreamResponse:
-    """Relay the pieces as SSE. The headers go out with the first piece, or the first keep-alive comment after
-    `keepalive_s` of waiting, so a request that fails before either (an instance refused it, the engine failed)
-    still gets its HTTP status; an error after that becomes an error event. TimeoutError after `silence_s`
-    without progress (`watched`)."""
+    """Relay the pieces as SSE. The request is placed: its status and headers go out now, so a client sees at once
+    that it was admitted (a queued burst may wait seconds for its first token), with a keep-alive comment every
+    `keepalive_s` of waiting; an error from here on (an instance failed and the request could not be migrated)
+    becomes an error event. TimeoutError after `silence_s` without progress (`watched`)."""
     writer = EventWriter(job, model, shaper)
 
     async def keep_alive() -> None:
         await writer.keep_alive(request, headers)
+    await writer.open(request, headers)
     try:
         async for piece in watched(job, pieces, silence_s, keepalive_s, keep_alive):
             if job.response is None:
