@@ -437,6 +437,7 @@ class DecodeEngine:
 
     def _release(self, request: DecodeRequest) -> None:
         self._unstage(request)
+        self.guides.forget(request.key)
         if request.key in self._in_step:  # the step in flight still reads and writes its blocks
             self._deferred_free += request.blocks
             return

@@ -365,6 +365,8 @@ class PrefillEngine:
         work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index,
                                 self.guides.mask(f"{request_id}#{index}", sampling, output))
                          for index in range(1, sampling.n)]
+        for key in (request_id, *(f"{request_id}#{index}" for index in range(1, sampling.n))):
+            self.guides.forget(key)  # the sequences go on on decode, which replays their output there
         return token
 
     def update(self, chunk: PrefillChunk) -> None:
