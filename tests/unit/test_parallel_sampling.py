@@ -51,3 +51,19 @@ def test_greedy_sequences_agree_with_each_other_and_with_a_fork_of_a_full_block(
     greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, n=2)
     out = run(engine, prompt(8), greedy)
     assert out[0] == out[1] == run(engine, prompt(8), msgspec.structs.replace(greedy, n=1))[0]
+
+
+def test_guided_sequences_follow_their_grammar_through_prefill_and_decode_steps():
+    """A choice's grammar through the colocated engine (the first token sampled by prefill, the rest by decode
+    steps), each of n sequences on its own, and the matchers dropped once the sequences end."""
+    from kvcentric.core.structured import parse_guide
+    from kvcentric.model.tokenizer import ByteTokenizer
+
+    runner = make_runner(block_size=4)
+    engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4))
+    guide = parse_guide({"guided_choice": ["alpha", "beta", "gamma delta"]})
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=3, n=4, guide=guide)
+    out = run(engine, prompt(9), params)
+    texts = [ByteTokenizer().decode([t for t in out[i] if t != 257]) for i in range(4)]
+    assert set(texts) <= {"alpha", "beta", "gamma delta"} and all(out[i][-1] == 257 for i in range(4))
+    assert not engine.decode.guides.matchers and not engine.prefill.guides.matchers
