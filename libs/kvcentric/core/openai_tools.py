@@ -19,7 +19,7 @@ from typing import Any
 from llguidance import LLMatcher
 
 from kvcentric.core.api_error import check
-from kvcentric.core.structured import JSON_OPTIONS
+from kvcentric.core.structured import JSON_OPTIONS, guarded
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 FIELDS = frozenset({"tools", "tool_choice", "parallel_tool_calls"})
@@ -109,10 +109,7 @@ def tool_grammar(tools: Tools) -> str:
     repeat = "+" if tools.parallel else ""
     lark = f'start: call{repeat}\ncall: "{OPEN}" body "{CLOSE}"\nbody: %json {json.dumps(call)}'
     grammar = LLMatcher.grammar_from_lark(lark)
-    try:
-        error = LLMatcher.validate_grammar(grammar)
-    except Exception as exc:  # noqa: BLE001 - a schema it cannot take is the client's
-        error = str(exc)
+    error = guarded(lambda: LLMatcher.validate_grammar(grammar), "tools")
     check(not error, f"a tool's parameters cannot be enforced: {error}", "tools")
     return grammar
 

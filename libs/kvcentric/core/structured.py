@@ -41,12 +41,12 @@ def parse_guide(body: dict) -> str:
     else:
         grammar = _one(LEGACY[name], body[name], name)
     if grammar:
-        error = _guarded(lambda: LLMatcher.validate_grammar(grammar), name)
+        error = guarded(lambda: LLMatcher.validate_grammar(grammar), name)
         check(not error, f"'{name}' cannot be enforced: {error}", name)
     return grammar
 
 
-def _guarded(make: Callable[[], str], field: str) -> str:
+def guarded(make: Callable[[], str], field: str) -> str:
     """What llguidance makes, its refusal a 400: an error it raises, or a panic of its Rust code (which
     reaches Python as a BaseException)."""
     try:
@@ -113,14 +113,14 @@ def _one(kind: str, value: Any, field: str) -> str:
         return _json(value, field)
     if kind == "regex":
         check(isinstance(value, str) and value != "", f"'{field}': the regex must be a non-empty string", field)
-        return _guarded(lambda: LLMatcher.grammar_from_regex(value), field)
+        return guarded(lambda: LLMatcher.grammar_from_regex(value), field)
     check(isinstance(value, list) and len(value) > 0 and all(isinstance(c, str) and c for c in value),
           f"'{field}': the choice must be a non-empty list of non-empty strings", field)
-    return _guarded(lambda: LLMatcher.grammar_from_regex("|".join(_literal(choice) for choice in value)), field)
+    return guarded(lambda: LLMatcher.grammar_from_regex("|".join(_literal(choice) for choice in value)), field)
 
 
 def _json(schema: dict, field: str) -> str:
-    return _guarded(lambda: LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS),  # type: ignore[arg-type]
+    return guarded(lambda: LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS),  # type: ignore[arg-type]
                     field)
 
 
