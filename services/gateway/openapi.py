@@ -159,7 +159,7 @@ def tokenize_request(served: Sequence[str]) -> dict:
                                    "return_token_strs": flag})
     chat = _request(["messages"], {"model": model, "messages": messages_schema(),
                                    "add_special_tokens": nullable({"const": False}), "add_generation_prompt": flag,
-                                   "return_token_strs": flag})
+                                   "return_token_strs": flag, "tools": tool_fields()["tools"]})
     return {"anyOf": [prompt, chat]}
 
 

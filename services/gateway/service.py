@@ -197,7 +197,7 @@ class GatewayService(Service):
         asked = parse_tokenize(await self.request_body(request), self.config.served_names)
         try:
             if asked.messages is not None:
-                tokens = self.tokenizer.encode_chat(asked.messages, asked.add_generation_prompt)
+                tokens = self.tokenizer.encode_chat(asked.messages, asked.add_generation_prompt, asked.tools)
             else:
                 tokens = self.tokenizer.encode(asked.prompt or "", add_bos=asked.add_special_tokens)
         except UnicodeEncodeError:

@@ -275,3 +275,22 @@ def test_a_bad_batch_is_a_400_naming_prompt(prompt):
     with pytest.raises(ApiError) as caught:
         parse(prompt=prompt)
     assert caught.value.status == 400 and caught.value.param == "prompt"
+
+
+def test_tokenize_takes_a_prompt_or_messages_with_tools_and_detokenize_takes_ids():
+    from kvcentric.core.openai_api import parse_detokenize, parse_tokenize
+
+    asked = parse_tokenize({"prompt": "hi", "add_special_tokens": False, "return_token_strs": True}, "tiny")
+    assert (asked.prompt, asked.add_special_tokens, asked.return_token_strs) == ("hi", False, True)
+    tool = {"type": "function", "function": {"name": "f"}}
+    chat = parse_tokenize({"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                           "add_generation_prompt": False}, "tiny")
+    assert chat.tools == [tool] and not chat.add_generation_prompt and not chat.add_special_tokens
+    for bad, param in (({"prompt": "x", "tools": [tool]}, "tools"), ({}, "prompt"), ({"prompt": "x", "n": 2}, "n"),
+                       ({"prompt": "x", "model": "other"}, "model")):
+        with pytest.raises(ApiError) as caught:
+            parse_tokenize(bad, "tiny")
+        assert caught.value.param == param
+    assert parse_detokenize({"tokens": [72, 105]}, "tiny", 258) == [72, 105]
+    with pytest.raises(ApiError):
+        parse_detokenize({"tokens": [1.5]}, "tiny", 258)

@@ -347,10 +347,12 @@ class TokenizeRequest:
     (what a chat request is prompted with: the template writes its own special tokens)."""
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    tools: list[dict] | None = None
+    """The messages form: the tools a chat request would show the template (OpenAI's declarations)."""
 
 
 TOKENIZE_FIELDS = frozenset({"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                             "return_token_strs"})
+                             "return_token_strs", "tools"})
 
 
 def parse_tokenize(body: Any, served_model: str | Sequence[str]) -> TokenizeRequest:
@@ -362,17 +364,19 @@ def parse_tokenize(body: Any, served_model: str | Sequence[str]) -> TokenizeRequ
     _check(chat != (body.get("prompt") is not None), "give either 'prompt' or 'messages'", "prompt")
     if not chat:
         _check(isinstance(body["prompt"], str), "'prompt' must be a string", "prompt")
-        _check(body.get("add_generation_prompt") is None, "'add_generation_prompt' goes with 'messages'",
-               "add_generation_prompt")
+        for name in ("add_generation_prompt", "tools"):
+            _check(body.get(name) is None, f"'{name}' goes with 'messages'", name)
     special = body.get("add_special_tokens")
     special = not chat if special is None else special
     _check(isinstance(special, bool) and (not chat or not special),
            "'add_special_tokens' must be a boolean (false with 'messages': the template writes them)",
            "add_special_tokens")
     generation = body.get("add_generation_prompt")
+    tools = parse_tools({"tools": body.get("tools")})
     return TokenizeRequest(prompt=None if chat else body["prompt"], messages=parse_messages(body) if chat else None,
                            add_special_tokens=special, add_generation_prompt=True if generation is None else
-                           _flag(body, "add_generation_prompt"), return_token_strs=_flag(body, "return_token_strs"))
+                           _flag(body, "add_generation_prompt"), return_token_strs=_flag(body, "return_token_strs"),
+                           tools=tools.shown if tools is not None else None)
 
 
 def parse_detokenize(body: Any, served_model: str | Sequence[str], vocab_size: int) -> list[int]:
