@@ -4,6 +4,7 @@ transformers computes on the same checkpoint."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import openai
@@ -185,7 +186,7 @@ def test_min_tokens_holds_eos_back(client, reference):
 
 
 @pytest.mark.parametrize("field, value", [("suffix", "x"), ("tools", [{"type": "function"}]),
-                                          ("response_format", {"type": "json_object"}), ("best_of", 17),
+                                          ("response_format", {"type": "yaml"}), ("best_of", 17),
                                           ("n", 0), ("frequency_penalty", 3), ("logit_bias", {"-1": 1})])
 def test_unsupported_or_out_of_range_parameters_are_a_400_naming_them(client, field, value):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -193,10 +194,21 @@ def test_unsupported_or_out_of_range_parameters_are_a_400_naming_them(client, fi
     assert caught.value.body["param"] == field
 
 
-def test_a_chat_with_a_tool_is_refused_by_name(client):
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
-        client.chat.completions.create(model=client.served_model, messages=[{"role": "user", "content": "x"}],
-                                       tools=[{"type": "function", "function": {"name": "f"}}])
+def test_a_required_tool_call_and_a_json_schema_hold_with_the_checkpoints_tokenizer(client):
+    """The grammar's mask over a checkpoint's own vocabulary (its tokenizer.json), the tools shown by its chat
+    template: a random model at temperature 1 still writes one call of the function, and JSON the schema takes."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": False}}}
+    answer = client.chat.completions.create(model=client.served_model, messages=[{"role": "user", "content": "x"}],
+                                            tools=[tool], tool_choice="required", parallel_tool_calls=False,
+                                            temperature=1.0, seed=2, max_tokens=60)
+    (call,) = answer.choices[0].message.tool_calls or []
+    assert call.function.name == "f" and isinstance(json.loads(call.function.arguments)["x"], bool)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    text = complete(client, prompt=PROMPT, max_tokens=40, temperature=1.0, seed=4,
+                    extra_body={"structured_outputs": {"json": schema}}).choices[0].text
+    assert 0 <= json.loads(text)["n"] <= 9
 
 
 def test_logprobs_of_a_sampled_token_are_finite_and_ranked(client):
