@@ -70,6 +70,8 @@ async def merged(streams: list[AsyncIterator[tuple[int, Piece]]]) -> AsyncIterat
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        for iterator in iterators:  # each stopped where it was, its own `finally` run now rather than at collection
+            await iterator.aclose()  # type: ignore[attr-defined]
 
 
 class Progress:
@@ -105,18 +107,18 @@ async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncItera
     async def keep_alive() -> None:
         await writers[0].keep_alive(request, headers)
     await opened()  # every prompt is placed: the client hears at once that the batch was admitted
+    progress: Any = Progress(jobs)  # what `watched` reads of a job
+    events = merged(watchers)
     try:
-        progress: Any = Progress(jobs)  # what `watched` reads of a job
-        async for index, piece in watched(progress, merged(watchers), silence_s, keepalive_s, keep_alive):
-            await opened()
+        async for index, piece in watched(progress, events, silence_s, keepalive_s, keep_alive):
             await writers[index].piece(piece)
             if writers[index].held:  # a choice's last event: the lead writer sends the end alone
                 await writers[0].response.write(writers[index].take())
     except ApiError as exc:
-        if lead.response is None:
-            raise
         await writers[0].error(exc)
         return writers[0].response
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
     await writers[0].close(total_usage(jobs))
     return writers[0].response
 
