@@ -75,6 +75,8 @@ class ColocatedService(EngineService):
             self.engine.submit(job, decode_job)
         except PrefillRejected as exc:
             return SubmitAck.refused(str(exc))
+        self.spans.received(job.request_id)  # its compute is traced: prefill.run, then decode.generate (outbox)
+        self.spans.start(job.request_id, "prefill.run", prompt_tokens=len(job.token_ids))
         self.wake.set()
         self.lane_wake.set()
         return SubmitAck.accepted()

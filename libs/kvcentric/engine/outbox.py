@@ -15,7 +15,8 @@ from kvcentric.runtime.bus import Bus
 
 
 class TokenOutbox:
-    """Queue of token chunks to publish; a request's final chunk also closes its trace spans."""
+    """Queue of token chunks to publish; a request's first tokens and final chunk also move and close its trace
+    spans."""
 
     def __init__(self, spans: RequestSpans) -> None:
         self.spans = spans
@@ -26,6 +27,8 @@ class TokenOutbox:
         for chunk in chunks:
             if chunk is not None:
                 self.queue.put_nowait(chunk)
+                if chunk.token_ids:
+                    self.spans.first_token(chunk.request_id)
                 if chunk.finish_reason is not None:
                     self.spans.finish(chunk.request_id, chunk.error if chunk.finish_reason == "error" else "")
 

@@ -46,6 +46,14 @@ class RequestSpans:
             span.set_status(Status(StatusCode.ERROR, error))
         span.end()
 
+    def first_token(self, request_id: str) -> None:
+        """A request computed here from its prompt (a colocated instance) sent its first token: its `prefill.run`
+        ends and its `decode.generate` starts (nothing where this instance only prefills or only decodes)."""
+        if (request_id, "prefill.run") not in self.open or (request_id, "decode.generate") in self.open:
+            return
+        self.end(request_id, "prefill.run")
+        self.start(request_id, "decode.generate")
+
     def finish(self, request_id: str, error: str = "") -> None:
         """The request is over here: end whatever of its spans is still open, forget its context."""
         for key in [k for k in self.open if k[0] == request_id]:
