@@ -3,6 +3,7 @@ answer has a documented status, content type and shape, and whatever the schema 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -14,8 +15,11 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           negative_data_rejection]
-BUDGET_S = 50.0
+BUDGET_S = float(os.environ.get("KVC_FUZZ_BUDGET_S", "50"))
 """What the whole fuzzing may take; once spent, the remaining examples are skipped."""
+EXAMPLES = int(os.environ.get("KVC_FUZZ_EXAMPLES", "40"))
+"""Generated requests per operation that takes a body (a quarter of it per bodiless GET). A long run, say
+KVC_FUZZ_EXAMPLES=1000 KVC_FUZZ_BUDGET_S=1200, makes several thousand."""
 MAX_GENERATED = 8
 """Completion budget given to generated requests that ask for more (or name none): the tiny model on a CPU
 takes seconds for the 2047 tokens the schema allows."""
@@ -60,7 +64,7 @@ def test_the_gateway_does_what_its_openapi_document_says(cluster, mode):
     for operation in operations:
         takes_a_body = operation.method.upper() == "POST"
         if takes_a_body or mode == GenerationMode.POSITIVE:  # a bodiless GET has no invalid input to make
-            calls[operation.path] = fuzz(operation, mode, 40 if takes_a_body else 10, deadline)
+            calls[operation.path] = fuzz(operation, mode, EXAMPLES if takes_a_body else EXAMPLES // 4, deadline)
     print(mode, calls)
     assert calls["/v1/completions"] >= 20 and calls["/v1/chat/completions"] >= 10
 
