@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvcentric.json"
-SERIES = re.compile(r"(?:vllm:|kvc_)[a-z_]+")
+SERIES = re.compile(r"(?:vllm:|kvc_)[a-z0-9_]+")
 HISTOGRAM_PARTS = ("_bucket", "_sum", "_count")
 
 
