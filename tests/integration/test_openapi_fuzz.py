@@ -25,8 +25,13 @@ MAX_GENERATED = 8
 takes seconds for the 2047 tokens the schema allows."""
 
 
-def bound_generation(body) -> None:
-    """Cap the completion budget of a generated request (a smaller one is as valid or as invalid)."""
+MAX_BATCH = 4
+"""Prompts kept of a generated batch (each runs as a request of its own)."""
+
+
+def bound_generation(body, valid: bool) -> None:
+    """Cap the completion budget of a generated request (a smaller one is as valid or as invalid), and the
+    batch of a valid one (cutting an invalid batch could make it valid)."""
     if not isinstance(body, dict):
         return
     for name in ("max_tokens", "max_completion_tokens"):
@@ -34,6 +39,9 @@ def bound_generation(body) -> None:
             body[name] = MAX_GENERATED
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_GENERATED
+    prompt = body.get("prompt")
+    if valid and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        body["prompt"] = prompt[:MAX_BATCH]
 
 
 def fuzz(operation, mode: GenerationMode, examples: int, deadline: float) -> int:
@@ -47,7 +55,7 @@ def fuzz(operation, mode: GenerationMode, examples: int, deadline: float) -> int
         nonlocal calls
         if time.monotonic() > deadline:
             return
-        bound_generation(case.body)
+        bound_generation(case.body, mode == GenerationMode.POSITIVE)
         case.call_and_validate(checks=CHECKS, timeout=60)
         calls += 1
     run()
