@@ -103,6 +103,7 @@ class DecodeService(EngineService):
     async def on_cancel(self, cancel: Cancel) -> None:
         self.sink.cancelled(cancel.request_id)
         self.outbox.emit([self.engine.abort(cancel.request_id, "abort")])
+        self.sink.freed()
 
     # ---------------------------------------------------------------- what it tells the cluster
 
@@ -157,6 +158,7 @@ class DecodeService(EngineService):
                 continue
             kv_tokens = sum(r.context_tokens for r in batch)
             self.outbox.emit(self.engine.update(batch, tokens))
+            self.sink.freed()
             self.write_back.send(filled)
             if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
                 self.on_refit()

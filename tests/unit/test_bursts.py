@@ -1,7 +1,7 @@
 """Bursts are queued, overload is refused (issue 48), in the Conductor core without servers: the leaky bucket of offered
-prefill work, a burst the pool clears within --burst-s admitted whole where its SLO alone refuses most of it, a sustained
-rate above capacity refused at the SLO once the bucket is full, and the decode's double-check asked for only where the
-conductor judged no decode load at placement."""
+prefill work, a burst the pool clears within --burst-s admitted whole where its SLO alone refuses most of it, a
+sustained rate above capacity refused at the SLO once the bucket is full, and the decode's double-check asked for
+only where the conductor judged no decode load at placement."""
 
 from __future__ import annotations
 
