@@ -24,13 +24,12 @@ import time
 from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
+from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
 from kvcentric.tools.processes import Child, Supervisor, get_json
 
 Restart = Literal["on-failure", "never"]
-PACE_OF_SLO = 0.8
-"""A decode instance's pace during a burst is at most this share of the TBT SLO (`UpConfig.decode_pace_s`)."""
 
 
 @dataclasses.dataclass(frozen=True)
