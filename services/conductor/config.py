@@ -31,7 +31,7 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     tbt_slo_s: float = setting(0.0, "TBT SLO in seconds (time between tokens); 0: relative, --tbt-slo-factor (5) x "
                                     "the unloaded decode step (one sequence, the prompt's context), from the fastest "
                                     "measured model of the decode pool")
-    burst_s: float = setting(30.0, "a burst of requests is queued, not refused, while the prefill work offered "
+    burst_s: float = setting(60.0, "a burst of requests is queued, not refused, while the prefill work offered "
                                    "lately (a bucket drained at the pool's capacity) is at most this many seconds "
                                    "per prefill instance: a request is then admitted while its predicted TTFT is "
                                    "within this, its SLO or not; a sustained rate above capacity fills the bucket "
