@@ -119,7 +119,7 @@ class ConductorService(Service):
         slos = self.config.slos
         ttft = f"{slos.ttft_slo_s:g} s" if slos.ttft_slo_s else f"{slos.ttft_factor:g}x unloaded"
         tbt = f"{slos.tbt_slo_s:g} s" if slos.tbt_slo_s else f"{slos.tbt_factor:g}x unloaded"
-        burst = f", bursts queued up to {self.config.burst_s:g} s" if self.config.burst_s else ""
+        burst = f", bursts queued up to {self.config.bursts_s:g} s" if self.config.bursts_s else ""
         self.log.info("policy %s, rejection %s (TTFT SLO %s, TBT SLO %s%s), queue time %s%s, cost model %s (%s), "
                       "prefix index %s", self.config.policy, self.config.rejection, ttft, tbt, burst,
                       self.config.queue_time,
@@ -337,7 +337,7 @@ class ConductorService(Service):
         return {"prefill_alive": len(self.registry.alive_prefill(now)),
                 "decode_alive": len(self.registry.alive_decode(now)),
                 "policy": self.config.policy, "rejection": self.config.rejection, "slos": self.core.slo_view(now),
-                "burst_s": self.config.burst_s,
+                "burst_s": self.config.bursts_s,
                 "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
                 "prefix_index": self.config.prefix_index,
                 "conductors": self.leadership.replicas(now), "leader": self.leadership.leader(now),

@@ -87,11 +87,13 @@ class Progress:
 
 
 async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncIterator[Piece]], model: str,
-                 headers: dict, shapers: list[Shaper], silence_s: float, keepalive_s: float) -> web.StreamResponse:
+                 headers: dict, shapers: list[Shaper], silence_s: float, keepalive_s: float,
+                 open_now: bool = True) -> web.StreamResponse:
     """Server-sent events of every prompt's choices as they come, each at its batch index; one usage chunk
-    (the batch's) and one `[DONE]` at the end. Every prompt is placed: the status and headers go out now (as a
-    single prompt's stream, `relay.stream`). Each prompt is timed out for silence on its own (`watched`); an
-    error becomes an error event."""
+    (the batch's) and one `[DONE]` at the end. Every prompt is placed: with `open_now` the status and headers go
+    out now, else (a decode instance may still refuse one when its KV has arrived) with the first event or
+    keep-alive, as a single prompt's stream does (`relay.stream`). Each prompt is timed out for silence on its own
+    (`watched`); an error once the stream is open becomes an error event."""
     lead = jobs[0]
     writers = [EventWriter(job, model, shaper, offset=index * job.request.n)
                for index, (job, shaper) in enumerate(zip(jobs, shapers))]
@@ -105,16 +107,21 @@ async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncItera
                 job.response = response
 
     async def keep_alive() -> None:
+        await opened()
         await writers[0].keep_alive(request, headers)
-    await opened()  # every prompt is placed: the client hears at once that the batch was admitted
+    if open_now:
+        await opened()
     progress: Any = Progress(jobs)  # what `watched` reads of a job
     events = merged(watchers)
     try:
         async for index, piece in watched(progress, events, silence_s, keepalive_s, keep_alive):
+            await opened()
             await writers[index].piece(piece)
             if writers[index].held:  # a choice's last event: the lead writer sends the end alone
                 await writers[0].response.write(writers[index].take())
     except ApiError as exc:
+        if lead.response is None:
+            raise
         await writers[0].error(exc)
         return writers[0].response
     finally:

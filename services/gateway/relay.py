@@ -445,16 +445,20 @@ class EventWriter:
 
 
 async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
-                 shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0) -> web.StreamResponse:
-    """Relay the pieces as SSE. The request is placed: its status and headers go out now, so a client sees at once
-    that it was admitted (a queued burst may wait seconds for its first token), with a keep-alive comment every
-    `keepalive_s` of waiting; an error from here on (an instance failed and the request could not be migrated)
-    becomes an error event. TimeoutError after `silence_s` without progress (`watched`)."""
+                 shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0,
+                 open_now: bool = True) -> web.StreamResponse:
+    """Relay the pieces as SSE. The request is placed: with `open_now` its status and headers go out now, so a client
+    sees at once that it was admitted (a queued burst may wait seconds for its first token); else (its decode
+    instance may still refuse it when the KV has arrived, `Placement.decode_tbt_check`) with the first piece or the
+    first keep-alive, so such a refusal still gets its own status. A keep-alive comment goes out every `keepalive_s`
+    of waiting; an error once the stream is open (an instance failed and the request could not be migrated) becomes
+    an error event. TimeoutError after `silence_s` without progress (`watched`)."""
     writer = EventWriter(job, model, shaper)
 
     async def keep_alive() -> None:
         await writer.keep_alive(request, headers)
-    await writer.open(request, headers)
+    if open_now:
+        await writer.open(request, headers)
     try:
         async for piece in watched(job, pieces, silence_s, keepalive_s, keep_alive):
             if job.response is None:

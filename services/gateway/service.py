@@ -321,7 +321,8 @@ class GatewayService(Service):
                 return await self.answer_batch(request, jobs, streams, batch.headers_of(headers, jobs), shapers)
             if lead.request.stream:
                 response = await relay.stream(request, lead, streams[0], self.model_name, headers, shapers[0],
-                                              silence, self.config.keepalive_s)
+                                              silence, self.config.keepalive_s,
+                                              open_now=not lead.placement.decode_tbt_check)
             else:
                 response = await relay.collect(lead, streams[0], self.model_name, headers, shapers[0], silence)
             return response, lead.finish_reason or "500"
@@ -347,8 +348,9 @@ class GatewayService(Service):
         """A batch's answer (`kvc_gateway.batch`); its outcome is its prompts' if they all ended alike."""
         silence = self.config.request_timeout_s
         if jobs[0].request.stream:
+            open_now = not any(job.placement is not None and job.placement.decode_tbt_check for job in jobs)
             response = await batch.stream(request, jobs, streams, self.model_name, headers, shapers, silence,
-                                          self.config.keepalive_s)
+                                          self.config.keepalive_s, open_now)
         else:
             response = await batch.collect(jobs, streams, self.model_name, headers, shapers, silence)
         reasons = {job.finish_reason or "500" for job in jobs}

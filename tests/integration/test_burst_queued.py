@@ -58,7 +58,7 @@ def test_with_defaults_a_burst_of_32_is_queued_and_every_request_completes(tmp_p
     up = UpProcess(str(tmp_path), "--prefill", "1", "--decode", "1", "--model", "small", "--conductors", "1",
                    timeout_s=240.0)
     try:
-        assert up.health("conductor-0")["burst_s"] == 30.0
+        assert up.health("conductor-0")["burst_s"] == 60.0
         eventually(lambda: model_sources(up), "both engines measured (not a busy machine's guess)", timeout_s=120,
                    every_s=0.5, until=lambda sources: sources == {"prefill-0": {"prefill": "measured"},
                                                                   "decode-0": {"decode": "measured"}})

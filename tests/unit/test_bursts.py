@@ -1,7 +1,7 @@
 """Bursts are queued, overload is refused (issue 48), in the Conductor core without servers: the leaky bucket of offered
-prefill work, a burst the pool clears within --burst-s admitted whole where its SLO alone refuses most of it, a sustained
-rate above capacity refused at the SLO once the bucket is full, and the decode's double-check asked for only where the
-conductor judged no decode load at placement."""
+prefill work, a burst the pool clears within --burst-s admitted whole where its SLO alone refuses most of it, a
+sustained rate above capacity refused at the SLO once the bucket is full, and the decode's double-check asked for
+only where the conductor judged no decode load at placement."""
 
 from __future__ import annotations
 
@@ -120,3 +120,12 @@ def test_only_the_rejection_mode_that_judges_no_decode_load_asks_the_decode_to_d
         decode_job = next(job for role, _, job in submits if role == "decode")
         assert isinstance(decode_job, DecodeJob) and decode_job.tbt_check == check
     assert Placement(request_id="r", prefill_id="p", decode_id="d", decode_kv_addr="a").decode_tbt_check
+
+
+def test_the_conductor_queues_bursts_under_relative_slos_and_holds_an_operators_absolute_slo():
+    from kvc_conductor.config import DEFAULT_BURST_S, ConductorConfig
+
+    assert ConductorConfig().scheduler.burst_s == DEFAULT_BURST_S == 60.0  # the defaults: relative SLOs
+    assert ConductorConfig(ttft_slo_s=2.0).scheduler.burst_s == 0.0  # an SLO the operator set holds
+    assert ConductorConfig(ttft_slo_s=2.0, burst_s=10.0).scheduler.burst_s == 10.0
+    assert ConductorConfig(burst_s=0.0).scheduler.burst_s == 0.0

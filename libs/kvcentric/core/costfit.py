@@ -92,7 +92,7 @@ class ShapeWindow:
             key = (int(sample[0]).bit_length(), int(sample[1]).bit_length())
             bucket = self.buckets.get(key)
             entry = next((e for e in bucket if e[0] == sample), None) if bucket is not None else None
-            if entry is not None:
+            if bucket is not None and entry is not None:
                 bucket.remove(entry)
                 gone += 1
                 if not bucket:

@@ -24,13 +24,12 @@ import time
 from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
+from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
 from kvcentric.tools.processes import Child, Supervisor, get_json
 
 Restart = Literal["on-failure", "never"]
-PACE_OF_SLO = 0.8
-"""A decode instance's pace during a burst is at most this share of the TBT SLO (`UpConfig.decode_pace_s`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +71,10 @@ class UpConfig:
                                        "back to back)")
     tbt_slo_s: float = setting(0.0, "TBT SLO in seconds: the conductor admits by it, and with KVC_REJECTION=none "
                                     "the decode instances double-check it when a request's KV has arrived "
-                                    "(rejected with 429 when the predicted step exceeds it; Mooncake §7); 0: relative, 5x the unloaded step each "
-                                    "measures (and the conductor's TTFT SLO 10x the unloaded prefill, unless "
-                                    "KVC_TTFT_SLO_S is set), so a slow model on slow hardware still serves")
+                                    "(rejected with 429 when the predicted step exceeds it; Mooncake §7); 0: "
+                                    "relative, 5x the unloaded step each measures (and the conductor's TTFT SLO "
+                                    "10x the unloaded prefill, unless KVC_TTFT_SLO_S is set), so a slow model on "
+                                    "slow hardware still serves")
     layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission); "
                                    "without --colocated, the prefill instances do (layer-wise KV offloading)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")

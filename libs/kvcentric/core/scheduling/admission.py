@@ -191,7 +191,8 @@ class Admission:
             excess = ttft_s - threshold * ttft_limit
             limit = (f"{ttft_limit:.3g} s a burst may queue for" if ttft_limit > slo.ttft_s else
                      f"{slo.ttft_s:.3g} s TTFT SLO")
-            message = f"predicted TTFT {ttft_s:.2f} s exceeds {threshold:.2f} x the {limit} (prefill load {prefill_load:.2f})"
+            message = (f"predicted TTFT {ttft_s:.2f} s exceeds {threshold:.2f} x the {limit} "
+                       f"(prefill load {prefill_load:.2f})")
             return Verdict("prefill", prefill_load, threshold, message, _clamp(excess))
         when = "when it would arrive" if self.mode == "predictive" else "now"
         message = (f"decode load {decode_load:.2f} {when} exceeds {threshold:.2f} (predicted TBT "

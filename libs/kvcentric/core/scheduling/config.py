@@ -77,7 +77,8 @@ class SchedulerConfig:
             require(math.isfinite(value) and value >= 0, name, "must be 0 (relative) or positive")
         require(self.ttft_slo_factor > 0, "ttft_slo_factor", "must be positive")
         require(self.tbt_slo_factor > 0, "tbt_slo_factor", "must be positive")
-        require(math.isfinite(self.burst_s) and self.burst_s >= 0, "burst_s", "must be 0 (none) or more")
+        require(math.isfinite(self.burst_s) and (self.burst_s >= 0 or self.burst_s == -1), "burst_s",
+                "must be 0 (none), positive, or -1 (the conductor's default: by the TTFT SLO)")
         require(math.isfinite(self.probe_every_s) and self.probe_every_s >= 0, "probe_every_s", "must be 0 or more")
         require(self.kvcache_balancing_threshold >= 1, "kvcache_balancing_threshold", "must be >= 1")
         require(self.block_size >= 1, "block_size", "must be at least 1")
