@@ -30,6 +30,9 @@ def test_a_repetition_penalty_near_zero_leaves_finite_logits_and_a_token(tempera
     assert all(abs(v) < float("inf") for v in adjust(LOGITS.clone(), params, [0, 3], [], ()).tolist())
     token, logprob = choose(LOGITS.clone(), params, 0, prompt=[0, 3])
     assert token in (0, 3) and logprob is not None and logprob.logprob == logprob.logprob  # not NaN
+    allowed = torch.tensor([False, False, False, True, False])  # a grammar's mask: the others at -inf, seen too
+    token, _ = choose(LOGITS.clone(), params, 0, prompt=[0, 1, 3], allowed=allowed)
+    assert token == 3
 
 
 def test_frequency_and_presence_penalties_count_the_output_only():

@@ -73,6 +73,7 @@ def test_a_sequence_replayed_elsewhere_gets_the_same_mask():
 
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": []}}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),

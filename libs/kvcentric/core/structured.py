@@ -67,6 +67,8 @@ def _response_format(value: Any) -> str:
           "'response_format.type' must be text, json_object or json_schema", "response_format")
     extra = sorted(set(value) - {"type", "json_schema"})
     check(not extra, f"'response_format.{extra[0] if extra else ''}' is not supported", "response_format")
+    check(kind == "json_schema" or value.get("json_schema") is None,
+          "'response_format.json_schema' goes with type json_schema", "response_format")
     if kind == "text":
         return ""
     if kind == "json_object":

@@ -76,7 +76,8 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
         seen = torch.tensor(sorted({*prompt, *generated}), dtype=torch.long, device=logits.device)
         values = logits[seen]
         divided = (values / params.repetition_penalty).clamp(max=PENALISED_LOGIT_MAX)
-        logits[seen] = torch.where(values > 0, divided, values * params.repetition_penalty)
+        multiplied = torch.where(torch.isinf(values), values, values * params.repetition_penalty)  # -inf * 0 is NaN
+        logits[seen] = torch.where(values > 0, divided, multiplied)
     if (params.presence_penalty or params.frequency_penalty) and generated:
         counts = torch.bincount(torch.tensor(list(generated), device=logits.device), minlength=vocab)[:vocab]
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
