@@ -30,9 +30,10 @@ MAX_BATCH = 4
 
 
 def bound_generation(body, valid: bool) -> None:
-    """Cap the completion budget of a generated request (a smaller one is as valid or as invalid), and the
-    batch of a valid one (cutting an invalid batch could make it valid)."""
-    if not isinstance(body, dict):
+    """Cap the completion budget and the batch of a generated valid request (smaller ones are as valid). An
+    invalid one is left as it is: capping a budget beyond the context, or cutting a batch, could make it valid,
+    and the server refuses it before generating anything."""
+    if not isinstance(body, dict) or not valid:
         return
     for name in ("max_tokens", "max_completion_tokens"):
         if isinstance(body.get(name), int) and not isinstance(body[name], bool) and body[name] > MAX_GENERATED:
@@ -40,7 +41,7 @@ def bound_generation(body, valid: bool) -> None:
     if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = MAX_GENERATED
     prompt = body.get("prompt")
-    if valid and isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         body["prompt"] = prompt[:MAX_BATCH]
 
 
