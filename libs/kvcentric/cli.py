@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Literal
 
-from kvcentric.config import ConfigError, add_arguments, from_namespace
+from kvcentric.config import ConfigError, add_arguments, env_name, flag_name, from_namespace
 from kvcentric.registry import DESCRIPTIONS, config_class, service_class
 
 SERVICES = DESCRIPTIONS
@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--nats-url", default=os.environ.get("KVC_NATS_URL", "nats://127.0.0.1:4222"),
                       help="NATS server (env KVC_NATS_URL)")
     role.add_argument("--reason", default="by hand", help="logged by the instance")
+    for name, what in (("tls_ca", "the deployment's CA, to check a TLS NATS server"),
+                       ("tls_cert", "certificate to present to NATS"), ("tls_key", "its private key"),
+                       ("nats_user", "NATS user (`admin` in `kvcentric up --secure`)"),
+                       ("nats_password_file", "file holding its password (else KVC_NATS_PASSWORD)")):
+        role.add_argument(flag_name(name), default=os.environ.get(env_name(name), ""),
+                          help=f"{what} (env {env_name(name)})")
     for command, description in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
@@ -83,11 +89,16 @@ def main(argv: list[str] | None = None) -> None:
             from kvcentric.tools.plan import PlanConfig, main as plan_main
             sys.exit(plan_main(from_namespace(PlanConfig, args)))
         if args.command == "role":
-            sys.exit(switch_role(args.nats_url, args.instance_id, args.to_role, args.reason))
+            from kvcentric.runtime.security import NatsAccess, secret_from
+            password = secret_from(args.nats_password_file, "nats_password_file", "KVC_NATS_PASSWORD")
+            access = NatsAccess(args.nats_url, args.nats_user, password, args.tls_ca, args.tls_cert, args.tls_key)
+            sys.exit(switch_role(access, args.instance_id, args.to_role, args.reason))
         if args.command == "up":
             from kvcentric.tools.up import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))
         config = from_namespace(_config_class(args.command), args)
+        from kvcentric.runtime.security import check_files
+        check_files(config)  # a missing or bad certificate, key or password file names its flag now
     except ConfigError as exc:
         parser.exit(2, f"kvcentric: error: {exc}\n")
     from kvcentric.runtime.service import Service, run_service
@@ -98,16 +109,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 
 
-def switch_role(nats_url: str, instance_id: str, role: Literal["prefill", "decode"], reason: str,
+def switch_role(access, instance_id: str, role: Literal["prefill", "decode"], reason: str,
                 timeout_s: float = 5.0) -> int:
-    """`kvcentric role`: ask one engine to drain and switch; 0 when it agreed."""
+    """`kvcentric role`: ask one engine to drain and switch (`access`: a NATS URL, or a NatsAccess with
+    credentials); 0 when it agreed."""
     import nats
     import nats.errors
+
+    from kvcentric.runtime.security import NatsAccess
+
+    access = NatsAccess(access) if isinstance(access, str) else access
+    nats_url = access.url
 
     from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
 
     async def ask() -> SubmitAck:
-        nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0)
+        nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0, **access.options())
         try:
             switch = encode(RoleSwitch(role=role, reason=reason))
             reply = await nc.request(Subjects.control(instance_id), switch, timeout_s)
