@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench", help="benchmarks against a running cluster: `kvcentric bench replay TRACE --url ...` "
                                       "sends a Mooncake trace or a Poisson workload as real requests",
                         add_help=False)
+    commands.add_parser("certs", help="write a deployment's CA, certificates, NATS and Redis passwords and API key "
+                                      "to a folder (`kvcentric certs --help`), for compose and Kubernetes",
+                        add_help=False)
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
@@ -75,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["sim"]:  # its own parser, with a `cache` subcommand
         from kvcentric.tools.sim import main as sim_main
         sys.exit(sim_main(argv[1:]))
+    if argv[:1] == ["certs"]:  # the material of a secured deployment, its own parser
+        from kvcentric.tools.secure import main as certs_main
+        sys.exit(certs_main(argv[1:]))
     if argv[:1] == ["bench"]:  # `kvcentric bench replay TRACE ...`, its own parser
         from kvcentric.tools.replay import bench_main
         sys.exit(bench_main(argv[1:]))

@@ -70,10 +70,12 @@ def _direction(subjects: Sequence[str]) -> str:
 
 
 def nats_user_block(user: str, secret: str) -> str:
-    """One user of nats-server's `authorization { users: [...] }`, with its permissions."""
+    """One user of nats-server's `authorization { users: [...] }`, with its permissions; a `secret` that starts
+    with `$` is a variable nats-server reads from its environment."""
     granted = permissions(user)
     responses = ", allow_responses: true" if granted.responds else ""
-    return (f'    {{user: "{user}", password: "{secret}", permissions: {{\n'
+    shown = secret if secret.startswith("$") else f'"{secret}"'
+    return (f'    {{user: "{user}", password: {shown}, permissions: {{\n'
             f"      publish: {_direction(granted.publish)}\n"
             f"      subscribe: {_direction(granted.subscribe)}{responses}\n    }}}}")
 
@@ -93,10 +95,21 @@ def redis_conf(secret: str) -> str:
     return f"# Written by kvcentric up --secure.\nrequirepass {secret}\n"
 
 
-def make_secure_files(folder: str, gateway_hosts: Sequence[str] = (),
+def password_variable(user: str) -> str:
+    """The environment variable a deployment's nats-server reads `user`'s password from (`NATS_USERS_CONF`)."""
+    return "NATS_PASSWORD_" + user.upper().replace("-", "_")
+
+
+def _named(hosts: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys([*LOOPBACK, *(h for h in hosts if h not in ("", "0.0.0.0", "::"))]))
+
+
+def make_secure_files(folder: str, gateway_hosts: Sequence[str] = (), nats_hosts: Sequence[str] = (),
                       now: datetime.datetime | None = None) -> SecureFiles:
     """Make the CA, the certificates, the passwords, the API key and both server configs in `folder` (created,
-    owner only); the gateway's certificate also names `gateway_hosts`. Returns their paths."""
+    owner only); the gateway's certificate also names `gateway_hosts`, nats-server's `nats_hosts`. The NATS
+    passwords are also written as `nats-passwords.env` (NAME=value lines, for a container's environment).
+    Returns their paths."""
     now = now or datetime.datetime.now(datetime.UTC)
     os.makedirs(folder, mode=0o700, exist_ok=True)
     os.chmod(folder, 0o700)
@@ -104,14 +117,16 @@ def make_secure_files(folder: str, gateway_hosts: Sequence[str] = (),
     ca_path = os.path.join(folder, "ca.pem")
     with open(ca_path, "wb") as out:
         out.write(ca.cert_pem)
-    nats_cert, nats_key = write_pair(issue(ca, "nats-server", LOOPBACK, now), folder, "nats")
+    nats_cert, nats_key = write_pair(issue(ca, "nats-server", _named(nats_hosts), now), folder, "nats")
     service_cert, service_key = write_pair(issue(ca, "kvcentric service", [*LOOPBACK, KV_SERVER_NAME], now),
                                            folder, "service")
-    hosts = dict.fromkeys([*LOOPBACK, *(h for h in gateway_hosts if h not in ("", "0.0.0.0", "::"))])
-    gateway_cert, gateway_key = write_pair(issue(ca, "kvcentric gateway", list(hosts), now), folder, "gateway")
+    gateway_cert, gateway_key = write_pair(issue(ca, "kvcentric gateway", _named(gateway_hosts), now), folder,
+                                           "gateway")
     passwords = {user: password() for user in ROLES}
     for user, secret in passwords.items():
         write_private(os.path.join(folder, f"nats-{user}.password"), secret.encode() + b"\n")
+    write_private(os.path.join(folder, "nats-passwords.env"),
+                  "".join(f"{password_variable(user)}={secret}\n" for user, secret in passwords.items()).encode())
     redis_secret = password()
     files = SecureFiles(
         folder=folder, ca=ca_path, nats_cert=nats_cert, nats_key=nats_key, service_cert=service_cert,
@@ -122,3 +137,33 @@ def make_secure_files(folder: str, gateway_hosts: Sequence[str] = (),
                                 nats_conf(ca_path, nats_cert, nats_key, passwords).encode()),
         redis_conf=write_private(os.path.join(folder, "redis.conf"), redis_conf(redis_secret).encode()))
     return files
+
+
+def users_conf() -> str:
+    """The `authorization` block of a deployment's nats-server: every user and its permissions, each password
+    read from the server's environment (`password_variable`), so the file holds no secret (`deploy/`)."""
+    users = "\n".join(nats_user_block(user, "$" + password_variable(user)) for user in ROLES)
+    return (f"# Written by `kvcentric certs --users-conf` from libs/kvcentric/core/permissions.py: do not edit.\n"
+            f"authorization {{\n  timeout: 2\n  users: [\n{users}\n  ]\n}}\n")
+
+
+def main(argv: Sequence[str]) -> int:
+    """`kvcentric certs`: the material of a secured deployment (compose, Kubernetes) in a folder."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvcentric certs", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="folder to write the CA, certificates, passwords and API key to")
+    parser.add_argument("--nats-host", action="append", default=[],
+                        help="a name clients and peers reach nats-server by (repeat; *.x for a wildcard)")
+    parser.add_argument("--gateway-host", action="append", default=[], help="a name clients reach the gateway by")
+    parser.add_argument("--users-conf", action="store_true",
+                        help="print nats-server's authorization block (passwords from its environment) and exit")
+    args = parser.parse_args(argv)
+    if args.users_conf:
+        print(users_conf(), end="")
+        return 0
+    if not args.out:
+        parser.error("--out is required")
+    files = make_secure_files(args.out, args.gateway_host, args.nats_host)
+    print(f"kvcentric certs: wrote the CA, certificates and secrets of a deployment to {files.folder}")
+    return 0
