@@ -91,8 +91,9 @@ def nats_conf(ca: str, cert: str, key: str, passwords: dict[str, str]) -> str:
 
 
 def redis_conf(secret: str) -> str:
-    """redis-server config: every client must AUTH with `secret` (the default user's password)."""
-    return f"# Written by kvcentric up --secure.\nrequirepass {secret}\n"
+    """redis-server config: every client must AUTH with `secret` (the default user's password), and a replica
+    uses it to follow its primary."""
+    return f"# Written by kvcentric up --secure (or kvcentric certs).\nrequirepass {secret}\nmasterauth {secret}\n"
 
 
 def password_variable(user: str) -> str:
