@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import http.client
 import json
 import os
+import signal
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import nats
@@ -32,8 +35,8 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory):
-    up = UpProcess(str(tmp_path_factory.mktemp("secure-up")), "--secure", "--conductors", "1", "--num-kv-blocks",
-                   "256", "--restart", "never")
+    up = UpProcess(str(tmp_path_factory.mktemp("secure-up")), "--secure", "--conductors", "1", "--decode", "2",
+                   "--num-kv-blocks", "512")
     try:
         yield up
     finally:
@@ -212,8 +215,9 @@ def test_the_whole_request_path_works_secured_and_the_api_wants_a_key(secured):
     status, answer = post(secured, body, secret(secured, "api-keys"))
     assert status == 200, answer
     assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"
-    decode = get_json(secured.manifest["services"]["decode-0"]["health_url"])[1]["stats"]
-    assert decode.get("streams_received", 0) >= 1  # the prompt's KV came over the mutual-TLS transfer
+    streams = sum(get_json(secured.manifest["services"][name]["health_url"])[1]["stats"].get("streams_received", 0)
+                  for name in ("decode-0", "decode-1"))
+    assert streams >= 1  # the prompt's KV came over the mutual-TLS transfer
     for key in (None, "sk-wrong"):
         status, answer = post(secured, body, key)
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
@@ -222,3 +226,46 @@ def test_the_whole_request_path_works_secured_and_the_api_wants_a_key(secured):
     assert isinstance(untrusted.value.reason, ssl.SSLCertVerificationError)
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP on the HTTPS port
         urllib.request.urlopen(secured.url.replace("https://", "http://") + "/health", timeout=5)
+
+
+# ---------------------------------------------------------------- migration, last: it kills a decode instance
+
+
+def stream_events(up: UpProcess, body: dict):
+    """A streamed completion over HTTPS with the API key: (its decode instance, an iterator of its events)."""
+    parts = urllib.parse.urlsplit(up.url)
+    connection = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=120,
+                                             context=client_context(path(up, "ca.pem")))
+    connection.request("POST", "/v1/completions", json.dumps({**body, "stream": True}),
+                       {"Content-Type": "application/json", "Authorization": f"Bearer {secret(up, 'api-keys')}"})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()
+
+    def events():
+        try:
+            while line := response.readline():
+                if line.startswith(b"data: {"):
+                    yield json.loads(line[len(b"data: "):])
+        finally:
+            connection.close()
+    return response.getheader("x-kvcentric-decode"), events()
+
+
+def streamed_text(events) -> tuple[str, list]:
+    text, errors = "", []
+    for event in events:
+        errors += [event["error"]] if "error" in event else []
+        text += "".join(choice.get("text", "") for choice in event.get("choices", []))
+    return text, errors
+
+
+def test_a_stream_whose_decode_instance_is_killed_migrates_over_the_secured_hops(secured):
+    body = {"model": "tiny", "prompt": [3 + (i * 11) % 250 for i in range(80)], "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True}
+    reference, errors = streamed_text(stream_events(secured, body)[1])
+    assert errors == [] and reference
+    decode, events = stream_events(secured, body)
+    next(events)  # its decode instance is generating
+    os.kill(secured.reload()["services"][decode]["pid"], signal.SIGKILL)
+    text, errors = streamed_text(events)
+    assert errors == [] and text == reference  # re-placed, pushed and pulled again over the secured hops
