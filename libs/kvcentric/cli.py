@@ -122,12 +122,11 @@ def switch_role(access, instance_id: str, role: Literal["prefill", "decode"], re
     import nats
     import nats.errors
 
+    from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
     from kvcentric.runtime.security import NatsAccess
 
     access = NatsAccess(access) if isinstance(access, str) else access
     nats_url = access.url
-
-    from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
 
     async def ask() -> SubmitAck:
         nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0, **access.options())

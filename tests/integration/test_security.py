@@ -13,6 +13,8 @@ import json
 import os
 import signal
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -226,6 +228,18 @@ def test_the_whole_request_path_works_secured_and_the_api_wants_a_key(secured):
     assert isinstance(untrusted.value.reason, ssl.SSLCertVerificationError)
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP on the HTTPS port
         urllib.request.urlopen(secured.url.replace("https://", "http://") + "/health", timeout=5)
+
+
+def test_kvcentric_role_reaches_the_engines_as_admin_and_nothing_without_credentials(secured):
+    url = secured.manifest["nats_url"]
+    admin = ["--tls-ca", path(secured, "ca.pem"), "--tls-cert", path(secured, "service.pem"), "--tls-key",
+             path(secured, "service-key.pem"), "--nats-user", "admin", "--nats-password-file",
+             path(secured, "nats-admin.password")]
+    run = [sys.executable, "-m", "kvcentric", "role", "nobody-here", "prefill", "--nats-url", url]
+    allowed = subprocess.run([*run, *admin], capture_output=True, text=True, timeout=60)
+    assert allowed.returncode == 1 and "no engine 'nobody-here' listens" in allowed.stderr, allowed.stderr
+    refused = subprocess.run(run, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "no engine" not in refused.stderr
 
 
 # ---------------------------------------------------------------- migration, last: it kills a decode instance
