@@ -151,3 +151,18 @@ def test_api_keys_come_one_a_line_and_any_of_them_is_taken(tmp_path):
     keys_file.write_text("# none yet\n")
     with pytest.raises(ConfigError, match=f"--api-keys-file {keys_file}: holds no key"):
         security.read_api_keys(str(keys_file))
+
+
+def test_up_secure_starts_its_own_servers_and_gives_each_service_its_user(files):
+    def up(*argv: str):
+        from kvcentric.tools.up import UpConfig
+        return from_namespace(UpConfig, build_parser().parse_args(["up", *argv]))
+    with pytest.raises(ConfigError, match="--secure: --secure starts its own NATS and Redis"):
+        up("--secure", "--nats-url", "nats://10.0.0.1:4222")
+    with pytest.raises(ConfigError, match="--secure-dir: only with --secure"):
+        up("--secure-dir", "/tmp/x")
+    assert up("--secure").secure
+    users = {command: config(command, *files.service_flags(command)).nats_user
+             for command in ("gateway", "conductor", "prefill", "decode", "colocated", "kvs-meta", "messenger")}
+    assert users == {"gateway": "gateway", "conductor": "conductor", "prefill": "engine", "decode": "engine",
+                     "colocated": "engine", "kvs-meta": "kvs-meta", "messenger": "messenger"}
