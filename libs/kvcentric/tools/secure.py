@@ -56,8 +56,9 @@ class SecureFiles:
 
 
 def password() -> str:
-    """A random password of URL-safe characters (nothing a config file would need to escape)."""
-    return secrets.token_urlsafe(24)
+    """A random password of URL-safe characters (nothing a config file would need to escape), starting with a
+    letter (nats-server reads a variable's value as a config value: one starting with a digit could be a number)."""
+    return "kvc" + secrets.token_urlsafe(24)
 
 
 def _quoted(subjects: Sequence[str]) -> str:
