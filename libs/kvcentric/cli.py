@@ -129,7 +129,8 @@ def switch_role(access, instance_id: str, role: Literal["prefill", "decode"], re
     nats_url = access.url
 
     async def ask() -> SubmitAck:
-        nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0, **access.options())
+        nc = await nats.connect(nats_url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0,
+                                **access.options())
         try:
             switch = encode(RoleSwitch(role=role, reason=reason))
             reply = await nc.request(Subjects.control(instance_id), switch, timeout_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -273,13 +274,22 @@ def streamed_text(events) -> tuple[str, list]:
     return text, errors
 
 
+def migrations(up: UpProcess) -> float:
+    """kvc_migrations_total of the gateway's /metrics (over HTTPS; the metrics need no key)."""
+    with urllib.request.urlopen(up.url + "/metrics", timeout=10, context=client_context(path(up, "ca.pem"))) as r:
+        lines = r.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith("kvc_migrations_total"))
+
+
 def test_a_stream_whose_decode_instance_is_killed_migrates_over_the_secured_hops(secured):
     body = {"model": "tiny", "prompt": [3 + (i * 11) % 250 for i in range(80)], "max_tokens": 300,
             "temperature": 0, "ignore_eos": True}
     reference, errors = streamed_text(stream_events(secured, body)[1])
     assert errors == [] and reference
+    before = migrations(secured)
     decode, events = stream_events(secured, body)
-    next(events)  # its decode instance is generating
+    first = next(events)  # its decode instance is generating
     os.kill(secured.reload()["services"][decode]["pid"], signal.SIGKILL)
-    text, errors = streamed_text(events)
+    text, errors = streamed_text(itertools.chain([first], events))
     assert errors == [] and text == reference  # re-placed, pushed and pulled again over the secured hops
+    assert migrations(secured) == before + 1
