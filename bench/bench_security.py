@@ -184,12 +184,14 @@ def main() -> int:
     parser.add_argument("--skip-ttft", action="store_true", help="only the KV transfer")
     parser.add_argument("--out", default=str(RESULTS / "security.json"), help="JSON output path")
     args = parser.parse_args()
-    results: dict = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    results: dict = {"machine": machine(), "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                     "load_average_at_start": os.getloadavg()}
     log(f"KV transfer, {args.total_mib} MiB in {args.layer_mib} MiB layers, plaintext vs mutual TLS")
     results["kv"] = bench_kv(args.total_mib, args.layer_mib, args.rounds)
     if not args.skip_ttft:
         log(f"TTFT, kvcentric up vs kvcentric up --secure ({args.model}, {args.requests} requests each)")
         results["ttft"] = bench_ttft(args.model, args.requests, args.prompt_words, max(1, args.rounds // 2 + 1))
+    results["load_average_at_end"] = os.getloadavg()  # a shared box: other work running shows here
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
     log(f"wrote {args.out}")
