@@ -110,6 +110,7 @@ def parse_args() -> argparse.Namespace:
                              "SIGSTOP for its turn, so each is measured as if alone on the box; the runs before "
                              "2026-11-27 19:30 UTC left them idling)")
     parser.add_argument("--label", default="", help="a note stored in the JSON (what engine change is measured)")
+    parser.add_argument("--log-dir", default="", help="keep every server's logs here (default: a temp dir, removed)")
     parser.add_argument("--out", default=str(RESULTS / "vs_vllm"),
                         help="path stem: each shape and instruction set writes <stem>_<shape>_<isa>.json and .png")
     return parser.parse_args()
@@ -542,7 +543,9 @@ def main() -> None:
             args.run_shape, args.run_isa = shape, isa
             args.seed = f"{shape} {isa} {time.time_ns()}"  # prompts never sent before, by any run
             report = write_report(args, python, ["vLLM", *args.only], os.getloadavg())
-            with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as logs:
+            with tempfile.TemporaryDirectory(prefix="kvc-vs-vllm-") as temp:
+                logs = os.path.join(args.log_dir, f"{shape}_{isa}") if args.log_dir else temp
+                Path(logs).mkdir(parents=True, exist_ok=True)
                 turns = Turns(args, start_servers(args, checkpoint, python, Path(logs)), checkpoint, Path(logs))
                 try:
                     measure(args, turns, report)

@@ -17,6 +17,8 @@ from kvcentric.model.config import load_model_config
 from kvcentric.core.scheduling.config import SchedulerConfig
 
 
+DEFAULT_BURST_S = 60.0
+"""--burst-s -1 with a relative TTFT SLO: bursts the prefill pool clears within a minute are queued."""
 PrefixIndex = Literal["local", "kvs-meta"]
 """Where prefix hits come from (`--prefix-index`)."""
 CostSource = Literal["measured", "prior"]
@@ -31,6 +33,12 @@ class ConductorConfig(BusConfig, SchedulerConfig):
     tbt_slo_s: float = setting(0.0, "TBT SLO in seconds (time between tokens); 0: relative, --tbt-slo-factor (5) x "
                                     "the unloaded decode step (one sequence, the prompt's context), from the fastest "
                                     "measured model of the decode pool")
+    burst_s: float = setting(-1.0, "a burst of requests is queued, not refused, while the prefill work offered "
+                                   "lately (a bucket drained at the pool's capacity) is at most this many seconds "
+                                   "per prefill instance: a request is then admitted while its predicted TTFT is "
+                                   "within this, its SLO or not; a sustained rate above capacity fills the bucket "
+                                   "and the TTFT SLO alone judges (0: always, the paper's admission; -1: 60 with a "
+                                   "relative TTFT SLO, 0 with --ttft-slo-s, an SLO the operator holds requests to)")
     probe_every_s: float = setting(5.0, "an idle prefill instance refused work on its prediction (over the TTFT "
                                         "SLO) for this long, with nothing placed there, is given one request (a "
                                         "probe), so it is measured again instead of refused for ever on a stale "
@@ -156,5 +164,13 @@ class ConductorConfig(BusConfig, SchedulerConfig):
 
     @property
     def scheduler(self) -> SchedulerConfig:
-        """The core's part of these settings."""
-        return SchedulerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)})
+        """The core's part of these settings (--burst-s -1 resolved)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(SchedulerConfig)}
+        return SchedulerConfig(**{**fields, "burst_s": self.bursts_s})
+
+    @property
+    def bursts_s(self) -> float:
+        """--burst-s, or for -1: DEFAULT_BURST_S with a relative TTFT SLO, none with an absolute one."""
+        if self.burst_s >= 0:
+            return self.burst_s
+        return 0.0 if self.ttft_slo_s > 0 else DEFAULT_BURST_S

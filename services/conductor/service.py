@@ -119,8 +119,10 @@ class ConductorService(Service):
         slos = self.config.slos
         ttft = f"{slos.ttft_slo_s:g} s" if slos.ttft_slo_s else f"{slos.ttft_factor:g}x unloaded"
         tbt = f"{slos.tbt_slo_s:g} s" if slos.tbt_slo_s else f"{slos.tbt_factor:g}x unloaded"
-        self.log.info("policy %s, rejection %s (TTFT SLO %s, TBT SLO %s), queue time %s%s, cost model %s (%s), "
-                      "prefix index %s", self.config.policy, self.config.rejection, ttft, tbt, self.config.queue_time,
+        burst = f", bursts queued up to {self.config.bursts_s:g} s" if self.config.bursts_s else ""
+        self.log.info("policy %s, rejection %s (TTFT SLO %s, TBT SLO %s%s), queue time %s%s, cost model %s (%s), "
+                      "prefix index %s", self.config.policy, self.config.rejection, ttft, tbt, burst,
+                      self.config.queue_time,
                       (", blocks expected at placement" if self.config.expect_cache else "")
                       + (", TTFT corrected from outcomes" if self.config.ttft_correction else ""),
                       self.core.estimator.cost.source,
@@ -335,6 +337,7 @@ class ConductorService(Service):
         return {"prefill_alive": len(self.registry.alive_prefill(now)),
                 "decode_alive": len(self.registry.alive_decode(now)),
                 "policy": self.config.policy, "rejection": self.config.rejection, "slos": self.core.slo_view(now),
+                "burst_s": self.config.bursts_s,
                 "kvs_metadata_down": self.gate.is_down(now), "cost_model": self.core.estimator.cost.source,
                 "prefix_index": self.config.prefix_index,
                 "conductors": self.leadership.replicas(now), "leader": self.leadership.leader(now),
@@ -363,6 +366,8 @@ class ConductorService(Service):
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "probes_total": float(stats["probes"]),
+                  "burst_queued_total": float(stats["queued_burst"]),
+                  "burst_offered_per_instance_s": self.core.offered.per_instance_s,
                   "ttft_outcomes_total": float(outcomes),
                   "heartbeats_missed_total": float(self.registry.missed_beats),
                   "liveness_only_reports_total": float(self.registry.repeats),

@@ -18,6 +18,7 @@ import msgspec
 
 from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
+from kvcentric.core.scheduling.slo import PACE_OF_SLO, TBT_FACTOR, relative_tbt_s
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.decode import DecodeEngine, DecodeRequest, KVRejected
 from kvcentric.engine.assembly import AssemblingSink
@@ -103,6 +104,7 @@ class DecodeService(EngineService):
     async def on_cancel(self, cancel: Cancel) -> None:
         self.sink.cancelled(cancel.request_id)
         self.outbox.emit([self.engine.abort(cancel.request_id, "abort")])
+        self.sink.freed()
 
     # ---------------------------------------------------------------- what it tells the cluster
 
@@ -116,6 +118,18 @@ class DecodeService(EngineService):
         running = states["running"]
         staging = (self.engine.staging_bytes - self.engine.staging_used) // self.runner.block_bytes
         return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
+
+    def pace_s(self) -> float:
+        """--lend-pace-s, or with a relative TBT SLO (--tbt-slo-s 0) and a measured model, 0.8 of that SLO for the
+        longest context running (5x its unloaded step, at least 0.1 s) where that is longer: a model whose step is
+        slow here lends its core for as long as its own SLO allows, not for what fits the 0.1 s floor (`kvcentric
+        up` sets --lend-pace-s from an absolute SLO itself)."""
+        pace, cost = self.config.lend_pace_s, self.engine.cost
+        if self.config.tbt_slo_s > 0 or cost is None:
+            return pace
+        context = max((r.context_tokens for r in self.engine.requests.values() if r.state == "running"), default=0)
+        slo = relative_tbt_s(self.config.tbt_slo_factor or TBT_FACTOR, cost.t_decode(1, context + 1))
+        return max(pace, PACE_OF_SLO * slo)
 
     def on_refit(self) -> None:
         """Without --profile, the TBT double-check predicts steps with the decode model measured here (none while
@@ -157,6 +171,7 @@ class DecodeService(EngineService):
                 continue
             kv_tokens = sum(r.context_tokens for r in batch)
             self.outbox.emit(self.engine.update(batch, tokens))
+            self.sink.freed()
             self.write_back.send(filled)
             if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
                 self.on_refit()
@@ -173,10 +188,11 @@ class DecodeService(EngineService):
 
     async def pace(self, started: float) -> None:
         """While an instance beside this one computes (a prefill, on the cores lent between them), start steps
-        no more often than --lend-pace-s, so the time between them is lent to it (`engine/cores.py`)."""
-        share, pace = self.model.share, self.config.lend_pace_s
-        if share is None or pace <= 0 or not share.taker_behind(PACE_BEHIND):
+        no more often than `pace_s`, so the time between them is lent to it (`engine/cores.py`)."""
+        share = self.model.share
+        if share is None or self.config.lend_pace_s <= 0 or not share.taker_behind(PACE_BEHIND):
             return
+        pace = self.pace_s()
         rest = started + pace - time.perf_counter()
         if rest > 0.001:
             share.pause(time.monotonic_ns() + int(rest * 1e9))

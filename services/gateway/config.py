@@ -28,9 +28,9 @@ class GatewayConfig(BusConfig):
                                               "(before its first token: none this long past its placement plus "
                                               "its predicted TTFT); a request whose tokens keep coming, or that is "
                                               "queued within its predicted time, is never cut however long it runs")
-    keepalive_s: float = setting(10.0, "a streamed request with nothing to send for this long gets its status and "
-                                       "headers, then an SSE comment (': keep-alive') this often while it waits "
-                                       "(0: none; a request refused sooner still gets its own status)")
+    keepalive_s: float = setting(10.0, "a streamed request (its status and headers sent once it is placed) with "
+                                       "nothing to send for this long gets an SSE comment (': keep-alive'), and "
+                                       "again this often while it waits (0: none)")
     bus_timeout_s: float = setting(5.0, "how long to wait for the conductor and engines to answer")
     dispatch: Literal["conductor", "gateway"] = setting(
         "conductor", "who hands a placed request to the prefill and decode instances: conductor (it sends the "

@@ -7,7 +7,8 @@ ended); the NATS and HTTP plumbing around it is in `kvc_gateway.service`.
 
 A request is timed out for silence, not for length (`watched`): it ends with a 504 only when no token came for
 --request-timeout-s, counted before its first token from when its placement predicted that token. A stream that
-waits sends SSE comments (keep-alives) every --keepalive-s, its status and headers going out with the first.
+opens (status and headers) once the request is placed, and while it waits sends SSE comments (keep-alives) every
+--keepalive-s.
 """
 
 from __future__ import annotations
@@ -380,15 +381,20 @@ class EventWriter:
 
 
 async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], model: str, headers: dict,
-                 shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0) -> web.StreamResponse:
-    """Relay the pieces as SSE. The headers go out with the first piece, or the first keep-alive comment after
-    `keepalive_s` of waiting, so a request that fails before either (an instance refused it, the engine failed)
-    still gets its HTTP status; an error after that becomes an error event. TimeoutError after `silence_s`
-    without progress (`watched`)."""
+                 shaper: Shaper, silence_s: float = float("inf"), keepalive_s: float = 0.0,
+                 open_now: bool = True) -> web.StreamResponse:
+    """Relay the pieces as SSE. The request is placed: with `open_now` its status and headers go out now, so a client
+    sees at once that it was admitted (a queued burst may wait seconds for its first token); else (its decode
+    instance may still refuse it when the KV has arrived, `Placement.decode_tbt_check`) with the first piece or the
+    first keep-alive, so such a refusal still gets its own status. A keep-alive comment goes out every `keepalive_s`
+    of waiting; an error once the stream is open (an instance failed and the request could not be migrated) becomes
+    an error event. TimeoutError after `silence_s` without progress (`watched`)."""
     writer = EventWriter(job, model, shaper)
 
     async def keep_alive() -> None:
         await writer.keep_alive(request, headers)
+    if open_now:
+        await writer.open(request, headers)
     try:
         async for piece in watched(job, pieces, silence_s, keepalive_s, keep_alive):
             if job.response is None:

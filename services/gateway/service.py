@@ -267,7 +267,7 @@ class GatewayService(Service):
             headers = self.response_headers(client_request_id(request) or job.request_id, placement)
             if job.request.stream:
                 response = await relay.stream(request, job, pieces, self.model_name, headers, shaper, silence,
-                                              self.config.keepalive_s)
+                                              self.config.keepalive_s, open_now=not placement.decode_tbt_check)
             else:
                 response = await relay.collect(job, pieces, self.model_name, headers, shaper, silence)
             return response, job.finish_reason or "500"

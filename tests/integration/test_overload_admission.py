@@ -1,12 +1,14 @@
-"""Overload control that bites early, on a real small cluster (`kvcentric up`, 1 prefill + 1 decode of `small`,
-one conductor, the default SLOs: TTFT 10x the unloaded prefill of the prompt, TBT 5x the unloaded step, so the
-burst overloads whatever this machine's speed): a burst far beyond what the prefill can compute within the SLO is
-admitted only up to it, once both engines have measured themselves (a calibration timed while the machine was
-busy is a guess, which admission does not refuse work on, until the engine measured itself again). The prefill
-reports its T_queue (the sum of its queued prefills' predicted times, Mooncake §6.1), the requests it holds and
-the tokens it still has to compute; the conductor counts every placement until a report lists it; every request
-is answered 200 (completed) or 429 with Retry-After at once, none 5xx; every admitted one was predicted within
-the SLO it was admitted under; and once the burst is over no placement is left counted in flight."""
+"""Overload control that bites early, on a real small cluster (`kvcentric up`, 1 prefill + 1 decode of `small`, one
+conductor, the default SLOs: TTFT 10x the unloaded prefill of the prompt, TBT 5x the unloaded step, so the burst
+overloads whatever this machine's speed, and `--burst-s 0`: every request held to its SLO, as the paper's admission,
+where by default a burst the prefill clears within 60 s is queued, test_burst_queued.py): a burst far beyond what the
+prefill can compute within the SLO is admitted only up to it, once both engines have measured themselves (a
+calibration timed while the machine was busy is a guess, which admission does not refuse work on, until the engine
+measured itself again). The prefill reports its T_queue (the sum of its queued prefills' predicted times, Mooncake
+§6.1), the requests it holds and the tokens it still has to compute; the conductor counts every placement until a
+report lists it; every request is answered 200 (completed) or 429 with Retry-After at once, none 5xx; every admitted
+one was predicted within the SLO it was admitted under; and once the burst is over no placement is left counted in
+flight."""
 
 from __future__ import annotations
 
@@ -71,7 +73,7 @@ def model_sources(up: UpProcess) -> dict:
 
 def test_a_burst_is_admitted_up_to_the_ttft_slo_and_the_rest_get_429_at_once(tmp_path):
     up = UpProcess(str(tmp_path), "--prefill", "1", "--decode", "1", "--model", "small", "--conductors", "1",
-                   timeout_s=240.0)
+                   timeout_s=240.0, env={"KVC_BURST_S": "0"})
     try:
         eventually(lambda: model_sources(up), "both engines measured (not a busy machine's guess)", timeout_s=120,
                    every_s=0.5, until=lambda sources: sources == {"prefill-0": {"prefill": "measured"},

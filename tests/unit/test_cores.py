@@ -205,7 +205,8 @@ def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
 
     decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
     prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
-    service = SimpleNamespace(model=SimpleNamespace(share=decode), config=SimpleNamespace(lend_pace_s=0.05))
+    service = SimpleNamespace(model=SimpleNamespace(share=decode), config=SimpleNamespace(lend_pace_s=0.05),
+                              pace_s=lambda: 0.05)
     try:
         decode.rescan(later())
 
@@ -223,6 +224,26 @@ def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
     finally:
         decode.close()
         prefill.close()
+
+
+def test_with_a_relative_slo_a_decode_paces_at_0_8_of_its_own_slo_where_that_is_longer_than_lend_pace_s():
+    """A step of 10 ms unloaded: 5x is under the 0.1 s floor, so --lend-pace-s (80 ms) holds; a step of 60 ms:
+    0.8 x 5 x 60 ms = 240 ms; an absolute SLO, or no measured model yet: --lend-pace-s as `up` set it."""
+    from types import SimpleNamespace
+
+    from kvc_decode.service import DecodeService
+    from kvcentric.core.costmodel import CostModel
+
+    def pace(step_s: float | None, tbt_slo_s: float = 0.0) -> float:
+        cost = CostModel((0.0, 0.0, 0.0, 0.0), (step_s, 0.0, 0.0), 1) if step_s is not None else None
+        running = SimpleNamespace(state="running", context_tokens=300)
+        service = SimpleNamespace(config=SimpleNamespace(lend_pace_s=0.08, tbt_slo_s=tbt_slo_s, tbt_slo_factor=5.0),
+                                  engine=SimpleNamespace(cost=cost, requests={"r": running}))
+        return DecodeService.pace_s(service)
+
+    assert pace(0.01) == pytest.approx(0.08)
+    assert pace(0.06) == pytest.approx(0.24)
+    assert pace(0.06, tbt_slo_s=0.1) == pace(None) == 0.08
 
 
 BITS = textwrap.dedent("""

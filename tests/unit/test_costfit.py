@@ -152,3 +152,28 @@ def test_a_prior_keeps_the_parts_not_measured():
     model = fit.model(PRIOR, "measured:x")
     assert model.prefill == PRIOR.prefill and model.source == "measured:x"
     assert model.decode == pytest.approx(TRUE.decode, rel=1e-3, abs=1e-9)
+
+
+def test_old_samples_decay_and_the_fit_follows_the_machine_of_now():
+    """A decode part timed at 2x its speed long ago (a busy machine), then a few quiet steps: while the old samples
+    stay they hold the fit up; once expired the fit is the quiet machine's, and the newest few always stay."""
+    fit = OnlineCostFit(refit_every=1)
+    for at in range(20):  # at t = 0..19: 40 ms steps (busy)
+        fit.add_decode(1 + at % 4, 256, 0.04, at=float(at))
+    for at in range(100, 104):  # at t = 100..103: 20 ms steps (quiet)
+        fit.add_decode(1 + at % 4, 256, 0.02, at=float(at))
+    before = fit.decode.predict(2, 256)
+    assert before > 0.03
+    version = fit.version
+    assert fit.expire(before=50.0) == {"prefill": 0, "decode": 16}  # 20, less 4 pushed out by newer ones
+    assert fit.decode.predict(2, 256) == pytest.approx(0.02, rel=1e-3) and fit.version == version + 1
+    assert fit.expire(before=1000.0)["decode"] == 1 and len(fit.decode.window) == 3  # min_samples stay
+
+
+def test_the_window_expires_oldest_first_across_shapes():
+    window = ShapeWindow(per_shape=4)
+    for at, (a, b) in enumerate([(1, 64), (16, 64), (1, 64), (16, 64)]):
+        window.add((a, b, 0.01 * (at + 1)), float(at))
+    assert window.expire(before=2.0) == 2
+    assert sorted(window.rows()[:, 2].round(3).tolist()) == [0.03, 0.04]
+    assert window.expire(before=10.0, keep=1) == 1 and window.rows()[:, 2].round(3).tolist() == [0.04]

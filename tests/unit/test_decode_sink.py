@@ -86,7 +86,28 @@ def test_kv_waiting_for_a_job_gives_up_at_once_when_the_request_is_cancelled():
     assert engine.pool.num_free == engine.pool.num_blocks and not sink.waiting and "r" not in engine.requests
 
 
-def test_kv_with_no_room_on_the_device_or_in_staging_ends_its_request_with_a_429():
+def test_kv_with_no_room_waits_for_room_and_begins_once_a_step_freed_blocks(monkeypatch):
+    """A computed prompt is not refused for a full cache at once: its push waits while steps free blocks."""
+    monkeypatch.setattr(kvsink, "ROOM_WAIT_S", 10.0)
+    runner = make_runner(num_blocks=4)
+    engine = DecodeEngine(runner, make_pool(runner))  # no host staging
+    sink = kvsink.DecodeSink(engine, collections.Counter(), set(), RequestSpans(), lambda chunks: None, Wakeup())
+    held = engine.pool.allocate(3)  # what the requests running there hold
+    engine.add(decode_job("r", 7), time.monotonic())  # 7 tokens + 1 need 2 blocks of 4; 1 is free
+
+    async def scenario():
+        begun = asyncio.create_task(sink.begin(header("r", engine, num_tokens=7)))
+        await asyncio.sleep(0.05)
+        assert not begun.done() and engine.requests["r"].state == "waiting_kv"
+        engine.pool.free(held)  # a step ended the running requests
+        sink.freed()
+        await asyncio.wait_for(begun, 2.0)
+    asyncio.run(scenario())
+    assert engine.requests["r"].state == "receiving" and sink.counters["kv_room_waits_total"] == 1
+
+
+def test_kv_with_no_room_on_the_device_or_in_staging_ends_its_request_with_a_429(monkeypatch):
+    monkeypatch.setattr(kvsink, "ROOM_WAIT_S", 0.2)  # none freed meanwhile
     runner = make_runner(num_blocks=2)
     engine = DecodeEngine(runner, make_pool(runner))  # no host staging
     emitted: list = []

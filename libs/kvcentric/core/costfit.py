@@ -3,7 +3,9 @@
 it times nothing and reads no clock.
 
 Samples are kept in a bounded window spread over shapes (a few of the newest per power-of-two bucket of each
-dimension), so a change of the batch mix adds buckets instead of washing out the old ones. Every
+dimension), so a change of the batch mix adds buckets instead of washing out the old ones. Each sample keeps when
+it was timed (the caller's clock), and `expire` takes out those older than a given time, so that old samples decay
+instead of speaking for a machine that has changed since. Every
 `refit_every` samples the part is refitted by relative least squares with non-negative coefficients; samples
 whose relative residual exceeds `trim` robust standard deviations (1.4826 x the median absolute residual) are
 dropped and the fit repeated, so a pause of the process does not bend the model. Of the coefficient subsets
@@ -64,22 +66,23 @@ class ShapeWindow:
         if per_shape < 1 or max_shapes < 1:
             raise ValueError("per_shape and max_shapes must be at least 1")
         self.per_shape, self.max_shapes = per_shape, max_shapes
-        self.buckets: collections.OrderedDict[tuple[int, int], collections.deque[Sample]] = \
+        self.buckets: collections.OrderedDict[tuple[int, int], collections.deque[tuple[Sample, float]]] = \
             collections.OrderedDict()
+        """shape bucket -> its newest (sample, when it was timed)."""
 
     def __len__(self) -> int:
         return sum(len(bucket) for bucket in self.buckets.values())
 
-    def add(self, sample: Sample) -> None:
+    def add(self, sample: Sample, at: float = 0.0) -> None:
         key = (int(sample[0]).bit_length(), int(sample[1]).bit_length())
         bucket = self.buckets.pop(key, None) or collections.deque(maxlen=self.per_shape)
-        bucket.append(sample)
+        bucket.append((sample, at))
         self.buckets[key] = bucket
         if len(self.buckets) > self.max_shapes:
             self.buckets.popitem(last=False)
 
     def rows(self) -> np.ndarray:
-        return np.asarray([s for bucket in self.buckets.values() for s in bucket], dtype=float).reshape(-1, 3)
+        return np.asarray([s for bucket in self.buckets.values() for s, _ in bucket], dtype=float).reshape(-1, 3)
 
     def discard(self, samples: list[Sample]) -> int:
         """Take these samples out (those still held: newer ones may have pushed some out); returns how many went.
@@ -88,11 +91,25 @@ class ShapeWindow:
         for sample in samples:
             key = (int(sample[0]).bit_length(), int(sample[1]).bit_length())
             bucket = self.buckets.get(key)
-            if bucket is not None and sample in bucket:
-                bucket.remove(sample)
+            entry = next((e for e in bucket if e[0] == sample), None) if bucket is not None else None
+            if bucket is not None and entry is not None:
+                bucket.remove(entry)
                 gone += 1
                 if not bucket:
                     del self.buckets[key]
+        return gone
+
+    def expire(self, before: float, keep: int = 0) -> int:
+        """Take out the samples timed before `before`, oldest first, leaving at least the newest `keep`; returns how
+        many went."""
+        aged = sorted((at, key) for key, bucket in self.buckets.items() for _, at in bucket if at < before)
+        gone = 0
+        for _, key in aged[:max(0, min(len(aged), len(self) - keep))]:
+            bucket = self.buckets[key]
+            bucket.popleft()  # a bucket's entries are in the order they were timed
+            gone += 1
+            if not bucket:
+                del self.buckets[key]
         return gone
 
 
@@ -113,12 +130,12 @@ class PartFitter:
         self.seen = 0
         self.last: Sample | None = None
 
-    def add(self, a: float, b: float, seconds: float) -> bool:
-        """Take one measurement; True when it triggered a refit."""
+    def add(self, a: float, b: float, seconds: float, at: float = 0.0) -> bool:
+        """Take one measurement, timed at `at` (the caller's clock); True when it triggered a refit."""
         if not seconds > 0 or a < 0 or b < 0:
             return False
         self.last = (float(a), float(b), float(seconds))
-        self.window.add(self.last)
+        self.window.add(self.last, at)
         self.seen += 1
         self.fresh += 1
         due = self.fresh >= (1 if self.fit is None else self.refit_every)
@@ -130,6 +147,14 @@ class PartFitter:
         if fit is None:
             return 0.0
         return float(self.terms(np.asarray([float(a)]), np.asarray([float(b)]))[0] @ np.asarray(fit.coefficients))
+
+    def expire(self, before: float) -> int:
+        """Old samples decay: those timed before `before` leave the window (the newest `min_samples` stay, so the
+        part keeps a fit), and the part is fitted again without them; returns how many went."""
+        gone = self.window.expire(before, self.min_samples)
+        if gone:
+            self.refit()
+        return gone
 
     def refit(self) -> bool:
         """Fit the window now; False when it holds too few samples."""
@@ -156,11 +181,17 @@ class OnlineCostFit:
         self.version = 0
         """Bumped at every refit: whoever publishes the model sends it again when this moved."""
 
-    def add_prefill(self, n_new: int, n_cached: int, seconds: float) -> bool:
-        return self._counted(self.prefill.add(n_new, n_cached, seconds))
+    def add_prefill(self, n_new: int, n_cached: int, seconds: float, at: float = 0.0) -> bool:
+        return self._counted(self.prefill.add(n_new, n_cached, seconds, at))
 
-    def add_decode(self, batch: int, kv_tokens: int, seconds: float) -> bool:
-        return self._counted(self.decode.add(batch, kv_tokens, seconds))
+    def add_decode(self, batch: int, kv_tokens: int, seconds: float, at: float = 0.0) -> bool:
+        return self._counted(self.decode.add(batch, kv_tokens, seconds, at))
+
+    def expire(self, before: float) -> dict[str, int]:
+        """Old samples decay (`PartFitter.expire`): part -> how many of its samples went."""
+        gone = {"prefill": self.prefill.expire(before), "decode": self.decode.expire(before)}
+        self._counted(any(gone.values()))
+        return gone
 
     def refit(self) -> bool:
         """Fit both parts now (after a calibration); True when either has a fit."""

@@ -36,7 +36,8 @@ def jobs(request_id: str, placement: Placement, token_ids: list[int], sampling: 
                            kv_wait_s=kv_wait_s(placement.predicted_ttft_s),
                            prefix_source_addr=placement.decode_prefix_addr,
                            prefix_block_hashes=placement.decode_prefix_hashes,
-                           prefix_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0)
+                           prefix_tokens=placement.decode_prefix_tokens if placement.decode_prefix_addr else 0,
+                           tbt_check=placement.decode_tbt_check)
         submits.append(("decode", placement.decode_id, decode))
     return submits
 

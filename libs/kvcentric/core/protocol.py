@@ -172,6 +172,11 @@ class Placement(msgspec.Struct, frozen=True, tag="placement", kw_only=True):
     known (no trusted model yet, or a conductor from before SLOs were sent)."""
     tbt_slo_s: float = 0.0
     """The TBT SLO it was admitted under, seconds; 0: none known."""
+    decode_tbt_check: bool = True
+    """Whether the decode instance double-checks TBT when the KV has arrived (Mooncake §3 step 4), refusing the
+    request after its prefill: only where the conductor judged no decode load at placement (`--rejection none`);
+    where it did (early, predictive) or admits all (never), nothing computed is refused. True from a conductor from
+    before it was sent."""
 
 
 class Rejection(msgspec.Struct, frozen=True, tag="rejection", kw_only=True):
@@ -279,6 +284,8 @@ class DecodeJob(msgspec.Struct, frozen=True, kw_only=True):
     messenger of the local cluster; the prefill pushes only the tokens after them. "": all is pushed."""
     prefix_block_hashes: list[str] = []
     prefix_tokens: int = 0
+    tbt_check: bool = True
+    """Whether the decode instance double-checks TBT once the KV is here (Placement.decode_tbt_check)."""
 
 
 class SubmitAck(msgspec.Struct, frozen=True, kw_only=True):

@@ -81,7 +81,9 @@ class EngineConfig(BusConfig):
                                         "migrated after this instance dies computes only its last partial block")
     tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
-                                    "batch exceeds this (Mooncake §7's double-check); 0: relative, --tbt-slo-factor "
+                                    "batch exceeds this (Mooncake §7's double-check, asked for by a conductor with "
+                                    "--rejection none only: the others judged decode load at placement); 0: "
+                                    "relative, --tbt-slo-factor "
                                     "x this instance's unloaded step for that request (one sequence, its context), "
                                     "so a request alone is never refused")
     tbt_slo_factor: float = setting(5.0, "decode with --tbt-slo-s 0: the TBT SLO is this x the unloaded step (the "

@@ -182,6 +182,8 @@ class DecodeEngine:
         """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
         The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
         request = self._complete(request_id)
+        if not request.job.tbt_check:  # the conductor judged its decode load at placement: nothing computed is refused
+            return TBTVerdict(True, 0.0, 0.0)
         relative = (relative_tbt_s(self.tbt_slo_factor, self.cost.t_decode(1, request.context_tokens))
                     if self.cost is not None and self.tbt_slo_factor > 0 else 0.0)
         slo = self.tbt_slo_s or relative

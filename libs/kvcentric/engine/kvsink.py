@@ -3,7 +3,9 @@ cache, and the commit that closes a push lets the request join the batch.
 
 Pushed KV may overtake its request's DecodeJob (the jobs go to prefill and decode at once): the sink holds
 it until the job is in, and gives up after JOB_WAIT_S, or at once when the request is cancelled. KV the
-engine has no room for, on the device or in host staging, ends its request with a 429. A request whose job names a
+engine has no room for, on the device or in host staging, waits for room (the push held, back-pressured through
+gRPC's flow control) while steps free blocks, up to ROOM_WAIT_S: its prompt is computed, and a request that ends
+frees room within a few steps; only past that does its request end with a 429. A request whose job names a
 local prefix source (PrfaaS §3.3) gets the prefix's KV from that pull (`engine/prefixkv.py`) when its push
 begins, and only the rest from the push. It receives; it does not schedule decode steps.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Callable, Container, Sequence
 
 from kvcentric.core.protocol import TokenChunk
@@ -23,6 +26,11 @@ from kvcentric.engine.spans import RequestSpans
 JOB_WAIT_S = 5.0
 """How long pushed KV waits for its request's DecodeJob: the conductor (or the gateway) sends the decode
 and the prefill jobs at once, so the first layer can overtake the job on a fast prefill."""
+
+ROOM_WAIT_S = 30.0
+"""How long a computed prompt's KV waits for room (blocks, or host staging) before its request is refused: the
+conductor admits by the room the decode instance last reported, which the requests running there grow into as they
+generate, so a burst may find it full for a few steps; refusing then would throw the prefill away."""
 
 
 class DecodeSink:
@@ -37,6 +45,8 @@ class DecodeSink:
         self.engine, self.counters, self.recent_cancels = engine, counters, recent_cancels
         self.spans, self.emit, self.wake = spans, emit, wake
         self.waiting: dict[str, asyncio.Event] = {}
+        self.room = asyncio.Event()
+        """Set (and replaced) whenever blocks or staging may have been freed: KV waiting for room tries again."""
         self.prefixes: PrefixPulls | None = None
         """Set by the service: the local prefix pulls of PrfaaS requests."""
 
@@ -61,14 +71,40 @@ class DecodeSink:
             await self._job_of(header.request_id)
         first_stripe = header.request_id in self.engine.requests and \
             self.engine.requests[header.request_id].state == "waiting_kv"
-        try:
-            self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
-                                 join=header.stripes > 1, pool_addr=header.pool_addr)
-        except KVNoRoom as exc:  # overload, not failure: the request ends with a 429 the client may retry
-            self.emit([self.engine.abort(header.request_id, "error", str(exc), status=429)])
-            raise
+        await self._begin_when_room(header)
         if first_stripe and self.prefixes is not None and self.prefixes.expects(header.request_id):
             await self._write_prefix(header.request_id)
+
+    async def _begin_when_room(self, header) -> None:
+        """`begin_kv`, waiting for room while steps free blocks, up to ROOM_WAIT_S; then (overload, not failure) the
+        request ends with a 429 the client may retry."""
+        deadline, waited = time.monotonic() + ROOM_WAIT_S, False
+        while True:
+            try:
+                self.engine.begin_kv(header.request_id, header.num_tokens, header.num_layers, header.token_ids,
+                                     join=header.stripes > 1, pool_addr=header.pool_addr)
+                return
+            except KVNoRoom as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.counters["kv_room_refused_total"] += 1
+                    self.emit([self.engine.abort(header.request_id, "error", str(exc), status=429)])
+                    raise
+            if not waited:
+                waited = True
+                self.counters["kv_room_waits_total"] += 1
+            room = self.room
+            try:
+                async with asyncio.timeout(min(left, 1.0)):  # a bound on each wait: staging frees without a step
+                    await room.wait()
+            except TimeoutError:
+                pass
+
+    def freed(self) -> None:
+        """Blocks or staging may have been freed (a step ended requests, a request was cancelled): KV waiting for
+        room tries again."""
+        self.room.set()
+        self.room = asyncio.Event()
 
     async def _write_prefix(self, request_id: str) -> None:
         """PrfaaS §3.3: the prompt's prefix KV from the local instance that caches it (pulled since the

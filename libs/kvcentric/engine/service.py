@@ -37,6 +37,8 @@ RECALIBRATE_EVERY_S = 2.0
 """While a part of its model is a guess (calibrated on a busy machine), an idle engine calibrates again this often."""
 STEADY_EVERY_S = 4.0
 """While a part is steady (measured on a steadily busy machine), an idle engine calibrates it again this often."""
+AGE_OUT_EVERY_S = 30.0
+"""An idle engine takes the samples older than `speed.SAMPLE_MAX_AGE_S` out of its fit this often."""
 IDLE_BEFORE_S = 3.0
 """A calibration again waits until the engine has timed no step for this long (it borrows KV blocks meanwhile: a
 request just served finds its blocks all free again first)."""
@@ -73,6 +75,7 @@ class EngineService(Service):
                                 config.slow_while_file)
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
         self.recalibrated_at = 0.0
+        self.aged_at = time.monotonic()
         """time.monotonic() of the latest calibration made while idle."""
         self.steps_seen, self.worked_at = 0, 0.0
         """Steps timed so far as the latest look at them counted, and when that count (or the work) last moved."""
@@ -133,8 +136,13 @@ class EngineService(Service):
         steps = self.speed.fit.prefill.seen + self.speed.fit.decode.seen
         if steps != self.steps_seen or not self.idle():
             self.steps_seen, self.worked_at = steps, now
-        if not parts or now - self.worked_at < IDLE_BEFORE_S or self.role_change.draining or \
-                (steady_only and now - self.recalibrated_at < STEADY_EVERY_S):
+        if now - self.worked_at < IDLE_BEFORE_S or self.role_change.draining:
+            return
+        if now - self.aged_at >= AGE_OUT_EVERY_S:  # old samples decay; the parts that lost some are measured again
+            self.aged_at = now
+            aged = await self.model.run(self.speed.age_out, borrow=False) & self.parts
+            parts, steady_only = parts | aged, steady_only and not aged
+        if not parts or (steady_only and now - self.recalibrated_at < STEADY_EVERY_S):
             return
         timed = await self.calibrate_again(parts, STEADY_BUDGET_S if steady_only else RECALIBRATION_BUDGET_S)
         if steady_only and self.speed.guess:  # the machine changed under a steady model: measure it fully now

@@ -10,6 +10,9 @@ part counts as measured once a calibration was quiet, or agreed with the one bef
 that busy: `steady`, trusted, but calibrated again now and then while idle, so that once the machine quiets
 down the model follows within seconds), or once serving has timed enough steps of that part to replace it.
 
+Old samples decay: a sample timed more than `SAMPLE_MAX_AGE_S` ago leaves the fit (`age_out`), and an idle engine
+calibrates the parts that lost samples again, so a stale shape does not speak for a machine that has changed.
+
 For tests, `--slow-step-s` with `--slow-while-file` makes every timed model call slower while a file exists, as a
 machine busy with other work would.
 """
@@ -52,6 +55,9 @@ CHANGED = 2.0
 (a busy machine's timings scatter; a change of load, or a machine gone quiet under other work, moves them more)."""
 SERVED_TO_MEASURE = 8
 """Steps of a guessed part timed while serving that replace the guess."""
+SAMPLE_MAX_AGE_S = 600.0
+"""A sample older than this leaves the fit (an idle engine then calibrates that part again): the model speaks for the
+machine of the last ten minutes, not for one busier or quieter long ago."""
 
 
 class SpeedMeter:
@@ -93,11 +99,17 @@ class SpeedMeter:
 
     def prefill(self, n_new: int, n_cached: int, seconds: float) -> bool:
         """One prefill chunk timed while serving; True when the fit was redone."""
-        return self.fit.add_prefill(n_new, n_cached, seconds) | self._served("prefill")
+        return self.fit.add_prefill(n_new, n_cached, seconds, time.monotonic()) | self._served("prefill")
 
     def decode(self, batch: int, kv_tokens: int, seconds: float) -> bool:
         """One decode step timed while serving; True when the fit was redone."""
-        return self.fit.add_decode(batch, kv_tokens, seconds) | self._served("decode")
+        return self.fit.add_decode(batch, kv_tokens, seconds, time.monotonic()) | self._served("decode")
+
+    def age_out(self, max_age_s: float = SAMPLE_MAX_AGE_S) -> set[str]:
+        """Old samples decay: those timed more than `max_age_s` ago leave the fit (`OnlineCostFit.expire`); returns
+        the parts that lost some, which a calibration should measure again."""
+        gone = self.fit.expire(time.monotonic() - max_age_s)
+        return {part for part, count in gone.items() if count}
 
     @property
     def unsettled(self) -> set[str]:
@@ -239,7 +251,7 @@ class SpeedMeter:
         """One calibration timing into the part's window (the fit is redone once the calibration ends)."""
         if not seconds > 0:
             return None
-        part.add(a, b, seconds)
+        part.add(a, b, seconds, time.monotonic())
         return part.last
 
     # ---------------------------------------------------------------- what it publishes

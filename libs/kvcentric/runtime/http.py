@@ -12,11 +12,11 @@ import gc
 import logging
 import resource
 import ssl
+import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import nats.errors
-import redis.exceptions
 from aiohttp import web
 
 from kvcentric.core.errors import http_error
@@ -66,15 +66,22 @@ BUS_DOWN = (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingErr
             nats.errors.OutboundBufferLimitError, nats.errors.NoRespondersError, nats.errors.TimeoutError,
             nats.errors.FlushTimeoutError, nats.errors.DrainTimeoutError)
 """What nats-py raises when the bus, or whoever should answer on it, is not there (not a bug here)."""
-STORE_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-"""What redis-py raises when Redis does not answer (BusyLoadingError, a restart's replay, is one)."""
+
+
+def store_down(exc: BaseException) -> bool:
+    """Whether `exc` is what redis-py raises when Redis does not answer (BusyLoadingError, a restart's replay, is
+    one). A service that never imported redis-py (every one but kvs-meta) cannot hold one of its errors, so it is
+    not imported here: that import (redis-py loads OpenTelemetry's metrics SDK) costs each service half a second
+    of start-up."""
+    exceptions = sys.modules.get("redis.exceptions")
+    return exceptions is not None and isinstance(exc, (exceptions.ConnectionError, exceptions.TimeoutError))
 
 
 def unavailable(exc: BaseException) -> str:
     """The dependency `exc` says is unavailable ("NATS", "Redis", "a dependency"), else ""."""
     if isinstance(exc, BUS_DOWN):
         return "NATS"
-    if isinstance(exc, STORE_DOWN):
+    if store_down(exc):
         return "Redis"
     if isinstance(exc, (ConnectionRefusedError, ConnectionAbortedError, TimeoutError)):
         return "a dependency"

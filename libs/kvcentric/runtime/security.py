@@ -12,13 +12,13 @@ import hmac
 import os
 import ssl
 from collections.abc import Iterable, Sequence
-from typing import Any
-
-import grpc
-from cryptography import x509
+from typing import TYPE_CHECKING, Any
 
 from kvcentric.config import KV_SERVER_NAME, ConfigError, flag_name
 from kvcentric.core.permissions import inbox_prefix
+
+if TYPE_CHECKING:  # grpc and cryptography are imported where used: the bus-only services never load them
+    import grpc
 
 NATS_PASSWORD_VARIABLE = "KVC_NATS_PASSWORD"
 REDIS_PASSWORD_VARIABLE = "KVC_REDIS_PASSWORD"
@@ -146,10 +146,12 @@ class TransferTls:
     key: bytes = dataclasses.field(repr=False)
 
     def server_credentials(self) -> grpc.ServerCredentials:
+        import grpc
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=True)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
+        import grpc
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
@@ -161,6 +163,8 @@ class TransferTls:
 
 def dns_names(cert_pem: bytes) -> list[str]:
     """The DNS names among a PEM certificate's subject alternative names."""
+    from cryptography import x509
+
     certificate = x509.load_pem_x509_certificate(cert_pem)
     try:
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
@@ -184,6 +188,8 @@ def transfer_tls(config) -> TransferTls | None:
 
 def channel(addr: str, tls: TransferTls | None, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
     """A gRPC channel to `addr`: mutual TLS with `tls`, plaintext without."""
+    import grpc
+
     if tls is None:
         return grpc.aio.insecure_channel(addr, options=list(options))
     return grpc.aio.secure_channel(addr, tls.channel_credentials(), options=[*options, *tls.channel_options])

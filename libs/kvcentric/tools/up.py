@@ -25,6 +25,7 @@ import time
 from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
+from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
 from kvcentric.runtime.security import client_context
@@ -32,8 +33,6 @@ from kvcentric.tools.processes import Child, Supervisor, get_json
 from kvcentric.tools.secure import SecureFiles, make_secure_files
 
 Restart = Literal["on-failure", "never"]
-PACE_OF_SLO = 0.8
-"""A decode instance's pace during a burst is at most this share of the TBT SLO (`UpConfig.decode_pace_s`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +72,12 @@ class UpConfig:
                                        "queued (a burst), a decode instance starts its steps at most this often "
                                        "and lends its core between them, at most 0.8 x --tbt-slo-s (0: steps "
                                        "back to back)")
-    tbt_slo_s: float = setting(0.0, "TBT SLO in seconds: the decode instances double-check it when a request's KV "
-                                    "has arrived (rejected with 429 when the predicted step exceeds it; Mooncake "
-                                    "§7), and the conductor admits by it; 0: relative, 5x the unloaded step each "
-                                    "measures (and the conductor's TTFT SLO 10x the unloaded prefill, unless "
-                                    "KVC_TTFT_SLO_S is set), so a slow model on slow hardware still serves")
+    tbt_slo_s: float = setting(0.0, "TBT SLO in seconds: the conductor admits by it, and with KVC_REJECTION=none "
+                                    "the decode instances double-check it when a request's KV has arrived "
+                                    "(rejected with 429 when the predicted step exceeds it; Mooncake §7); 0: "
+                                    "relative, 5x the unloaded step each measures (and the conductor's TTFT SLO "
+                                    "10x the unloaded prefill, unless KVC_TTFT_SLO_S is set), so a slow model on "
+                                    "slow hardware still serves")
     layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission); "
                                    "without --colocated, the prefill instances do (layer-wise KV offloading)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")

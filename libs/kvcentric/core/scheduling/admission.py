@@ -27,6 +27,10 @@ instance of the pool is idle).
 SLOs: the admission's own (absolute) unless a verdict is given a request's `Slo` (`slo.SloPolicy`: relative to
 the deployment's unloaded speed when the operator set none).
 
+Bursts (`bursts`): while the prefill work offered lately is a burst the pool clears within `burst_s`, a request's
+predicted TTFT is judged against the longer of its SLO and `burst_s` (it is queued); under sustained overload, against
+its SLO alone.
+
 Priorities: a request of priority p is admitted while load <= 1 - priority_step * (top_priority - p)
 (never below 0.05), so under overload lower classes are rejected first; priorities at or above
 `top_priority` are held to the SLO itself.
@@ -167,9 +171,10 @@ class Admission:
     # ---------------------------------------------------------------- admission
 
     def verdict(self, request: ScheduleRequest, ttft_s: float, decode: DecodeChoice, t_d: float,
-                slo: Slo | None = None) -> Verdict | None:
+                slo: Slo | None = None, burst_s: float = 0.0) -> Verdict | None:
         """None to admit; else why not. Algorithm 1 line 25: TTFT > TTFT_SLO or TBT > TBT_SLO (the decode load in
-        `decode` was computed against the same `slo`)."""
+        `decode` was computed against the same `slo`). `burst_s`: while the offered load is a burst the pool clears
+        (`bursts`), the TTFT a request may be queued for, when that is longer than its SLO."""
         if self.mode == "never":
             return None
         if not decode.room:
@@ -177,14 +182,17 @@ class Admission:
                            "tokens (its cache or its host staging)", 1.0)
         slo = slo or self.slo
         threshold = self.threshold(request.priority)
-        prefill_load = ttft_s / slo.ttft_s
+        ttft_limit = max(slo.ttft_s, burst_s)
+        prefill_load = ttft_s / ttft_limit
         decode_load = decode.load if self.mode in ("early", "predictive") else 0.0
         if max(prefill_load, decode_load) <= threshold:
             return None
         if prefill_load >= decode_load:
-            excess = ttft_s - threshold * slo.ttft_s
-            message = (f"predicted TTFT {ttft_s:.2f} s exceeds {threshold:.2f} x the {slo.ttft_s:.3g} s "
-                       f"TTFT SLO (prefill load {prefill_load:.2f})")
+            excess = ttft_s - threshold * ttft_limit
+            limit = (f"{ttft_limit:.3g} s a burst may queue for" if ttft_limit > slo.ttft_s else
+                     f"{slo.ttft_s:.3g} s TTFT SLO")
+            message = (f"predicted TTFT {ttft_s:.2f} s exceeds {threshold:.2f} x the {limit} "
+                       f"(prefill load {prefill_load:.2f})")
             return Verdict("prefill", prefill_load, threshold, message, _clamp(excess))
         when = "when it would arrive" if self.mode == "predictive" else "now"
         message = (f"decode load {decode_load:.2f} {when} exceeds {threshold:.2f} (predicted TBT "

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import LoadReport, Placement, Rejection, RequestOutcome, ScheduleRequest
 from kvcentric.core.scheduling.admission import Admission, DecodeChoice
+from kvcentric.core.scheduling.bursts import OfferedWork
 from kvcentric.core.scheduling.clusters import ClusterRouter, ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.correction import TtftCorrection
@@ -93,6 +94,8 @@ class Conductor:
         self.correction = TtftCorrection(floor, max_wait_s=wait,
                                          spread=config.ttft_correction_spread) if config.ttft_correction else None
         """Each prefill instance's actual / predicted TTFT, which admission multiplies its predictions by."""
+        self.offered = OfferedWork(config.burst_s)
+        """The prefill work offered lately, against the pool's capacity: a burst is queued, overload refused."""
         self.t_d = config.decode_time_s
         self.pending: dict[str, Pending] = {}
         self.refused_since: dict[str, float] = {}
@@ -242,11 +245,15 @@ class Conductor:
         slo = self.slo_for(request.n_tokens, alive, decodes)
         decode = self._decode_for(request, choice, decodes, now, slo)
         judged_ttft_s = self.judged_ttft_s(choice)
-        verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d, slo)
+        self.offered.offer(choice.prefill_s, now, len(prefills))
+        burst_s = self.offered.allowance_s(now, len(prefills))
+        verdict = self.admission.verdict(request, judged_ttft_s, decode, self.t_d, slo, burst_s)
         if verdict is not None and not self._probe(choice, decode, verdict, now):
             self.stats[f"rejected_{verdict.stage}"] += 1
             return Rejection.overloaded(request.request_id, verdict.message, retry_after_s=verdict.retry_after_s,
                                         stage=verdict.stage, load=round(verdict.load, 4))
+        if burst_s and judged_ttft_s > self.admission.threshold(request.priority) * slo.ttft_s:
+            self.stats["queued_burst"] += 1
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode, slo)
 
@@ -360,7 +367,8 @@ class Conductor:
                          decode_prefix_hashes=request.block_hashes[:prefix_blocks],
                          decode_prefix_tokens=prefix_tokens if holder is not None else 0,
                          pipeline_addrs=self.groups.later_stages(choice.instance.instance_id),
-                         ttft_slo_s=_finite(slo.ttft_s) if slo else 0.0, tbt_slo_s=_finite(slo.tbt_s) if slo else 0.0)
+                         ttft_slo_s=_finite(slo.ttft_s) if slo else 0.0, tbt_slo_s=_finite(slo.tbt_s) if slo else 0.0,
+                         decode_tbt_check=self.admission.mode == "none")
 
 
 def _finite(seconds: float) -> float:

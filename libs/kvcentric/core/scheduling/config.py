@@ -30,6 +30,11 @@ class SchedulerConfig:
     ttft_slo_factor: float = setting(TTFT_FACTOR, "with --ttft-slo-s 0: the TTFT SLO is this x the unloaded prefill "
                                                   "time of the prompt")
     tbt_slo_factor: float = setting(TBT_FACTOR, "with --tbt-slo-s 0: the TBT SLO is this x the unloaded decode step")
+    burst_s: float = setting(0.0, "a burst of requests is queued, not refused, while the prefill work offered "
+                                  "lately (a bucket drained at the pool's capacity) is at most this many seconds per "
+                                  "prefill instance: a request is then admitted while its predicted TTFT is within "
+                                  "this, its SLO or not; a sustained rate above capacity fills the bucket and the "
+                                  "TTFT SLO alone judges (0: always, the paper's admission)")
     probe_every_s: float = setting(0.0, "an idle prefill instance refused work on its prediction (over the TTFT "
                                         "SLO) for this long, with nothing placed there, is given one request (a "
                                         "probe), so it is measured again instead of refused for ever on a stale "
@@ -72,6 +77,8 @@ class SchedulerConfig:
             require(math.isfinite(value) and value >= 0, name, "must be 0 (relative) or positive")
         require(self.ttft_slo_factor > 0, "ttft_slo_factor", "must be positive")
         require(self.tbt_slo_factor > 0, "tbt_slo_factor", "must be positive")
+        require(math.isfinite(self.burst_s) and (self.burst_s >= 0 or self.burst_s == -1), "burst_s",
+                "must be 0 (none), positive, or -1 (the conductor's default: by the TTFT SLO)")
         require(math.isfinite(self.probe_every_s) and self.probe_every_s >= 0, "probe_every_s", "must be 0 or more")
         require(self.kvcache_balancing_threshold >= 1, "kvcache_balancing_threshold", "must be >= 1")
         require(self.block_size >= 1, "block_size", "must be at least 1")

@@ -30,6 +30,9 @@ TTFT_FLOOR_S = 1.0
 """The least relative TTFT SLO, seconds (the absolute default before SLOs were relative)."""
 TBT_FLOOR_S = 0.1
 """The least relative TBT SLO, seconds (likewise)."""
+PACE_OF_SLO = 0.8
+"""A decode instance that lends its core to a prefill during a burst starts its steps at most this share of its TBT
+SLO apart (`kvcentric up --lend-pace-s`, the decode's own relative pace)."""
 SHOWN_PROMPT_TOKENS = 256
 """The prompt length whose relative TTFT SLO /health and `kvcentric up` show as an example."""
 
