@@ -71,7 +71,7 @@ class UpProcess:
             if not line and self.process.poll() is not None:
                 break
             lines.append(line)
-            ready = re.search(r"ready at (http://\S+)", line)
+            ready = re.search(r"ready at (https?://\S+)", line)
             if ready:
                 self.ready_line = line
                 return ready.group(1)

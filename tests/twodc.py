@@ -12,7 +12,9 @@ import json
 import os
 import time
 
+from kvcentric.runtime.security import client_context
 from kvcentric.tools.processes import Child, Supervisor, free_port, get_json, nats_server_binary
+from kvcentric.tools.secure import SecureFiles, make_secure_files
 
 PD, PRFAAS = "pd", "prfaas"
 
@@ -35,13 +37,22 @@ class TwoDCConfig:
     block_size: int = 16
     log_dir: str = ""
     startup_timeout_s: float = 120.0
+    secure: bool = False
+    """Every hop secured as `kvcentric up --secure` has it, the NATS gateway between the datacenters over mutual
+    TLS too (one CA for both)."""
 
 
-def nats_gateway_conf(name: str, client_port: int, monitor_port: int, gateways: dict[str, int]) -> str:
-    """nats-server config of one datacenter's server: clients, monitoring, and a gateway to every other."""
+def nats_gateway_conf(name: str, client_port: int, monitor_port: int, gateways: dict[str, int],
+                      secure: SecureFiles | None = None) -> str:
+    """nats-server config of one datacenter's server: clients, monitoring, and a gateway to every other; with
+    `secure`, the clients' TLS and users of `kvcentric up --secure` and the gateway over mutual TLS."""
     routes = "\n".join(f'    {{name: "{peer}", url: "nats://127.0.0.1:{port}"}}' for peer, port in gateways.items())
+    tls = (f'  tls {{\n    cert_file: "{secure.nats_cert}"\n    key_file: "{secure.nats_key}"\n'
+           f'    ca_file: "{secure.ca}"\n    verify: true\n    timeout: 5\n  }}\n') if secure else ""
+    clients = open(secure.nats_conf).read() if secure else ""
     return (f'server_name: "{name}-nats"\nlisten: "127.0.0.1:{client_port}"\nhttp: "127.0.0.1:{monitor_port}"\n'
-            f'gateway {{\n  name: "{name}"\n  listen: "127.0.0.1:{gateways[name]}"\n  gateways: [\n{routes}\n  ]\n}}\n')
+            f'gateway {{\n  name: "{name}"\n  listen: "127.0.0.1:{gateways[name]}"\n{tls}'
+            f'  gateways: [\n{routes}\n  ]\n}}\n' + clients)
 
 
 def topology_document(config: TwoDCConfig) -> dict:
@@ -60,7 +71,10 @@ class TwoDatacenters:
         self.nats_urls: dict[str, str] = {}
         self.monitor_urls: dict[str, str] = {}
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.secure = make_secure_files(os.path.join(self.log_dir, "secure")) if config.secure else None
+        self.tls = client_context(self.secure.ca) if self.secure else None
+        """How the secured gateway's HTTPS is checked."""
+        self.url = f"{'https' if self.secure else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def log_dir(self) -> str:
@@ -73,10 +87,10 @@ class TwoDatacenters:
         for name in (PD, PRFAAS):
             client, monitor = free_port(), free_port()
             path = os.path.join(self.log_dir, f"nats-{name}.conf")
-            with open(path, "w") as out:
-                out.write(nats_gateway_conf(name, client, monitor, gateways))
+            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as out:
+                out.write(nats_gateway_conf(name, client, monitor, gateways, self.secure))
             self.processes.start_server(f"nats-{name}", [nats_server_binary(), "-c", path], client)
-            self.nats_urls[name] = f"nats://127.0.0.1:{client}"
+            self.nats_urls[name] = f"{'tls' if self.secure else 'nats'}://127.0.0.1:{client}"
             self.monitor_urls[name] = f"http://127.0.0.1:{monitor}"
 
     def gateways_connected(self) -> bool:
@@ -100,7 +114,9 @@ class TwoDatacenters:
     # ---------------------------------------------------------------- services
 
     def service(self, name: str, command: str, cluster: str, *flags: str, port: int | None = None) -> Child:
-        return self.processes.start_service(name, command, self.nats_urls[cluster], cluster, *flags, port=port)
+        secured = self.secure.service_flags(command) if self.secure else []
+        return self.processes.start_service(name, command, self.nats_urls[cluster], cluster, *secured, *flags,
+                                            port=port, tls=self.tls if command == "gateway" else None)
 
     def engine_flags(self, name: str) -> list[str]:
         c = self.config
@@ -110,7 +126,11 @@ class TwoDatacenters:
     def start(self) -> None:
         c = self.config
         self.start_nats()
-        redis_url = self.processes.start_redis()
+        if self.secure:
+            with open(self.secure.redis_password) as secret:
+                redis_url = self.processes.start_redis(self.secure.redis_conf, secret.read().strip())
+        else:
+            redis_url = self.processes.start_redis()
         self.topology_path = os.path.join(self.log_dir, "topology.json")
         with open(self.topology_path, "w") as out:
             json.dump(topology_document(c), out, indent=2)

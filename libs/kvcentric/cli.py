@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Literal
 
-from kvcentric.config import ConfigError, add_arguments, from_namespace
+from kvcentric.config import ConfigError, add_arguments, env_name, flag_name, from_namespace
 from kvcentric.registry import DESCRIPTIONS, config_class, service_class
 
 SERVICES = DESCRIPTIONS
@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("bench", help="benchmarks against a running cluster: `kvcentric bench replay TRACE --url ...` "
                                       "sends a Mooncake trace or a Poisson workload as real requests",
                         add_help=False)
+    commands.add_parser("certs", help="write a deployment's CA, certificates, NATS and Redis passwords and API key "
+                                      "to a folder (`kvcentric certs --help`), for compose and Kubernetes",
+                        add_help=False)
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
@@ -58,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     role.add_argument("--nats-url", default=os.environ.get("KVC_NATS_URL", "nats://127.0.0.1:4222"),
                       help="NATS server (env KVC_NATS_URL)")
     role.add_argument("--reason", default="by hand", help="logged by the instance")
+    for name, what in (("tls_ca", "the deployment's CA, to check a TLS NATS server"),
+                       ("tls_cert", "certificate to present to NATS"), ("tls_key", "its private key"),
+                       ("nats_user", "NATS user (`admin` in `kvcentric up --secure`)"),
+                       ("nats_password_file", "file holding its password (else KVC_NATS_PASSWORD)")):
+        role.add_argument(flag_name(name), default=os.environ.get(env_name(name), ""),
+                          help=f"{what} (env {env_name(name)})")
     for command, description in SERVICES.items():
         sub = commands.add_parser(command, help=description, description=description)
         add_arguments(sub, _config_class(command))
@@ -69,6 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["sim"]:  # its own parser, with a `cache` subcommand
         from kvcentric.tools.sim import main as sim_main
         sys.exit(sim_main(argv[1:]))
+    if argv[:1] == ["certs"]:  # the material of a secured deployment, its own parser
+        from kvcentric.tools.secure import main as certs_main
+        sys.exit(certs_main(argv[1:]))
     if argv[:1] == ["bench"]:  # `kvcentric bench replay TRACE ...`, its own parser
         from kvcentric.tools.replay import bench_main
         sys.exit(bench_main(argv[1:]))
@@ -83,11 +95,16 @@ def main(argv: list[str] | None = None) -> None:
             from kvcentric.tools.plan import PlanConfig, main as plan_main
             sys.exit(plan_main(from_namespace(PlanConfig, args)))
         if args.command == "role":
-            sys.exit(switch_role(args.nats_url, args.instance_id, args.to_role, args.reason))
+            from kvcentric.runtime.security import NatsAccess, secret_from
+            password = secret_from(args.nats_password_file, "nats_password_file", "KVC_NATS_PASSWORD")
+            access = NatsAccess(args.nats_url, args.nats_user, password, args.tls_ca, args.tls_cert, args.tls_key)
+            sys.exit(switch_role(access, args.instance_id, args.to_role, args.reason))
         if args.command == "up":
             from kvcentric.tools.up import UpConfig, run_up
             sys.exit(run_up(from_namespace(UpConfig, args)))
         config = from_namespace(_config_class(args.command), args)
+        from kvcentric.runtime.security import check_files
+        check_files(config)  # a missing or bad certificate, key or password file names its flag now
     except ConfigError as exc:
         parser.exit(2, f"kvcentric: error: {exc}\n")
     from kvcentric.runtime.service import Service, run_service
@@ -98,16 +115,22 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(1, f"kvcentric {args.command}: {exc}\n")
 
 
-def switch_role(nats_url: str, instance_id: str, role: Literal["prefill", "decode"], reason: str,
+def switch_role(access, instance_id: str, role: Literal["prefill", "decode"], reason: str,
                 timeout_s: float = 5.0) -> int:
-    """`kvcentric role`: ask one engine to drain and switch; 0 when it agreed."""
+    """`kvcentric role`: ask one engine to drain and switch (`access`: a NATS URL, or a NatsAccess with
+    credentials); 0 when it agreed."""
     import nats
     import nats.errors
 
     from kvcentric.core.protocol import RoleSwitch, Subjects, SubmitAck, decode, encode
+    from kvcentric.runtime.security import NatsAccess
+
+    access = NatsAccess(access) if isinstance(access, str) else access
+    nats_url = access.url
 
     async def ask() -> SubmitAck:
-        nc = await nats.connect(nats_url, connect_timeout=timeout_s, max_reconnect_attempts=0)
+        nc = await nats.connect(nats_url, connect_timeout=timeout_s, allow_reconnect=False, max_reconnect_attempts=0,
+                                **access.options())
         try:
             switch = encode(RoleSwitch(role=role, reason=reason))
             reply = await nc.request(Subjects.control(instance_id), switch, timeout_s)

@@ -12,6 +12,10 @@ import os
 import typing
 from typing import Any, Literal, get_args, get_origin
 
+KV_SERVER_NAME = "kvcentric-kv"
+"""The name a KV transfer peer's certificate must carry: peers reach each other by address (a pod IP), so every
+certificate of the deployment names this one instead, and a client checks it (`runtime/security.py`)."""
+
 LogLevel = Literal["debug", "info", "warning", "error"]
 """Log levels every service and `kvcentric up` take."""
 
@@ -103,6 +107,15 @@ class BusConfig:
     log_level: LogLevel = setting("info", "log level")
     port_file: str = setting("", "once the HTTP side listens, write the port bound and this pid to this file as JSON "
                                  "(for a supervisor that starts services with --port 0)")
+    tls_ca: str = setting("", "PEM file of the deployment's CA: the NATS server's certificate is checked against "
+                              "it, and with --tls-cert the KV transfer (gRPC) takes only peers it signed")
+    tls_cert: str = setting("", "PEM certificate of this service, signed by --tls-ca: presented to NATS (when it asks) "
+                                "and to KV transfer peers, and served on this service's KV port (mutual TLS); it "
+                                f"must name {KV_SERVER_NAME!r} among its DNS names")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    nats_user: str = setting("", "NATS user to connect as; its password comes from --nats-password-file, else from "
+                                 "the variable KVC_NATS_PASSWORD (no flag: a command line is visible to every user)")
+    nats_password_file: str = setting("", "file holding the password of --nats-user")
 
     def __post_init__(self) -> None:
         require(self.nats_url.startswith(("nats://", "tls://", "ws://", "wss://")), "nats_url",
@@ -110,3 +123,8 @@ class BusConfig:
         require(0 <= self.port < 65536, "port", f"must be 0..65535, got {self.port}")
         require("." not in self.instance_id and " " not in self.instance_id, "instance_id",
                 "may not contain '.' or spaces (it is part of NATS subjects)")
+        require(bool(self.tls_cert) == bool(self.tls_key), "tls_key" if self.tls_cert else "tls_cert",
+                "--tls-cert and --tls-key go together")
+        require(not self.tls_cert or bool(self.tls_ca), "tls_ca", "--tls-cert needs the CA that signed its peers")
+        require(not self.nats_password_file or bool(self.nats_user), "nats_user",
+                "--nats-password-file needs the user it is the password of")

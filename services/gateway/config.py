@@ -36,7 +36,13 @@ class GatewayConfig(BusConfig):
         "conductor", "who hands a placed request to the prefill and decode instances: conductor (it sends the "
                      "jobs as it answers, one bus round trip fewer before the first token) or gateway (after "
                      "the conductor's answer, as DESIGN.md first had it)")
-    api_key: str = setting("", "if set, /v1/* requires the header 'Authorization: Bearer <key>' (else 401)")
+    api_key: str = setting("", "if set, /v1/* requires the header 'Authorization: Bearer <key>' (else 401); a key on "
+                               "a command line is visible to every user of the machine: prefer --api-keys-file")
+    api_keys_file: str = setting("", "file of API keys, one a line (blank lines and # comments skipped): /v1/* "
+                                     "requires 'Authorization: Bearer <one of them>' (else 401); with --api-key, "
+                                     "either is taken")
+    https_cert: str = setting("", "PEM certificate (chain) to serve HTTPS with, instead of HTTP")
+    https_key: str = setting("", "PEM private key of --https-cert")
     header_timeout_s: float = setting(15.0, "a connection that has not sent a whole request head this long after "
                                             "it opened or after its last answer is closed")
     body_timeout_s: float = setting(30.0, "a request body not all arrived this long after its head gets 408")
@@ -68,10 +74,17 @@ class GatewayConfig(BusConfig):
         require(self.max_migrations >= 0, "max_migrations", "must be >= 0 (0: never migrate)")
         require(self.silent_after_s > 0, "silent_after_s", "must be positive")
         require(self.max_connections >= 1, "max_connections", "must be at least 1")
+        require(bool(self.https_cert) == bool(self.https_key), "https_key" if self.https_cert else "https_cert",
+                "--https-cert and --https-key go together")
 
     def hasher(self) -> BlockHasher:
         """The prefix block hasher of the engines (algorithm, block size, seed)."""
         return BlockHasher(self.hash_algo, self.block_size, parse_seed(self.hash_seed))
+
+    @property
+    def requires_key(self) -> bool:
+        """Whether /v1/* asks for an API key (--api-key or --api-keys-file)."""
+        return bool(self.api_key or self.api_keys_file)
 
     @property
     def http_limits(self) -> HttpLimits:

@@ -228,7 +228,7 @@ CARD = {"type": "object", "required": ["id", "object", "owned_by"], "properties"
 ERRORS = {
     "400": "bad input: malformed JSON, a field of the wrong type or out of bounds, an unsupported field, an unknown "
            "model, a prompt beyond the context",
-    "401": "--api-key is set and the bearer token is missing or wrong",
+    "401": "--api-key or --api-keys-file is set and the bearer token is missing or none of the keys",
     "429": "the conductor or the decode instance rejected the request (overload); see the Retry-After header",
     "500": "the engine failed the request",
     "503": "no prefill and decode instance can serve, or an instance refused the job",

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import random
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -44,6 +44,7 @@ from kvcentric.core.scheduling.leadership import Leadership
 from kvcentric.model.tokenizer import ChatTemplateError, load_tokenizer
 from kvcentric.runtime import dispatch, tracing
 from kvcentric.runtime.http import BUS_DOWN, RETRY_AFTER_S, error_response
+from kvcentric.runtime.security import key_matches, read_api_keys, server_context
 from kvcentric.runtime.service import Service
 
 MAX_REQUEST_ID = 256
@@ -99,6 +100,9 @@ class GatewayService(Service):
             "time_per_output_token_seconds": self.tbt, "e2e_request_latency_seconds": self.e2e,
             "request_prompt_tokens": self.prompt_tokens, "request_generation_tokens": self.generated})
         self.http.limits = config.http_limits
+        self.api_keys = ((config.api_key,) if config.api_key else ()) + \
+            (read_api_keys(config.api_keys_file) if config.api_keys_file else ())
+        """The keys /v1/* takes (none: it is open)."""
         self.http.on_error = self.count_error
 
     def count_error(self, status: int) -> None:
@@ -132,16 +136,21 @@ class GatewayService(Service):
     def gauges(self) -> dict[str, float]:
         return {"requests_in_flight": self.in_flight}
 
+    def http_tls(self) -> ssl.SSLContext | None:
+        if not self.config.https_cert:
+            return None
+        return server_context(self.config.https_cert, self.config.https_key, "https_cert", "https_key")
+
     @web.middleware
     async def check_api_key(self, request: web.Request, handler):
-        """With --api-key set, everything but health, metrics and the API description needs the key."""
-        key = self.config.api_key
-        if key and request.path not in OPEN_PATHS:
+        """With --api-key or --api-keys-file, everything but health, metrics and the API description needs a key."""
+        if self.api_keys and request.path not in OPEN_PATHS:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            if scheme.lower() != "bearer" or not key_matches(token.strip(), self.api_keys):
                 self.counters[labelled("requests_total", outcome="401")] += 1
                 return error_response(ApiError(401, "Incorrect or missing API key: send the header "
-                                                    "'Authorization: Bearer <key>' (the gateway's --api-key).",
+                                                    "'Authorization: Bearer <key>' (a key of the gateway's "
+                                                    "--api-key or --api-keys-file).",
                                                code="invalid_api_key",
                                                headers={"WWW-Authenticate": "Bearer"}))
         return await handler(request)
@@ -190,7 +199,7 @@ class GatewayService(Service):
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(openapi_document(self.config.served_names, self.model.max_position,
-                                                  self.model.vocab_size, bool(self.config.api_key)))
+                                                  self.model.vocab_size, bool(self.api_keys)))
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's POST /tokenize: the ids a prompt (or messages, rendered as a chat request is) becomes."""

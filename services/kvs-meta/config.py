@@ -9,7 +9,11 @@ from kvcentric.config import BusConfig, require, setting
 
 @dataclasses.dataclass(frozen=True)
 class KVSMetaConfig(BusConfig):
-    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the metadata store")
+    redis_url: str = setting("redis://127.0.0.1:6379/0", "Redis URL of the metadata store (rediss://: over TLS, "
+                                                         "the server checked against --tls-ca)")
+    redis_user: str = setting("", "Redis ACL user to AUTH as (default: Redis's default user)")
+    redis_password_file: str = setting("", "file holding the Redis password (AUTH); else the variable "
+                                           "KVC_REDIS_PASSWORD, else no AUTH")
     max_query_keys: int = setting(4096, "most keys one batch query may ask for")
     lease_ttl_s: float = setting(5.0, "a node whose load reports (its heartbeat) stop for this long is purged "
                                       "from every block it held")

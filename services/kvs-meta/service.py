@@ -25,6 +25,7 @@ from kvcentric.core.openai_api import ApiError
 from kvcentric.core.protocol import (BadMessage, KVDigest, KVEventBatch, KVResync, KVSDump, KVSDumpQuery, KVSnapshot,
                                      KVSnapshotQuery, KVSQuery, KVSReply, LoadReport, Subjects)
 from kvcentric.runtime.kvs_store import KVMetaStore, mooncake_batch_reply
+from kvcentric.runtime.security import redis_options
 from kvcentric.runtime.service import Service
 
 
@@ -38,7 +39,9 @@ class KVSMetaService(Service):
     def __init__(self, config: KVSMetaConfig) -> None:
         super().__init__(config)
         self.config: KVSMetaConfig = config
-        self.redis = Redis.from_url(config.redis_url)
+        self.redis = Redis.from_url(config.redis_url, **redis_options(
+            config.redis_url, config.redis_user, config.redis_password_file, config.tls_ca, config.tls_cert,
+            config.tls_key))
         self.store = KVMetaStore(self.redis, config.lease_ttl_s)
         self.heartbeats: set[str] = set()
         self.endpoints: dict[str, tuple[str, int]] = {}

@@ -11,6 +11,7 @@ import grpc
 from kvc_messenger.config import MessengerConfig
 from kvcentric.proto import kv_pb2
 from kvcentric.runtime.host_store import HostKVStore
+from kvcentric.runtime.security import transfer_tls
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import KVTransferServicer, start_server
 
@@ -53,7 +54,8 @@ class MessengerService(Service):
         self._grpc = None
 
     async def start(self) -> None:
-        self._grpc, self.kv_port = await start_server(self.servicer, self.config.kv_host, self.config.kv_port)
+        self._grpc, self.kv_port = await start_server(self.servicer, self.config.kv_host, self.config.kv_port,
+                                                      tls=transfer_tls(self.config))
 
     async def stop(self) -> None:
         if self._grpc is not None:

@@ -53,7 +53,7 @@ class StageService(PrefillService):
         self.pushes = {}
         self.pulling = 0
         self.layerkv = None  # a stage keeps whole device blocks (--layerkv with --pipeline-group is refused)
-        self.next_stage = StageClient()
+        self.next_stage = StageClient(self.pusher.tls)
         self.handing_on: dict[str, asyncio.Future] = {}
         """Per request, the send of its latest chunk's hidden states (each waits for the one before)."""
 

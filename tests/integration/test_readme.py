@@ -57,6 +57,7 @@ RUN_BASH = {
     "kvcentric sim --speed 2": Run(),
     "--prefill-pipeline 4 --out sim-cpp": Run(),
     "python bench/prfaas_table6.py": Run(),
+    "kvcentric certs --out secure": Run(),
     "kvcentric bench replay ../shared/traces/": Run(cluster=True, edits=(
         ("kvcentric up --model tiny &\n", ""),  # the test's cluster serves `tiny` already
         *TO_THE_CLUSTER,
@@ -88,6 +89,9 @@ NOT_RUN = {
     "python3 bench/bench_gpu.py --eager-too": "needs a GPU; bench/gpu_check.sh runs it there, and "
                                              "tests/integration/test_bench_gpu.py runs a CPU smoke of it",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
+    "kvcentric up --secure --port 8443": "a cluster that serves until Ctrl-C, and a request to it with the paths "
+                                         "of its log dir; tests/integration/test_security.py runs `kvcentric up "
+                                         "--secure` and sends that request with its CA and API key",
 }
 RUN_PYTHON = {"from openai import OpenAI": Run(cluster=True, edits=TO_THE_CLUSTER),
               "class FIFOPolicy": Run()}
@@ -214,6 +218,11 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
     elif key.startswith(".venv/bin/python -m kvcentric.engine.kernels"):
         differences = [float(found) for found in re.findall(r"max \|kernel - [^|]*\| = (\S+)", output)]
         assert len(differences) == 4 and max(differences) < 1e-4, output  # decode, prefill, SwiGLU, RMSNorm
+    elif key.startswith("kvcentric certs"):
+        folder = cwd / "secure"
+        assert (folder.stat().st_mode & 0o777) == 0o700 and "wrote the CA" in output
+        for name in ("ca.pem", "nats.pem", "service.pem", "gateway.pem", "api-keys", "nats-passwords.env"):
+            assert name in output.split() and (folder / name).exists(), name
     elif key.startswith(".venv/bin/python -m pytest"):
         assert re.search(r"\b\d+ passed\b", output) and "failed" not in output, output[-2000:]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.kvpool import HostBlockPool
 from kvcentric.engine.runner import ModelRunner
+from kvcentric.runtime.security import transfer_tls
 from kvcentric.runtime.transfer import KVSink, KVTransferServicer, start_server
 
 
@@ -47,7 +48,7 @@ class Messenger:
 
     async def start(self, config: EngineConfig) -> None:
         self._server, port = await start_server(self.transfer, config.kv_host, config.kv_port,
-                                                   self.more_services)
+                                                   self.more_services, transfer_tls(config))
         self.addr = config.kv_advertise or f"{config.kv_host}:{port}"
 
     async def stop(self) -> None:

@@ -27,6 +27,8 @@ from kvcentric.engine.streaming import RequestPush
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.proto import kv_pb2
 from kvcentric.runtime.kvwire import LayerData
+from kvcentric.runtime.security import TransferTls
+from kvcentric.runtime.security import channel as open_channel
 from kvcentric.runtime.transfer import CHANNEL_OPTIONS, checksum
 
 SERVICE = "kvcentric.kv.StageTransfer"
@@ -225,13 +227,15 @@ def stage_handler(on_chunk: Callable[[kv_pb2.HiddenChunk], Awaitable[None]]) -> 
 class StageClient:
     """Sends hidden states to next stages, a channel per peer."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: TransferTls | None = None) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.tls = tls
+        """Mutual TLS to the next stages (the deployment's CA), as the KV transfer; None: plaintext."""
 
     async def send(self, addr: str, chunk: kv_pb2.HiddenChunk, timeout_s: float = 30.0) -> None:
         channel = self._channels.get(addr)
         if channel is None:
-            channel = self._channels[addr] = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+            channel = self._channels[addr] = open_channel(addr, self.tls, CHANNEL_OPTIONS)
         call = channel.unary_unary(PUSH_HIDDEN, request_serializer=kv_pb2.HiddenChunk.SerializeToString,
                                    response_deserializer=kv_pb2.PushAck.FromString)
         try:

@@ -31,6 +31,7 @@ from kvcentric.engine.prefill import PrefillEngine
 from kvcentric.engine.speed import SpeedMeter
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.heartbeat import Heartbeat
+from kvcentric.runtime.security import NatsAccess
 from kvcentric.runtime.transfer import KVPusher
 
 
@@ -150,7 +151,7 @@ class Reporter:
             self._cost = (fit.version, model)
         return self._cost[1]
 
-    async def start_heartbeat(self, nats_url: str) -> None:
+    async def start_heartbeat(self, nats_url: NatsAccess | str) -> None:
         """Start the heartbeat thread (its own NATS connection); load reports go through it from now on."""
         if self.heartbeat_every_s > 0:
             self.heartbeat = Heartbeat(nats_url, self.instance_id, self.heartbeat_every_s, self.due_reports,

@@ -30,6 +30,7 @@ from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.spans import RequestSpans
 from kvcentric.engine.speed import RECALIBRATION_BUDGET_S, STEADY_BUDGET_S, SpeedMeter
 from kvcentric.runtime.service import Service
+from kvcentric.runtime.security import transfer_tls
 from kvcentric.runtime.transfer import KVPusher
 
 RECALIBRATE_EVERY_S = 2.0
@@ -68,7 +69,7 @@ class EngineService(Service):
         self.spans = RequestSpans()
         self.outbox = TokenOutbox(self.spans)
         self.intake = JobIntake(self.counters)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8)
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8, tls=transfer_tls(config))
         """The messenger's client side: pushes to decode peers, pulls from block holders."""
         self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk, config.slow_step_s,
                                 config.slow_while_file)
@@ -192,7 +193,7 @@ class EngineService(Service):
 
     async def start(self) -> None:
         await self.calibrate()
-        await self.reporter.start_heartbeat(self.config.nats_url)
+        await self.reporter.start_heartbeat(self.nats_access)
         await self.messenger.start(self.config)
         await self.intake.take_cancels(self.bus, self.on_cancel)
         await self.role_change.listen(self.bus, self.instance_id)

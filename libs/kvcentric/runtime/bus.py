@@ -18,6 +18,7 @@ import nats.errors
 
 from kvcentric.core.protocol import BadMessage, decode, encode
 from kvcentric.runtime import tracing
+from kvcentric.runtime.security import NatsAccess, redact_url
 
 NO_RESPONDERS_STATUS = "503"
 """The status header NATS puts on the answer to a request nobody is subscribed to."""
@@ -40,8 +41,8 @@ class Bus:
         """Called each time the connection drops (it reconnects by itself, resubscribing; messages published
         to it meanwhile are lost): a service fails what cannot survive the gap."""
 
-    async def connect(self, url: str, stopping: asyncio.Event) -> None:
-        self.nc = await connect_nats(url, self.instance_id, stopping, self._disconnected)
+    async def connect(self, access: NatsAccess | str, stopping: asyncio.Event) -> None:
+        self.nc = await connect_nats(access, self.instance_id, stopping, self._disconnected)
 
     async def _disconnected(self) -> None:
         self.counters["bus_disconnects_total"] += 1
@@ -169,12 +170,15 @@ def default_span_name(subject: str, instance_id: str) -> str:
     return ".".join(kept) or subject
 
 
-async def connect_nats(url: str, name: str, stopping: asyncio.Event,
+async def connect_nats(access: NatsAccess | str, name: str, stopping: asyncio.Event,
                        disconnected: Callable[[], Awaitable[None]] | None = None,
                        patience_s: float = 30.0) -> nats.NATS:
-    """Connect, retrying while the server comes up; give up after `patience_s` with a clear error. Once
-    connected it reconnects forever (every 0.5 s; a server restarted on its port is found again, every
-    subscription renewed) and calls `disconnected` each time the connection drops."""
+    """Connect (a URL alone: no credentials, no TLS unless tls://), retrying while the server comes up; give up
+    after `patience_s` with a clear error, at once when the server refuses the credentials. Once connected it
+    reconnects forever (every 0.5 s; a server restarted on its port is found again, every subscription renewed)
+    and calls `disconnected` each time the connection drops."""
+    access = NatsAccess(access) if isinstance(access, str) else access
+    url = redact_url(access.url)
     deadline = time.monotonic() + patience_s
 
     async def on_error(exc: Exception) -> None:  # one line, not nats-py's default traceback
@@ -191,10 +195,20 @@ async def connect_nats(url: str, name: str, stopping: asyncio.Event,
 
     while True:
         try:
-            return await nats.connect(url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
+            return await nats.connect(access.url, name=name, connect_timeout=2, max_reconnect_attempts=-1,
                                       reconnect_time_wait=0.5, allow_reconnect=True, error_cb=on_error,
-                                      disconnected_cb=on_disconnect, reconnected_cb=on_reconnect)
+                                      disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                                      **access.options())
         except Exception as exc:  # noqa: BLE001 - nats raises several kinds while the server starts
+            if refused(exc):
+                raise ConnectionError(f"NATS at {url} refused {access.user or 'a connection without a user'} "
+                                      f"(--nats-user, --nats-password-file, --tls-*): {exc}") from exc
             if stopping.is_set() or time.monotonic() > deadline:
                 raise ConnectionError(f"cannot reach NATS at {url} (--nats-url): {exc}") from exc
             await asyncio.sleep(0.25)
+
+
+def refused(exc: BaseException) -> bool:
+    """Whether connecting failed on the credentials or the certificates (trying again would change nothing)."""
+    text = str(exc).lower()
+    return "authorization violation" in text or "certificate verify failed" in text

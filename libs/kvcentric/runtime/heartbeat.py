@@ -18,6 +18,7 @@ import msgspec
 
 from kvcentric.core.protocol import encode
 from kvcentric.runtime.bus import connect_nats
+from kvcentric.runtime.security import NatsAccess
 
 Messages = Callable[[float], Sequence[tuple[str, msgspec.Struct]]]
 """Called in the heartbeat thread with time.monotonic(): the (subject, message) pairs to publish now."""
@@ -26,7 +27,8 @@ Messages = Callable[[float], Sequence[tuple[str, msgspec.Struct]]]
 class Heartbeat:
     """Publishes `messages(now)` on every `beat` and every `period_s`, from a thread of its own."""
 
-    def __init__(self, nats_url: str, name: str, period_s: float, messages: Messages, log: logging.Logger) -> None:
+    def __init__(self, nats_url: NatsAccess | str, name: str, period_s: float, messages: Messages,
+                 log: logging.Logger) -> None:
         self.nats_url, self.name, self.period_s, self.messages, self.log = nats_url, name, period_s, messages, log
         self.beats = 0
         """Ticks that published at least one message."""

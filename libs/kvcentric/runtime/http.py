@@ -11,6 +11,7 @@ import collections
 import gc
 import logging
 import resource
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -146,8 +147,8 @@ class HttpServer:
         self._listener: asyncio.AbstractServer | None = None
         self.cap: ConnectionCap | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (0: any free port); returns the port bound."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Listen on host:port (0: any free port), HTTPS with `ssl_context`; returns the port bound."""
         handler_args: dict[str, Any] = {"access_log": None, "keepalive_timeout": self.limits.header_timeout_s,
                                         "lingering_time": LINGER_S}
         self._runner = web.AppRunner(self.app, handler_cancellation=True, **handler_args)
@@ -155,7 +156,8 @@ class HttpServer:
         assert self._runner.server is not None
         self.cap = ConnectionCap(self._runner.server, handler_args, self.limits.connection_cap,
                                  self.metrics.counters)
-        self._listener = await asyncio.get_running_loop().create_server(self.cap, host, port, backlog=1024)
+        self._listener = await asyncio.get_running_loop().create_server(self.cap, host, port, backlog=1024,
+                                                                        ssl=ssl_context)
         self.port = self._listener.sockets[0].getsockname()[1]
         return self.port
 

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 
 from aiohttp import web
 
@@ -20,6 +21,7 @@ from kvcentric.config import BusConfig
 from kvcentric.runtime import tracing
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.http import HttpServer, Metrics
+from kvcentric.runtime.security import NatsAccess, nats_access
 from kvcentric.runtime.tasks import Tasks
 
 
@@ -38,6 +40,8 @@ class Service:
         self.stopping = self.tasks.stopping
         self.bus = Bus(self.instance_id, self.counters, self.log)
         self.http = HttpServer(self.health_view, self.ready_view, self.metrics)
+        self.nats_access = NatsAccess(config.nats_url)
+        """How this service reaches NATS (credentials, TLS): read from the files its flags name when it opens."""
         self.ready = False
         self.owns_process = False
         """Set by `run_service`: this service has its process to itself, so it may change the whole process's
@@ -53,6 +57,10 @@ class Service:
 
     def add_routes(self, app: web.Application) -> None:
         """HTTP routes of the role besides /health and /metrics."""
+
+    def http_tls(self) -> ssl.SSLContext | None:
+        """The TLS of the HTTP side (None: plain HTTP); the gateway's --https-cert."""
+        return None
 
     def health(self) -> dict:
         """Role-specific fields of GET /health."""
@@ -110,9 +118,10 @@ class Service:
 
     async def open(self) -> None:
         tracing.setup(self.role, self.instance_id)
-        await self.bus.connect(self.config.nats_url, self.stopping)
+        self.nats_access = nats_access(self.config)
+        await self.bus.connect(self.nats_access, self.stopping)
         self.add_routes(self.http.app)
-        await self.http.start(self.config.host, self.config.port)
+        await self.http.start(self.config.host, self.config.port, self.http_tls())
         if self.config.port_file:
             write_port_file(self.config.port_file, self.http.port)
         await self.start()

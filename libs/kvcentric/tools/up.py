@@ -18,6 +18,7 @@ import math
 import os
 import shutil
 import signal
+import ssl
 import sys
 import tempfile
 import time
@@ -27,7 +28,9 @@ from kvcentric.config import LogLevel, require, setting
 from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
+from kvcentric.runtime.security import client_context
 from kvcentric.tools.processes import Child, Supervisor, get_json
+from kvcentric.tools.secure import SecureFiles, make_secure_files
 
 Restart = Literal["on-failure", "never"]
 
@@ -81,6 +84,12 @@ class UpConfig:
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: LogLevel = setting("info", "log level of the services")
+    secure: bool = setting(False, "run the cluster secured: a throwaway CA and certificates, NATS over TLS with one "
+                                  "user (and its permissions) per kind of service, the KV transfer over mutual TLS, "
+                                  "Redis with a password, the gateway on HTTPS with an API key; every secret in a "
+                                  "file of --secure-dir, never on a command line")
+    secure_dir: str = setting("", "with --secure: where the CA, certificates, passwords and API key are written "
+                                  "(default: <log dir>/secure; owner only)")
     restart: Restart = setting("on-failure", "on-failure: a child that dies after start-up is started again "
                                              "(backoff from 0.5 s, doubling; up gives up after 5 crashes in a "
                                              "row within 10 s of a start); never: any death stops the cluster "
@@ -103,6 +112,9 @@ class UpConfig:
         require(self.prefill_kv_blocks >= 0, "prefill_kv_blocks", "must be 0 (--num-kv-blocks) or positive")
         require(self.colocated > 0 or self.prefill >= 1, "prefill", "need at least one prefill instance")
         require(self.colocated > 0 or self.decode >= 1, "decode", "need at least one decode instance")
+        require(not (self.secure and (self.nats_url or self.redis_url)), "secure",
+                "--secure starts its own NATS and Redis: leave out --nats-url and --redis-url")
+        require(self.secure or not self.secure_dir, "secure_dir", "only with --secure")
 
     @property
     def lends_cores(self) -> bool:
@@ -219,6 +231,10 @@ class Cluster:
         self.manifest: dict = {}
         self.core_share_dir = ""
         """The directory the engines lend each other cores in (made at start, removed at stop; "": none)."""
+        self.secure: SecureFiles | None = None
+        """The CA, certificates and secrets of a --secure cluster (made at start)."""
+        self.tls: ssl.SSLContext | None = None
+        """How `up` checks the gateway's HTTPS (--secure)."""
 
     @property
     def log_dir(self) -> str:
@@ -226,13 +242,29 @@ class Cluster:
 
     def service(self, name: str, command: str, *flags: str, port: int | None = None) -> Child:
         host = self.config.host if command == "gateway" else "127.0.0.1"
+        secured = self.secure.service_flags(command) if self.secure else []
         return self.processes.start_service(name, command, self.nats_url, self.config.cluster, "--log-level",
-                                            self.config.log_level, *flags, port=port,
-                                            health_host=_client_host(host))
+                                            self.config.log_level, *secured, *flags, port=port,
+                                            health_host=_client_host(host),
+                                            tls=self.tls if command == "gateway" else None)
 
-    def start(self) -> None:
+    def start_servers(self) -> None:
+        """nats-server and redis-server, unless --nats-url / --redis-url name running ones; with --secure their
+        secured configs, the material made first."""
+        if self.config.secure:
+            folder = self.config.secure_dir or os.path.join(self.log_dir, "secure")
+            self.secure = make_secure_files(folder, [self.config.host])
+            self.tls = client_context(self.secure.ca)
+            with open(self.secure.redis_password) as secret:
+                password = secret.read().strip()
+            self.nats_url = self.processes.start_nats(self.secure.nats_conf)
+            self.redis_url = self.processes.start_redis(self.secure.redis_conf, password)
+            return
         self.nats_url = self.nats_url or self.processes.start_nats()
         self.redis_url = self.redis_url or self.processes.start_redis()
+
+    def start(self) -> None:
+        self.start_servers()
         c = self.config
         threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(c.engines))
         gpus = visible_gpus() if c.device == "cuda" else 0
@@ -259,6 +291,7 @@ class Cluster:
         again whenever that changes (a child restarted, a restarted service bound its port), aside and then
         renamed, so a reader never sees half of it."""
         manifest = {"nats_url": self.nats_url, "redis_url": self.redis_url, "core_share_dir": self.core_share_dir,
+                    "secure_dir": self.secure.folder if self.secure else "",
                     "services": {c.name: {"pid": c.process.pid, "health_url": c.health_url, "log": c.log_path}
                                  for c in self.processes.children}}
         if manifest == self.manifest:
@@ -282,7 +315,7 @@ class Cluster:
             if body is None or body.get("prefill_alive", 0) < prefill or body.get("decode_alive", 0) < decode:
                 return False
         gateway = self.processes.child("gateway").health_url
-        return gateway is not None and _health(gateway.replace("/health", "/ready")) is not None
+        return gateway is not None and _health(gateway.replace("/health", "/ready"), self.tls) is not None
 
     def slos(self) -> str:
         """The SLOs in force, as the first conductor describes them ("" when it does not say)."""
@@ -303,6 +336,19 @@ class Cluster:
             print(f"kvcentric: {line}", flush=True)
         self.write_manifest()
 
+    def secured_note(self) -> str:
+        """What `ready at` adds for a --secure cluster: where its CA and secrets are (never a secret itself)."""
+        if self.secure is None:
+            return ""
+        return (f"secured: CA {self.secure.ca}; API key in {self.secure.api_keys}; NATS users' passwords in "
+                f"{self.secure.folder}/nats-<user>.password\n")
+
+    def curl_flags(self) -> str:
+        """The curl flags of the sample request: the CA and the API key, read from its file by the shell."""
+        if self.secure is None:
+            return ""
+        return f"\\\n    --cacert {self.secure.ca} -H \"Authorization: Bearer $(head -1 {self.secure.api_keys})\" "
+
     @property
     def gateway_port(self) -> int:
         """The gateway's port: --port, or the one it bound with --port 0."""
@@ -316,12 +362,12 @@ class Cluster:
             self.core_share_dir = ""
 
 
-def _health(url: str | None) -> dict | None:
-    """The body of a 200 answer from `url`; None for anything else."""
+def _health(url: str | None, tls: ssl.SSLContext | None = None) -> dict | None:
+    """The body of a 200 answer from `url` (HTTPS checked with `tls`); None for anything else."""
     if url is None:
         return None
     try:
-        status, body = get_json(url)
+        status, body = get_json(url, context=tls)
     except (OSError, ValueError):
         return None
     return body if status == 200 else None
@@ -350,11 +396,11 @@ def run_up(config: UpConfig) -> int:
         print(f"kvcentric: starting {engines} instances of '{config.model}'; logs in {cluster.log_dir}", flush=True)
         cluster.start()
         cluster.wait_healthy()
-        url = f"http://{_client_host(config.host)}:{cluster.gateway_port}"
+        url = f"{'https' if config.secure else 'http'}://{_client_host(config.host)}:{cluster.gateway_port}"
         slos = cluster.slos()
         print(f"kvcentric: ready at {url}  (NATS {cluster.nats_url}, Redis {cluster.redis_url})"
-              + (f"  SLOs: {slos}" if slos else "") + "\n"
-              f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              + (f"  SLOs: {slos}" if slos else "") + "\n" + cluster.secured_note() +
+              f"try:\n  curl {url}/v1/completions -H 'Content-Type: application/json' {cluster.curl_flags()}\\\n"
               f"    -d '{{\"model\": \"{config.model}\", \"prompt\": \"Hello\", \"max_tokens\": 8, "
               f"\"temperature\": 0}}'\nCtrl-C stops everything.", flush=True)
         while True:
