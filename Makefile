@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 LINTED := $(VENV)/.lint-installed
 ARGS   ?=
 
-.PHONY: up test unit integration lint proto bench clean
+.PHONY: up test unit pure integration lint proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,11 @@ test: $(STAMP)
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit
+
+pure: $(STAMP)
+	PYTHONPATH=tests $(BIN)/python -m pytest -q -p torchless $$($(BIN)/python -c \
+	    "import sys; sys.path.insert(0, 'tests/unit'); import test_pure_cores_without_torch as t; \
+	    print(' '.join(str(p) for p in t.pure_core_tests()))")
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration

@@ -100,9 +100,9 @@ async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncItera
     watchers = [tagged(index, watched(job, pieces, silence_s))
                 for index, (job, pieces) in enumerate(zip(jobs, streams))]
 
-    async def opened() -> None:
+    async def opened(at_once: bool = False) -> None:
         if lead.response is None:
-            response = await writers[0].open(request, headers)
+            response = await writers[0].open(request, headers, at_once)
             for job in jobs:
                 job.response = response
 
@@ -110,7 +110,7 @@ async def stream(request: web.Request, jobs: list[Job], streams: list[AsyncItera
         await opened()
         await writers[0].keep_alive(request, headers)
     if open_now:
-        await opened()
+        await opened(at_once=True)
     progress: Any = Progress(jobs)  # what `watched` reads of a job
     events = merged(watchers)
     try:

@@ -363,8 +363,11 @@ class EventWriter:
         assert self.job.response is not None, "an event is written before the stream is open"
         return self.job.response
 
-    async def open(self, request: web.Request, headers: dict) -> web.StreamResponse:
+    async def open(self, request: web.Request, headers: dict, at_once: bool = False) -> web.StreamResponse:
+        """Prepare the SSE response; its status and headers leave with the first event, or now where `at_once` (a
+        request placed before its first token: the client learns at once that it was admitted)."""
         response = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
+        response._send_headers_immediately = at_once
         await response.prepare(request)
         self.job.response = response
         if self.job.chat:
@@ -458,7 +461,7 @@ async def stream(request: web.Request, job: Job, pieces: AsyncIterator[Piece], m
     async def keep_alive() -> None:
         await writer.keep_alive(request, headers)
     if open_now:
-        await writer.open(request, headers)
+        await writer.open(request, headers, at_once=True)
     try:
         async for piece in watched(job, pieces, silence_s, keepalive_s, keep_alive):
             if job.response is None:
