@@ -54,7 +54,10 @@ async def test_a_stopped_decode_does_not_delay_requests_to_another(tmp_path):
         await submit(nc, "prefill", "prefill-0", PrefillJob(request_id="to-stopped", token_ids=stuck_prompt,
                                                             sampling=SAMPLING, decode_id="decode-0",
                                                             decode_kv_addr=decode_0_addr))
-        await asyncio.sleep(0.5)  # the prefill computes it and its push waits on the stopped receiver
+        # the prefill computes it, and its push waits on the stopped receiver
+        await eventually_async(lambda: up.health("prefill-0")["stats"], "the prefill computed the stuck prompt",
+                               until=lambda stats: stats["prefill_tokens_computed"] >= len(stuck_prompt),
+                               every_s=0.05)
         healthy = await send_decode_job(nc, "to-healthy", "decode-1", healthy_prompt)
         await send_prefill_job(nc, up, "to-healthy", "decode-1", healthy_prompt)
         chunks = []

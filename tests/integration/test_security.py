@@ -25,6 +25,7 @@ import nats.errors
 import pytest
 import redis
 from harness import UpProcess
+from waiting import eventually_async
 
 from kvcentric.proto import kv_pb2
 from kvcentric.runtime.security import NatsAccess, TransferTls, client_context
@@ -148,8 +149,9 @@ async def test_a_subscription_outside_a_users_permissions_is_refused(secured):
         try:
             await client.subscribe(subject)
             await client.flush()
-            await asyncio.sleep(0.3)
-            assert any("permissions violation for subscription" in error for error in errors), (user, subject)
+            await eventually_async(lambda: errors, f"{user} refused a subscription to {subject}",
+                                   until=lambda seen: any("permissions violation for subscription" in error
+                                                          for error in seen), timeout_s=5)
         finally:
             await client.close()
 

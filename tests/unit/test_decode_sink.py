@@ -12,6 +12,7 @@ import types
 import pytest
 
 from factories import decode_job, make_pool, make_runner
+from waiting import eventually_async
 from kvcentric.engine import kvsink
 from kvcentric.engine.decode import DecodeEngine, KVNoRoom, KVRejected
 from kvcentric.engine.intake import JobIntake
@@ -40,7 +41,7 @@ def test_kv_that_overtakes_its_job_waits_for_it():
 
     async def scenario():
         begun = asyncio.create_task(sink.begin(header("r", engine)))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: "r" in sink.waiting, "the KV waits for its job")
         assert not begun.done()  # held: no job yet
         engine.add(decode_job("r", 4), time.monotonic())
         sink.registered("r")
@@ -73,7 +74,7 @@ def test_kv_waiting_for_a_job_gives_up_at_once_when_the_request_is_cancelled():
 
     async def scenario():
         begun = asyncio.create_task(sink.begin(header("r", engine)))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: "r" in sink.waiting, "the KV waits for its job")
         assert not begun.done()
         intake.cancel("r")  # what the intake does with a Cancel, before the role's handler
         sink.cancelled("r")
@@ -97,7 +98,7 @@ def test_kv_with_no_room_waits_for_room_and_begins_once_a_step_freed_blocks(monk
 
     async def scenario():
         begun = asyncio.create_task(sink.begin(header("r", engine, num_tokens=7)))
-        await asyncio.sleep(0.05)
+        await eventually_async(lambda: sink.counters["kv_room_waits_total"], "the KV waits for room")
         assert not begun.done() and engine.requests["r"].state == "waiting_kv"
         engine.pool.free(held)  # a step ended the running requests
         sink.freed()
