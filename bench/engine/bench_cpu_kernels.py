@@ -15,7 +15,7 @@ Each figure is the least of interleaved calls (`--repeat`, within a time budget 
 the thread's CPU time on 1 (a crowded 2-core machine deschedules it, and CPU time leaves that out). The ratios
 are kernel / torch time: under 1, the kernel is faster. JSON in bench/results/cpu_kernels_<isa>.json.
 
-    .venv/bin/python bench/bench_cpu_kernels.py --isa all
+    .venv/bin/python -m bench.engine.bench_cpu_kernels --isa all
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -35,15 +34,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs"))
 
-from kvcentric.engine import kernels  # noqa: E402
-from kvcentric.engine.kernels.isas import ISAS, TORCH_CAPS  # noqa: E402
+from kvcentric.engine import kernels
+from kvcentric.engine.kernels.isas import ISAS, TORCH_CAPS
 from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
-    projection_shapes  # noqa: E402
-from kvcentric.model.config import ModelConfig, preset  # noqa: E402
+    projection_shapes
+from kvcentric.model.config import ModelConfig, preset
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 GEMM_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 STREAMED_BYTES = 64 << 20  # each weight copied to at least this much, more than the last-level cache
 Timed = Callable[[], object]
@@ -220,13 +219,13 @@ def rerun_capped(args: argparse.Namespace, argv: list[str]) -> int | None:
     `all`), or None where this process already is."""
     if args.isa == "all":
         others = [a for i, a in enumerate(argv) if not a.startswith("--isa") and (i == 0 or argv[i - 1] != "--isa")]
-        statuses = [subprocess.run([sys.executable, __file__, *others, "--isa", name]).returncode
+        statuses = [subprocess.run([sys.executable, "-m", __spec__.name, *others, "--isa", name]).returncode
                     for name in kernels.runnable()]
         return max(statuses)
     wanted = kernels.capped_env(args.isa)
     if all(os.environ.get(key) == value for key, value in TORCH_CAPS[args.isa].items()):
         return None
-    return subprocess.run([sys.executable, __file__, *argv], env={**os.environ, **wanted}).returncode
+    return subprocess.run([sys.executable, "-m", __spec__.name, *argv], env={**os.environ, **wanted}).returncode
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "isa": args.isa, "library": kernel.isa,
               "torch_capability": torch.backends.cpu.get_cpu_capability(),
               "env": {key: os.environ.get(key) for key in kernels.capped_env("portable")},
-              "machine": {"cpu": cpu_name(), "torch": torch.__version__},
+              "machine": harness.machine(),
               "timing": "least of interleaved calls: wall time on 2 threads, the thread's CPU time on 1; "
                         "kernel/X = kernel time / X's time; gemm figures at gemm_rows rows",
               "load_average": {"before": [round(x, 2) for x in load_before],
@@ -270,14 +269,6 @@ def compact_json(record: dict) -> str:
     """JSON with each list of numbers on one line."""
     text = json.dumps(record, indent=1)
     return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + re.sub(r"\s*\n\s*", " ", m.group(1)) + "]", text)
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

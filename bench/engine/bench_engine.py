@@ -5,7 +5,7 @@
    engine: chunked prefill + decode batch per step) against `transformers` `generate` with static
    batches of the same size, on the same checkpoint; total wall time (goal: ours >= 1.3x faster).
 
-Usage: python bench/bench_engine.py [--device cpu|cuda] [--requests 64] [--batch 16]
+Usage: python -m bench.engine.bench_engine [--device cpu|cuda] [--requests 64] [--batch 16]
 Writes bench/results/engine.json (engine-cuda.json on CUDA) and prints a table.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import tempfile
@@ -28,8 +27,9 @@ from kvcentric.engine.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import load_model_config, preset
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def log(message: str) -> None:
@@ -150,8 +150,8 @@ def main() -> None:
     parser.add_argument("--skip-decode", action="store_true", help="only the prefill FLOP/s part")
     args = parser.parse_args()
     log(f"prefill FLOP/s of 'small' at 1024 tokens on {args.device}")
-    result = {"device": args.device, "threads": torch.get_num_threads(), "machine": platform.machine(),
-              "torch": torch.__version__, "prefill": bench_prefill(preset("small"), args.device, "float32")}
+    result = {"device": args.device, "threads": torch.get_num_threads(),
+              "prefill": bench_prefill(preset("small"), args.device, "float32")}
     if not args.skip_decode:
         requests = workload(args.requests)
         with tempfile.TemporaryDirectory() as tmp:
@@ -171,7 +171,7 @@ def main() -> None:
         previous = json.loads(path.read_text()).get("decode")
         if previous:
             result["decode"] = previous
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(path, harness.record("bench_engine", **result), indent=2)
     p = result["prefill"]
     print(f"prefill 1024 tok: {p['flops'] / 1e9:.1f} GFLOP/s vs matmul {p['matmul_flops'] / 1e9:.1f} GFLOP/s "
           f"= {p['ratio']:.2f} (goal >= 0.6)")

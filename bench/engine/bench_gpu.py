@@ -2,12 +2,12 @@
 weight + KV read floor, ours and transformers' in one run.
 
 Usage:
-    python3 bench/bench_gpu.py [--model llama3-8b] [--dtype bfloat16] [--device cuda] [--prefill 512 2048 8192]
+    python3 -m bench.engine.bench_gpu [--model llama3-8b] [--dtype bfloat16] [--device cuda] [--prefill 512 2048 8192]
         [--batches 1 16 64] [--context 1024] [--steps 20] [--no-cuda-graphs] [--eager-too] [--no-transformers]
         [--out bench/results/gpu.json]
 
-On the GPU host (../shared/gpu/README.md): `source .whl/setup.sh && python3 bench/bench_gpu.py`. A CPU smoke test:
-`--device cpu --dtype float32 --model tiny --prefill 64 128 --batches 1 4 --context 64 --steps 3`.
+On the GPU host (../shared/gpu/README.md): `source .whl/setup.sh && python3 -m bench.engine.bench_gpu`. A CPU smoke
+test: `--device cpu --dtype float32 --model tiny --prefill 64 128 --batches 1 4 --context 64 --steps 3`.
 
 In one process, in this order (a section that fails has its error text recorded in the JSON and the run goes
 on; the JSON is rewritten after every section, so a run cut off by a time limit keeps what it measured):
@@ -40,7 +40,6 @@ import datetime
 import functools
 import gc
 import inspect
-import json
 import math
 import os
 import platform
@@ -56,8 +55,9 @@ import torch
 
 from kvcentric.engine.runner import DTYPES, ModelRunner
 from kvcentric.model.config import ModelConfig, load_model_config
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16
 
 
@@ -387,8 +387,7 @@ def transformers_version() -> tuple[str | None, str | None]:
 
 def header(args: argparse.Namespace, config: ModelConfig, hf_version: str | None) -> dict:
     return {"device": device_name(args.device), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "machine": {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-                        "processor": platform.processor()},
+            "machine": harness.machine(),
             "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": hf_version},
             "args": vars(args),
             "model": {"name": config.name, "num_params": config.num_params,
@@ -482,9 +481,7 @@ class Report:
     def save(self) -> None:
         self.result["elapsed_s"] = time.perf_counter() - self.started
         add_ratios(self.result, self.config, self.args)
-        out = Path(self.args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(self.result, indent=1))
+        out = harness.write(self.args.out, self.result)
         out.with_suffix(".md").write_text(markdown(self.result))
 
 

@@ -7,7 +7,7 @@ alternated. Each burst counts the process's minor page faults (a kernel entry an
 Writes `bench/results/page_faults.json`: per setting, each burst's seconds and faults; the ratio of the mean
 burst times in the summary.
 
-    .venv/bin/python bench/bench_page_faults.py --rounds 3
+    .venv/bin/python -m bench.engine.bench_page_faults --rounds 3
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from bench import harness
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE.parent / "libs"))
+RESULTS = harness.RESULTS
 SETTINGS = {"glibc as is (KVC_MALLOC_KEEP=0)": "0", "heap kept (default)": "1"}
 
 
@@ -93,8 +92,8 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name, keep in SETTINGS.items():
             env = {**os.environ, "KVC_MALLOC_KEEP": keep}
-            done = subprocess.run([sys.executable, __file__, "--child", "--bursts", str(args.bursts)], env=env,
-                                  capture_output=True, text=True, timeout=600, check=True)
+            argv = [sys.executable, "-m", __spec__.name, "--child", "--bursts", str(args.bursts)]
+            done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=True)
             run = json.loads(done.stdout.strip().splitlines()[-1])
             runs[name] += run["bursts"]
             seconds = [b["seconds"] for b in run["bursts"]]
@@ -107,11 +106,9 @@ def main() -> None:
     plain, kept = (summary[name]["burst_s_mean"] for name in SETTINGS)
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": "small", "threads": 2,
               "burst": "32 prompts x 256 tokens, 32 out, mixed steps of 2048 tokens, on the model thread",
-              "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                          "torch": torch.__version__, "libc": " ".join(platform.libc_ver())},
-              "runs": runs, "summary": summary, "kept_over_plain_burst_time": kept / plain}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+              "machine": {**harness.machine(), "libc": " ".join(platform.libc_ver())},
+              "runs": runs, "summary": summary, "ratio": harness.ratio(kept, plain)}
+    harness.write(args.out, result)
     for name, row in summary.items():
         print(f"{name:34s} burst {row['burst_s_mean']:.3f} s  {row['minor_page_faults_mean']:>9,.0f} faults",
               file=sys.stderr)

@@ -10,26 +10,22 @@ it computes on one thread (57 ms here against 31 on a team).
 
 Writes `bench/results/prefill_lanes.json`:
 
-    .venv/bin/python bench/bench_prefill_lanes.py
+    .venv/bin/python -m bench.engine.bench_prefill_lanes
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
-import os
-import platform
 import random
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
+from bench import harness
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE.parent / "libs"))
+RESULTS = harness.RESULTS
 PROMPTS, PROMPT_LEN, BLOCK = 32, 256, 16
 SLICE_S = 0.002
 
@@ -110,10 +106,9 @@ def main() -> None:
                                 "lanes_over_team": round(ratio, 2)}
         print(f"noise {duty:g} of a core: team {runs['team']} ms a prompt, lanes {runs['lanes']}, "
               f"lanes / team {ratio:.2f}", flush=True)
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-              "cpus": os.cpu_count(), "torch": torch.__version__, "prompt_len": PROMPT_LEN, "prompts": PROMPTS,
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "prompt_len": PROMPT_LEN, "prompts": PROMPTS,
               "by_noise_duty": figures}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    harness.write(args.out, harness.record("bench_prefill_lanes", **result))
     print(f"wrote {args.out}")
 
 

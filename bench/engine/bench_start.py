@@ -4,7 +4,7 @@ the neighbours): `ModelRunner` with a small KV pool, timed from the call to its
 return. A preset cut to --layers layers measures on a box too small for the whole model; the figure for
 all the preset's layers is scaled per parameter. Writes bench/results/start.json; asserts nothing.
 
-    .venv/bin/python bench/bench_start.py --model llama2-7b --layers 2 --dtype bfloat16 --label after
+    .venv/bin/python -m bench.engine.bench_start --model llama2-7b --layers 2 --dtype bfloat16 --label after
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
+from bench import harness
 
-RESULTS = Path(__file__).parent / "results" / "start.json"
+RESULTS = harness.RESULTS / "start.json"
 
 
 def measure(model: str, layers: int, dtype: str, device: str) -> dict:
@@ -80,14 +79,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.model, args.layers, args.dtype, args.device)))
         return
-    argv = [sys.executable, __file__, "--child", "--model", args.model, "--layers", str(args.layers),
+    argv = [sys.executable, "-m", __spec__.name, "--child", "--model", args.model, "--layers", str(args.layers),
             "--dtype", args.dtype, "--device", args.device]
     result = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-    result = {**result, **scaled(result, args.model), "machine": platform.machine(), "cpus": os.cpu_count()}
+    result = {**result, **scaled(result, args.model), "machine": harness.machine()}
     print(json.dumps(result, indent=1))
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     previous[args.label or f"{args.model}-{args.layers}-{args.dtype}-{args.device}"] = result
-    RESULTS.write_text(json.dumps(previous, indent=1) + "\n")
+    harness.write(RESULTS, previous)
 
 
 if __name__ == "__main__":

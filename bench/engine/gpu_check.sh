@@ -7,7 +7,7 @@
 # the card's ceilings, prefill and decode of the 8B shape against them and against transformers), and the 8B
 # shape served (bench_disagg.py: 1P+1D and colocated through `kvcentric up` against the engine in one process).
 #
-# Usage, from the project root on the GPU host:  source .whl/setup.sh && bash bench/gpu_check.sh [OUT_DIR]
+# Usage, from the project root on the GPU host:  source .whl/setup.sh && bash bench/engine/gpu_check.sh [OUT_DIR]
 # Writes gpu_unit.log, gpu_integration.log, layerwise_load_gpu.json and gpu.json (with gpu.md) into OUT_DIR
 # and disagg_gpu.json (default: bench/results). STEPS picks steps (default: "unit bench up layerwise disagg").
 # Every step runs under its own time limit and the script goes on after a failure; it exits non-zero if any
@@ -61,7 +61,7 @@ unit_tests=${UNIT_TESTS:-tests/unit/test_gpu_decode.py tests/unit/test_hf_parity
 wanted unit && step "engine unit tests on cuda" 150 "$out/gpu_unit.log" python3 -m pytest -q -p no:cacheprovider -rf \
     -o timeout=120 $unit_tests
 
-wanted bench && step "GPU engine benchmark, llama3-8b bf16" 240 "$out/gpu_bench_engine.log" python3 bench/bench_gpu.py \
+wanted bench && step "GPU engine benchmark, llama3-8b bf16" 240 "$out/gpu_bench_engine.log" python3 -m bench.engine.bench_gpu \
     --eager-too --unfused-too --out "$out/gpu.json"
 
 up_tests=${UP_TESTS:-tests/integration/test_bf16_path.py tests/integration/test_dtype_paths.py \
@@ -70,10 +70,10 @@ up_tests=${UP_TESTS:-tests/integration/test_bf16_path.py tests/integration/test_
 wanted up && step "kvcentric up on cuda" 200 "$out/gpu_integration.log" env KVC_DEVICE=cuda python3 -m pytest -q \
     -p no:cacheprovider -rf -o timeout=150 $up_tests
 
-wanted layerwise && step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 bench/bench_layerwise_load.py --device cuda \
+wanted layerwise && step "layer-wise prefix load, llama3-8b bf16" 120 "$out/gpu_bench.log" python3 -m bench.transfer.bench_layerwise_load --device cuda \
     --dtype bfloat16 --model llama3-8b --prefixes 1024 4096 --suffix 256 --requests 5 \
     --out "$out/layerwise_load_gpu.json"
-wanted disagg && step "served 1P+1D and colocated, llama3-8b bf16" 300 "$out/gpu_disagg.log" python3 bench/bench_disagg.py \
+wanted disagg && step "served 1P+1D and colocated, llama3-8b bf16" 300 "$out/gpu_disagg.log" python3 -m bench.serving.bench_disagg \
     --device cuda --model llama3-8b --dtype bfloat16 --concurrency 32 --input-len 512 --output-len 128 \
     --out "$out/disagg_gpu.json"
 exit $status

@@ -5,13 +5,13 @@ relative to unloaded latency (TTFT_P90 = 10×, TBT_P90 = 5×, Mooncake §2, §8.
 
 Each deployment first replays a few requests at the lowest speed (its unloaded reference); the other speeds
 run with `--slo-reference` pointing at it. The table normalises every deployment by one shared reference (per
-P90, the lowest of the three references), as `bench/repro_fig11_12.py` does in the simulator. Every run uses
+P90, the lowest of the three references), as `bench/papers/repro_fig11_12.py` does in the simulator. Every run uses
 its own token seed, so no run reuses another's prefix cache. The conductor admits everything
 (`KVC_REJECTION=never`), so the P90s say whether a rate is sustainable; a disaggregated request whose TTFT
 passes 30 s still fails (see LIVE_ENV), and a run with failures does not count as within SLO. Short by
 design: a few minutes per deployment.
 
-Usage: .venv/bin/python bench/live_fig11_12.py [--limit 16] [--speeds 0.1,0.2,0.4] [--runs-dir DIR]
+Usage: .venv/bin/python -m bench.papers.live_fig11_12 [--limit 16] [--speeds 0.1,0.2,0.4] [--runs-dir DIR]
     -> DIR/<setup>/<speed> (each a replay's output), bench/results/fig11_12_live.{json,png}
 """
 
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess
-from sim_common import RESULTS, pyplot, save_json
+from bench.harness import UpProcess
+from bench.sim.common import RESULTS, pyplot, save_json
 from kvcentric.core.sim.slo import normalised_p90s, relative_slos
 from kvcentric.tools.sim import DEFAULT_TRACE
 

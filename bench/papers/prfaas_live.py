@@ -4,7 +4,7 @@ the PD cluster (prefill, decode, conductor with the topology, kvs-meta, gateway)
 short and long prompts goes through the gateway, and the routing and the link's egress are measured.
 
 Usage:
-    .venv/bin/python bench/prfaas_live.py [--model small] [--threshold 256] [--link-gbps 0.1]
+    .venv/bin/python -m bench.papers.prfaas_live [--model small] [--threshold 256] [--link-gbps 0.1]
         [--short 12] [--long 8] [--concurrency 2] [--adjust-s 0] [--out bench/results/prfaas_live.json]
 
 The threshold t is in uncached tokens and scaled to CPU-sized prompts (the paper's 19.4K would be
@@ -14,23 +14,20 @@ l = the prompt length: long ones (> t) should prefill in the prfaas cluster, sho
 
 from __future__ import annotations
 
-import os
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import threading
 import time
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from twodc import TwoDatacenters, TwoDCConfig
+from tests.twodc import TwoDatacenters, TwoDCConfig
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,8 +142,7 @@ def main(argv=None) -> int:
     for record in records:
         record["class"] = "long" if record["prompt_tokens"] > args.threshold else "short"
     result = summarize(args, records, egress, watch, conductor)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    harness.write(args.out, harness.record("prfaas_live", **result))
     print(report(result))
     print(f"prfaas_live: wrote {args.out}")
     return 0 if result["all_ok"] else 1

@@ -2,9 +2,9 @@
 deployments) serve the paper's workload through the live Conductor core, with queues, a shared 100 Gbps
 inter-cluster link and decode batches of BS_max; it measures the highest arrival rate each sustains.
 
-    .venv/bin/python bench/prfaas_sim.py     # ~1 min; bench/results/prfaas_sim.{json,png}
+    .venv/bin/python -m bench.papers.prfaas_sim     # ~1 min; bench/results/prfaas_sim.{json,png}
 
-Inputs are those of bench/prfaas_table6.py (bench/PRFAAS.md): Table 5's H200 prefill and KV sizes, the
+Inputs are those of bench/papers/prfaas_table6.py (bench/papers/PRFAAS.md): Table 5's H200 prefill and KV sizes, the
 derived H20 prefill, decode at 25 ms per step with BS_max = 20, the truncated log-normal workload
 (μ = 9.90, σ = 1.00 on [128, 128K], 1024 output tokens), t and the counts from the planner. The prefill
 curves become the cost model's quadratic T(n) = p0 + p1·n + p3·n² (least squares on relative error, 1%
@@ -17,7 +17,6 @@ half of a 30-minute run (< 0.02 s/s) and stays under 60 s on average in its last
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import sys
@@ -35,9 +34,10 @@ from kvcentric.core.scheduling.clusters import ClusterSetup
 from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.sim.cluster import ClusterSpec, Simulation
 from kvcentric.core.sim.workload import SimRequest
+from bench import harness
 
 BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
+RESULTS = harness.RESULTS
 BLOCK = 512
 STEP_S, BS_MAX, OUTPUT = 0.025, 20, 1024
 DURATION_S = 1800.0
@@ -157,7 +157,7 @@ def capacity(d: Deployment, h200, h20, link_gbps: float, grid: list[float]) -> t
 
 
 def deployments(table6: dict) -> list[Deployment]:
-    """Table 6's three columns with the planner's counts and t (bench/prfaas_table6.py's optimum)."""
+    """Table 6's three columns with the planner's counts and t (bench/papers/prfaas_table6.py's optimum)."""
     counts = table6["counts"]
     return [Deployment("PrfaaS-PD", counts["pd_prefill"], counts["prfaas"], counts["decode"], table6["threshold"]),
             Deployment("homogeneous PD", 9, 0, 3, None),
@@ -249,8 +249,7 @@ def main() -> int:
     result["ratio_vs_homogeneous"] = {name: round(c["capacity_rps"] / base, 3)
                                       for name, c in result["deployments"].items()}
     result["elapsed_s"] = round(time.monotonic() - started, 1)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prfaas_sim.json").write_text(json.dumps(result, indent=1))
+    harness.write(RESULTS / "prfaas_sim.json", harness.record("prfaas_sim", **result))
     plot(result, RESULTS / "prfaas_sim.png")
     print(f"ratio vs homogeneous: {result['ratio_vs_homogeneous']}; {result['elapsed_s']} s; "
           f"wrote {RESULTS / 'prfaas_sim.json'} and prfaas_sim.png")

@@ -1,10 +1,10 @@
 """Reproduces PrfaaS §4 (Table 6, Figure 5) with `kvcentric.core.prfaas.planner` from Table 5's profile, deriving
 the inputs the paper does not give from the ones it does; it runs no cluster (the paper's §4 does not either).
 
-    python bench/prfaas_table6.py        # writes bench/prfaas_{profile,workload}_table5.json,
+    python -m bench.papers.prfaas_table6        # writes bench/prfaas_{profile,workload}_table5.json,
                                          # bench/results/prfaas_table6.json, prfaas_fig5{a,b}_*.png
 
-Derivations (bench/PRFAAS.md has the arithmetic):
+Derivations (bench/papers/PRFAAS.md has the arithmetic):
 - decode: Table 6's Θ_pd-d is 6.25 req/s for N_d = 8, so one H20 instance serves 0.78125 req/s of 1024
   tokens = 800 tokens/s; at the 40 tokens/s SLO, T_decode = 25 ms and BS_max = 20.
 - H20 prefill: T_H20(l) = k0·c0 + k1·(T_H200(l) − c0), c0 = 0.40 s the H200 profile's fixed cost (its
@@ -25,9 +25,10 @@ from kvcentric.core.prfaas.planner import Plan, plan
 from kvcentric.core.prfaas.profile import PrfaasProfile
 from kvcentric.core.prfaas.workload import from_trace, lognormal
 from kvcentric.tools import plan_report
+from bench import harness
 
 BENCH = Path(__file__).resolve().parent
-RESULTS = BENCH / "results"
+RESULTS = harness.RESULTS
 K = 1024
 TABLE5 = {"lengths": [1 * K, 8 * K, 32 * K, 128 * K], "prefill_s": [0.44, 0.72, 1.84, 7.40],
           "kv_mib": [190.8, 308.9, 701.3, 2316.3]}
@@ -157,7 +158,7 @@ def trace_runs(profile: dict) -> dict:
     """The same hardware planned for the shared Mooncake traces (uncached lengths after prefix matching)."""
     out = {}
     for name in ("conversation_trace.jsonl", "synthetic_trace.jsonl"):
-        path = BENCH.parent.parent / "shared" / "traces" / name
+        path = BENCH.parents[2] / "shared" / "traces" / name
         if not path.is_file():
             continue
         workload = from_trace(path)
@@ -193,7 +194,7 @@ def main() -> int:
     profile, derivation = derive()
     (BENCH / "prfaas_profile_table5.json").write_text(json.dumps(
         {**profile, "notes": "Table 5 (H200) as given; pd_prefill (H20) and decode derived by "
-                             "bench/prfaas_table6.py, see bench/PRFAAS.md"}, indent=2) + "\n")
+                             "bench/papers/prfaas_table6.py, see bench/papers/PRFAAS.md"}, indent=2) + "\n")
     (BENCH / "prfaas_workload_table5.json").write_text(json.dumps(
         {**WORKLOAD, "notes": "PrfaaS §4.1: truncated log-normal, 128K = 131072 tokens"}, indent=2) + "\n")
     result = run(profile)
@@ -208,7 +209,9 @@ def main() -> int:
     plan_report.plot_threshold_search(result, RESULTS / "prfaas_fig5b_threshold.png",
                                  f"Figure 5(b): threshold search at N_p = {result.prfaas_pd.point.counts.pd_prefill},"
                                  f" N_d = {result.prfaas_pd.point.counts.decode} (ours)")
-    print(f"wrote {RESULTS / 'prfaas_table6.json'} and the two Figure 5 PNGs")
+    written = RESULTS / "prfaas_table6.json"
+    harness.write(written, json.loads(written.read_text()), indent=2)  # with the machine record
+    print(f"wrote {written} and the two Figure 5 PNGs")
     return 0
 
 

@@ -7,7 +7,7 @@ get the same host prefix cache per instance; disaggregated places with `kvcentri
 `cache_aware` (no cross-instance pulls). No rejection: every request is served and judged. A request's
 TBT SLO is read three ways: its mean gap, its P90 gap, its worst gap.
 
-Usage: .venv/bin/python bench/repro_colocated.py   -> bench/results/colocated.json, colocated.png
+Usage: .venv/bin/python -m bench.papers.repro_colocated   -> bench/results/colocated.json, colocated.png
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import numpy as np
 
-from sim_common import RESULTS, brief, pyplot, save_json, simulate
+from bench.sim.common import RESULTS, brief, pyplot, save_json, simulate
 
 SPEEDS = [1.0, 2.0, 3.0]
 SETUPS = {

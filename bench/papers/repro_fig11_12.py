@@ -13,12 +13,12 @@ step that stalls the batch (vLLM without chunked prefill), or in 2,048-token chu
 The unloaded reference is the same for every setup: per P90, the lowest any setup measured at the lowest
 speed (0.05×, 0.2 req/s), so all of them face one pair of thresholds.
 
-Usage: .venv/bin/python bench/repro_fig11_12.py   -> bench/results/fig11_12_sim.json, fig11_12_sim.png
+Usage: .venv/bin/python -m bench.papers.repro_fig11_12   -> bench/results/fig11_12_sim.json, fig11_12_sim.png
 """
 
 from __future__ import annotations
 
-from sim_common import RESULTS, brief, pyplot, save_json, simulate
+from bench.sim.common import RESULTS, brief, pyplot, save_json, simulate
 from kvcentric.core.sim.slo import normalised_p90s, relative_slos
 from kvcentric.tools.sim import DEFAULT_TRACE
 

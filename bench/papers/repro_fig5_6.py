@@ -3,7 +3,8 @@ of how many times each 512-token block is hit (reused after its first appearance
 its arXiv trace (mean input 7,590, mean output 182 tokens); we have the FAST'25 conversation and synthetic
 traces. It reads trace files and counts; it simulates nothing.
 
-Usage: .venv/bin/python bench/repro_fig5_6.py   -> bench/results/fig5_lengths.{json,png}, fig6_block_hits.{json,png}
+Usage: .venv/bin/python -m bench.papers.repro_fig5_6
+  -> bench/results/fig5_lengths.{json,png}, fig6_block_hits.{json,png}
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim_common import RESULTS, pyplot, save_json
+from bench.sim.common import RESULTS, pyplot, save_json
 from kvcentric.core.sim.workload import SimRequest, load_trace
 from kvcentric.tools.sim import DEFAULT_TRACE
 

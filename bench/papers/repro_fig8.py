@@ -5,7 +5,7 @@ The paper's cluster replayed the arXiv trace (23,000 requests) overnight; we rep
 conversation trace (12,031 requests, one hour) on the simulator, LLaMA2-70B roofline on 8xA800 nodes,
 no rejection (every request is served, so attainment measures TTFT alone), TTFT SLO 30 s.
 
-Usage: .venv/bin/python bench/repro_fig8.py   -> bench/results/fig8.json, fig8.png
+Usage: .venv/bin/python -m bench.papers.repro_fig8   -> bench/results/fig8.json, fig8.png
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from kvcentric.core.scheduling.policies import PLACEMENT_POLICIES
-from sim_common import RESULTS, brief, pyplot, save_json, simulate
+from bench.sim.common import RESULTS, brief, pyplot, save_json, simulate
 
 POLICIES = list(PLACEMENT_POLICIES)
 SPEEDS = [1.0, 1.5]

@@ -6,14 +6,14 @@ As the issue specifies: conversation trace (the arXiv trace is not available), L
 decode-bound variants (a tighter TBT SLO, or fewer decode instances) where the modes can differ;
 they are labelled as such and not tuned to any answer.
 
-Usage: .venv/bin/python bench/repro_overload.py   -> bench/results/table3.json, table3_load.png
+Usage: .venv/bin/python -m bench.papers.repro_overload   -> bench/results/table3.json, table3_load.png
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from sim_common import RESULTS, brief, pyplot, save_json, simulate
+from bench.sim.common import RESULTS, brief, pyplot, save_json, simulate
 
 MODES = ["none", "early", "predictive"]
 PAPER = {"none": 4183, "early": 3771, "predictive": 3589}  # Table 3, arXiv trace (23,608 requests)

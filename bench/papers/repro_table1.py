@@ -1,14 +1,14 @@
 """Mooncake Table 1: hit ratio of one global block pool, LRU / LFU / length-aware x capacities, on the
 FAST'25 conversation trace (the arXiv trace the paper used is not available to us).
 
-Usage: .venv/bin/python bench/repro_table1.py   -> bench/results/table1.json, table1.png
+Usage: .venv/bin/python -m bench.papers.repro_table1   -> bench/results/table1.json, table1.png
 """
 
 from __future__ import annotations
 
 import math
 
-from sim_common import RESULTS, pyplot, save_json
+from bench.sim.common import RESULTS, pyplot, save_json
 from kvcentric.core.sim.cachesim import replay_pool
 from kvcentric.tools.sim import DEFAULT_TRACE
 from kvcentric.core.sim.workload import load_trace

@@ -7,8 +7,8 @@ Part 1 is arithmetic on the cost model: the decode step at the batch a 2× repla
 cache, against the TBT SLOs. Part 2 replays the conversation trace on 8P+8D under each condition and the
 three rejection modes, and counts which stage rejected.
 
-Usage: .venv/bin/python bench/repro_table3_binding.py          -> bench/results/table3_binding.json
-       .venv/bin/python bench/repro_table3_binding.py --tight  -> bench/results/table3_binding_tight.json
+Usage: .venv/bin/python -m bench.papers.repro_table3_binding          -> bench/results/table3_binding.json
+       .venv/bin/python -m bench.papers.repro_table3_binding --tight  -> bench/results/table3_binding_tight.json
 (--tight: tighter TBT SLOs than the paper states, to find where decode starts to bind; --only TEXT runs only
 the conditions whose name contains TEXT and keeps the other results in the JSON)
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim_common import RESULTS, brief, save_json, simulate
+from bench.sim.common import RESULTS, brief, save_json, simulate
 from kvcentric.core.costmodel import decode_capacity_tokens, hardware, load_cost_model
 from kvcentric.core.sim.slo import relative_slos
 from kvcentric.model.config import preset

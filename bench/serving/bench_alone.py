@@ -10,9 +10,9 @@ events of a stream (`bench_vs_vllm.gap_percentile`). Appends one JSON line per r
 
 Usage (2026-11-26 A/B of the CPU attention kernels, docs/performance.md):
 
-    KVC_CPU_KERNELS=0 .venv/bin/python bench/bench_alone.py "colocated mixed" --label sdpa
-    KVC_CPU_KERNELS=1 .venv/bin/python bench/bench_alone.py "colocated mixed" --label kernels
-    .venv/bin/python bench/bench_alone.py vLLM
+    KVC_CPU_KERNELS=0 .venv/bin/python -m bench.serving.bench_alone "colocated mixed" --label sdpa
+    KVC_CPU_KERNELS=1 .venv/bin/python -m bench.serving.bench_alone "colocated mixed" --label kernels
+    .venv/bin/python -m bench.serving.bench_alone vLLM
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_vs_vllm as vs
+from bench.serving import bench_vs_vllm as vs
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("deployment", choices=["vLLM", *vs.DEPLOYMENTS])
     parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
-                        help="venv made by bench/vllm_peer/setup.sh (as bench_vs_vllm.py)")
+                        help="venv made by bench/serving/vllm_peer/setup.sh (as bench_vs_vllm.py)")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-small"),
                         help="the random checkpoint bench_vs_vllm.py builds and keeps")
     parser.add_argument("--repeat", type=int, default=2)
@@ -59,7 +60,7 @@ def start(args, checkpoint: Path, log_dir: Path):
         return vs.start_cluster(args.deployment, checkpoint, log_dir)
     python = vs.peer_python(args.peer_venv)
     if python is None:
-        print(f"SKIPPED: no vLLM in {args.peer_venv} (bench/vllm_peer/setup.sh makes one)")
+        print(f"SKIPPED: no vLLM in {args.peer_venv} (bench/serving/vllm_peer/setup.sh makes one)")
         sys.exit(0)
     server = vs.PeerServer(python, checkpoint, 2, log_dir / "vllm.log")
     server.wait_ready()
@@ -98,9 +99,7 @@ def main() -> None:
 def append_record(path: str, record: dict) -> None:
     """Print one run's record and append it to the JSON-lines file `path`."""
     print(json.dumps(record))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as out:
-        out.write(json.dumps(record) + "\n")
+    harness.append_line(path, record)
 
 
 if __name__ == "__main__":

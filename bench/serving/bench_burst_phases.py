@@ -5,7 +5,7 @@ times. For each burst: output tokens/s, the first and the last first token (the 
 
 Writes `bench/results/burst_phases.json`:
 
-    .venv/bin/python bench/bench_burst_phases.py
+    .venv/bin/python -m bench.serving.bench_burst_phases
 """
 
 from __future__ import annotations
@@ -19,15 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_vs_vllm as vs
+from bench.serving import bench_vs_vllm as vs
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
-                        help="venv made by bench/vllm_peer/setup.sh (as bench_vs_vllm.py)")
+                        help="venv made by bench/serving/vllm_peer/setup.sh (as bench_vs_vllm.py)")
     parser.add_argument("--checkpoint", default=str(Path(tempfile.gettempdir()) / "kvc-vllm-small"),
                         help="the random `small` checkpoint bench_vs_vllm.py builds and keeps")
     parser.add_argument("--deployment", default="colocated mixed", choices=list(vs.DEPLOYMENTS))
@@ -56,7 +57,7 @@ def main() -> None:
         if name == "vLLM":
             python = vs.peer_python(args.peer_venv)
             if python is None:
-                print(f"SKIPPED vLLM: no vLLM in {args.peer_venv} (bench/vllm_peer/setup.sh makes one)")
+                print(f"SKIPPED vLLM: no vLLM in {args.peer_venv} (bench/serving/vllm_peer/setup.sh makes one)")
                 continue
             server = vs.PeerServer(python, checkpoint, 2, log_dir / "vllm.log")
             server.wait_ready()
@@ -75,8 +76,7 @@ def main() -> None:
     summary = {name: {key: statistics.median(row[key] for row in rows) for key in rows[0]}
                for name, rows in figures.items()}
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "bursts": figures, "medians": summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    harness.write(args.out, harness.record("bench_burst_phases", **record))
     print(json.dumps(summary, indent=1))
 
 

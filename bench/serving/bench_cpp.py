@@ -5,7 +5,7 @@ one torch thread; each prompt alone in its cluster (no queueing), fresh tokens (
 tokens of both deployments are compared too.
 
 Usage:
-    .venv/bin/python bench/bench_cpp.py [--model small-32k] [--lengths 512,2048,8192,16384] [--repeats 2]
+    .venv/bin/python -m bench.serving.bench_cpp [--model small-32k] [--lengths 512,2048,8192,16384] [--repeats 2]
         [--chunk 512] [--threads 1]
 
 Writes bench/results/cpp.json and prints a table.
@@ -16,20 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess  # noqa: E402
+from bench.harness import UpProcess
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 PATIENT = {"KVC_REJECTION": "never", "KVC_KV_WAIT_S": "3600", "KVC_REQUEST_TIMEOUT_S": "3600", "KVC_TBT_SLO_S": "60"}
 """A long prompt alone on a 2-core box takes minutes: the conductor admits it, decode and gateway wait, and
 decode's TBT double-check is as good as off (a 60 s SLO: an 8K context's step predicts past 0.1 s here, and
@@ -137,10 +135,9 @@ def main() -> None:
                       if "error" in row},
            "load_average": os.getloadavg(), "model": args.model, "chunk": args.chunk,
            "threads_per_engine": args.threads, "repeats": args.repeats,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}, "table": table,
+           "machine": harness.machine(), "table": table,
            "runs": {name: {str(n): row for n, row in rows.items()} for name, rows in results.items()}}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
+    harness.write(args.out, out, indent=2)
     print(f"wrote {args.out}")
 
 

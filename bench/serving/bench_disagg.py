@@ -3,10 +3,10 @@ on `kvcentric up --colocated 1`, and on the same colocated engine driven in this
 (no gateway, NATS, gRPC or KV push); output tokens/s and TTFT side by side, as ratios to the in-process run.
 
 Usage:
-    .venv/bin/python bench/bench_disagg.py [--model small] [--dtype float32] [--concurrency 8]
+    .venv/bin/python -m bench.serving.bench_disagg [--model small] [--dtype float32] [--concurrency 8]
         [--input-len 256] [--output-len 32] [--threads 1] [--device cpu]
 
-On a GPU host (`bench/gpu_check.sh` runs it with the 8B shape): `--device cuda --model llama3-8b --dtype
+On a GPU host (`bench/engine/gpu_check.sh` runs it with the 8B shape): `--device cuda --model llama3-8b --dtype
 bfloat16`; the two engines of 1P+1D then share the one GPU, as on the CPU they share its cores.
 
 Writes bench/results/disagg.json and prints a table.
@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import random
 import statistics
 import string
@@ -26,24 +25,23 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess  # noqa: E402
+from bench.harness import UpProcess
 
-from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.core.hashing import BlockHasher  # noqa: E402
-from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams  # noqa: E402
-from kvcentric.engine.colocated import ColocatedEngine  # noqa: E402
-from kvcentric.engine.config import EngineConfig  # noqa: E402
-from kvcentric.engine.mixed import MixedStepper  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
-from kvcentric.model.config import preset  # noqa: E402
-from kvcentric.model.tokenizer import ByteTokenizer  # noqa: E402
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
+from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.mixed import MixedStepper
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import preset
+from kvcentric.model.tokenizer import ByteTokenizer
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 DEPLOYMENTS = {"1P+1D": ["--prefill", "1", "--decode", "1"], "colocated": ["--colocated", "1"]}
 
 
@@ -167,13 +165,11 @@ def main() -> None:
     for run in runs.values():
         run["tokens_per_s_vs_one_process"] = run["output_tokens_per_s"] / base["output_tokens_per_s"]
         run["ttft_p50_vs_one_process"] = run["ttft_p50_s"] / base["ttft_p50_s"]
-    machine = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-               "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+    machine = {**harness.machine(), "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
                "load_average_before": load_before, "load_average_after": os.getloadavg()}
     result = {"model": args.model, "dtype": args.dtype, "concurrency": args.concurrency, "input_len": args.input_len,
               "output_len": args.output_len, "in_process_threads": args.threads, "machine": machine, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    harness.write(args.out, result, indent=2)
     print(f"{'':12} {'tok/s':>8} {'x 1proc':>8} {'TTFT p50':>9} {'x 1proc':>8}")
     for label, run in runs.items():
         print(f"{label:12} {run['output_tokens_per_s']:8.1f} {run['tokens_per_s_vs_one_process']:8.2f} "

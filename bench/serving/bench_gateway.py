@@ -1,16 +1,16 @@
 """What the gateway, NATS and the conductor add to a request: TTFT against a zero-cost engine stub
-(`bench/stub_engine.py`) at a fixed open-loop rate (default 100 requests/s for 10 s), vs the goal
+(`bench/serving/stub_engine.py`) at a fixed open-loop rate (default 100 requests/s for 10 s), vs the goal
 p50 <= 3 ms. Runs nats-server, redis-server, kvs-meta, the conductor, the gateway and the stub here.
 
 Usage:
-    .venv/bin/python bench/bench_gateway.py [--rate 100] [--duration-s 10] [--rounds 5] [--prompt-tokens 64]
+    .venv/bin/python -m bench.serving.bench_gateway [--rate 100] [--duration-s 10] [--rounds 5] [--prompt-tokens 64]
         [--warmup 50] [--log-dir DIR]
 
 Each request is a streaming /v1/completions with max_tokens=1 sent on schedule whatever the answers do;
 TTFT is from the send to the first `data:` event, as a client sees it (the client shares the 2 cores).
 Two gateways run on the same stack: `--dispatch conductor` (ours: the conductor hands the jobs to the
 engines as it answers) and `--dispatch gateway` (the gateway sends them after the answer); with the HTTP
-floor (the same client against `bench/sse_floor.py`, an SSE server with nothing behind it) they are loaded
+floor (the same client against `bench/serving/sse_floor.py`, an SSE server with nothing behind it) they are loaded
 in interleaved rounds, each for duration-s in all. Reported beside them: the gateways' own TTFT histograms
 (request in -> first token out), CPU time per request of every process, each bus hop timed alone and a
 bare NATS request/reply round trip on the same server. Writes bench/results/gateway.json.
@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,8 +33,9 @@ import aiohttp
 import nats
 
 from kvcentric.tools.processes import Child, free_port, get_json, nats_server_argv, redis_server_argv, wait_for_port
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 GOAL_P50_MS = 3.0
 DISPATCH_MODES = ("conductor", "gateway")
 """The gateway's --dispatch: ours (the conductor hands the jobs over as it answers) first, then the gateway
@@ -277,15 +276,14 @@ def report(args, runs: dict, rtt: list[float], breakdown: dict, server_ttft_ms: 
         "benchmark": "gateway + NATS + conductor overhead: TTFT with a zero-cost engine stub",
         "config": {"rate_rps": args.rate, "duration_s": args.duration_s, "prompt_tokens": args.prompt_tokens,
                    "warmup": args.warmup, "stream": True, "max_tokens": 1},
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": harness.machine(),
         **ours, "dispatch": DISPATCH_MODES[0], "by_dispatch": modes,
         "nats_request_reply_ms": percentiles_ms(rtt), "hops_alone_ms": breakdown, "http_floor_ttft_ms": floor_ms,
         "goal_p50_ms": GOAL_P50_MS, "meets_goal": ours["above_http_floor_p50_ms"] <= GOAL_P50_MS,
         "meets_goal_client_side": ours["ttft_ms"]["p50"] <= GOAL_P50_MS,
         "log_dir": log_dir,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(args.out, result, indent=2)
     print(f"NATS request/reply p50 {result['nats_request_reply_ms']['p50']:.3f} ms; hops alone, p50 ms: "
           + ", ".join(f"{k} {v['p50']:.2f}" for k, v in breakdown.items()))
     print(f"HTTP floor (same client, an SSE server with nothing behind it): TTFT p50 {floor_ms['p50']:.2f} ms")

@@ -2,28 +2,28 @@
 (`libs/kvcentric/runtime/service.py`): `kvcentric up --colocated 1` of the `small` checkpoint serves
 `--bursts` bursts of 32 prompts of 256 tokens (32 tokens each, at once, streamed by the client of
 `bench_vs_vllm.py`), once with KVC_GC_FREEZE=0 and once as shipped, `--rounds` times alternated. Each
-service's full collections are timed through `bench/gc_trace/sitecustomize.py`.
+service's full collections are timed through `bench/serving/gc_trace/sitecustomize.py`.
 
 Writes `bench/results/gc_pauses.json`: per setting, the burst throughputs and every full collection during the
 bursts (service, ms).
 
-    .venv/bin/python bench/bench_gc_pauses.py --rounds 2
+    .venv/bin/python -m bench.serving.bench_gc_pauses --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import tempfile
 import time
 from pathlib import Path
 
-import bench_vs_vllm as vs
+from bench.serving import bench_vs_vllm as vs
+from bench import harness
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = harness.RESULTS
 SETTINGS = {"collector as is (KVC_GC_FREEZE=0)": "0", "heap frozen at start (default)": "1"}
 
 
@@ -79,8 +79,7 @@ def main() -> None:
                   flush=True)
     record = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "deployment": "colocated mixed",
               "bursts": args.bursts, "runs": runs}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    harness.write(args.out, harness.record("bench_gc_pauses", **record))
     print(f"wrote {args.out}")
 
 

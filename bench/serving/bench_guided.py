@@ -4,7 +4,7 @@ mask alone (`Guides.allowed`) at the vocabulary sizes of the byte models, Llama 
 (128,256). Goal: a masked step costs under 10% more than a plain one.
 
 Usage:
-    .venv/bin/python bench/bench_guided.py [--models tiny small] [--steps 50]
+    .venv/bin/python -m bench.serving.bench_guided [--models tiny small] [--steps 50]
 
 Prints a table and writes bench/results/guided.json.
 """
@@ -13,11 +13,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,8 +24,9 @@ from kvcentric.engine.guided import Guides
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.engine.sampling import choose
 from kvcentric.model.config import PRESETS
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 64},
                                            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}},
                                            "count": {"type": "integer"}},
@@ -84,10 +82,8 @@ def main() -> None:
     masks = {vocab: mask_s(vocab, args.steps) * 1e6 for vocab in (258, 32000, 128256)}
     for vocab, micros in masks.items():
         print(f"mask alone, vocabulary {vocab:6}: {micros:7.1f} us")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "guided.json").write_text(json.dumps({"machine": platform.processor() or platform.machine(),
-                                                     "threads": torch.get_num_threads(), "steps": rows,
-                                                     "mask_us": masks}, indent=2) + "\n")
+    harness.write(RESULTS / "guided.json", harness.record("bench_guided", threads=torch.get_num_threads(),
+                                                         steps=rows, mask_us=masks), indent=2)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ ablation). Reported per rate: TTFT mean and P90, TPOT P90, throughput, queueing 
 The TTFT SLO is the paper's 3 s scaled to this machine: 3 s times the ratio of this engine's measured prefill of
 the mean prompt to the Llama-2-7B/A100 roofline's; the TPOT SLO is the paper's 200 ms.
 
-Usage: .venv/bin/python bench/bench_layerkv.py [--model small] [--min-prompt 1024] [--max-prompt 4096]
+Usage: .venv/bin/python -m bench.serving.bench_layerkv [--model small] [--min-prompt 1024] [--max-prompt 4096]
        [--rates 0.05,0.1,0.2] [--duration-s 60] [--device-tokens 6144] [--decode swap|stream]
 Writes bench/results/layerkv_live.json and bench/results/layerkv_live.png.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -34,8 +33,9 @@ from kvcentric.engine.layered import LayeredKV
 from kvcentric.engine.layerkv import LayerKV
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import preset
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16
 A100 = HardwareSpec("a100-80gb", devices=1, flops=312e12, mem_bw=2.0e12, mem_bytes=80e9, host_bytes=512e9,
                     dtype_bytes=2, mfu=0.5, mbu=0.7, overhead_s=0.0)
@@ -188,11 +188,10 @@ def main() -> None:
                 engine.layerkv.layered.close()
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "layerkv"}), flush=True)
-            result = {"bench": "layerkv_live", "host": platform.node(), "model": args.model, "args": vars(args),
+            result = {"bench": "layerkv_live", "machine": harness.machine(), "model": args.model, "args": vars(args),
                       "ttft_slo_s": ttft_slo_s, "tpot_slo_s": PAPER_TPOT_SLO_S,
                       "mean_prompt_prefill_s": mean_prefill_s, "rows": rows}
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))  # after each row: a cut-short run keeps its rows
+            harness.write(args.out, result)  # after each row: a cut-short run keeps its rows
     plot(result, Path(args.out).with_suffix(".png"))
 
 

@@ -7,7 +7,7 @@ and the other instance paused or idle is a core left unused. The 0.3 s between b
 
 Appends one JSON line per run to `--out`:
 
-    .venv/bin/python bench/bench_lend_states.py --label looks3
+    .venv/bin/python -m bench.serving.bench_lend_states --label looks3
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import threading
 import time
 from pathlib import Path
 
-import bench_vs_vllm as vs
-from bench_alone import append_record
+from bench.serving import bench_vs_vllm as vs
+from bench.serving.bench_alone import append_record
 
 from kvcentric.engine.cores import COMPUTING, RESUMES_NS, USING, WAITING, Slot
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def parse_args() -> argparse.Namespace:

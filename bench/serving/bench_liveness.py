@@ -6,7 +6,7 @@ requests; listens to every `kvc.load.prefill.*` report on NATS and polls the con
 the largest gap between two reports, the time the conductor counted no prefill alive, and how the short
 requests ended to bench/results/liveness.json. It measures; it asserts nothing.
 
-    .venv/bin/python bench/bench_liveness.py --tokens 16384 --rate-gbps 0.01
+    .venv/bin/python -m bench.serving.bench_liveness --tokens 16384 --rate-gbps 0.01
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import asyncio
 import concurrent.futures
 import json
 import os
-import platform
-import sys
 import tempfile
 import threading
 import time
@@ -27,13 +25,13 @@ from pathlib import Path
 
 import nats
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from checkpoints import build_checkpoint  # noqa: E402
-from harness import UpProcess  # noqa: E402
-from kvcentric.core.protocol import LoadReport, decode  # noqa: E402
-from kvcentric.tools.processes import get_json  # noqa: E402
+from tests.checkpoints import build_checkpoint
+from bench.harness import UpProcess
+from kvcentric.core.protocol import LoadReport, decode
+from kvcentric.tools.processes import get_json
+from bench import harness
 
-RESULTS = Path(__file__).parent / "results" / "liveness.json"
+RESULTS = harness.RESULTS / "liveness.json"
 
 
 def complete(url: str, body: dict, timeout_s: float = 600.0) -> tuple[int, str]:
@@ -144,11 +142,11 @@ def main() -> None:
     parser.add_argument("--log-dir", default="", help="keep the services' logs here")
     parser.add_argument("--label", default="", help="name of this run in the results file")
     args = parser.parse_args()
-    result = {"machine": platform.machine(), "cpus": os.cpu_count(), **run(args)}
+    result = {"machine": harness.machine(), **run(args)}
     print(json.dumps(result, indent=1))
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     previous[args.label or f"{args.tokens}-tokens"] = result
-    RESULTS.write_text(json.dumps(previous, indent=1) + "\n")
+    harness.write(RESULTS, previous)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ come first). The gateway's
 `kvc_migration_detect_seconds` and `kvc_migration_gap_seconds` are read at the end. Writes
 bench/results/migration.json. It measures; it asserts nothing.
 
-    .venv/bin/python bench/bench_migration.py --rounds 3 --streams 6
+    .venv/bin/python -m bench.serving.bench_migration --rounds 3 --streams 6
 """
 
 from __future__ import annotations
@@ -19,21 +19,18 @@ import collections
 import concurrent.futures
 import json
 import os
-import platform
 import signal
 import statistics
-import sys
 import tempfile
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess  # noqa: E402
-from kvcentric.tools.processes import get_json  # noqa: E402
+from bench.harness import UpProcess
+from kvcentric.tools.processes import get_json
+from bench import harness
 
-RESULTS = Path(__file__).parent / "results" / "migration.json"
+RESULTS = harness.RESULTS / "migration.json"
 
 
 def read_stream(port: int, body: dict, first: threading.Barrier, killed: dict, placed: list[str]) -> dict:
@@ -123,14 +120,13 @@ def main() -> None:
     ends = collections.Counter("ok" if s["tokens"] == args.max_tokens and not s["error"] else "failed"
                                for r in rounds for s in r["streams"])
     stalls = [s["stall_s"] for s in moved if s["stall_s"] is not None]
-    result = {"machine": platform.machine(), "cpus": os.cpu_count(), "model": args.model,
+    result = {"machine": harness.machine(), "model": args.model,
               "streams_per_round": args.streams, "rounds": args.rounds, "max_tokens": args.max_tokens,
               "ends": dict(ends), "streams_on_killed_decode": len(moved),
               "stall_after_kill_s": {"median": statistics.median(stalls) if stalls else None,
                                      "max": max(stalls) if stalls else None},
               "gateway_migration_detect_seconds": detect, "gateway_migration_gap_seconds": gap, "detail": rounds}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(RESULTS, result, indent=2)
     print(json.dumps({k: v for k, v in result.items() if k != "detail"}, indent=2))
 
 

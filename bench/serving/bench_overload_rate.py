@@ -12,7 +12,7 @@ Each mode starts its own `kvcentric up`, sends a few requests one at a time (unl
 engines' measured models settle), then the Poisson load, and records how every request ended. Writes
 bench/results/overload_rate.json. It measures; it asserts nothing.
 
-    .venv/bin/python bench/bench_overload_rate.py --rps 4 --duration-s 60 --modes after,corrected
+    .venv/bin/python -m bench.serving.bench_overload_rate --rps 4 --duration-s 60 --modes after,corrected
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import contextlib
 import collections
 import json
 import os
-import platform
 import random
-import sys
 import tempfile
 import time
 import urllib.request
@@ -33,10 +31,10 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess  # noqa: E402
+from bench.harness import UpProcess
+from bench import harness
 
-RESULTS = Path(__file__).parent / "results" / "overload_rate.json"
+RESULTS = harness.RESULTS / "overload_rate.json"
 MODES = {"before": {"KVC_QUEUE_TIME": "tokens", "KVC_EXPECT_CACHE": "false", "KVC_TTFT_CORRECTION": "false"},
          "after": {"KVC_QUEUE_TIME": "reported", "KVC_EXPECT_CACHE": "true", "KVC_TTFT_CORRECTION": "false"},
          "corrected": {"KVC_QUEUE_TIME": "reported", "KVC_EXPECT_CACHE": "true", "KVC_TTFT_CORRECTION": "true"}}
@@ -212,11 +210,9 @@ def main() -> None:
     report = {"rps": args.rps, "duration_s": args.duration_s, "input_len": args.input_len,
               "output_len": args.output_len, "ttft_slo_s": args.ttft_slo_s, "tbt_slo_s": args.tbt_slo_s,
               "cluster": f"{args.prefill}P+{args.decode}D {args.model}",
-              "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load average {load[0]:.1f} at the end",
+              "machine": {**harness.machine(), "load_average_at_end": round(load[0], 2)},
               "runs": runs}
-    out = Path(args.out)
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write(args.out, report, indent=2)
     print(json.dumps({mode: {k: v for k, v in run.items() if k not in ("timeline", "error_samples", "admitted")}
                       for mode, run in runs.items()}, indent=2))
 

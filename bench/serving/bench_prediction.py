@@ -10,7 +10,7 @@ per-request rows (the prediction comes back in the x-kvcentric-predicted-ttft-s 
 TTFT and TBT error gauges and its /health view of each instance are kept beside it.
 
 Usage:
-    .venv/bin/python bench/bench_prediction.py [--model small] [--limit 110] [--speed 0.12] [--scale 64]
+    .venv/bin/python -m bench.serving.bench_prediction [--model small] [--limit 110] [--speed 0.12] [--scale 64]
         [--skip 50] [--out bench/results/prediction.json]
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,10 +25,10 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess
+from bench.harness import UpProcess
+from bench import harness
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 SOURCES = {"prior (roofline)": "prior", "measured": "measured"}
 GAUGES = ("ttft_prediction_rel_error_mean", "tbt_prediction_rel_error_mean", "ttft_outcomes_total",
@@ -100,8 +99,7 @@ def main() -> None:
     report = {"what": "conductor's TTFT prediction error, live replay of the conversation trace, 1P+1D",
               "config": {k: v for k, v in vars(args).items()}, "goal_ttft_mare": 0.25,
               "goal_met": measured is not None and measured <= 0.25, "runs": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    harness.write(args.out, harness.record("bench_prediction", **report), indent=2)
     for label, run in results.items():
         print(f"{label}: TTFT mean abs relative error after {args.skip} requests {run['ttft_mare_after_skip']} "
               f"(median {run['ttft_median_rel_error_after_skip']}), {run['completed']}/{run['requests']} completed")

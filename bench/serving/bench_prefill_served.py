@@ -15,7 +15,7 @@ prompt computed by a team, as before prefill lanes; the lanes are measured by `b
 
 Writes `bench/results/prefill_served.json`:
 
-    .venv/bin/python bench/bench_prefill_served.py
+    .venv/bin/python -m bench.serving.bench_prefill_served
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -32,10 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_vs_vllm as vs
+from bench.serving import bench_vs_vllm as vs
+from bench import harness
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
+RESULTS = harness.RESULTS
 PROMPTS, PROMPT_LEN = 32, 256
 SETTINGS: dict[str, tuple[list[str], dict[str, str], int]] = {
     "default": ([], {}, 1),
@@ -61,7 +61,6 @@ def parse_args() -> argparse.Namespace:
 
 def in_process(checkpoint: str, threads: int) -> None:
     """One process: 32 prompts, one per pass, three times on `threads` torch threads; JSON on stdout."""
-    sys.path.insert(0, str(HERE.parent / "libs"))
     import torch
 
     from kvcentric.engine.runner import ModelRunner
@@ -99,7 +98,7 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
 
 
 def served(checkpoint: Path, name: str, bursts: int, log_dir: Path) -> dict:
-    from harness import UpProcess
+    from bench.harness import UpProcess
 
     flags, env, max_tokens = SETTINGS[name]
     print(f"starting 1P+1D, {name}", file=sys.stderr, flush=True)
@@ -136,13 +135,12 @@ def main() -> None:
     if args.child:
         in_process(args.checkpoint, args.child)
         return
-    sys.path.insert(0, str(HERE.parent / "tests"))
     checkpoint = vs.build_small_checkpoint(Path(args.checkpoint))
     log_dir = Path(tempfile.mkdtemp(prefix="bench-prefill-served-"))
     figures: dict = {"in one process": {}}
     for threads in (1, 2):
-        out = subprocess.run([sys.executable, __file__, "--checkpoint", str(checkpoint), "--child", str(threads)],
-                             capture_output=True, text=True, check=True).stdout
+        argv = [sys.executable, "-m", __spec__.name, "--checkpoint", str(checkpoint), "--child", str(threads)]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         figures["in one process"][f"{threads} threads"] = json.loads(out.strip().splitlines()[-1])
         print(f"in one process, {threads} threads", figures["in one process"][f"{threads} threads"], flush=True)
     figures["served"] = {name: [] for name in args.only or SETTINGS}
@@ -156,10 +154,9 @@ def main() -> None:
                       "over_in_process_2_threads": round(statistics.median(row["ms_per_prompt"] for row in rows) / two,
                                                          2)}
                for name, rows in figures["served"].items()}
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
-              "cpus": os.cpu_count(), "prompt_len": PROMPT_LEN, "prompts_per_burst": PROMPTS, "figures": figures,
-              "summary": summary}
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": harness.machine(),
+              "prompt_len": PROMPT_LEN, "prompts_per_burst": PROMPTS, "figures": figures, "summary": summary}
+    harness.write(args.out, result)
     print(json.dumps(summary, indent=1))
     print(f"wrote {args.out}")
 

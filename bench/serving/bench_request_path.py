@@ -3,7 +3,7 @@ conductor -> prefill -> gRPC KV push -> decode -> NATS -> SSE) vs the same work 
 (`kvcentric.engine.local.generate`), for several prompt lengths.
 
 Usage:
-    .venv/bin/python bench/bench_request_path.py [--model small] [--lengths 64 512 1536]
+    .venv/bin/python -m bench.serving.bench_request_path [--model small] [--lengths 64 512 1536]
         [--output-tokens 32] [--requests 8] [--warmup 1] [--seed 0] [--log-dir DIR] [--no-plot]
 
 For each prompt length it sends --requests sequential streaming requests of random token ids (0..255,
@@ -25,7 +25,6 @@ import argparse
 import http.client
 import json
 import os
-import platform
 import random
 import re
 import statistics
@@ -39,14 +38,14 @@ import torch
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.local import generate
 from kvcentric.engine.runner import ModelRunner
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess
+from bench.harness import UpProcess
 from kvcentric.tools.processes import get_json
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.core.protocol import SamplingParams
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 LOG_PROBLEM = re.compile(r"Traceback|ERROR|CRITICAL|WARNING|Exception|failed", re.IGNORECASE)
 
 
@@ -314,16 +313,8 @@ def plot(table: list[dict], model: str, path: Path) -> str:
 
 
 def machine() -> dict:
-    return {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
-            "torch": torch.__version__, "processor": _cpu_model()}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
+    """The machine record (the harness's); the benches that import it from here use it the same way."""
+    return harness.machine()
 
 
 def main() -> int:
@@ -347,9 +338,7 @@ def main() -> int:
                 s.pop("token_ids", None), s.pop("text", None)
     report["samples"] = {"single": {str(n): v for n, v in single.items()},
                          "disagg": {str(n): v for n, v in disagg.items()}}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = harness.write(args.out, report, indent=2)
     log(f"wrote {out}")
     if not args.no_plot:
         log(plot(table, args.model, out.with_suffix(".png")))

@@ -2,7 +2,7 @@
 token of a `kvcentric up --secure` cluster against a plain one, in the same run on the same machine.
 
 Usage:
-    .venv/bin/python bench/bench_security.py [--total-mib 128] [--layer-mib 4] [--rounds 3] [--requests 20]
+    .venv/bin/python -m bench.serving.bench_security [--total-mib 128] [--layer-mib 4] [--rounds 3] [--requests 20]
         [--prompt-words 48] [--model tiny] [--skip-ttft] [--out bench/results/security.json]
 
 - kv: `KVPusher(shared_memory=False)` (the transport between hosts) pushes one request of --total-mib in
@@ -30,21 +30,19 @@ import sys
 import tempfile
 import time
 import urllib.parse
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from bench_request_path import log, machine  # noqa: E402
-from bench_same_host import CopySink, grpc_push  # noqa: E402
-from harness import UpProcess  # noqa: E402
+from bench.serving.bench_request_path import log, machine
+from bench.transfer.bench_same_host import CopySink, grpc_push
+from bench.harness import UpProcess
 
-from kvcentric.runtime.security import TransferTls  # noqa: E402
-from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, start_server  # noqa: E402
-from kvcentric.tools import certs  # noqa: E402
+from kvcentric.runtime.security import TransferTls
+from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, start_server
+from kvcentric.tools import certs
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def throwaway_tls() -> tuple[TransferTls, TransferTls]:
@@ -192,8 +190,7 @@ def main() -> int:
         log(f"TTFT, kvcentric up vs kvcentric up --secure ({args.model}, {args.requests} requests each)")
         results["ttft"] = bench_ttft(args.model, args.requests, args.prompt_words, max(1, args.rounds // 2 + 1))
     results["load_average_at_end"] = os.getloadavg()  # a shared box: other work running shows here
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    harness.write(args.out, results, indent=2)
     log(f"wrote {args.out}")
     return 0
 

@@ -11,7 +11,7 @@ latest batch-1 step and its fitted model's prediction for that shape), and the b
 (`ModelRunner.decode` of one sequence at the same context, with the engine's thread count).
 
 Usage:
-    .venv/bin/python bench/bench_served_step.py [--shapes small medium] [--deployments colocated 1P+1D]
+    .venv/bin/python -m bench.serving.bench_served_step [--shapes small medium] [--deployments colocated 1P+1D]
         [--requests 8] [--input-len 256] [--output-len 64]
 
 Writes bench/results/served_step.json and prints a markdown table.
@@ -20,7 +20,6 @@ Writes bench/results/served_step.json and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -29,19 +28,20 @@ import time
 from pathlib import Path
 
 import torch
+from bench import harness
+
+from bench.serving.bench_vs_vllm import (DEPLOYMENTS, settle, stream_one,
+                           time_between_tokens)
+from bench.serving.bench_vs_vllm import build_checkpoint
+from bench.harness import UpProcess
+
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import load_model_config
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from bench_vs_vllm import (DEPLOYMENTS, cpu_isa_flags, cpu_model, settle, stream_one,  # noqa: E402
-                           time_between_tokens)
-from bench_vs_vllm import build_checkpoint  # noqa: E402
-from harness import UpProcess  # noqa: E402
 
-from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
-from kvcentric.model.config import load_model_config  # noqa: E402
-
-RESULTS = HERE / "results"
+RESULTS = harness.RESULTS
 SERVED = {"colocated": "colocated mixed", "1P+1D": "1P+1D"}
 """This bench's deployment names -> `bench_vs_vllm.DEPLOYMENTS`' (the same flags and engine settings)."""
 DECODER = {"colocated": "colocated-0", "1P+1D": "decode-0"}
@@ -122,11 +122,10 @@ def main() -> None:
                              "served_over_engine": measured["served_tbt_s"] / step if step else float("nan"),
                              "not_the_model_ms": (measured["served_tbt_s"] - step) * 1000})
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": {"cpu": cpu_model(), "vectors": cpu_isa_flags(), "cores": torch.get_num_threads()},
+              "machine": {**harness.machine(), "torch_threads": torch.get_num_threads()},
               "workload": {"input_len": args.input_len, "output_len": args.output_len, "requests": args.requests},
               "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    harness.write(args.out, result)
     print("| shape | deployment | bare step, 1 / 2 threads | engine's own step | served TBT | served / engine | "
           "not the model |\n|---|---|---|---|---|---|---|")
     for r in rows:

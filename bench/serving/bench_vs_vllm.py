@@ -13,13 +13,13 @@ ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, vLLM's too), so an AVX-512 machine m
 Every prompt is drawn afresh for its shape, instruction set, round and test: none was sent before to any
 server, so no figure is a prefix-cache hit.
 
-It needs the peer installed in a venv of its own (`bench/vllm_peer/setup.sh`); without it, it says so and exits
+It needs the peer installed in a venv of its own (`bench/serving/vllm_peer/setup.sh`); without it, it says so and exits
 0 (skipped). It is never run by `make test`.
 
 Usage:
-    bench/vllm_peer/setup.sh /work/vllm-venv
-    .venv/bin/python bench/bench_vs_vllm.py [--peer-venv /work/vllm-venv] [--rounds 3] [--only "colocated mixed"]
-        [--shapes small medium] [--isa native avx2]
+    bench/serving/vllm_peer/setup.sh /work/vllm-venv
+    .venv/bin/python -m bench.serving.bench_vs_vllm [--peer-venv /work/vllm-venv] [--rounds 3]
+        [--only "colocated mixed"] [--shapes small medium] [--isa native avx2]
 
 Writes bench/results/vs_vllm_<shape>_<isa>.json and .png (--out: the stem) and prints each ratio table.
 """
@@ -30,7 +30,6 @@ import argparse
 import concurrent.futures
 import json
 import os
-import platform
 import random
 import signal
 import socket
@@ -45,14 +44,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+from bench import harness
+from bench.harness import cpu_isa_flags, cpu_model  # noqa: F401 (the benches beside it read them from here)
+
+from bench.serving.vllm_peer.checkpoint import build_checkpoint, build_small_checkpoint  # noqa: F401 (bench_alone imports it)
+from bench.harness import UpProcess
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))  # the test harness
-sys.path.insert(0, str(HERE / "vllm_peer"))
-from checkpoint import build_checkpoint, build_small_checkpoint  # noqa: E402, F401 (bench_alone imports it)
-from harness import UpProcess  # noqa: E402
 
-RESULTS = HERE / "results"
+RESULTS = harness.RESULTS
 ISA_ENV: dict[str, dict[str, str]] = {
     "native": {},
     "avx2": {"KVC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
@@ -84,7 +84,7 @@ PLOT_LABELS = {"ttft_s": "TTFT\n(lower better)", "tbt_s": "TBT\n(lower better)",
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peer-venv", default=os.environ.get("VLLM_VENV", "/work/vllm-venv"),
-                        help="venv made by bench/vllm_peer/setup.sh")
+                        help="venv made by bench/serving/vllm_peer/setup.sh")
     parser.add_argument("--checkpoint", default=os.path.join(tempfile.gettempdir(), "kvc-vllm-{shape}"),
                         help="where each shape's shared random checkpoint is built (kept between runs)")
     parser.add_argument("--shapes", nargs="+", default=["small", "medium"], choices=["small", "medium"],
@@ -514,8 +514,8 @@ def write_report(args, python: Path, deployments: list[str], load_before) -> Cal
                   "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                "tbt_output_len": args.tbt_output_len, "requests": args.requests,
                                "concurrency": args.concurrency, "vllm_threads": args.threads},
-                  "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "isa_flags": cpu_isa_flags(),
-                              "load_average_before": load_before, "load_average_now": os.getloadavg()},
+                  "machine": {**harness.machine(), "load_average_before": load_before,
+                              "load_average_now": os.getloadavg()},
                   "rounds": rounds, "ratios": {n: ratios(rounds, n) for n in deployments if n != "vLLM"},
                   "greedy_outputs": compare_outputs(outputs), "rejected_429_retried": REJECTED["count"],
                   "failed_requests": FAILED}
@@ -533,7 +533,7 @@ def main() -> None:
     args = parse_args()
     python = peer_python(args.peer_venv)
     if python is None:
-        print(f"SKIPPED: no vLLM peer in {args.peer_venv} (install it with bench/vllm_peer/setup.sh "
+        print(f"SKIPPED: no vLLM peer in {args.peer_venv} (install it with bench/serving/vllm_peer/setup.sh "
               f"{args.peer_venv}); nothing measured.")
         return
     for shape in args.shapes:
@@ -551,28 +551,6 @@ def main() -> None:
                     measure(args, turns, report)
                 finally:
                     turns.stop()
-
-
-def cpu_model() -> str:
-    """The CPU's model name (lscpu's), else the architecture."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_isa_flags() -> list[str]:
-    """Which of the vector instruction sets that matter here the CPU has."""
-    try:
-        with open("/proc/cpuinfo") as info:
-            flags = next((line.split(":", 1)[1].split() for line in info if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile") if f in flags]
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ decode has room); none should get a 5xx. Writes the counts by status, a sample o
 decode instance's staging and block figures to bench/results/live_overload.json. It measures; it asserts
 nothing.
 
-    .venv/bin/python bench/live_overload.py --streams 500
+    .venv/bin/python -m bench.serving.live_overload --streams 500
 """
 
 from __future__ import annotations
@@ -16,20 +16,16 @@ import argparse
 import asyncio
 import collections
 import json
-import os
-import platform
-import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess  # noqa: E402
+from bench.harness import UpProcess
+from bench import harness
 
-RESULTS = Path(__file__).parent / "results" / "live_overload.json"
+RESULTS = harness.RESULTS / "live_overload.json"
 PROMPT = "Decode capacity is admission, not failure: KV waits in host memory until blocks free. "
 
 
@@ -106,10 +102,9 @@ def main() -> None:
             up.stop()
     report = {"streams": args.streams, "max_tokens": args.max_tokens, "prompt_repeat": args.prompt_repeat,
               "up_flags": args.up_flags,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cpus", **summary,
+              "machine": harness.machine(), **summary,
               "decode_after": decode, "conductor": conductor}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    harness.write(RESULTS, report, indent=2)
     print(json.dumps(report, indent=2))
 
 

@@ -2,7 +2,7 @@
 TTFT and TBT CDFs in one plot, as Mooncake's Figure 13 sets Mooncake against vLLM.
 
 Usage:
-    .venv/bin/python bench/replay_compare.py RUN_DIR RUN_DIR [...] [--out bench/results/NAME]
+    .venv/bin/python -m bench.serving.replay_compare RUN_DIR RUN_DIR [...] [--out bench/results/NAME]
 
 Writes NAME.json (the summaries) and NAME.png (the CDFs, SLOs dashed), and prints the table.
 """

@@ -1,9 +1,9 @@
 """Disaggregated vs colocated on this machine: the same Poisson workload replayed (`kvcentric bench replay`)
 against `kvcentric up --prefill 1 --decode 1` and against `kvcentric up --colocated 2`, same model, same
-SLOs; then `bench/replay_compare.py` puts TTFT, TBT and goodput side by side.
+SLOs; then `bench/serving/replay_compare.py` puts TTFT, TBT and goodput side by side.
 
 Usage:
-    .venv/bin/python bench/replay_pd_vs_colocated.py [--model small] [--rps 0.3] [--num-requests 60]
+    .venv/bin/python -m bench.serving.replay_pd_vs_colocated [--model small] [--rps 0.3] [--num-requests 60]
         [--input-len 1024] [--output-len 128] [--ttft-slo-s 10] [--tbt-slo-s 0.1] [--runs-dir DIR]
 
 Writes DIR/pd and DIR/colocated (each a replay's output) and bench/results/pd_vs_colocated.{json,png}.
@@ -11,7 +11,6 @@ Writes DIR/pd and DIR/colocated (each a replay's output) and bench/results/pd_vs
 
 from __future__ import annotations
 
-import os
 
 import argparse
 import subprocess
@@ -19,10 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import UpProcess
+from bench.harness import UpProcess
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 DEPLOYMENTS = {"1P+1D": ("pd", ["--prefill", "1", "--decode", "1"]), "2 colocated": ("colocated", ["--colocated", "2"])}
 
 

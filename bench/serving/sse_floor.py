@@ -2,7 +2,7 @@
 and `data: [DONE]` at once, in one write, on uvloop like the gateway. What the same client measures against it is the
 cost of HTTP, SSE and the client itself on this machine, without NATS, the conductor or any engine.
 
-Usage: .venv/bin/python bench/sse_floor.py PORT
+Usage: .venv/bin/python -m bench.serving.sse_floor PORT
 """
 
 from __future__ import annotations

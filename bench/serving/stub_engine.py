@@ -3,7 +3,7 @@ that registers as a prefill and a decode instance (load reports ~10/s) and answe
 prefill submit publishes the request's only token chunk, finish_reason included. No torch, no KV.
 
 Usage:
-    .venv/bin/python bench/stub_engine.py --nats-url nats://127.0.0.1:4222 [--instance-id stub] [--port 0]
+    .venv/bin/python -m bench.serving.stub_engine --nats-url nats://127.0.0.1:4222 [--instance-id stub] [--port 0]
 """
 
 from __future__ import annotations

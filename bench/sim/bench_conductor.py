@@ -1,7 +1,7 @@
 """Placement throughput of the Conductor core on one core: 16 prefill + 16 decode instances, the whole
 conversation trace, block locations from an in-memory index (kvs-meta's answer without the network).
 
-Usage: .venv/bin/python bench/bench_conductor.py [--prefill 16] [--decode 16] [--repeat 3]
+Usage: .venv/bin/python -m bench.sim.bench_conductor [--prefill 16] [--decode 16] [--repeat 3]
 Writes bench/results/conductor.json and prints a table. Timed: prefix matching plus the decision
 (`PrefixIndex.match` + `Conductor.schedule`); not timed: storing the placed blocks in the index and
 the load reports (one per instance every 0.5 s of trace time), which are the environment's work.
@@ -10,10 +10,7 @@ the load reports (one per instance every 0.5 s of trace time), which are the env
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 from kvcentric.core.costmodel import CostModel, hardware
 from kvcentric.model.config import preset
@@ -23,8 +20,9 @@ from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.prefix import PrefixIndex
 from kvcentric.tools.sim import DEFAULT_TRACE
 from kvcentric.core.sim.workload import load_trace
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results" / "conductor.json"
+RESULTS = harness.RESULTS / "conductor.json"
 TARGET_RPS = 20_000
 
 
@@ -78,9 +76,8 @@ def main() -> None:
               f"({best['placed']} placed, {best['pulls']} pulls)")
     result = {"benchmark": "conductor placement throughput", "requests": len(requests), "prefill": args.prefill,
               "decode": args.decode, "target_requests_per_s": TARGET_RPS, "results": rows,
-              "machine": platform.processor() or platform.machine(), "python": platform.python_version()}
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+              "machine": harness.machine()}
+    harness.write(RESULTS, result, indent=2)
     print(f"wrote {RESULTS}")
 
 

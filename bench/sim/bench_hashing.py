@@ -1,6 +1,6 @@
 """Single-core throughput of kvcentric.core.hashing (tokens/s per algorithm) vs a cbor2 sha256_cbor reference.
 
-Usage: PYTHONPATH=libs python bench/bench_hashing.py [--tokens 32768] [--block-size 16] [--repeat 7]
+Usage: PYTHONPATH=libs python -m bench.sim.bench_hashing [--tokens 32768] [--block-size 16] [--repeat 7]
 Writes bench/results/hashing.json and prints a table.
 """
 
@@ -9,17 +9,15 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import json
-import platform
 import random
 import time
-from pathlib import Path
 
 import cbor2
 
 from kvcentric.core.hashing import HASH_ALGOS, NONE_HASH, BlockHasher
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results" / "hashing.json"
+RESULTS = harness.RESULTS / "hashing.json"
 TARGET_TOKENS_PER_S = 2_000_000
 
 
@@ -55,11 +53,10 @@ def run(n_tokens: int, block_size: int, repeat: int, vocab: int) -> dict:
     assert cbor2_reference(tokens, block_size) == BlockHasher("sha256_cbor", block_size).hash_blocks(tokens)
     return {
         "config": {"tokens": n_tokens, "block_size": block_size, "vocab": vocab, "repeat": repeat},
-        "python": platform.python_version(),
-        "machine": platform.machine(),
+        "machine": harness.machine(),
         "tokens_per_s": {a: round(v) for a, v in results.items()},
         "baseline_cbor2_sha256_cbor_tokens_per_s": round(baseline),
-        "speedup_sha256_cbor_vs_cbor2": round(results["sha256_cbor"] / baseline, 2),
+        "ratio_sha256_cbor_vs_cbor2": harness.ratio(results["sha256_cbor"], baseline, 2),
         "target_tokens_per_s": TARGET_TOKENS_PER_S,
         "all_meet_target": all(v >= TARGET_TOKENS_PER_S for v in results.values()),
     }
@@ -73,8 +70,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=128_256, help="token ids drawn from [0, vocab)")
     args = ap.parse_args()
     res = run(args.tokens, args.block_size, args.repeat, args.vocab)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2) + "\n")
+    harness.write(RESULTS, res, indent=2)
     base = res["baseline_cbor2_sha256_cbor_tokens_per_s"]
     print(f"{'algo':<22}{'tokens/s':>14}{'vs cbor2':>10}")
     for algo, tps in res["tokens_per_s"].items():

@@ -3,14 +3,14 @@ summary, save JSON, and get a headless pyplot. It runs `kvcentric.sim`; it model
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 from kvcentric.tools.sim import SimConfig, build, workload
 from kvcentric.core.sim.metrics import summarize
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 _traces: dict = {}
 
 
@@ -31,10 +31,8 @@ def simulate(**overrides) -> tuple[dict, list, object]:
 
 
 def save_json(name: str, data) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    return path
+    """Write `data` to bench/results/NAME with the machine record (the harness's result shape)."""
+    return harness.write(RESULTS / name, data, indent=2)
 
 
 def pyplot():

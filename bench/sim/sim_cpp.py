@@ -6,14 +6,14 @@ predicts its TTFT with the group's pipelined T_prefill; hidden-state hops betwee
 (8192 x 2 bytes x 512 tokens = 8 MiB a chunk, about 0.1 ms at 800 Gbps).
 
 Usage:
-    .venv/bin/python bench/sim_cpp.py
+    .venv/bin/python -m bench.sim.sim_cpp
 
 Writes bench/results/sim_cpp.json and bench/results/sim_cpp.png.
 """
 
 from __future__ import annotations
 
-from sim_common import RESULTS, pyplot, save_json
+from bench.sim.common import RESULTS, pyplot, save_json
 
 from kvcentric.core.sim.workload import SimRequest
 from kvcentric.tools.sim import SimConfig, build

@@ -6,7 +6,7 @@ fit), the SLO-aware admission (eqs. 1–3, Algorithm 1) and the eq. 5 forecast w
 with host-resident layers takes the longer of its compute and the reload of those layers over PCIe (the copy
 runs one layer ahead, beside the compute); the prefill's offload is hidden (eq. 4 keeps enough layers).
 
-Usage: .venv/bin/python bench/sim_layerkv.py [--rates 0.5,1,2,3,4] [--duration-s 300] [--device-tokens 20000]
+Usage: .venv/bin/python -m bench.sim.sim_layerkv [--rates 0.5,1,2,3,4] [--duration-s 300] [--device-tokens 20000]
 Writes bench/results/layerkv_sim.json and bench/results/layerkv_sim.png.
 """
 
@@ -21,7 +21,7 @@ import random
 import statistics
 from pathlib import Path
 
-from bench_layerkv import A100, CONFIGS, PAPER_TPOT_SLO_S, PAPER_TTFT_SLO_S, percentile, plot
+from bench.serving.bench_layerkv import A100, CONFIGS, PAPER_TPOT_SLO_S, PAPER_TTFT_SLO_S, percentile, plot
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.costmodel import CostModel
@@ -30,8 +30,9 @@ from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.layerkv.scheduler import (Decoding, Holding, PrefillCost, forecast_free, offload_victims,
                                               schedule_prefills)
 from kvcentric.model.config import preset
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16
 MAX_BATCHED_TOKENS = 8192
 """Prompt tokens one prefill iteration takes at most (vLLM's max_num_batched_tokens)."""
@@ -266,8 +267,7 @@ def main() -> None:
             print(json.dumps(row))
     result = {"bench": "layerkv_sim", "where": f"simulated, A100 roofline, decode={args.decode}", "model": "llama2-7b",
               "args": vars(args), "ttft_slo_s": PAPER_TTFT_SLO_S, "tpot_slo_s": PAPER_TPOT_SLO_S, "rows": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    harness.write(args.out, result)
     plot(result, Path(args.out).with_suffix(".png"))
 
 

@@ -1,7 +1,7 @@
 """How long `kvcentric sim` takes to replay the whole conversation trace on 8P+8D (target: under 60 s),
 run as a user would run it: the command line, plots included.
 
-Usage: .venv/bin/python bench/sim_speed.py   -> bench/results/sim_speed.json
+Usage: .venv/bin/python -m bench.sim.sim_speed   -> bench/results/sim_speed.json
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from sim_common import save_json
+from bench.sim.common import save_json
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """TTFT with the host KV pool on vs off, and 1P+1D vs colocated, side by side (issue 12, items 2 and 3).
 
 Usage:
-    .venv/bin/python bench/bench_host_tier.py [--model small] [--lengths 1024 2048 4000] [--requests 5]
+    .venv/bin/python -m bench.transfer.bench_host_tier [--model small] [--lengths 1024 2048 4000] [--requests 5]
         [--engine-only | --live-only] [--out bench/results/host_tier.json]
 
 Two parts, both on this machine's CPU (the JSON names it):
@@ -23,30 +23,26 @@ Writes bench/results/host_tier.json (machine, per-mode samples, p50s and the rat
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_request_path import log, machine, make_prompts, stream_request  # noqa: E402
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from harness import UpProcess  # noqa: E402
+from bench.serving.bench_request_path import log, machine, make_prompts, stream_request
+from bench.harness import UpProcess
 
-from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.core.hashing import BlockHasher  # noqa: E402
-from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams  # noqa: E402
-from kvcentric.engine.colocated import ColocatedEngine  # noqa: E402
-from kvcentric.engine.kvpool import HostBlockPool  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
-from kvcentric.model.config import preset  # noqa: E402
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
+from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import preset
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 MODES = {  # name -> (kvcentric up flags, environment)
     "colocated_host_on": (["--colocated", "1"], {}),
     "colocated_host_off": (["--colocated", "1"], {"KVC_HOST_POOL_MB": "0"}),
@@ -183,9 +179,7 @@ def main() -> int:
         report["engine"] = bench_engine(args, prompts)
     if not args.engine_only:
         report["live"] = bench_clusters(args, prompts)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out = harness.write(args.out, report, indent=2)
     log(f"wrote {out}")
     for part in ("engine", "live"):
         for pair, by_n in report.get(part, {}).get("ratios", {}).items():

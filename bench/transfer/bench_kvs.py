@@ -4,33 +4,30 @@
    beside a bare NATS request/reply to a trivial responder in the same run (the floor).
 2. Throughput of key lookups in batches of 1,000 (goal >= 100,000 lookups/s).
 
-Usage: python bench/bench_kvs.py [--blocks 100000] [--queries 2000]
+Usage: python -m bench.transfer.bench_kvs [--blocks 100000] [--queries 2000]
 Writes bench/results/kvs.json and prints the figures.
 """
 
 from __future__ import annotations
 
-import os
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import nats
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
-from harness import spawn_service
+from bench.harness import spawn_service
 
 from kvcentric.tools.processes import free_port, nats_server_argv, redis_server_argv, wait_for_port
 from kvcentric.core.protocol import BlockStored, KVEventBatch, KVSQuery, KVSReply, Subjects, decode, encode
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 def log(message: str) -> None:
@@ -113,8 +110,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=100_000)
     parser.add_argument("--queries", type=int, default=2000)
     result = asyncio.run(run(parser.parse_args()))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kvs.json").write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(RESULTS / "kvs.json", result, indent=2)
     print(f"64-key batch query over NATS: p50 {result['query_64']['p50_ms']:.2f} ms (goal <= 1.5), "
           f"bare request/reply {result['nats_request_reply_floor']['p50_ms']:.2f} ms")
     print(f"lookups in batches of 1,000: {result['lookups_per_s_batch_1000']:,.0f}/s (goal >= 100,000)")

@@ -1,10 +1,10 @@
 """Layer-wise prefix load from the host pool (Mooncake §5.2) against a whole load before the compute, side by side.
 
 Usage:
-    .venv/bin/python bench/bench_layerwise_load.py [--model small] [--prefixes 1024 3072] [--suffix 256]
+    .venv/bin/python -m bench.transfer.bench_layerwise_load [--model small] [--prefixes 1024 3072] [--suffix 256]
         [--requests 5] [--threads 1] [--device cpu] [--dtype float32] [--out bench/results/layerwise_load.json]
 
-On a GPU machine (bench/gpu_check.sh): `--device cuda --dtype bfloat16 --model llama3-8b`; the host pool is then
+On a GPU machine (bench/engine/gpu_check.sh): `--device cuda --dtype bfloat16 --model llama3-8b`; the host pool is then
 pinned and the layer copies run on a side stream.
 
 In one process, two `PrefillEngine`s with the same weights, each with a host pool that holds the prompt's prefix
@@ -21,27 +21,25 @@ Writes the JSON (machine, per-mode samples, p50s, ratios to the floor and betwee
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_request_path import log, machine  # noqa: E402
+from bench.serving.bench_request_path import log, machine
 
-from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.core.hashing import BlockHasher  # noqa: E402
-from kvcentric.core.protocol import PrefillJob, SamplingParams  # noqa: E402
-from kvcentric.engine.kvpool import HostBlockPool  # noqa: E402
-from kvcentric.engine.prefill import PrefillEngine  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
-from kvcentric.model.config import preset  # noqa: E402
+from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.hashing import BlockHasher
+from kvcentric.core.protocol import PrefillJob, SamplingParams
+from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.runner import ModelRunner
+from kvcentric.model.config import preset
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 BLOCK = 16
 
 
@@ -184,9 +182,7 @@ def bench(args) -> dict:
 def main() -> int:
     args = parse_args()
     result = bench(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = harness.write(args.out, result)
     log(f"wrote {out}")
     return 0
 

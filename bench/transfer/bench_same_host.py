@@ -2,7 +2,7 @@
 machine's memcpy (issue 12, item 3: peers on one host may skip the network).
 
 Usage:
-    .venv/bin/python bench/bench_same_host.py [--total-mib 256] [--layer-mib 2 8] [--rounds 3]
+    .venv/bin/python -m bench.transfer.bench_same_host [--total-mib 256] [--layer-mib 2 8] [--rounds 3]
         [--out bench/results/same_host.json]
 
 Every path starts from the same source buffer (the sender's KV) and ends with every byte copied into a
@@ -22,25 +22,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
 from multiprocessing import shared_memory
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_request_path import log, machine  # noqa: E402
+from bench.serving.bench_request_path import log, machine
 
-from kvcentric.proto import kv_pb2  # noqa: E402
-from kvcentric.runtime.kvwire import LayerData  # noqa: E402
-from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, checksum, start_server  # noqa: E402
+from kvcentric.proto import kv_pb2
+from kvcentric.runtime.kvwire import LayerData
+from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, checksum, start_server
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 
 
 class CopySink:
@@ -152,7 +149,7 @@ def main() -> int:
         segment.unlink()
     report = {"config": vars(args), "machine": machine(), "bytes": total, "rounds_gb_s": rounds,
               "summary": summarize(rounds)}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    harness.write(args.out, report, indent=2)
     log(f"wrote {args.out}")
     for key, row in report["summary"].items():
         print(f"{key:16} " + "  ".join(f"{k} {v:.3f}" for k, v in row.items()))

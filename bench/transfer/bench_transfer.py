@@ -7,7 +7,7 @@
    (goal: <= 1.15x for 4K and up). The prefill gets one torch thread and the receiver the other core,
    as if the decode node were another machine.
 
-Usage: python bench/bench_transfer.py [--mib 256] [--skip-overlap]
+Usage: python -m bench.transfer.bench_transfer [--mib 256] [--skip-overlap]
 Writes bench/results/transfer.json and prints tables.
 """
 
@@ -20,7 +20,6 @@ import json
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import torch
@@ -36,8 +35,9 @@ from kvcentric.model.config import preset
 from kvcentric.proto import kv_pb2
 from kvcentric.core.protocol import PrefillJob, SamplingParams
 from kvcentric.runtime.transfer import KVPusher, checksum
+from bench import harness
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = harness.RESULTS
 CHUNK = 1 << 20
 
 RAW_RECEIVER = """
@@ -255,7 +255,7 @@ async def main() -> None:
         previous = json.loads(path.read_text()).get("overlap")
         if previous:
             result["overlap"] = previous
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    harness.write(path, harness.record("bench_transfer", **result), indent=2)
     best = result["bulk"]["best"]
     print(f"raw TCP {best['raw_tcp_bytes_s'] / 1e9:.2f} GB/s; raw-bytes gRPC {best['raw_grpc_bytes_s'] / 1e9:.2f} GB/s "
           f"= {result['bulk']['raw_grpc_ratio_to_raw_tcp']:.2f} of raw TCP (gRPC's ceiling here)")

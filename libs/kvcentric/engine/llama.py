@@ -139,7 +139,7 @@ class Rotary(nn.Module):
 SMALL_GEMM_ROWS = int(os.environ.get("KVC_SMALL_GEMM_ROWS", "128"))
 """A CPU linear layer over at most this many rows (a decode step's, a small mixed step's) runs through the small
 GEMM (`TwoLayouts`; KVC_SMALL_GEMM_ROWS=0: never, and no second layout is made). Against oneDNN over `small`'s 32
-weights in turn (`bench/bench_cpu_kernels.py`, 2-core box, 2026-11-27): 1.25-1.48x as fast at 1-32 rows, 1.13x at
+weights in turn (`bench/engine/bench_cpu_kernels.py`, 2-core box, 2026-11-27): 1.25-1.48x as fast at 1-32 rows, 1.13x at
 64 and 1.07x at 128 on one thread, 1.28-2.21x, 1.18x and 1.08x on two; level at 256 (docs/performance.md,
 "Decode's linear layers")."""
 

@@ -235,7 +235,7 @@ class Lane:
     instance computes a second prompt in a pass of its own beside the model thread's, each on one thread, rather
     than one prompt on a team of two. A team stalls at every op whose second thread the scheduler gave to another
     process for a while (the decode's steps, the streams, the event loops), its first thread spinning meanwhile;
-    a lane that loses its core slows only its own prompt. `bench/bench_prefill_lanes.py`: 0.92x the team's time a
+    a lane that loses its core slows only its own prompt. `bench/engine/bench_prefill_lanes.py`: 0.92x the team's time a
     prompt alone, 0.74x beside a process burning 40% of a core (docs/performance.md, "What serving adds to a
     prompt's prefill")."""
 

@@ -183,7 +183,7 @@ def keep_heap() -> bool:
     thread an arena of its own whose heaps come and go. A model step allocates tens of megabytes of activations
     and frees them before the next, so the model thread's steps kept touching fresh pages (each fault a kernel
     entry and a zeroed 4 KiB page). Here: the mmap threshold at its ceiling, the trim threshold at 1 GiB, and one
-    arena for every thread (a thread started later shares the main one). Measured with `bench/bench_page_faults.py`
+    arena for every thread (a thread started later shares the main one). Measured with `bench/engine/bench_page_faults.py`
     (2026-11-27, 2-core VM, `small` colocated on its model thread, bursts of 32 x 256-token prompts): 47,808
     faults a burst as is against 188, and 1.398 s a burst against 1.353 (docs/performance.md § "Page faults").
     The heap holds a step's peak of activations for good, which the process needed anyway.
