@@ -115,13 +115,14 @@ def edited(script: str, run: Run, port: int | None) -> str:
 
 
 def workdir(tmp_path: Path, script: str) -> Path:
-    """An empty directory beside a link to ../shared (the traces), holding a copy of each bench/ script the
-    block runs, so that what it writes stays out of the checkout."""
+    """An empty directory beside a link to ../shared (the traces), holding a copy of the bench package (its
+    scripts and inputs, not its results) when the block runs one (`python -m bench.<group>.<name>`), so that
+    what it writes stays out of the checkout."""
     cwd = tmp_path / "main"
-    (cwd / "bench" / "results").mkdir(parents=True)
     (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
-    for name in set(re.findall(r"\bbench/(\w+\.py)\b", script)):
-        shutil.copy(ROOT / "bench" / name, cwd / "bench" / name)
+    if re.search(r"-m bench\.", script):
+        shutil.copytree(ROOT / "bench", cwd / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (cwd / "bench" / "results").mkdir(parents=True)
     return cwd
 
 
