@@ -3,7 +3,7 @@ suite asserts with) run once on one `kvcentric up` cluster, written to bench/res
 machine, and printed as the README's table. It asserts nothing; `make test` runs the assertions.
 
     PYTHONPATH=tests:tests/faults .venv/bin/python -m bench.serving.faults               # every scenario
-    PYTHONPATH=tests:tests/faults .venv/bin/python -m bench.serving.faults --only kill   # the scenarios whose name holds "kill"
+    PYTHONPATH=tests:tests/faults .venv/bin/python -m bench.serving.faults --only kill   # only those named *kill*
 """
 
 from __future__ import annotations

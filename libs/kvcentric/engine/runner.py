@@ -430,7 +430,8 @@ class ModelRunner:
     def _gather_rows(self, rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
         """`out[i] = rows[index[i]]` in host memory, split over a few threads: one thread's gather is slower than
         an 8B model on a GPU computes a prompt's layers, while the host's memory takes several times one thread's
-        rate (docs/performance.md, "KV off the first-token path"). The threads let go of the GIL inside each index_select."""
+        rate (docs/performance.md, "KV off the first-token path"). The threads let go of the GIL inside each
+        index_select."""
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         if "_gatherers" not in self.__dict__:
             self.__dict__["_gatherers"] = serial_workers(threads, "kv-gather")

@@ -184,7 +184,8 @@ def keep_heap() -> bool:
     and frees them before the next, so the model thread's steps kept touching fresh pages (each fault a kernel
     entry and a zeroed 4 KiB page). Here: the mmap threshold at its ceiling, the trim threshold at 1 GiB, and one
     arena for every thread (a thread started later shares the main one), so the steps reuse mapped pages
-    (docs/performance.md, "Garbage collection and page faults"). The heap holds a step's peak of activations for good, which the process needed anyway.
+    (docs/performance.md, "Garbage collection and page faults"). The heap holds a step's peak of activations for
+    good, which the process needed anyway.
 
     Not for a GPU engine (`heap_kept_for`): its activations live on the device, and its many threads would share
     the one arena's lock; on an H100 the served colocated instance ran slower with it in most runs

@@ -274,7 +274,8 @@ class Cluster:
         if crowded:
             print("kvcentric: note: " + ", ".join(f"{n} engine instances share {d}" for d, n in crowded.items())
                   + ": they time-share it, and a KV push crosses the host (docs/performance.md, "
-                    "\"Disaggregated vs single process\"); give each instance a GPU of its own, or run --colocated", flush=True)
+                    "\"Disaggregated vs single process\"); give each instance a GPU of its own, or run "
+                    "--colocated", flush=True)
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
