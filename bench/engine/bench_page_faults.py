@@ -20,11 +20,9 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from bench import harness
 
-HERE = Path(__file__).resolve().parent
 RESULTS = harness.RESULTS
 SETTINGS = {"glibc as is (KVC_MALLOC_KEEP=0)": "0", "heap kept (default)": "1"}
 

@@ -21,10 +21,8 @@ import random
 import statistics
 import threading
 import time
-from pathlib import Path
 from bench import harness
 
-HERE = Path(__file__).resolve().parent
 RESULTS = harness.RESULTS
 PROMPTS, PROMPT_LEN, BLOCK = 32, 256, 16
 SLICE_S = 0.002

@@ -34,7 +34,6 @@ from pathlib import Path
 from bench.serving import bench_vs_vllm as vs
 from bench import harness
 
-HERE = Path(__file__).resolve().parent
 RESULTS = harness.RESULTS
 PROMPTS, PROMPT_LEN = 32, 256
 SETTINGS: dict[str, tuple[list[str], dict[str, str], int]] = {

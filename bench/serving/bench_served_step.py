@@ -39,7 +39,6 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.engine.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 
-HERE = Path(__file__).resolve().parent
 
 RESULTS = harness.RESULTS
 SERVED = {"colocated": "colocated mixed", "1P+1D": "1P+1D"}

@@ -50,7 +50,6 @@ from bench.harness import cpu_isa_flags, cpu_model  # noqa: F401 (the benches be
 from bench.serving.vllm_peer.checkpoint import build_checkpoint, build_small_checkpoint  # noqa: F401 (bench_alone imports it)
 from bench.harness import UpProcess
 
-HERE = Path(__file__).resolve().parent
 
 RESULTS = harness.RESULTS
 ISA_ENV: dict[str, dict[str, str]] = {

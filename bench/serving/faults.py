@@ -11,12 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from bench import harness
 
 from scenarios import FAULTS, GRACE_S, cluster, problems, run
 
-HERE = Path(__file__).resolve().parent
 
 COLUMNS = ("sent", "completed", "failed_cleanly", "hung", "failed_otherwise", "blocks_leaked", "recovery_s")
 HEADINGS = ("fault", "sent", "completed", "failed cleanly (429/503)", "hung (past the bound)", "failed otherwise",
