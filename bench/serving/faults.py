@@ -1,6 +1,6 @@
 """The fault-injection figures of issue 15 on this machine: every scenario of tests/faults (the same code the
 suite asserts with) run once on one `kvcentric up` cluster, written to bench/results/faults.json with the
-machine, and printed as the README's table. It asserts nothing; `make test` runs the assertions.
+machine, and printed as the table in docs/operations.md. It asserts nothing; `make test` runs the assertions.
 
     PYTHONPATH=tests:tests/faults .venv/bin/python -m bench.serving.faults               # every scenario
     PYTHONPATH=tests:tests/faults .venv/bin/python -m bench.serving.faults --only kill   # only those named *kill*
@@ -13,7 +13,10 @@ import json
 import time
 from bench import harness
 
-from scenarios import FAULTS, GRACE_S, cluster, problems, run
+try:  # tests/faults' modules import their siblings by name, so both folders go on PYTHONPATH
+    from scenarios import FAULTS, GRACE_S, cluster, problems, run
+except ImportError as missing:
+    raise SystemExit(f"{missing}: run as PYTHONPATH=tests:tests/faults python -m bench.serving.faults") from None
 
 
 COLUMNS = ("sent", "completed", "failed_cleanly", "hung", "failed_otherwise", "blocks_leaked", "recovery_s")

@@ -108,3 +108,9 @@ def test_every_result_kept_is_cited_by_a_document():
     results = [path for path in (ROOT / "bench" / "results").rglob("*") if path.is_file()]
     uncited = sorted(name(path) for path in results if not cited(path, texts, globs))
     assert not uncited, f"results no document cites (cite them in docs/performance.md or remove them): {uncited}"
+
+
+def test_the_results_the_reference_names_are_kept():
+    named = set(re.findall(r"`([\w.\-]+\.(?:json|jsonl|png|log))`", (ROOT / "docs" / "performance.md").read_text()))
+    kept = {path.name for path in (ROOT / "bench" / "results").rglob("*")}
+    assert not named - kept, f"docs/performance.md names results not in bench/results/: {sorted(named - kept)}"
