@@ -2,7 +2,7 @@
 by a NATS gateway (each datacenter its own bus), a PrfaaS cluster (prefill only, its KV push held to the
 link's rate with --kv-rate-limit-gbps) on one, and a PD cluster (kvs-meta, the conductor with the
 topology, prefill, decode, gateway) on the other. It writes the configs and starts and stops processes;
-it sends no requests (bench/prfaas_live.py and the integration test do).
+it sends no requests (bench/papers/prfaas_live.py and the integration test do).
 """
 
 from __future__ import annotations

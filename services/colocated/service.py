@@ -215,8 +215,8 @@ class ColocatedService(EngineService):
         wait, chunks of as many of them as --step-tokens holds in one pass on the lane's thread; a prompt whose
         last chunk it computes is handed to the decode batch of the model thread's next step. Beside a step of
         decode rows alone the lane takes nothing: at concurrency 8 a prompt computed there on one thread, with
-        the decode rows on the other, cost 13% of the output tokens/s against waiting for the next mixed step
-        on both (`bench_alone.py`, 2026-11-27)."""
+        the decode rows on the other, cost output tokens/s against waiting for the next mixed step on both
+        (docs/performance-notebook.md, "What serving adds to a prompt's prefill")."""
         prefill = self.engine.prefill
         while not self.stopping.is_set():
             if not self.model_step.is_set() or not self.prompts_waiting():

@@ -1,7 +1,7 @@
 """The fault-injection scenarios of issue 15 on a real `kvcentric up` cluster (2 prefill, 2 decode, 2
 conductors, kvs-meta, nats-server, redis-server): each runs steady streaming load, injects one fault, and
 returns its `Figures` with the answers behind anything that went wrong; the test asserts on them and
-bench/faults.py tabulates them. Nothing here is mocked: faults are signals to real processes.
+bench/serving/faults.py tabulates them. Nothing here is mocked: faults are signals to real processes.
 
 Faults: `kill -9` of a child (up starts it again), SIGSTOP then SIGCONT, nats-server and redis-server
 killed and restarted by up, one decode made a slow receiver (stopped most of every 0.1 s), and open-loop

@@ -1,4 +1,4 @@
-"""`bench/bench_cpu_kernels.py` runs end to end: every kernel timed beside torch's way (the small GEMM beside
+"""`bench/engine/bench_cpu_kernels.py` runs end to end: every kernel timed beside torch's way (the small GEMM beside
 `F.linear` and oneDNN's) per model shape and thread count, the ratios derived, the JSON written with the
 instruction set the kernels were built for (or, without a compiler, a clear SKIPPED)."""
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_cpu_kernels_writes_every_figure(tmp_path):
     out = tmp_path / "cpu_kernels.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_cpu_kernels.py"), "--models", "tiny",
+    done = subprocess.run([sys.executable, "-m", "bench.engine.bench_cpu_kernels", "--models", "tiny",
                            "--threads", "1", "--repeat", "2", "--budget-s", "0.2", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

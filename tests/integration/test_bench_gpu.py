@@ -1,4 +1,5 @@
-"""`bench/bench_gpu.py` runs end to end on the CPU with a tiny model (its GPU run is `bench/gpu_check.sh`): every
+"""`bench/engine/bench_gpu.py` runs end to end on the CPU with a tiny model (its GPU run is
+`bench/engine/gpu_check.sh`): every
 section measured, the ratios derived, the JSON and markdown written."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_gpu_cpu_smoke_writes_every_section(tmp_path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py"), "--device", "cpu", "--dtype",
+    done = subprocess.run([sys.executable, "-m", "bench.engine.bench_gpu", "--device", "cpu", "--dtype",
                            "float32", "--model", "tiny", "--prefill", "32", "64", "--prefill-many", "2x16",
                            "--prefix-chunks", "24:16", "--batches", "1", "3", "--context",
                            "40", "--steps", "2", "--warmup", "1", "--repeat", "1", "--out", str(out)],

@@ -1,6 +1,6 @@
 """Prefill-as-a-Service across two datacenters on real servers: two nats-server processes joined by a NATS
 gateway, the PrfaaS prefill (rate-limited KV push) on one, the PD cluster on the other (a small version of
-bench/prfaas_live.py). Long prompts must prefill remotely, short ones locally, and decode stays local."""
+bench/papers/prfaas_live.py). Long prompts must prefill remotely, short ones locally, and decode stays local."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 from twodc import TwoDatacenters, TwoDCConfig
 from waiting import eventually
 
-PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+PROFILE = Path(__file__).resolve().parents[2] / "bench" / "papers" / "prfaas_profile_table5.json"
 PLANNED = 64
 
 

@@ -56,7 +56,7 @@ RUN_BASH = {
     ".venv/bin/python -m kvcentric.engine.kernels": Run(in_checkout=True, timeout_s=180.0),
     "kvcentric sim --speed 2": Run(),
     "--prefill-pipeline 4 --out sim-cpp": Run(),
-    "python bench/prfaas_table6.py": Run(),
+    "python -m bench.papers.prfaas_table6": Run(),
     "kvcentric certs --out secure": Run(),
     "kvcentric bench replay ../shared/traces/": Run(cluster=True, edits=(
         ("kvcentric up --model tiny &\n", ""),  # the test's cluster serves `tiny` already
@@ -75,7 +75,7 @@ NOT_RUN = {
     "make up ": "`make up` serves until Ctrl-C and `make test` is this suite; "
                 "test_the_readme_leads_with_the_two_commands checks the block",
     "kvcentric kvs-meta  --nats-url nats://10.0.0.1:4222": "addresses of five other machines (10.0.0.x)",
-    ".venv/bin/python bench/prfaas_live.py": "~30 s, and it writes bench/results/ in the checkout; "
+    ".venv/bin/python -m bench.papers.prfaas_live": "~30 s, and it writes bench/results/ in the checkout; "
                                              "tests/integration/test_prfaas_live.py runs a small version of it",
     "# datacenter B (PrfaaS)": "hosts nats-a and nats-b of two datacenters, and a topology.json of its own",
     "kvcentric role decode-1 prefill": "it switches a live instance's role; the shared test cluster has no "
@@ -86,7 +86,7 @@ NOT_RUN = {
     "--prefill-pipeline 2 --decode 1   # serves until Ctrl-C": "a cluster that serves until Ctrl-C; "
                                                              "tests/integration/test_pipeline_prefill.py runs it",
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
-    "python3 bench/bench_gpu.py --eager-too": "needs a GPU; bench/gpu_check.sh runs it there, and "
+    "python3 -m bench.engine.bench_gpu --eager-too": "needs a GPU; bench/engine/gpu_check.sh runs it there, and "
                                              "tests/integration/test_bench_gpu.py runs a CPU smoke of it",
     "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
     "kvcentric up --secure --port 8443": "a cluster that serves until Ctrl-C, and a request to it with the paths "
@@ -115,13 +115,14 @@ def edited(script: str, run: Run, port: int | None) -> str:
 
 
 def workdir(tmp_path: Path, script: str) -> Path:
-    """An empty directory beside a link to ../shared (the traces), holding a copy of each bench/ script the
-    block runs, so that what it writes stays out of the checkout."""
+    """An empty directory beside a link to ../shared (the traces), holding a copy of the bench package (its
+    scripts and inputs, not its results) when the block runs one (`python -m bench.<group>.<name>`), so that
+    what it writes stays out of the checkout."""
     cwd = tmp_path / "main"
-    (cwd / "bench" / "results").mkdir(parents=True)
     (tmp_path / "shared").symlink_to(ROOT.parent / "shared")
-    for name in set(re.findall(r"\bbench/(\w+\.py)\b", script)):
-        shutil.copy(ROOT / "bench" / name, cwd / "bench" / name)
+    if re.search(r"-m bench\.", script):
+        shutil.copytree(ROOT / "bench", cwd / "bench", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (cwd / "bench" / "results").mkdir(parents=True)
     return cwd
 
 
@@ -199,7 +200,7 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
     if key.startswith("kvcentric sim"):
         for out in ("sim-out", "sim-colocated"):
             assert json.loads((cwd / out / "summary.json").read_text())["completed"] > 0
-    elif key.startswith("python bench/prfaas_table6.py"):
+    elif key.startswith("python -m bench.papers.prfaas_table6"):
         shown = re.search(r"The output of that second command:\n\n```\n(.*?)```", "\n".join(TEXTS),
                           flags=re.S).group(1)
         lines = [line.rstrip() for line in output.splitlines()]

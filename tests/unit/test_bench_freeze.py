@@ -1,14 +1,11 @@
-"""`bench_vs_vllm.py` freezes the servers it is not measuring: every process of a server's tree stops (SIGSTOP)
-for another's turn and runs again after it."""
+"""`bench/serving/bench_vs_vllm.py` freezes the servers it is not measuring: every process of a server's tree
+stops (SIGSTOP) for another's turn and runs again after it."""
 
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import bench_vs_vllm  # noqa: E402
+from bench.serving import bench_vs_vllm
 
 
 def state(pid: int) -> str:

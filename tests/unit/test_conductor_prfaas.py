@@ -224,7 +224,7 @@ def test_the_planners_profile_reaches_the_routing_for_short_term_re_derivation(t
     from kvc_conductor.config import ConductorConfig
     path = tmp_path / "topology.yaml"
     path.write_text(TOPOLOGY)
-    profile = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+    profile = Path(__file__).resolve().parents[2] / "bench" / "papers" / "prfaas_profile_table5.json"
     setup = ConductorConfig(topology=str(path), cluster="pd", replan_profile=str(profile)).clusters()
     assert setup is not None and setup.profile is not None and setup.profile.egress_gbps == 100
     assert ConductorConfig(topology=str(path), cluster="pd").clusters().profile is None

@@ -18,7 +18,7 @@ from kvcentric.core.prfaas.workload import LengthDistribution
 from kvcentric.core.protocol import Placement, ScheduleRequest
 from kvcentric.runtime.bus import Bus
 
-PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+PROFILE = Path(__file__).resolve().parents[2] / "bench" / "papers" / "prfaas_profile_table5.json"
 
 
 def loop_for(conductor, profile: str = str(PROFILE)) -> ReplanLoop:

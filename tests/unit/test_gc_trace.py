@@ -1,4 +1,4 @@
-"""`bench/gc_trace/sitecustomize.py` times the full collections of kvcentric services (`bench_gc_pauses.py`) and
+"""`bench/serving/gc_trace/sitecustomize.py` times the full collections of kvcentric services (`bench_gc_pauses.py`) and
 of no other process."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TRACER = Path(__file__).resolve().parents[2] / "bench" / "gc_trace"
+TRACER = Path(__file__).resolve().parents[2] / "bench" / "serving" / "gc_trace"
 COLLECT = "import gc; gc.collect(0); gc.collect(2); gc.collect(2)\n"
 
 

@@ -2,7 +2,7 @@
 replayed from CUDA graphs (`engine/graphs.py`).
 
 On the CPU the kernel runs in Triton's interpreter and the buffers run eagerly (the CPU kernel reads the same
-tables and lengths); with KVC_TEST_DEVICE=cuda (bench/gpu_check.sh) the kernel is compiled for the GPU and the
+tables and lengths); with KVC_TEST_DEVICE=cuda (bench/engine/gpu_check.sh) the kernel is compiled for the GPU and the
 steps are captured and replayed as graphs, checked against eager steps."""
 
 from __future__ import annotations

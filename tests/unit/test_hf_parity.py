@@ -1,6 +1,6 @@
 """Our model and paged cache against `transformers` on tiny random checkpoints of each architecture.
 
-With KVC_TEST_DEVICE=cuda (bench/gpu_check.sh) ours runs on the GPU in fp32, its decode steps through the Triton
+With KVC_TEST_DEVICE=cuda (bench/engine/gpu_check.sh) ours runs on the GPU in fp32, its decode steps through the Triton
 paged kernel replayed from CUDA graphs, against transformers on the CPU."""
 
 from __future__ import annotations

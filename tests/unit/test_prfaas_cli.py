@@ -9,8 +9,8 @@ import pytest
 from kvcentric.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
-PROFILE = ROOT / "bench" / "prfaas_profile_table5.json"
-WORKLOAD = ROOT / "bench" / "prfaas_workload_table5.json"
+PROFILE = ROOT / "bench" / "papers" / "prfaas_profile_table5.json"
+WORKLOAD = ROOT / "bench" / "papers" / "prfaas_workload_table5.json"
 
 
 def run(argv, capsys):

@@ -107,8 +107,8 @@ def test_plan_warns_when_the_workload_leaves_the_profiled_lengths():
 
 
 def test_bench_profile_reproduces_table6_shape():
-    """bench/prfaas_table6.py's derived profile: Table 6's split and threshold within its rounding."""
-    path = ROOT / "bench" / "prfaas_profile_table5.json"
+    """bench/papers/prfaas_table6.py's derived profile: Table 6's split and threshold within its rounding."""
+    path = ROOT / "bench" / "papers" / "prfaas_profile_table5.json"
     profile = PrfaasProfile.load(path)
     result = plan(profile, lognormal(9.90, 1.00, 128, 131072, 1024), 4, 8, 12)
     best = result.prfaas_pd.point

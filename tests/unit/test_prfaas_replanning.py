@@ -13,7 +13,7 @@ from kvcentric.core.prfaas.throughput import Counts
 from kvcentric.core.prfaas.workload import LengthDistribution
 from kvcentric.core.scheduling.registry import DecodeState
 
-PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prfaas_profile_table5.json"
+PROFILE = Path(__file__).resolve().parents[2] / "bench" / "papers" / "prfaas_profile_table5.json"
 
 
 def ids(states) -> list[str]:

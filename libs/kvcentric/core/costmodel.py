@@ -58,8 +58,8 @@ HARDWARE: dict[str, HardwareSpec] = {
     # 1 TB per node (an assumption).
     "8xA800-800gbps": HardwareSpec("8xA800-800gbps", devices=8, flops=312e12, mem_bw=2.0e12, mem_bytes=80e9,
                                    host_bytes=1e12, dtype_bytes=2, mfu=0.5, mbu=0.7, overhead_s=0.003),
-    # This 2-core box: ~300 GFLOP/s nominal fp32 matmul on 2 threads (torch measures 60, numpy 90 at
-    # 2048x2048, hence mfu 0.3), ~10 GB/s memory.
+    # A 2-core x86 VM: ~300 GFLOP/s nominal fp32 matmul on 2 threads, ~10 GB/s memory; mfu 0.3 because a
+    # served step reaches a fraction of the nominal rate (the measured rates: docs/performance.md).
     "cpu-2core": HardwareSpec("cpu-2core", devices=1, flops=300e9, mem_bw=10e9, mem_bytes=16e9, host_bytes=4e9,
                               dtype_bytes=4, mfu=0.3, mbu=0.8, overhead_s=0.0),
 }

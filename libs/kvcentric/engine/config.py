@@ -26,8 +26,8 @@ class EngineConfig(BusConfig):
     seed: int = setting(0, "seed of the model's random weights; every instance must use the same")
     dtype: Literal["float32", "float16", "bfloat16"] = setting("float32", "weights and KV dtype (fp32 on CPU)")
     onednn: bool = setting(True, "fp32 on the CPU: the layers' projections run through oneDNN's GEMM, their "
-                                 "weights packed in its layout at load (2.2x torch's default GEMM for a prompt "
-                                 "on this project's box, docs/performance.md); --no-onednn: torch's default")
+                                 "weights packed in its layout at load (faster than torch's default GEMM on the "
+                                 "CPUs measured, docs/performance.md); --no-onednn: torch's default")
     cpu_kernels: bool = setting(True, "CPU, fp32/bf16: attention runs through C++ kernels built on first use with "
                                       "the machine's compiler (cached in $KVC_KERNEL_CACHE or "
                                       "~/.cache/kvcentric/kernels): decode rows read the paged KV cache in place, "
@@ -127,9 +127,9 @@ class EngineConfig(BusConfig):
                                      "split steps)")
     prefill_step_tokens: int = setting(0, "prefill: token budget of one forward pass over chunks (each at most "
                                           "--prefill-chunk) of as many queued prompts as fit; 0: one prompt's "
-                                          "chunk per pass. On the 2-core CPU box with one core per instance it "
-                                          "measured slower (a single core's GEMM is no faster on more rows, and "
-                                          "the first prompts wait for the whole pass: docs/performance.md); "
+                                          "chunk per pass. Off by default: on a CPU core a GEMM is no faster on "
+                                          "more rows, and the first prompts wait for the whole pass "
+                                          "(docs/performance-notebook.md); "
                                           "--layerkv and pipeline stages always compute one chunk per pass")
     prefill_lanes: int = setting(2, "prefill on the CPU with cores lent (--core-share-dir): with a core lent and two "
                                     "prompts queued, compute one on each of two model threads of one torch thread "

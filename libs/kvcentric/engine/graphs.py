@@ -1,9 +1,9 @@
 """Decode steps replayed from CUDA graphs: one graph per batch-size bucket, captured once over inputs that live
 in fixed device buffers, so a step costs a few small copies and one launch instead of hundreds.
 
-A decode step of a small model on a GPU is nearly all launch and Python overhead (7.0 ms a step for `small` at
-batch 1 on an H100, against a 0.04 ms memory floor: issue 14), and an 8B step's hundreds of launches cost as
-much again as its weight reads. A graph replays the recorded kernels with no Python between them.
+A decode step of a small model on a GPU is nearly all launch and Python overhead, far above its memory floor
+(issue 14), and an 8B step's hundreds of launches cost as much again as its weight reads. A graph replays the
+recorded kernels with no Python between them.
 
 What a step varies lives in the buffers, each sized for the largest bucket: token ids, positions, the slots the
 new KV goes to, context lengths and the [batch, max_blocks] block tables. A step of `n` sequences runs the

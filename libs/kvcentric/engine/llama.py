@@ -138,10 +138,8 @@ class Rotary(nn.Module):
 
 SMALL_GEMM_ROWS = int(os.environ.get("KVC_SMALL_GEMM_ROWS", "128"))
 """A CPU linear layer over at most this many rows (a decode step's, a small mixed step's) runs through the small
-GEMM (`TwoLayouts`; KVC_SMALL_GEMM_ROWS=0: never, and no second layout is made). Against oneDNN over `small`'s 32
-weights in turn (`bench/bench_cpu_kernels.py`, 2-core box, 2026-11-27): 1.25-1.48x as fast at 1-32 rows, 1.13x at
-64 and 1.07x at 128 on one thread, 1.28-2.21x, 1.18x and 1.08x on two; level at 256 (docs/performance.md,
-"Decode's linear layers")."""
+GEMM (`TwoLayouts`; KVC_SMALL_GEMM_ROWS=0: never, and no second layout is made): past it oneDNN's GEMM runs at
+the core's peak as well, and the second layout would buy nothing (docs/performance.md, "Decode's linear layers")."""
 
 
 class TwoLayouts:
@@ -228,17 +226,15 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 PACK_ROWS = 32
 """The row count oneDNN is told to expect when it lays a weight out (`pack_weight`). Its blocked layout runs every
-row count measured about as fast whatever the hint (2026-11-26, 2-core box: 8, 32 and 1024 within 2% at M = 8,
-32, 256 and 2048)."""
+row count about as fast whatever the hint (docs/performance-notebook.md, "Fused layer ops and oneDNN's blocked
+weights")."""
 
 
 def pack_weight(weight: torch.Tensor, pack: bool) -> torch.Tensor:
-    """`weight` in oneDNN's own blocked layout when `pack` (and possible), else as it is. On this project's CPU
-    box (2 cores, AVX-512) oneDNN's fp32 GEMM ran 1.6-2.2x faster than the default (MKL's): 444 against 202
-    GFLOP/s for 256 x 512 x 2816, 59 against 37 for one row. The blocked layout (`_reorder_linear_weight`, what
-    Inductor's freezing packs with) against oneDNN's plain one (`to_mkldnn`), same process, interleaved: 32 rows
-    345 → 438 GFLOP/s, 8 rows 189 → 334, 2048 rows 475 → 493; the same sums (bitwise equal at 32 and 2048 rows,
-    fp32 rounding at one). Where the reorder op is missing the plain layout is used."""
+    """`weight` in oneDNN's own blocked layout when `pack` (and possible), else as it is: oneDNN's fp32 GEMM
+    runs faster than the default (MKL's), and faster still over its blocked layout (`_reorder_linear_weight`, what
+    Inductor's freezing packs with) than over its plain one (`to_mkldnn`), with the same sums
+    (docs/performance.md, "oneDNN for the CPU GEMM"). Where the reorder op is missing the plain layout is used."""
     weight = weight.detach()
     if not (pack and can_pack(weight)):
         return weight
@@ -379,8 +375,8 @@ def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) ->
 MLP_ROWS = 512
 """A CPU MLP over more rows runs this many at a time: the gate|up output of 512 rows of `small` (5.8 MB) stays in
 the cache for SwiGLU and the down projection, where 2048 rows (23 MB) went out to memory and back. The GEMMs
-are as fast on 512 rows as on 2048. Measured in one process (2026-11-26, 2-core box, 32 x 256-token prompts in
-mixed steps of 2048 tokens, 6 runs alternating): prefill 1.25-1.30 s -> 1.16-1.20 s; 256 rows no better."""
+are as fast on 512 rows as on 2048, and 256 rows gained nothing more (docs/performance-notebook.md, "Fused layer
+ops and oneDNN's blocked weights")."""
 
 
 class MLP(nn.Module):

@@ -46,9 +46,8 @@ def lane_prompt_share(step_tokens: int, threads: int, lane_computing: bool, wait
     all of it, or that of one thread fewer while the lane computes or will start beside the step (more prompt
     tokens than a step's wait after it takes that share, as the lane's own test has it). A full budget on one
     thread of two takes twice a step's time, and the step's decode rows, the running requests' next tokens, wait
-    that long. A burst of 32 prompts of 256 tokens on 2 threads (`bench/bench_alone.py`): the 99th percentile
-    time between two tokens of a stream 0.73-0.86 s with the full budget, 0.43-0.46 s with the share, vLLM's
-    0.40 s; output tokens/s the same (docs/performance.md, "Time between tokens in a burst")."""
+    that long; with the share a burst's longest gaps between tokens are about halved at the same output tokens/s
+    (docs/performance.md, "Time between tokens in a burst")."""
     if threads < 2:
         return 1.0
     share = (threads - 1) / threads

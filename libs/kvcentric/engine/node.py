@@ -58,8 +58,7 @@ class ModelThread:
     here too (`call`), and a service's process then keeps its other threads serial (`serial_elsewhere`): a
     second team in the process, made by a parallel op in the event loop's thread (loading the weights there
     was one), leaves libgomp with more threads than cores, and it then puts idle team threads to sleep at
-    once, so every parallel op pays a wake-up. Measured on this project's 2-core box, 256-token prefill of
-    `small`: 38 ms with the model built in its thread against 53 ms built in the event loop's."""
+    once, so every parallel op pays a wake-up (docs/performance-notebook.md, "One OpenMP team per engine")."""
 
     def __init__(self, role: str, threads: int = 0, share: CoreShare | None = None) -> None:
         """`share`: the cores lent between this machine's instances (`cores.py`); each call then runs on this
@@ -235,9 +234,8 @@ class Lane:
     instance computes a second prompt in a pass of its own beside the model thread's, each on one thread, rather
     than one prompt on a team of two. A team stalls at every op whose second thread the scheduler gave to another
     process for a while (the decode's steps, the streams, the event loops), its first thread spinning meanwhile;
-    a lane that loses its core slows only its own prompt. `bench/bench_prefill_lanes.py`: 0.92x the team's time a
-    prompt alone, 0.74x beside a process burning 40% of a core (docs/performance.md, "What serving adds to a
-    prompt's prefill")."""
+    a lane that loses its core slows only its own prompt (docs/performance.md, "What serving adds to a prompt's
+    prefill")."""
 
     WAIT_S = 0.0005
     """How often a paused lane looks again for its core."""

@@ -4,9 +4,8 @@ torch keeps one process-wide thread count, the last one any thread set, and a th
 it runs a parallel op. The model thread sets its own count, and again each time cores are lent to it
 (`ModelThread.use`), so a worker started while it computed on two threads would have become a second OpenMP
 team. libgomp then manages more threads than the machine has cores, stops spinning, and puts the model
-thread's team to sleep between its ops: measured in a served 1P+1D prefill (2026-11-27, docs/performance.md
-§ "One OpenMP team per engine"), its OpenMP worker slept ~2,900 times a second and a 256-token prompt took
-59 ms on two threads against 34 ms in one process."""
+thread's team to sleep between its ops, a futex wake-up at every parallel op (docs/performance-notebook.md,
+"One OpenMP team per engine")."""
 
 from __future__ import annotations
 

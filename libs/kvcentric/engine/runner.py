@@ -40,8 +40,8 @@ def padded_decode(positions: list[int], tables: list[list[int]], block_size: int
                   device: torch.device) -> PaddedRows:
     """Decode rows (one new token each at `positions`) laid out for one attention call: their [batch, max_blocks]
     block table (padded with block 0), its [batch, 1, 1, max_blocks * block_size] mask, their context lengths,
-    and the slots their new tokens take. Built from Python lists in one tensor each (a per-row tensor cost
-    0.7 ms a step at batch 32)."""
+    and the slots their new tokens take. Built from Python lists in one tensor each (a tensor per row costs a
+    dispatch per row, which adds up at a large batch)."""
     used = [p // block_size + 1 for p in positions]
     count = max(used)
     blocks = torch.tensor([table[:n] + [0] * (count - n) for table, n in zip(tables, used)], dtype=torch.long)
@@ -428,9 +428,10 @@ class ModelRunner:
         return done
 
     def _gather_rows(self, rows: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-        """`out[i] = rows[index[i]]` in host memory, split over a few threads: one thread's gather (about 8 GB/s
-        measured on an H200 host) is slower than an 8B model computes a prompt's layers, while the host's memory
-        takes several times that. The threads let go of the GIL inside each index_select."""
+        """`out[i] = rows[index[i]]` in host memory, split over a few threads: one thread's gather is slower than
+        an 8B model on a GPU computes a prompt's layers, while the host's memory takes several times one thread's
+        rate (docs/performance.md, "KV off the first-token path"). The threads let go of the GIL inside each
+        index_select."""
         threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         if "_gatherers" not in self.__dict__:
             self.__dict__["_gatherers"] = serial_workers(threads, "kv-gather")

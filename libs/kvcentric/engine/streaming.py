@@ -28,11 +28,10 @@ from kvcentric.runtime.transfer import KVPusher
 
 HANDOFF_BYTES = 1 << 20
 """The model thread hands computed layers to the event loop once this many bytes of them are pending, and
-at a chunk's last layer. Each hand-off wakes the loop, which then holds the GIL for gRPC sends (about
-0.2 ms a message here) while the model thread needs it between ops: on the 2-core box a 64-token prefill
-of `small` handing over its 8 layers one by one ran 3-5 ms slower (about 35 GIL waits instead of 5-10),
-more than sending its 1 MiB after the last layer costs (about 2 ms). Layers of 1 MiB or more (a chunk of
-512 tokens of `small`) still go over one by one."""
+at a chunk's last layer. Each hand-off wakes the loop, which then holds the GIL for gRPC sends while the
+model thread needs it between ops: a short prefill handing over its small layers one by one waits for the GIL
+more often than sending them together after the last layer costs (docs/performance-notebook.md, "Figures").
+Layers of 1 MiB or more (a chunk of 512 tokens of `small`) still go over one by one."""
 
 
 PUSH_STREAM_TIMEOUT_S = 3600.0

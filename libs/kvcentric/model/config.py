@@ -79,7 +79,7 @@ PRESETS: dict[str, ModelConfig] = {
         # A second CPU shape of another width and head count (136 M parameters), so that no CPU figure is
         # taken on one shape alone.
         ModelConfig("medium", 258, 1024, 2816, 12, 16, 4, 64, 4096),
-        # `small` with room for 16K-token prompts (the chunked pipeline parallelism benchmark, bench_cpp.py).
+        # `small` with room for 16K-token prompts (bench/serving/bench_cpp.py, chunked pipeline parallelism).
         ModelConfig("small-32k", 258, 512, 1408, 8, 8, 4, 64, 32768),
         # The shapes of the models the Mooncake paper serves (§8), random weights ("dummy" models).
         ModelConfig("llama2-7b", 32000, 4096, 11008, 32, 32, 32, 128, 4096),

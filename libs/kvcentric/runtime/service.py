@@ -155,10 +155,10 @@ def freeze_heap() -> None:
     wrappers, the tokenizer, compiled kernels) out of the collector's sight for good (`gc.freeze`).
 
     A full collection walks every tracked object with the GIL held, so it stops each of the process's threads.
-    Measured while serving bursts (2026-11-27, docs/performance.md § "Garbage collection"), the colocated
-    engine's full collections took 140-390 ms each, about one every 10-20 s, and one landing in a burst stopped
-    the model between two steps for as long; after the freeze none took over 3 ms. KVC_GC_FREEZE=0 leaves the
-    collector as it is."""
+    An engine tracks hundreds of thousands of objects once its model is loaded, so one landing in a burst stops
+    the model between two steps for as long as the walk takes; after the freeze a walk sees only what was made
+    since (docs/performance.md, "Garbage collection and page faults"). KVC_GC_FREEZE=0 leaves the collector as
+    it is."""
     if turned_off("KVC_GC_FREEZE"):
         return
     gc.collect()
@@ -183,15 +183,13 @@ def keep_heap() -> bool:
     thread an arena of its own whose heaps come and go. A model step allocates tens of megabytes of activations
     and frees them before the next, so the model thread's steps kept touching fresh pages (each fault a kernel
     entry and a zeroed 4 KiB page). Here: the mmap threshold at its ceiling, the trim threshold at 1 GiB, and one
-    arena for every thread (a thread started later shares the main one). Measured with `bench/bench_page_faults.py`
-    (2026-11-27, 2-core VM, `small` colocated on its model thread, bursts of 32 x 256-token prompts): 47,808
-    faults a burst as is against 188, and 1.398 s a burst against 1.353 (docs/performance.md § "Page faults").
-    The heap holds a step's peak of activations for good, which the process needed anyway.
+    arena for every thread (a thread started later shares the main one), so the steps reuse mapped pages
+    (docs/performance.md, "Garbage collection and page faults"). The heap holds a step's peak of activations for
+    good, which the process needed anyway.
 
     Not for a GPU engine (`heap_kept_for`): its activations live on the device, and its many threads would share
-    the one arena's lock. On an H100 (2026-11-27, `bench_disagg.py`, 8B in bf16) the served colocated instance
-    kept 0.56-0.92 of the lone engine in seven runs with the heap kept (four under 0.75), against 0.84 in the
-    one run without and 0.64-0.95 (one under 0.75 of six) in the morning's runs before `keep_heap` existed."""
+    the one arena's lock; on an H100 the served colocated instance ran slower with it in most runs
+    (docs/performance.md, "Disaggregated vs single process")."""
     if turned_off("KVC_MALLOC_KEEP"):
         return False
     try:

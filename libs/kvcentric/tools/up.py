@@ -273,8 +273,9 @@ class Cluster:
                    if device.startswith("cuda") and devices.count(device) > 1}
         if crowded:
             print("kvcentric: note: " + ", ".join(f"{n} engine instances share {d}" for d, n in crowded.items())
-                  + ": they time-share it (on one H100, 1P+1D of an 8B model served 0.22x what one colocated "
-                    "instance did); give each instance a GPU of its own, or run --colocated", flush=True)
+                  + ": they time-share it, and a KV push crosses the host (docs/performance.md, "
+                    "\"Disaggregated vs single process\"); give each instance a GPU of its own, or run "
+                    "--colocated", flush=True)
         self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
         for name in c.conductor_names:
             self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())

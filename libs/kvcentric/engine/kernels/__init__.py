@@ -3,13 +3,11 @@ the machine's C++ compiler.
 
 `CpuAttention.decode`: decode attention over the paged KV cache, read in place through each sequence's block
 table. Torch has no such op on the CPU; the fallback gathers every key and value into a padded batch and runs
-SDPA over the copy, which on this project's 2-core box took 2.6 ms a layer at 32 sequences x 288 tokens of
-`small` against the kernel's 0.64 ms.
+SDPA over the copy, reading every key and value twice and writing them once (docs/performance.md).
 
 `CpuAttention.prefill`: causal attention of whole prompts over their own keys and values, flash style (key
 tiles with an online softmax, grouped query heads sharing each key tile), every prompt of a step in one call
-whatever its length; torch's CPU flash SDPA took 1.0 ms a layer for one 256-token prompt of `small`, the
-kernel 0.6 (docs/performance.md).
+whatever its length, where torch's CPU flash SDPA needs a call per run of equal lengths (docs/performance.md).
 
 `CpuLayerOps`: a layer's small fp32 ops in one pass each (`llama.LayerOps`): SwiGLU's silu(gate) x up, and the
 rotary embedding of q and k with the KV cache write. RMSNorm stays torch's (a one-pass kernel measured no faster
@@ -17,8 +15,8 @@ in the engine).
 
 `CpuLayerOps.small_linear`: the fp32 linear layers of a step of few rows (a decode step's) over weights packed
 in panels (`gemm.cpp`), each panel streamed once with software prefetch; oneDNN's GEMM, laid out for many rows,
-read `small`'s weights at 7-14 GB/s where this one reads them at about 20 (docs/performance.md, "Decode's linear
-layers"). Its sums do not depend on the rows beside a row.
+reads the weights of a few rows below the core's memory rate, which this one reaches (docs/performance.md,
+"Decode's linear layers"). Its sums do not depend on the rows beside a row.
 
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's

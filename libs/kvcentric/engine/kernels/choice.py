@@ -1,14 +1,14 @@
 """Which CPU kernel runs where: each kernel of `engine/kernels` raced against torch's own op at a model's shapes
 and the row counts its steps use, and kept only up to the row count where it is the faster of the two.
 
-The kernels were tuned on one CPU; on another they can be many times slower than torch (the small GEMM 8-49x on
-an AVX2 EPYC before it had AVX2 paths). So for each kernel site (`Site`: the small GEMM of each distinct projection
-shape at 1, 2, 4 ... SMALL_GEMM_ROWS rows; decode attention at a few batch sizes; prefill attention at a few prompt
-lengths; RMSNorm, SwiGLU and rotary + cache write at decode and prefill row counts) the kernel is timed against what
-the engine runs without it (oneDNN's GEMM over the blocked weights, gather + SDPA, torch's SDPA, torch's ops), in
-interleaved samples, the fastest of each kept (`races.py`). A site's kernel runs up to the last row count before the
-first one where it is not faster (its row limit, `decide`); one not faster at its first count does not run at all,
-and a GEMM shape with a limit of 0 gets no second weight layout.
+The kernels were tuned on one CPU; on another they can be many times slower than torch (the small GEMM on a CPU without
+the vector path it was tuned for: docs/performance.md, "Every CPU"). So for each kernel site (`Site`: the small GEMM of
+each distinct projection shape at 1, 2, 4 ... SMALL_GEMM_ROWS rows; decode attention at a few batch sizes; prefill
+attention at a few prompt lengths; RMSNorm, SwiGLU and rotary + cache write at decode and prefill row counts) the kernel
+is timed against what the engine runs without it (oneDNN's GEMM over the blocked weights, gather + SDPA, torch's SDPA,
+torch's ops), in interleaved samples, the fastest of each kept (`races.py`). A site's kernel runs up to the last row
+count before the first one where it is not faster (its row limit, `decide`); one not faster at its first count does not
+run at all, and a GEMM shape with a limit of 0 gets no second weight layout.
 
 The timings are cached on disk beside the built library (`kernels.cache_dir()`), one JSON file per CPU, torch
 version, thread count and library build, each case named by its shapes; a later start reads them and times nothing.

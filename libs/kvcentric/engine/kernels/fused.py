@@ -4,7 +4,7 @@ SwiGLU's silu(gate) x up, each one launch where torch runs several.
 At batch 1 an 8B decode step is bandwidth-bound on the weights, and each small op in between costs a launch of
 a few microseconds whatever its size: in torch's ops a bf16 RMSNorm is seven kernels (cast, square, mean, add,
 rsqrt, multiply, cast, scale), the rotary six, the cache write two, SwiGLU two; 32 layers make ~700 launches a
-step. Measured on an H100 (docs/performance.md), the graph-replayed step was 8.2 ms against a 5.4 ms read floor.
+step, which left the graph-replayed step well above its weight-read floor (docs/performance.md, "The GPU engine").
 
 Each kernel keeps the arithmetic of the torch ops it replaces, roundings included (a bf16 model rounds where
 torch's bf16 ops round: the normalized row before the weight, each rotary product and their sum), so greedy

@@ -9,7 +9,7 @@ which it was built with (`CpuAttention.isa`). This module builds and loads nothi
 Torch picks its vector kernels once, when it is imported, so capping it takes the environment of a new process::
 
     env = {**os.environ, **kernels.capped_env("avx2")}
-    subprocess.run([sys.executable, "bench/bench_cpu_kernels.py"], env=env)
+    subprocess.run([sys.executable, "-m", "bench.engine.bench_cpu_kernels"], env=env)
 
 which sets KVC_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2 (ATen's elementwise and reduction kernels),
 ONEDNN_MAX_CPU_ISA=AVX2 (oneDNN's GEMM and convolutions) and MKL_ENABLE_INSTRUCTIONS=AVX2 (MKL's GEMM, which
