@@ -343,7 +343,7 @@ class ConductorService(Service):
                 "conductors": self.leadership.replicas(now), "leader": self.leadership.leader(now),
                 **({"prefix_index_live": self.seeding.live, "prefix_index_seeded": self.seeded}
                    if self.local_index else {}),
-                **({"prfaas": self.core.router.status(self.registry.alive_prefill(now), now)}
+                **({"prfaas": self.core.router.status(self.core.prefill_views(now), now)}
                    if self.core.router is not None else {}),
                 **({"replan": self.replan.status()} if self.replan is not None else {}),
                 "instances": self.cost_view(now)}
@@ -413,7 +413,8 @@ class ConductorService(Service):
         return gauges
 
     def prfaas_gauges(self, router: ClusterRouter) -> dict[str, float]:
-        status = router.status(self.registry.alive_prefill(time.monotonic()), time.monotonic())
+        now = time.monotonic()
+        status = router.status(self.core.prefill_views(now), now)
         gauges = {"prfaas_threshold_tokens": router.threshold,
                   "prfaas_routed_local_total": float(router.stats["routed_pd"]),
                   "prfaas_routed_remote_total": float(router.stats["routed_prfaas"]),
