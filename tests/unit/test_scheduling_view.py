@@ -148,7 +148,7 @@ def test_a_group_view_takes_the_busiest_stage_the_common_prefix_and_the_first_st
     assert (view.load_tokens, view.in_flight) == (250, 1)
     assert (view.held_blocks, view.prefix_blocks) == (4, 5)
     assert view.pipeline_addrs == (tail.kv_addr,) and not view.trusted and view.correction == 2.0
-    assert view.cost.name == "pipeline:2"
+    assert view.cost.source == "pipeline:2"
 
 
 def test_what_is_placed_on_a_group_is_accounted_on_its_first_stage():
@@ -172,3 +172,27 @@ def test_the_simulator_hands_its_policies_views_too():
     records = sim.run([SimRequest("a", 0.0, 1000, 1, [f"x{i}" for i in range(10)])], sample_s=0)
     assert [r.prefill_id for r in records] == [recorder.seen[0][0].instance_id]
     assert {v.instance_id for v in recorder.seen[0]} == set(sim.prefills)
+
+
+def policy_named(name):
+    from factories import simple_cost
+    from kvcentric.core.scheduling.estimators import Estimator, LinkTable
+    from kvcentric.core.scheduling.policies import make_policy
+    return make_policy(name, Estimator(simple_cost(), 100), LinkTable(100e9 / 8))
+
+
+def test_a_policy_runs_on_views_alone_and_ranks_by_the_corrected_ttft():
+    slowed, plain = prefill_view("p0", queue_s=0.5, correction=3.0), prefill_view("p1", queue_s=1.0)
+    choice = policy_named("cache_aware").choose(schedule_request(1000), [slowed, plain], 0.0)
+    assert choice.instance is plain  # (0.5 + 1) x 3 against (1 + 1) x 1
+    assert choice.ttft_s == pytest.approx(2.0)  # the prediction itself is returned uncorrected
+
+
+def test_kvcentric_pulls_only_what_a_candidate_holds_now():
+    request = schedule_request(1000)
+    expected_only = prefill_view("p0", queue_s=5.0, prefix=8, held=0)
+    choice = policy_named("kvcentric").choose(request, [expected_only, prefill_view("p1")], 0.0)
+    assert choice.instance.instance_id == "p1" and choice.source is None and choice.prefix_blocks == 0
+    holder = prefill_view("p0", queue_s=5.0, prefix=8)
+    choice = policy_named("kvcentric").choose(request, [holder, prefill_view("p1")], 0.0)
+    assert choice.instance.instance_id == "p1" and choice.source is holder and choice.pull_blocks == 8
