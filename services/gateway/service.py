@@ -148,7 +148,7 @@ class GatewayService(Service):
                 span.set_attribute("kvc.outcome", outcome)
                 for job in jobs:  # a prompt of a batch answered whole keeps its own ending
                     await self.outcomes.finish(job, job.finish_reason if len(jobs) > 1 and job.answered and
-                                      job.finish_reason else outcome)
+                                               job.finish_reason else outcome)
 
     def new_text(self, job: relay.Job) -> TextStream:
         return TextStream(self.tokenizer.stream_decoder(), job.request.stop)
