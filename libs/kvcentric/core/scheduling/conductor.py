@@ -263,12 +263,12 @@ class Conductor:
             expected = self.expected.match(request.block_hashes) if self.expected is not None else {}
             prompt = PromptBlocks(hits, expected)
         correction = self.correction
-
-        def factor(instance_id: str) -> float:
-            return correction.factor(instance_id, now) if correction is not None else 1.0
-
-        views = [instance_view(state, now, prompt, factor(state.instance_id)) for state in whole]
-        return views + [self.groups.view(stages, now, prompt, factor(stages[0].instance_id)) for stages in groups]
+        if correction is None:
+            views = [instance_view(state, now, prompt) for state in whole]
+            return views + [self.groups.view(stages, now, prompt) for stages in groups]
+        views = [instance_view(state, now, prompt, correction.factor(state.instance_id, now)) for state in whole]
+        return views + [self.groups.view(stages, now, prompt, correction.factor(stages[0].instance_id, now))
+                        for stages in groups]
 
     def prefill_views(self, now: float) -> list[PrefillView]:
         """Every alive prefill instance (each stage of a group by itself) as of `now`, for no prompt in

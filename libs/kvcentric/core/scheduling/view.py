@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.protocol import LoadReport
@@ -34,14 +35,15 @@ NO_PROMPT = PromptBlocks()
 """No prompt: views for status and routing statistics, where no instance holds anything of a request."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PrefillView:
-    """One prefill candidate (an instance, or a pipelined group named by its first stage) as of one decision."""
+class PrefillView(NamedTuple):
+    """One prefill candidate (an instance, or a pipelined group named by its first stage) as of one decision:
+    immutable, and a tuple because the Conductor builds one per candidate per decision (a frozen dataclass costs
+    several times as much to build)."""
 
     instance_id: str
     kv_addr: str
     cluster: str
-    report: LoadReport | None = dataclasses.field(repr=False)
+    report: LoadReport | None
     """Its last load report that carried load numbers, whole (a group's: its first stage's); None before one.
     Its numbers are as the instance sent them: `queue_s` and `load_tokens` add what was placed there since."""
     queue_s: float
@@ -70,7 +72,9 @@ class PrefillView:
 def instance_view(state: PrefillState, now: float, prompt: PromptBlocks = NO_PROMPT,
                   correction: float = 1.0) -> PrefillView:
     """The view of a whole prefill instance at `now`."""
-    held = prompt.held.get(state.instance_id, 0)
-    return PrefillView(state.instance_id, state.kv_addr, state.cluster, state.report, state.queue_s(now),
-                       state.load_tokens, len(state.in_flight), state.cost, state.trusted, correction,
-                       prompt.prefix(state.instance_id, held), held)
+    instance_id, in_flight = state.instance_id, state.in_flight
+    held, expected = prompt.held.get(instance_id, 0), prompt.expected.get(instance_id, 0)
+    return PrefillView(instance_id, state.kv_addr, state.cluster, state.report,
+                       max(0.0, state.queue_end - now) + in_flight.seconds,  # PrefillState.queue_s, inlined
+                       state.pending_tokens + in_flight.tokens, len(in_flight.placed), state.cost, state.trusted,
+                       correction, held if held >= expected else expected, held)
