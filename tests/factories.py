@@ -92,6 +92,16 @@ def decode_report(instance_id: str, running: int = 0, used_blocks: int = 0, tota
                       kv_blocks_free=total_blocks - used_blocks, ts=0.0)
 
 
+def prefill_view(instance_id: str, queue_s: float = 0.0, prefix: int = 0, held: int | None = None,
+                 cluster: str = "local", correction: float = 1.0, load_tokens: int = 0, trusted: bool = True):
+    """What a placement policy sees of a prefill instance: `prefix` blocks of the prompt held (`held` of them held
+    now, the rest expected; all of them unless given), its own model the prior's."""
+    from kvcentric.core.scheduling.view import PrefillView
+    report = prefill_report(instance_id, queue_s, cluster=cluster)
+    return PrefillView(instance_id, report.kv_addr, cluster, report, queue_s, load_tokens, 0, None, trusted, correction,
+                       prefix, prefix if held is None else held)
+
+
 def schedule_request(n_tokens: int = 1000, request_id: str = "r", priority: int = 0, blocks: int | None = None,
                      max_tokens: int = 16):
     """A request of n_tokens whose block hashes are h0, h1, ... (one per 100 tokens unless `blocks`)."""

@@ -8,6 +8,7 @@ import typing
 
 import pytest
 
+from factories import prefill_view
 from kvcentric.config import add_arguments
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.scheduling.admission import REJECTION_MODES, Admission
@@ -15,7 +16,6 @@ from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, POLICIES, make_policy as make_eviction
 from kvcentric.core.scheduling.policies import PLACEMENT_POLICIES, best_holder, make_policy
-from kvcentric.core.scheduling.registry import PrefillState
 from kvcentric.engine.config import EngineConfig
 from kvcentric.tools.sim import SimConfig
 
@@ -59,6 +59,7 @@ def test_the_flags_offer_exactly_the_core_names(config, field, names):
 
 
 def test_the_best_holder_is_the_instance_with_the_longest_prefix():
-    pool = [PrefillState(f"p{i}", "127.0.0.1:1", 0.0) for i in range(3)]
-    assert best_holder(pool, {"p0": 2, "p1": 5, "p2": 5}) == (pool[1], 5)
-    assert best_holder(pool, {"elsewhere": 9}) == (None, 0)
+    pool = [prefill_view(f"p{i}", prefix=blocks) for i, blocks in enumerate((2, 5, 5))]
+    assert best_holder(pool) == (pool[1], 5)
+    pool = [prefill_view(f"p{i}") for i in range(3)]  # the prefix is held elsewhere
+    assert best_holder(pool) == (None, 0)

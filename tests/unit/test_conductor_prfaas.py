@@ -60,7 +60,7 @@ def scarce(conductor, now=2.0, gbps=8.0):
 def test_scarce_bandwidth_judges_each_clusters_prefix_on_its_own_and_moves_no_cache():
     conductor = make_two_cluster_conductor()
     scarce(conductor)
-    assert conductor.router.utilization("prfaas", conductor.registry.alive_prefill(2.0), 2.0) == pytest.approx(1.0)
+    assert conductor.router.utilization("prfaas", conductor.prefill_views(2.0), 2.0) == pytest.approx(1.0)
     decision = place(conductor, 3000, hits={"r0": 25}, now=2.0)  # l judged against pd's own prefix: 3000 > t
     assert decision.prefill_id == "r0" and decision.kv_source_id == "" and decision.cached_tokens == 2500
 
@@ -147,7 +147,7 @@ def test_the_setup_must_name_a_pd_cluster_as_local():
 def test_status_reports_threshold_egress_and_routes():
     conductor = make_two_cluster_conductor()
     place(conductor, 5000)
-    status = conductor.router.status(conductor.registry.alive_prefill(0.1), 0.1)
+    status = conductor.router.status(conductor.prefill_views(0.1), 0.1)
     assert status["threshold"] == 1000 and status["routed"]["routed_prfaas"] == 1
     assert set(status["egress_utilization"]) == {"prfaas"}
 

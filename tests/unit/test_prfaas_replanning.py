@@ -121,8 +121,8 @@ def test_the_router_re_derives_t_with_the_prfaas_instances_measured_push_rate():
         conductor.observe(msgspec.structs.replace(report, link_bandwidth={"d0:7000": 3e9 / 8}), t)
     for report in (prefill_report("a0", cluster="pd"), decode_report("d0", cluster="pd")):
         conductor.observe(report, 2.0)
-    conductor.router.tick(conductor.registry.alive_prefill(2.0), 2.0, decodes=1)
+    conductor.router.tick(conductor.prefill_views(2.0), 2.0, decodes=1)
     workload = LengthDistribution.from_samples([n for n, _ in LENGTHS], 256)
     want = best_threshold(profile.with_egress(3.0), workload, Counts(1, 1, 1)).threshold
     assert conductor.router.threshold == want and conductor.router.stats["threshold_rederived"] == 1
-    assert conductor.router.measured_egress("prfaas", conductor.registry.alive_prefill(2.0)) == 3e9 / 8
+    assert conductor.router.measured_egress("prfaas", conductor.prefill_views(2.0)) == 3e9 / 8

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.prfaas.profile import PrfaasProfile
@@ -25,7 +25,7 @@ from kvcentric.core.prfaas.topology import Topology
 from kvcentric.core.protocol import LoadReport, ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator
 from kvcentric.core.scheduling.policies import PlacementPolicy, PrefillChoice, best_holder
-from kvcentric.core.scheduling.registry import PrefillState
+from kvcentric.core.scheduling.view import PrefillView
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +106,13 @@ class EgressMeter:
 @dataclasses.dataclass(slots=True)
 class ClusterRoute:
     decision: RouteDecision
-    candidates: list[PrefillState]
-    source: PrefillState | None
+    candidates: list[PrefillView]
+    source: PrefillView | None
     """Instance of another cluster holding the longer prefix, for a cross-cluster cache transfer."""
     source_blocks: int
     fallback: bool = False
     """The routed cluster had no alive prefill instance, so the other one computes."""
-    pd_holder: PrefillState | None = None
+    pd_holder: PrefillView | None = None
     """The PD-cluster instance holding the longest prefix (l_pd), if any."""
 
 
@@ -144,7 +144,7 @@ class ClusterRouter:
             if report.link_bandwidth:
                 self.push_rates[report.instance_id] = max(report.link_bandwidth.values())
 
-    def measured_egress(self, cluster: str, prefills: list[PrefillState]) -> float:
+    def measured_egress(self, cluster: str, prefills: Sequence[PrefillView]) -> float:
         """B_out of a PrfaaS cluster as measured, bytes/s: its alive instances' push rates added up, never
         more than the link (the topology's figure until any push was measured)."""
         link = self.setup.link_bytes_per_s(cluster, self.pd)
@@ -152,17 +152,17 @@ class ClusterRouter:
                  s.instance_id in self.push_rates]
         return min(link, sum(rates)) if rates else link
 
-    def in_scope(self, states: list, cluster: str) -> list:
+    def in_scope(self, states: Sequence, cluster: str) -> list:
         return [s for s in states if s.cluster == cluster]
 
-    def utilization(self, cluster: str, prefills: list[PrefillState], now: float) -> float:
+    def utilization(self, cluster: str, prefills: Sequence[PrefillView], now: float) -> float:
         """Measured egress of a PrfaaS cluster over its link's capacity (0..1, more when over-driven)."""
         ids = [s.instance_id for s in prefills if s.cluster == cluster]
         return self.egress.rate(ids, now) / self.setup.link_bytes_per_s(cluster, self.pd)
 
     # ---------------------------------------------------------------- short-term t (§3.4.3)
 
-    def tick(self, prefills: list[PrefillState], now: float, decodes: int = 0) -> ThresholdChange | None:
+    def tick(self, prefills: Sequence[PrefillView], now: float, decodes: int = 0) -> ThresholdChange | None:
         """One step of t when `adjust_s` has passed since the last one (`decodes`: PD decode instances alive,
         for the model's re-derivation)."""
         if not self.setup.adjust_s or not self.prfaas:
@@ -171,9 +171,9 @@ class ClusterRouter:
             return None
         self.last_adjust = now
         egress = max(self.utilization(name, prefills, now) for name in self.prfaas)
-        remote_q = max(_mean_queue(self.in_scope(prefills, name), now) for name in self.prfaas)
+        remote_q = max(_mean_queue(self.in_scope(prefills, name)) for name in self.prfaas)
         change = adjust_threshold(self.threshold, self.setup.threshold, egress, remote_q,
-                                  _mean_queue(self.in_scope(prefills, self.pd), now), self.setup.short_term)
+                                  _mean_queue(self.in_scope(prefills, self.pd)), self.setup.short_term)
         if self.setup.profile is not None and change.changed:
             change = self._rederive(change, prefills, decodes)
         if change.changed:
@@ -181,7 +181,7 @@ class ClusterRouter:
         self.threshold, self.last_change = change.threshold, change
         return change
 
-    def _rederive(self, trigger: ThresholdChange, prefills: list[PrefillState], decodes: int) -> ThresholdChange:
+    def _rederive(self, trigger: ThresholdChange, prefills: Sequence[PrefillView], decodes: int) -> ThresholdChange:
         """§3.4.3: t searched again from the model, at the measured egress of the PrfaaS clusters."""
         assert self.setup.profile is not None
         n_prfaas = sum(1 for s in prefills if s.cluster in self.prfaas)
@@ -202,15 +202,14 @@ class ClusterRouter:
 
     # ---------------------------------------------------------------- routing (§3.3, §3.4.3)
 
-    def route(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
-              now: float) -> ClusterRoute | None:
+    def route(self, request: ScheduleRequest, prefills: Sequence[PrefillView], now: float) -> ClusterRoute | None:
         """The cluster and its candidate instances; None when no cluster of the topology has one alive."""
         pools = {name: self.in_scope(prefills, name) for name in (self.pd, *self.prfaas)}
         remote = [name for name in self.prfaas if pools[name]]
         if not pools[self.pd] and not remote:
             return None
         n = request.n_tokens
-        holders = {name: best_holder(pool, hits) for name, pool in pools.items()}
+        holders = {name: best_holder(pool) for name, pool in pools.items()}
         prefixes = {name: self.estimators[name].cached_tokens(n, blocks) for name, (_, blocks) in holders.items()
                     if name == self.pd or name in remote}
         threshold = self.threshold if pools[self.pd] else -1.0  # no PD-P alive: everything goes remote
@@ -221,15 +220,14 @@ class ClusterRouter:
         source, blocks = holders.get(decision.cache_source, (None, 0)) if decision.cache_source else (None, 0)
         return ClusterRoute(decision, pools[decision.cluster], source, blocks, fallback, holders[self.pd][0])
 
-    def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
-               now: float) -> PrefillChoice | None:
+    def choose(self, request: ScheduleRequest, prefills: Sequence[PrefillView], now: float) -> PrefillChoice | None:
         """Route, let the cluster's policy pick the node, then add any cross-cluster cache transfer and,
         for a PrfaaS prefill, the KV's crossing of the link to the PD cluster."""
-        routed = self.route(request, prefills, hits, now)
+        routed = self.route(request, prefills, now)
         if routed is None:
             return None
         cluster = routed.decision.cluster
-        choice = self.policies[cluster].choose(request, routed.candidates, hits, now)
+        choice = self.policies[cluster].choose(request, routed.candidates, now)
         if routed.source is not None and routed.source_blocks > choice.prefix_blocks:
             choice = self._pull_across(request, choice, routed.source, routed.source_blocks, cluster, now)
         if routed.decision.target == "prfaas":
@@ -239,14 +237,14 @@ class ClusterRouter:
         self.stats["route_fallbacks"] += routed.fallback
         return choice
 
-    def _pull_across(self, request: ScheduleRequest, choice: PrefillChoice, source: PrefillState, blocks: int,
+    def _pull_across(self, request: ScheduleRequest, choice: PrefillChoice, source: PrefillView, blocks: int,
                      cluster: str, now: float) -> PrefillChoice:
         """Cross-cluster cache transfer (§3.4.3, ample bandwidth): the node pulls the longer prefix first."""
         estimator = self.estimators[cluster]
         prefill_s = estimator.t_prefill(request.n_tokens, blocks)
         nbytes = estimator.block_bytes(blocks - choice.local_blocks)
         transfer_s = self._sent(source.cluster, cluster, nbytes, now) - now
-        queue_s = choice.instance.queue_s(now)
+        queue_s = choice.instance.queue_s
         self.stats["cross_cluster_transfers"] += 1
         return PrefillChoice(choice.instance, transfer_s + queue_s + prefill_s, prefill_s, blocks, source,
                              choice.local_blocks)
@@ -277,8 +275,8 @@ class ClusterRouter:
         return max(start, free) + nbytes / self.setup.link_bytes_per_s(source, target)
 
     def account(self, request: ScheduleRequest, choice: PrefillChoice, now: float) -> None:
-        """A placement was made (call before the instance's queue grows by it): a prefix pulled from
-        another cluster, and a PrfaaS prefill's KV from when its prefill starts, queue on their link."""
+        """A placement was made: a prefix pulled from another cluster, and a PrfaaS prefill's KV from when its
+        prefill starts (after the queue the choice saw), queue on their link."""
         cluster = choice.instance.cluster
         source = choice.source
         cached = self.estimators[cluster].cached_tokens(request.n_tokens, choice.prefix_blocks)
@@ -288,18 +286,18 @@ class ClusterRouter:
             self.busy_until[(source.cluster, cluster)] = self._sent(source.cluster, cluster, nbytes, now)
         if cluster in self.prfaas:
             nbytes = self.estimators[cluster].cost.kv_bytes(self.kv_to_pd_tokens(request, choice))
-            start = now + choice.instance.queue_s(now)
+            start = now + choice.instance.queue_s
             self.busy_until[(cluster, self.pd)] = self._sent(cluster, self.pd, nbytes, start)
             self.stats["kv_bytes_routed_remote"] += nbytes
 
-    def status(self, prefills: list[PrefillState], now: float) -> dict:
+    def status(self, prefills: Sequence[PrefillView], now: float) -> dict:
         """For /health and /metrics: t, the plan, egress use and queues per PrfaaS cluster, route counts."""
         return {"threshold": self.threshold, "planned_threshold": self.setup.threshold,
                 "last_change": self.last_change.reason, "local": self.pd,
                 "egress_utilization": {n: round(self.utilization(n, prefills, now), 4) for n in self.prfaas},
-                "prfaas_queue_s": {n: round(_mean_queue(self.in_scope(prefills, n), now), 3) for n in self.prfaas},
+                "prfaas_queue_s": {n: round(_mean_queue(self.in_scope(prefills, n)), 3) for n in self.prfaas},
                 "routed": {k: v for k, v in self.stats.items()}}
 
 
-def _mean_queue(pool: list[PrefillState], now: float) -> float:
-    return sum(s.queue_s(now) for s in pool) / len(pool) if pool else 0.0
+def _mean_queue(pool: Sequence[PrefillView]) -> float:
+    return sum(s.queue_s for s in pool) / len(pool) if pool else 0.0

@@ -1,8 +1,10 @@
 """The Conductor's core: turns a ScheduleRequest and the prefix blocks each instance holds into a Placement
 or a Rejection, and keeps the dispatch-time accounting the next decision needs. Pure, time passed in.
 
-Mooncake Algorithm 1 end to end: the placement policy picks the prefill instance and predicts TTFT
-(`policies`), admission picks the decode instance by predicted TBT and applies the rejection mode
+Mooncake Algorithm 1 end to end: each decision first builds every candidate's view (`view.PrefillView`: its
+last load report, the placements in flight there, its TTFT correction and the prompt's blocks it holds, a
+pipelined group's from its stages in `groups`), the placement policy picks from those views the prefill instance
+and predicts TTFT (`policies`), admission picks the decode instance by predicted TBT and applies the rejection mode
 (`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
 are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
 in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
@@ -35,6 +37,7 @@ from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.prefix import ExpectedBlocks
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
 from kvcentric.core.scheduling.slo import Slo
+from kvcentric.core.scheduling.view import PrefillView, PromptBlocks, instance_view
 
 MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
@@ -209,9 +212,7 @@ class Conductor:
         state = self.registry.decode.get(pending.decode_id)
         if state is not None:
             state.forecast.remove(request_id)
-        prefill = self.registry.prefill.get(pending.prefill_id)
-        if prefill is not None:
-            prefill.in_flight.discard(request_id)
+        self.registry.unplace(pending.prefill_id, request_id)
         self._forget_waiting(request_id, pending)
 
     def _forget_waiting(self, request_id: str, pending: Pending) -> None:
@@ -225,21 +226,14 @@ class Conductor:
         (ignored below `cache_aware_scheduling_min_tokens`). Instances in `request.avoid` (a migrated request's
         failed ones) are not considered; the stages of a prefill group are one candidate."""
         alive = [s for s in self.registry.alive_prefill(now) if s.instance_id not in request.avoid]
-        prefills, hits = self.groups.candidates(alive, hits, now)
+        whole, groups = self.groups.split(alive)
         decodes = [s for s in self.registry.alive_decode(now) if s.instance_id not in request.avoid]
         if self.router is not None:
             decodes = self.router.in_scope(decodes, self.router.pd)
-        if not prefills or not decodes:
-            return self._no_instance(request, prefills, decodes)
-        if self.expected is not None:
-            self.expected.expire(now)
-            hits = self.expected.merged(request.block_hashes, hits)
-        if not self.cache_aware(request):
-            hits = {}
-        if self.correction is not None:
-            for state in prefills:
-                state.ttft_factor = self.correction.factor(state.instance_id, now)
-        choice = self._choose_prefill(request, prefills, hits, now, len(decodes))
+        if not (whole or groups) or not decodes:
+            return self._no_instance(request, whole or groups, decodes)
+        prefills = self._candidates(request, hits, whole, groups, now)
+        choice = self._choose_prefill(request, prefills, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
         slo = self.slo_for(request.n_tokens, alive, decodes)
@@ -256,6 +250,30 @@ class Conductor:
             self.stats["queued_burst"] += 1
         self._account(request, choice, decode, now)
         return self._placement(request, choice, decode, slo)
+
+    def _candidates(self, request: ScheduleRequest, hits: Mapping[str, int], whole: list[PrefillState],
+                    groups: list[list[PrefillState]], now: float) -> list[PrefillView]:
+        """Each whole instance, then each complete group, as the policy sees it for this decision: with the
+        prompt's blocks it holds (`hits`) and is expected to hold (none below the cache-aware minimum), and its
+        TTFT correction now."""
+        if self.expected is not None:
+            self.expected.expire(now)
+        prompt = PromptBlocks()
+        if self.cache_aware(request):
+            expected = self.expected.match(request.block_hashes) if self.expected is not None else {}
+            prompt = PromptBlocks(hits, expected)
+        correction = self.correction
+        if correction is None:
+            views = [instance_view(state, now, prompt) for state in whole]
+            return views + [self.groups.view(stages, now, prompt) for stages in groups]
+        views = [instance_view(state, now, prompt, correction.factor(state.instance_id, now)) for state in whole]
+        return views + [self.groups.view(stages, now, prompt, correction.factor(stages[0].instance_id, now))
+                        for stages in groups]
+
+    def prefill_views(self, now: float) -> list[PrefillView]:
+        """Every alive prefill instance (each stage of a group by itself) as of `now`, for no prompt in
+        particular: what the PrfaaS router's status and tests read queues from."""
+        return [instance_view(state, now) for state in self.registry.alive_prefill(now)]
 
     def slo_for(self, n_tokens: int, prefills: list[PrefillState], decodes: list[DecodeState]) -> Slo:
         """The SLOs of a request of `n_tokens`: the absolute ones, or relative to the unloaded speed of the
@@ -280,7 +298,7 @@ class Conductor:
         every, instance = self.config.probe_every_s, choice.instance
         if not every or verdict.stage != "prefill" or not decode.room or decode.load > verdict.threshold:
             return False
-        if instance.queue_s(now) > 0 or len(instance.in_flight):
+        if instance.queue_s > 0 or instance.in_flight:
             return False
         since = self.refused_since.setdefault(instance.instance_id, now)
         if now - since < every:
@@ -294,7 +312,7 @@ class Conductor:
         where the prediction is only the prior's guess (never a reason to reject)."""
         if not choice.instance.trusted:
             return 0.0
-        return choice.ttft_s * choice.instance.ttft_factor
+        return choice.ttft_s * choice.instance.correction
 
     def cache_aware(self, request: ScheduleRequest) -> bool:
         """Whether the prompt is long enough for its prefix hits to count (Llumnix's minimum tokens)."""
@@ -305,13 +323,13 @@ class Conductor:
         self.stats["rejected_no_instance"] += 1
         return Rejection.no_instance(request.request_id, f"no {missing} instance is alive")
 
-    def _choose_prefill(self, request: ScheduleRequest, prefills: list, hits: Mapping[str, int],
-                        now: float, decodes: int = 0) -> PrefillChoice | None:
+    def _choose_prefill(self, request: ScheduleRequest, prefills: list[PrefillView], now: float,
+                        decodes: int = 0) -> PrefillChoice | None:
         """The placement policy over every alive instance, or, with clusters, over the routed cluster's."""
         if self.router is None:
-            return self.policy.choose(request, prefills, hits, now)
+            return self.policy.choose(request, prefills, now)
         self.router.tick(prefills, now, decodes)
-        return self.router.choose(request, prefills, hits, now)
+        return self.router.choose(request, prefills, now)
 
     def _decode_for(self, request: ScheduleRequest, choice: PrefillChoice, decodes: list[DecodeState],
                     now: float, slo: Slo | None = None) -> DecodeChoice:
@@ -330,7 +348,8 @@ class Conductor:
         if self.router is not None:
             self.router.account(request, choice, now)
         cached = self.estimator.cached_tokens(request.n_tokens, choice.prefix_blocks)
-        instance.in_flight.add(request.request_id, choice.prefill_s, request.n_tokens - cached, now)
+        self.registry.place(instance.instance_id, request.request_id, choice.prefill_s, request.n_tokens - cached,
+                            now)
         if self.expected is not None and request.block_hashes:
             self.expected.expect(instance.instance_id, request.block_hashes, now + choice.ttft_s + EXPECTED_SLACK_S)
         if choice.source is not None:
@@ -366,7 +385,7 @@ class Conductor:
                          decode_prefix_addr=holder.kv_addr if holder is not None else "",
                          decode_prefix_hashes=request.block_hashes[:prefix_blocks],
                          decode_prefix_tokens=prefix_tokens if holder is not None else 0,
-                         pipeline_addrs=self.groups.later_stages(choice.instance.instance_id),
+                         pipeline_addrs=list(choice.instance.pipeline_addrs),
                          ttft_slo_s=_finite(slo.ttft_s) if slo else 0.0, tbt_slo_s=_finite(slo.tbt_s) if slo else 0.0,
                          decode_tbt_check=self.admission.mode == "none")
 

@@ -1,7 +1,9 @@
 """Prefill placement policies, chosen by name: random, load_balance, cache_aware (Mooncake §6.1),
 kvcentric (Algorithm 1 with cache load balancing, §6.2) and llumnix (prefixMissTokens +
 allPrefillsTokensNum). Each returns the prefill instance it picks and its predicted TTFT; none of them
-chooses the decode instance, rejects, or changes any state.
+chooses the decode instance, rejects, or changes any state. A policy reads only what it is given: each
+candidate's `view.PrefillView` (its queue, load, cost, correction and the prompt's blocks it holds), built by the
+Conductor for this one decision.
 
 Every policy predicts TTFT = [T_transfer +] T_queue + T_prefill, so all can be held to the same SLO.
 An instance reuses the prefix blocks it holds locally; only `kvcentric` also pulls blocks from the
@@ -13,28 +15,28 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from collections.abc import Sequence
 from typing import Literal, Protocol, get_args
-from collections.abc import Mapping
 
 from kvcentric.core.protocol import ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
-from kvcentric.core.scheduling.registry import PrefillState
+from kvcentric.core.scheduling.view import PrefillView
 
 
 @dataclasses.dataclass(slots=True)
 class PrefillChoice:
-    instance: PrefillState
+    instance: PrefillView
     ttft_s: float
     """Predicted time to first token: transfer + queue + prefill."""
     prefill_s: float
     """Predicted prefill execution time (what the instance's queue grows by)."""
     prefix_blocks: int
     """Leading blocks the instance will not compute (held locally, or pulled)."""
-    source: PrefillState | None = None
+    source: PrefillView | None = None
     """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling."""
     local_blocks: int = 0
     """Leading blocks the instance holds itself."""
-    decode_prefix_source: PrefillState | None = None
+    decode_prefix_source: PrefillView | None = None
     """PrfaaS §3.3: the local-cluster instance the decode instance takes the prompt's cached prefix from
     (a remote prefill then ships only the KV after it), or None."""
     decode_prefix_tokens: int = 0
@@ -44,23 +46,24 @@ class PrefillChoice:
         return self.prefix_blocks - self.local_blocks if self.source is not None else 0
 
 
-def best_holder(prefills: list[PrefillState], hits: Mapping[str, int]) -> tuple[PrefillState | None, int]:
-    """FindBestPrefixMatch over a pool: the instance holding the longest prefix and its length in blocks
-    (None, 0 when no instance holds any)."""
+def best_holder(candidates: Sequence[PrefillView], pullable: bool = False) -> tuple[PrefillView | None, int]:
+    """FindBestPrefixMatch over a pool: the candidate holding the longest prefix of the prompt and its length in
+    blocks (None, 0 when none holds any). `pullable`: count only the blocks each holds now (blocks it is only
+    expected to hold cannot be pulled from it yet)."""
     source, best = None, 0
-    for instance in prefills:
-        prefix = hits.get(instance.instance_id, 0)
+    for candidate in candidates:
+        prefix = candidate.held_blocks if pullable else candidate.prefix_blocks
         if prefix > best:
-            source, best = instance, prefix
+            source, best = candidate, prefix
     return source, best
 
 
 class PlacementPolicy(Protocol):
     name: str
 
-    def choose(self, request: ScheduleRequest, prefills: list[PrefillState], hits: Mapping[str, int],
-               now: float) -> PrefillChoice:
-        """Pick one of `prefills` (non-empty) for `request`; `hits` maps instance id -> prefix blocks held."""
+    def choose(self, request: ScheduleRequest, candidates: Sequence[PrefillView], now: float) -> PrefillChoice:
+        """Pick one of `candidates` (non-empty) for `request`: each is a prefill instance or group as the
+        Conductor sees it for this decision, with the blocks of this prompt it holds."""
 
 
 class _Policy:
@@ -69,12 +72,11 @@ class _Policy:
     def __init__(self, estimator: Estimator) -> None:
         self.estimator = estimator
 
-    def local(self, request: ScheduleRequest, instance: PrefillState, hits: Mapping[str, int],
-              now: float) -> PrefillChoice:
+    def local(self, request: ScheduleRequest, instance: PrefillView) -> PrefillChoice:
         """The choice of `instance` reusing only its own prefix."""
-        prefix = hits.get(instance.instance_id, 0)
+        prefix = instance.prefix_blocks
         prefill_s = self.estimator.t_prefill(request.n_tokens, prefix, instance.cost)
-        return PrefillChoice(instance, instance.queue_s(now) + prefill_s, prefill_s, prefix, None, prefix)
+        return PrefillChoice(instance, instance.queue_s + prefill_s, prefill_s, prefix, None, prefix)
 
 
 class RandomPolicy(_Policy):
@@ -86,8 +88,8 @@ class RandomPolicy(_Policy):
         super().__init__(estimator)
         self.rng = random.Random(seed)
 
-    def choose(self, request, prefills, hits, now):
-        return self.local(request, prefills[self.rng.randrange(len(prefills))], hits, now)
+    def choose(self, request, candidates, now):
+        return self.local(request, candidates[self.rng.randrange(len(candidates))])
 
 
 class LoadBalancePolicy(_Policy):
@@ -95,8 +97,8 @@ class LoadBalancePolicy(_Policy):
 
     name = "load_balance"
 
-    def choose(self, request, prefills, hits, now):
-        return self.local(request, min(prefills, key=lambda s: s.queue_s(now)), hits, now)
+    def choose(self, request, candidates, now):
+        return self.local(request, min(candidates, key=lambda s: s.queue_s))
 
 
 class CacheAwarePolicy(_Policy):
@@ -104,20 +106,20 @@ class CacheAwarePolicy(_Policy):
 
     name = "cache_aware"
 
-    def choose(self, request, prefills, hits, now):
+    def choose(self, request, candidates, now):
         estimator, n = self.estimator, request.n_tokens
         memo: dict[object, float] = {}
-        best, best_ttft = prefills[0], math.inf
-        for instance in prefills:
-            prefix, cost = hits.get(instance.instance_id, 0), instance.cost
+        best, best_ttft = candidates[0], math.inf
+        for instance in candidates:
+            prefix, cost = instance.prefix_blocks, instance.cost
             key = prefix if cost is None else (id(cost), prefix)
             prefill_s = memo.get(key)
             if prefill_s is None:
                 prefill_s = memo[key] = estimator.t_prefill(n, prefix, cost)
-            ttft = (instance.queue_s(now) + prefill_s) * instance.ttft_factor
+            ttft = (instance.queue_s + prefill_s) * instance.correction
             if ttft < best_ttft:
                 best, best_ttft = instance, ttft
-        return self.local(request, best, hits, now)
+        return self.local(request, best)
 
 
 class KVCentricPolicy(_Policy):
@@ -134,30 +136,28 @@ class KVCentricPolicy(_Policy):
             raise ValueError(f"kvcache_balancing_threshold must be >= 1, got {threshold}")
         self.links, self.threshold = links, threshold
 
-    def choose(self, request, prefills, hits, now):
+    def choose(self, request, candidates, now):
         estimator, n, threshold = self.estimator, request.n_tokens, self.threshold
-        held = getattr(hits, "held", hits)  # blocks only expected somewhere cannot be pulled from there yet
-        source, best_prefix = best_holder(prefills, held) if held else (None, 0)
+        source, best_prefix = best_holder(candidates, pullable=True)
         memo: dict[object, float] = {}
-        best, best_ttft, best_score, best_pull, get = prefills[0], math.inf, math.inf, False, hits.get
-        for instance in prefills:  # the hot loop of the conductor: kept flat on purpose
-            prefix, cost = get(instance.instance_id, 0), instance.cost
+        best, best_ttft, best_score, best_pull = candidates[0], math.inf, math.inf, False
+        for instance in candidates:  # the hot loop of the conductor: kept flat on purpose
+            prefix, cost = instance.prefix_blocks, instance.cost
             pull = best_prefix > prefix * threshold
             reused = best_prefix if pull else prefix
             key = reused if cost is None else (id(cost), reused)  # an instance with its own model: its own entry
             prefill_s = memo.get(key)
             if prefill_s is None:
                 prefill_s = memo[key] = estimator.t_prefill(n, reused, cost)
-            queue = instance.queue_end - now
-            ttft = (queue if queue > 0.0 else 0.0) + instance.dispatched_s + prefill_s
+            ttft = instance.queue_s + prefill_s
             if pull:
                 assert source is not None  # best_prefix > 0, so some instance holds it
                 nbytes = estimator.block_bytes(best_prefix - prefix)
                 ttft += self.links.t_transfer(source.instance_id, instance.instance_id, nbytes, now)
-            score = ttft * instance.ttft_factor  # ranked on the corrected prediction, the raw one returned
+            score = ttft * instance.correction  # ranked on the corrected prediction, the raw one returned
             if score < best_score:
                 best, best_ttft, best_score, best_pull = instance, ttft, score, pull
-        prefix = get(best.instance_id, 0)
+        prefix = best.prefix_blocks
         reused = best_prefix if best_pull else prefix
         key = reused if best.cost is None else (id(best.cost), reused)
         return PrefillChoice(best, best_ttft, memo[key], reused, source if best_pull else None, prefix)
@@ -169,14 +169,14 @@ class LlumnixPolicy(_Policy):
 
     name = "llumnix"
 
-    def choose(self, request, prefills, hits, now):
+    def choose(self, request, candidates, now):
         n, cached = request.n_tokens, self.estimator.cached_tokens
 
-        def metric(instance: PrefillState) -> tuple[float, float]:
-            miss = n - cached(n, hits.get(instance.instance_id, 0))
-            return miss + instance.load_tokens, instance.queue_s(now)
+        def metric(instance: PrefillView) -> tuple[float, float]:
+            miss = n - cached(n, instance.prefix_blocks)
+            return miss + instance.load_tokens, instance.queue_s
 
-        return self.local(request, min(prefills, key=metric), hits, now)
+        return self.local(request, min(candidates, key=metric))
 
 
 class KVCacheHitLenPolicy(_Policy):
@@ -185,13 +185,13 @@ class KVCacheHitLenPolicy(_Policy):
 
     name = "kv_cache_hit_len"
 
-    def choose(self, request, prefills, hits, now):
+    def choose(self, request, candidates, now):
         n, cached = request.n_tokens, self.estimator.cached_tokens
 
-        def metric(instance: PrefillState) -> tuple[float, float]:
-            return -cached(n, hits.get(instance.instance_id, 0)), instance.queue_s(now)
+        def metric(instance: PrefillView) -> tuple[float, float]:
+            return -cached(n, instance.prefix_blocks), instance.queue_s
 
-        return self.local(request, min(prefills, key=metric), hits, now)
+        return self.local(request, min(candidates, key=metric))
 
 
 PlacementName = Literal["random", "load_balance", "cache_aware", "kvcentric", "llumnix", "kv_cache_hit_len"]

@@ -171,13 +171,6 @@ class HolderIndex:
         return bit
 
 
-class ExpectedHits(dict[str, int]):
-    """Leading blocks each instance holds or is expected to hold; `held`: those it holds now, the only ones
-    another instance can pull (expected blocks are not there yet)."""
-
-    held: Mapping[str, int]
-
-
 class ExpectedBlocks:
     """The blocks the Conductor expects an instance to hold once the prefills it placed there are done, until
     the KV events say so (Mooncake §6.1: on assigning a request, the Conductor "updates the cache ... for that
@@ -227,17 +220,18 @@ class ExpectedBlocks:
             lapsed += 1
         del self.until[:lapsed]
 
-    def merged(self, block_hashes: Sequence[Hashable], hits: Mapping[str, int]) -> Mapping[str, int]:
+    def match(self, block_hashes: Sequence[Hashable]) -> dict[str, int]:
+        """Leading blocks of `block_hashes` each instance is expected to hold (instances expected to hold none
+        are absent)."""
+        if not self.until or not block_hashes:
+            return {}
+        return self.prefix.match(block_hashes)
+
+    def merged(self, block_hashes: Sequence[Hashable], hits: Mapping[str, int]) -> dict[str, int]:
         """`hits` (leading blocks each instance holds) with what each is expected to hold: the longer of the two
         (every expectation is a whole prompt's chain from its first block, so the longer one is the prefix)."""
-        if not self.until or not block_hashes:
-            return hits
-        expected = self.prefix.match(block_hashes)
-        if not expected:
-            return hits
-        merged = ExpectedHits(hits)
-        merged.held = hits
-        for instance_id, depth in expected.items():
+        merged = dict(hits)
+        for instance_id, depth in self.match(block_hashes).items():
             if depth > merged.get(instance_id, 0):
                 merged[instance_id] = depth
         return merged

@@ -45,9 +45,9 @@ class PrefillState:
     """Its own measured cost model (None: the estimator's prior predicts for it)."""
     trusted: bool = True
     """Whether its predictions may reject a request (a measured model, or a prior from a profile)."""
-    ttft_factor: float = 1.0
-    """What the TTFT-ranking placement policies multiply its predicted TTFT by: the Conductor's correction of
-    it from what came (`correction`), 1 without."""
+    report: LoadReport | None = None
+    """Its last report that carried load numbers, whole (what a placement policy may read of it beyond the
+    fields above, `view.PrefillView.report`)."""
 
     def queue_s(self, now: float) -> float:
         """T_queue: seconds before a request placed now would start its prefill."""
@@ -146,7 +146,7 @@ class InstanceRegistry:
                 state = self.prefill[report.instance_id] = PrefillState(report.instance_id, report.kv_addr, now)
             if not self._heard(state, report, now):
                 return state
-            state.kv_addr, state.cluster = report.kv_addr, report.cluster
+            state.kv_addr, state.cluster, state.report = report.kv_addr, report.cluster, report
             state.draining, state.cost, state.trusted = report.draining, own, trusted
             self._take_queue(state, report, own, now)
             return state
@@ -177,6 +177,16 @@ class InstanceRegistry:
             else report.queued_tokens
         listed = set(report.prefill_ids) if report.prefill_ids is not None else None
         state.in_flight.reconcile(listed, computed_at)
+
+    def place(self, instance_id: str, request_id: str, prefill_s: float, uncached: int, now: float) -> None:
+        """A request placed on the prefill instance: it counts in its T_queue until its reports list it."""
+        self.prefill[instance_id].in_flight.add(request_id, prefill_s, uncached, now)
+
+    def unplace(self, instance_id: str, request_id: str) -> None:
+        """A request placed there is over (or will not run): it no longer counts in its T_queue."""
+        state = self.prefill.get(instance_id)
+        if state is not None:
+            state.in_flight.discard(request_id)
 
     def alive_prefill(self, now: float) -> list[PrefillState]:
         return [s for s in self.prefill.values() if self._placeable(s, now)]
