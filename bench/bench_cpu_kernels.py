@@ -1,4 +1,4 @@
-"""The CPU kernels of `engine/kernels` against what torch does without them, built for one instruction set
+"""The CPU kernels of `engine/model/kernels` against what torch does without them, built for one instruction set
 (`--isa`: native, avx512, avx2, portable, or all those this CPU runs, one after another), torch held to the same
 set (`kernels.capped_env`: the script runs itself again in a process with that environment, as torch picks its
 kernels when it is imported). At the shapes of `small` (hidden 512, 8 heads, 4 KV heads of 64, SwiGLU 1408) and
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs"))
 
-from kvcentric.engine import kernels  # noqa: E402
-from kvcentric.engine.kernels.isas import ISAS, TORCH_CAPS  # noqa: E402
-from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
+from kvcentric.engine.model import kernels  # noqa: E402
+from kvcentric.engine.model.kernels.isas import ISAS, TORCH_CAPS  # noqa: E402
+from kvcentric.engine.model.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
     projection_shapes  # noqa: E402
 from kvcentric.model.config import ModelConfig, preset  # noqa: E402
 

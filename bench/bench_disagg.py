@@ -36,10 +36,10 @@ from harness import UpProcess  # noqa: E402
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
 from kvcentric.core.hashing import BlockHasher  # noqa: E402
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams  # noqa: E402
-from kvcentric.engine.colocated import ColocatedEngine  # noqa: E402
+from kvcentric.engine.cores.colocated import ColocatedEngine  # noqa: E402
 from kvcentric.engine.config import EngineConfig  # noqa: E402
-from kvcentric.engine.mixed import MixedStepper  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.engine.cores.mixed import MixedStepper  # noqa: E402
+from kvcentric.engine.model.runner import ModelRunner  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 from kvcentric.model.tokenizer import ByteTokenizer  # noqa: E402
 

@@ -36,9 +36,9 @@ from bench_request_path import log, machine  # noqa: E402
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
 from kvcentric.core.hashing import BlockHasher  # noqa: E402
 from kvcentric.core.protocol import PrefillJob, SamplingParams  # noqa: E402
-from kvcentric.engine.kvpool import HostBlockPool  # noqa: E402
-from kvcentric.engine.prefill import PrefillEngine  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.engine.kv.kvpool import HostBlockPool  # noqa: E402
+from kvcentric.engine.cores.prefill import PrefillEngine  # noqa: E402
+from kvcentric.engine.model.runner import ModelRunner  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

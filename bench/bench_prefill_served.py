@@ -64,7 +64,7 @@ def in_process(checkpoint: str, threads: int) -> None:
     sys.path.insert(0, str(HERE.parent / "libs"))
     import torch
 
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import load_model_config
     from kvcentric.runtime.service import keep_heap
 

@@ -1,6 +1,6 @@
 """Request-path overhead: one request at a time through a whole `kvcentric up` cluster (gateway -> NATS ->
 conductor -> prefill -> gRPC KV push -> decode -> NATS -> SSE) vs the same work in one process
-(`kvcentric.engine.local.generate`), for several prompt lengths.
+(`kvcentric.engine.model.local.generate`), for several prompt lengths.
 
 Usage:
     .venv/bin/python bench/bench_request_path.py [--model small] [--lengths 64 512 1536]
@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # the test harness
 from harness import UpProcess
 from kvcentric.tools.processes import get_json

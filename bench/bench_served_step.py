@@ -38,7 +38,7 @@ from bench_vs_vllm import build_checkpoint  # noqa: E402
 from harness import UpProcess  # noqa: E402
 
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.engine.runner import ModelRunner  # noqa: E402
+from kvcentric.engine.model.runner import ModelRunner  # noqa: E402
 from kvcentric.model.config import load_model_config  # noqa: E402
 
 RESULTS = HERE / "results"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from factories import decode_job, greedy, make_pool, make_runner
-from kvcentric.engine.decode import DecodeEngine, KVNoRoom
+from kvcentric.engine.cores.decode import DecodeEngine, KVNoRoom
 
 
 def engine_with(num_blocks: int, staging_requests: int) -> DecodeEngine:

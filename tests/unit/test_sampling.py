@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.sampling import adjust, choose, prompt_logprobs
+from kvcentric.engine.model.sampling import adjust, choose, prompt_logprobs
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 1.0, -3.0])
 
@@ -87,8 +87,8 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
     """`DecodeEngine.choose_all` takes one argmax over the plain greedy rows and `choose` for the rest: the same
     tokens, and the logprobs of the rows that asked, as choosing each row alone."""
     from factories import decode_job, make_pool, make_runner
-    from kvcentric.engine.decode import DecodeEngine, DecodeRequest
-    from kvcentric.engine.sampling import plain_greedy
+    from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest
+    from kvcentric.engine.model.sampling import plain_greedy
 
     kinds = [SamplingParams(max_tokens=4, temperature=0.0),
              SamplingParams(max_tokens=4, temperature=0.0, logprobs=2),
