@@ -5,7 +5,7 @@ kernels when it is imported). At the shapes of `small` (hidden 512, 8 heads, 4 K
 `medium` (the 136M Llama: hidden 1024, 16 heads, 4 KV heads, SwiGLU 2816), fp32, on 2 threads and on 1:
 
 - the small GEMM of each linear layer (q|k|v, o, gate|up, down) at 1 to 128 rows against F.linear (MKL) and
-  oneDNN's GEMM on the blocked weight the engine packs (`llama.pack_weight`), each weight copied to 64 MB or more
+  oneDNN's GEMM on the blocked weight the engine packs (`gemm.pack_weight`), each weight copied to 64 MB or more
   and the copies taken in turn, so they stream from memory as a decode step's do;
 - decode attention over the paged cache (its KV in cache, and the KV of the model's layers taken in turn) against
   gathering the blocks for SDPA; prefill of whole prompts against causal SDPA per prompt;
@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "libs"))
 
 from kvcentric.engine.model import kernels  # noqa: E402
 from kvcentric.engine.model.kernels.isas import ISAS, TORCH_CAPS  # noqa: E402
-from kvcentric.engine.model.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
-    projection_shapes  # noqa: E402
+from kvcentric.engine.model.batch import AttentionBatch, gather_blocks  # noqa: E402
+from kvcentric.engine.model.gemm import linear, pack_weight, projection_shapes  # noqa: E402
+from kvcentric.engine.model.llama import Rotary  # noqa: E402
 from kvcentric.model.config import ModelConfig, preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

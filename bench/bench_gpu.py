@@ -511,7 +511,7 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
         ours_decode(state["runner"], decode_tables, args, result["decode"], "eager")
 
     def unfused() -> None:
-        from kvcentric.engine.model.llama import use_ops
+        from kvcentric.engine.model.dispatch import use_ops
 
         runner = state["runner"] = make_runner(config, blocks, args, graphs=True)
         use_ops(runner.model, None)  # torch's ops; the paged kernel and the graphs stay

@@ -51,8 +51,8 @@ def measure(model: str, layers: int, dtype: str, device: str) -> dict:
 
 
 def weight_bytes(weight) -> int:
-    """A fused projection's bytes: both layouts of a CPU fp32 one (`llama.TwoLayouts`)."""
-    from kvcentric.engine.model.llama import TwoLayouts
+    """A fused projection's bytes: both layouts of a CPU fp32 one (`gemm.TwoLayouts`)."""
+    from kvcentric.engine.model.gemm import TwoLayouts
 
     if isinstance(weight, TwoLayouts):
         return weight_bytes(weight.blocked) + weight.panels.numel() * weight.panels.element_size()

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from kvcentric.engine.model import kernels
-from kvcentric.engine.model.llama import SMALL_GEMM_ROWS, AttentionBatch, Rotary, TwoLayouts, linear, linear_add, \
-    pack_weight, two_layouts
+from kvcentric.engine.model.batch import AttentionBatch
+from kvcentric.engine.model.gemm import SMALL_GEMM_ROWS, TwoLayouts, linear, linear_add, pack_weight, two_layouts
+from kvcentric.engine.model.llama import Rotary
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 
@@ -337,7 +338,7 @@ def test_fp32_cpu_runners_use_the_layer_ops_and_compute_the_same_logits():
     with_ops, without = (ModelRunner(preset("tiny"), 64, 4, seed=7) for _ in range(2))
     assert isinstance(with_ops.model.layers[0].mlp.ops, kernels.CpuLayerOps)
     assert isinstance(with_ops.model.layers[0].mlp.gate_up, TwoLayouts)
-    from kvcentric.engine.model.llama import use_ops
+    from kvcentric.engine.model.dispatch import use_ops
     use_ops(without.model, None)
     prompt = list(range(1, 40))
     got, expected = (r.prefill(prompt, list(range(16)), 0, len(prompt), every_row=True) for r in (with_ops, without))

@@ -28,7 +28,9 @@ from kvcentric.engine.model.graphs import DecodeGraphs, batch_buckets  # noqa: E
 from kvcentric.engine.model.kernels.fused import FusedOps  # noqa: E402
 from kvcentric.engine.model.kernels.gpucheck import self_check  # noqa: E402
 from kvcentric.engine.model.kernels.paged import PagedAttention, splits_for  # noqa: E402
-from kvcentric.engine.model.llama import AttentionBatch, RMSNorm, Rotary, gather_blocks, use_ops  # noqa: E402
+from kvcentric.engine.model.batch import AttentionBatch, gather_blocks  # noqa: E402
+from kvcentric.engine.model.dispatch import use_ops  # noqa: E402
+from kvcentric.engine.model.llama import RMSNorm, Rotary  # noqa: E402
 from kvcentric.engine.model.runner import ModelRunner, gpu_kernels_work  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 

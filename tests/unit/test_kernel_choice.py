@@ -14,7 +14,7 @@ import torch
 from kvcentric.engine.model import kernels
 from kvcentric.engine.model.kernels import choice, chosen, races
 from kvcentric.engine.model.kernels.choice import UNLIMITED, Choice, Site, Target, Timing, decide, next_cases, row_limit
-from kvcentric.engine.model.llama import TwoLayouts, linear, pack_weight, two_layouts
+from kvcentric.engine.model.gemm import TwoLayouts, linear, pack_weight, two_layouts
 from kvcentric.engine.model.runner import ModelRunner, weight_copies
 from kvcentric.model.config import preset
 

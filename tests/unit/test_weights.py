@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint
-from kvcentric.engine.model.llama import DRAW_CHUNK
+from kvcentric.engine.model.weights import DRAW_CHUNK
 from kvcentric.engine.model.runner import build_model
 from kvcentric.model.config import ModelConfig, load_model_config, preset
 

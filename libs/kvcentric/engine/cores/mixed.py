@@ -18,7 +18,7 @@ import torch
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.cores.decode import DecodeRequest
-from kvcentric.engine.model.llama import AttentionBatch, SequenceSlice
+from kvcentric.engine.model.batch import AttentionBatch, SequenceSlice
 from kvcentric.engine.cores.prefill import PrefillChunk
 from kvcentric.engine.model.runner import ModelRunner, padded_decode
 

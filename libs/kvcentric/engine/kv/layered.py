@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from kvcentric.core.layerkv.pool import LayerBlockPool, Move
-from kvcentric.engine.model.llama import AttentionBatch, LayerHook, SequenceSlice
+from kvcentric.engine.model.batch import AttentionBatch, SequenceSlice
+from kvcentric.engine.model.llama import LayerHook
 from kvcentric.engine.model.pools import serial_workers
 from kvcentric.engine.model.runner import ModelRunner, block_slots, kv_payload, padded_decode, slots_of
 

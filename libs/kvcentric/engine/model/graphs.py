@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvcentric.engine.model.llama import AttentionBatch, PaddedRows
+from kvcentric.engine.model.batch import AttentionBatch, PaddedRows
 
 if TYPE_CHECKING:
     from kvcentric.engine.model.runner import ModelRunner

@@ -3,52 +3,30 @@
 RMSNorm, rotary embeddings (half-split as in the reference LLaMA; linear and llama3 scaling), grouped-
 query attention (optional q/k/v bias, Mistral's sliding window), SwiGLU MLP, optional tied embeddings.
 Module names follow Hugging Face's, so a checkpoint's tensors load by name. It computes logits for
-given tokens; it does not schedule, allocate blocks or sample. The cache is one tensor per key/value:
-[num_layers, num_slots, num_kv_heads, head_dim] with slot = block * block_size + offset.
+given tokens; it does not schedule, allocate blocks or sample, lay weights out for a GEMM (`gemm.py`), choose a
+device's ops (`dispatch.py`) or make its weights (`weights.py`). The cache is one tensor per key/value:
+[num_layers, num_slots, num_kv_heads, head_dim] with slot = block * block_size + offset (`batch.py`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
-import os
-import zlib
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import NamedTuple, Protocol, TypeGuard, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcentric.engine.model.batch import AttentionBatch, fresh_runs, gather_blocks
+from kvcentric.engine.model.gemm import Weight, can_pack, linear, linear_add, pack_weight
+from kvcentric.engine.model.ops import LayerOps
 from kvcentric.model.config import ModelConfig
+
 
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 """Called as hook(layer, keys, values) once a layer has written the KV of the new tokens to the cache;
 keys/values are [new_tokens, num_kv_heads, head_dim] (rotary already applied to keys)."""
-
-
-class LayerOps(Protocol):
-    """Fused versions of a layer's small ops for a device (`kernels/fused.py`, the GPU's), each one launch."""
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
-
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
-
-    def rotate_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
-                     positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-    def fits(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool: ...
-
-
-class SmallGemm(Protocol):
-    """A GEMM for few rows over weights in a layout of its own (`kernels.CpuLayerOps`, `kernels/gemm.cpp`)."""
-
-    def pack_panels(self, weight: torch.Tensor) -> torch.Tensor | None: ...
-
-    def small_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
-                     residual: torch.Tensor | None = None) -> torch.Tensor | None: ...
 
 
 class RMSNorm(nn.Module):
@@ -134,119 +112,6 @@ class Rotary(nn.Module):
         torch.mul(x2, cos, out=second)
         second.add_(x1 * sin)
         return out
-
-
-SMALL_GEMM_ROWS = int(os.environ.get("KVC_SMALL_GEMM_ROWS", "128"))
-"""A CPU linear layer over at most this many rows (a decode step's, a small mixed step's) runs through the small
-GEMM (`TwoLayouts`; KVC_SMALL_GEMM_ROWS=0: never, and no second layout is made). Against oneDNN over `small`'s 32
-weights in turn (`bench/bench_cpu_kernels.py`, 2-core box, 2026-11-27): 1.25-1.48x as fast at 1-32 rows, 1.13x at
-64 and 1.07x at 128 on one thread, 1.28-2.21x, 1.18x and 1.08x on two; level at 256 (docs/performance.md,
-"Decode's linear layers")."""
-
-
-class TwoLayouts:
-    """A linear layer's fp32 CPU weight in two layouts: oneDNN's (`pack_weight`) for a step of many rows, and the
-    small GEMM's panels for one of at most `rows` (`SmallGemm`, `small_rows`). Twice the weight's memory."""
-
-    def __init__(self, blocked: torch.Tensor, panels: torch.Tensor, out_features: int, gemm: SmallGemm,
-                 rows: int = SMALL_GEMM_ROWS) -> None:
-        self.blocked, self.panels, self.out_features, self.gemm = blocked, panels, out_features, gemm
-        self.rows = rows
-
-    def small(self, x: torch.Tensor, bias: torch.Tensor | None,
-              residual: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The small GEMM's x @ weightᵀ (+ bias) (+ residual), or None where x has too many rows or is not one it
-        takes."""
-        if x.shape[0] > self.rows:
-            return None
-        return self.gemm.small_linear(x, self.panels, self.out_features, bias, residual)
-
-
-Weight = torch.Tensor | TwoLayouts
-"""What a fused projection holds: a torch weight (oneDNN's layout or plain), or both CPU layouts."""
-
-
-def small_rows(gemm: SmallGemm, out_features: int, in_features: int) -> int:
-    """Most rows the small GEMM runs for a weight of this shape: the engine's choice where the GEMM comes with one
-    (`kernels/chosen.py`: only where it beats torch's GEMM on this CPU), else SMALL_GEMM_ROWS; never more."""
-    chosen = getattr(gemm, "small_rows", None)
-    return SMALL_GEMM_ROWS if chosen is None else min(SMALL_GEMM_ROWS, chosen(out_features, in_features))
-
-
-def two_layouts(weight: Weight, gemm: SmallGemm) -> Weight:
-    """`weight` with the small GEMM's panels beside it where the GEMM takes it and runs it for some rows (else as it
-    is: no second layout)."""
-    if isinstance(weight, TwoLayouts):
-        return weight
-    rows = small_rows(gemm, weight.shape[0], weight.shape[1])
-    if rows <= 0:
-        return weight
-    plain = weight.to_dense() if weight.is_mkldnn else weight  # oneDNN's blocked layout gives the weight back whole
-    panels = gemm.pack_panels(plain)
-    return weight if panels is None else TwoLayouts(weight, panels, plain.shape[0], gemm, rows)
-
-
-def projection_shapes(config: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(out_features, in_features, with a residual) of a layer's fused projections as `fuse` makes them: q|k|v, o,
-    gate|up, down (the ones `TwoLayouts` may hold)."""
-    heads, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    hidden, inner = config.hidden_size, config.intermediate_size
-    return [(heads + 2 * kv, hidden, False), (hidden, heads, True), (2 * inner, hidden, False), (hidden, inner, True)]
-
-
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weightᵀ + bias; a weight packed by `pack_weight` runs through oneDNN's GEMM, a few rows over
-    `TwoLayouts` through the small GEMM."""
-    if isinstance(weight, TwoLayouts):
-        out = weight.small(x, bias)
-        if out is not None:
-            return out
-        weight = weight.blocked
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def linear_add(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None,
-               residual: torch.Tensor) -> torch.Tensor:
-    """residual + x @ weightᵀ + bias; with a packed weight the sum is the GEMM's own post-op (no pass of its
-    own over the result; the same fp32 sum)."""
-    if isinstance(weight, TwoLayouts):
-        out = weight.small(x, bias, residual)
-        if out is not None:
-            return out
-        weight = weight.blocked
-    if weight.is_mkldnn and residual.is_contiguous():
-        return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight, bias, "add")
-    return residual + linear(x, weight, bias)
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """oneDNN takes fp32 weights on the CPU (where torch has it)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-
-
-PACK_ROWS = 32
-"""The row count oneDNN is told to expect when it lays a weight out (`pack_weight`). Its blocked layout runs every
-row count measured about as fast whatever the hint (2026-11-26, 2-core box: 8, 32 and 1024 within 2% at M = 8,
-32, 256 and 2048)."""
-
-
-def pack_weight(weight: torch.Tensor, pack: bool) -> torch.Tensor:
-    """`weight` in oneDNN's own blocked layout when `pack` (and possible), else as it is. On this project's CPU
-    box (2 cores, AVX-512) oneDNN's fp32 GEMM ran 1.6-2.2x faster than the default (MKL's): 444 against 202
-    GFLOP/s for 256 x 512 x 2816, 59 against 37 for one row. The blocked layout (`_reorder_linear_weight`, what
-    Inductor's freezing packs with) against oneDNN's plain one (`to_mkldnn`), same process, interleaved: 32 rows
-    345 → 438 GFLOP/s, 8 rows 189 → 334, 2048 rows 475 → 493; the same sums (bitwise equal at 32 and 2048 rows,
-    fp32 rounding at one). Where the reorder op is missing the plain layout is used."""
-    weight = weight.detach()
-    if not (pack and can_pack(weight)):
-        return weight
-    reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
-    try:
-        return reorder(weight.contiguous(), PACK_ROWS) if reorder is not None else weight.to_mkldnn()
-    except RuntimeError:
-        return weight.to_mkldnn()
 
 
 class Attention(nn.Module):
@@ -368,14 +233,6 @@ class Attention(nn.Module):
         return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[batch, kv_heads, blocks * block_size, head_dim] from a [slots, kv_heads, head_dim] cache, copying
-    whole blocks (contiguous runs) rather than single slots."""
-    by_block = cache.view(-1, block_size, *cache.shape[1:])
-    batch, count = blocks.shape
-    return by_block[blocks].view(batch, count * block_size, *cache.shape[1:]).transpose(1, 2)
-
-
 MLP_ROWS = 512
 """A CPU MLP over more rows runs this many at a time: the gate|up output of 512 rows of `small` (5.8 MB) stays in
 the cache for SwiGLU and the down projection, where 2048 rows (23 MB) went out to memory and back. The GEMMs
@@ -447,100 +304,6 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(x), x), k, v
 
 
-class SequenceSlice:
-    """One sequence of a prefill batch: its rows in the flat token batch and the slots it attends to."""
-
-    def __init__(self, start: int, end: int, context_slots: torch.Tensor, first_position: int,
-                 sliding_window: int | None = None) -> None:
-        self.start, self.end, self.context_slots = start, end, context_slots
-        new, context = end - start, context_slots.shape[0]
-        self.causal = first_position == 0 and new == context and not _window_applies(sliding_window, context)
-        self.fresh = self.causal
-        """A whole prompt with nothing cached: it attends to its own new keys and values (no cache read)."""
-        self.mask = None
-        if not self.causal:
-            query_pos = torch.arange(first_position, first_position + new, device=context_slots.device).unsqueeze(1)
-            key_pos = torch.arange(context, device=context_slots.device).unsqueeze(0)
-            self.mask = key_pos <= query_pos
-            if _window_applies(sliding_window, context):
-                self.mask &= key_pos > query_pos - sliding_window
-
-
-def fresh_runs(sequences: Sequence[SequenceSlice]) -> list[list[SequenceSlice]]:
-    """The fresh sequences (`SequenceSlice.fresh`) in runs of adjacent rows and equal lengths."""
-    runs: list[list[SequenceSlice]] = []
-    for seq in sequences:
-        if not seq.fresh:
-            continue
-        last = runs[-1][-1] if runs else None
-        if last is not None and last.end == seq.start and last.end - last.start == seq.end - seq.start:
-            runs[-1].append(seq)
-        else:
-            runs.append([seq])
-    return runs
-
-
-def _window_applies(window: int | None, context: int) -> TypeGuard[int]:
-    return window is not None and context > window
-
-
-class AttentionKernels(Protocol):
-    """Attention kernels of the device (`engine/model/kernels`, the CPU's), each declining what it does not take."""
-
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               lengths: torch.Tensor, block_size: int, window: int | None = None) -> torch.Tensor | None:
-        """One query row per sequence over its block table's first `lengths` positions, read in place; None
-        when declined."""
-
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, starts: torch.Tensor,
-                lengths: torch.Tensor) -> bool:
-        """Causal attention of whole prompts (rows starts[s] .. + lengths[s]) over their own k and v, written into
-        those rows of `out`; False when declined (nothing written)."""
-
-
-class PaddedRows(NamedTuple):
-    """Decode rows (one new token each) laid out for one attention call (`runner.padded_decode`)."""
-
-    blocks: torch.Tensor
-    """[batch, max_blocks] block tables, padded with block 0."""
-    mask: torch.Tensor | None
-    """[batch, 1, 1, max_blocks * block_size]: the positions each row attends to (None where the kernels always
-    take the rows: CUDA graphs)."""
-    lengths: torch.Tensor
-    """[batch] context lengths, the new token included."""
-    write: torch.Tensor
-    """The slots their new tokens' KV goes to (on the host)."""
-
-
-class AttentionBatch:
-    """Flattened new tokens with positions and cache addressing: per-sequence slices (prefill), and/or the
-    `PaddedRows` of the rows from `padded_start` on (decode, one token per sequence; a mixed step puts them
-    after the slices). With `kernels` the decode rows attend through them over the cache in place and
-    whole prompts in one call; else (or where they decline) through SDPA, decode rows over a gathered copy."""
-
-    def __init__(self, positions: torch.Tensor, write_slots: torch.Tensor, sequences: Sequence[SequenceSlice] = (),
-                 padded: PaddedRows | None = None, block_size: int = 0, padded_start: int = 0,
-                 kernels: AttentionKernels | None = None) -> None:
-        self.positions, self.write_slots, self.sequences = positions, write_slots, sequences
-        self.padded = padded
-        self.block_size, self.padded_start = block_size, padded_start
-        self.kernels = kernels
-        self._fresh: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._fresh_made = False
-        self.rotation: tuple[torch.Tensor, torch.Tensor] | None = None
-        """cos and sin of `positions` (first halves), made by the first layer's rotary and kept for the rest."""
-
-    def fresh_rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """First rows and lengths of the whole prompts (`SequenceSlice.fresh`), None without any; made once
-        per batch and shared by every layer."""
-        if not self._fresh_made:
-            fresh = [seq for seq in self.sequences if seq.fresh]
-            self._fresh = (torch.tensor([seq.start for seq in fresh]),
-                           torch.tensor([seq.end - seq.start for seq in fresh])) if fresh else None
-            self._fresh_made = True
-        return self._fresh
-
-
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -598,97 +361,3 @@ class LlamaModel(nn.Module):
                 on_layer(index, k, v)
         logits = self.lm_head(self.norm(x[logit_rows]))
         return logits.float() if out is None else out.copy_(logits)
-
-
-def use_ops(model: nn.Module, ops: LayerOps | None) -> None:
-    """Every norm, rotary with cache write, and SwiGLU activation of `model` (a whole model or a pipeline stage's)
-    through `ops` (None: torch's ops); with ops that have a small GEMM (`SmallGemm`, the CPU's), the fused
-    projections get its layout beside theirs (`TwoLayouts`) where it runs for some rows (`small_rows`)."""
-    gemm = cast(SmallGemm, ops) if hasattr(ops, "small_linear") and SMALL_GEMM_ROWS > 0 else None
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, Attention, MLP)):
-            module.ops = ops
-        if gemm is not None and isinstance(module, Attention):
-            module.qkv = None if module.qkv is None else (two_layouts(module.qkv[0], gemm), module.qkv[1])
-            module.out = None if module.out is None else (two_layouts(module.out[0], gemm), module.out[1])
-        if gemm is not None and isinstance(module, MLP):
-            module.gate_up = None if module.gate_up is None else two_layouts(module.gate_up, gemm)
-            module.down = None if module.down is None else two_layouts(module.down, gemm)
-
-
-def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> LlamaModel:
-    """The model with its weights allocated, uninitialised, on `device` in `dtype`: built on the meta device
-    (no host copy, no default init, no fp32 temporary), then given memory where it runs; rotary tables filled."""
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie()  # moving off the meta device gave the two modules a parameter each
-    model.rotary.compute_tables(torch.device(device), dtype)
-    return model
-
-
-DRAW_CHUNK = 1 << 22
-"""Elements drawn from one generator: a weight is drawn in chunks of this many, each from a generator of
-its own, so the chunks can be drawn in parallel and the weights depend on nothing but seed and name."""
-
-
-def chunk_seed(seed: int, name: str, chunk: int) -> int:
-    """The seed of one chunk's generator, from the model's seed, the parameter's name and the chunk's index
-    (not the order of the parameters, their shapes, or how many threads draw)."""
-    return (seed * 1_000_003 + zlib.crc32(f"{name}:{chunk}".encode())) % (1 << 63)
-
-
-def random_init(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
-    """Seeded random weights ("dummy" model), drawn in place where the weights are and in their dtype (no
-    fp32 temporary), chunk by chunk (`DRAW_CHUNK`), on the CPU by torch's threads in parallel. The same seed
-    gives the same model in any process on the same kind of device and dtype (CUDA's generator is not the
-    CPU's, so a CPU and a GPU model differ)."""
-    draws: list[tuple[torch.Tensor, int]] = []
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            elif name.endswith(".bias"):
-                param.zero_()
-            else:
-                flat = param.detach().view(-1)
-                draws += [(flat[start:start + DRAW_CHUNK], chunk_seed(seed, name, start // DRAW_CHUNK))
-                          for start in range(0, flat.numel(), DRAW_CHUNK)]
-
-    def draw(chunk: tuple[torch.Tensor, int]) -> None:
-        values, chunk_seed_ = chunk
-        values.normal_(0.0, std, generator=torch.Generator(device=values.device).manual_seed(chunk_seed_))
-
-    on_cpu = bool(draws) and draws[0][0].device.type == "cpu"
-    with concurrent.futures.ThreadPoolExecutor(max(1, torch.get_num_threads()) if on_cpu else 1) as pool:
-        list(pool.map(draw, draws))
-    return model
-
-
-def load_checkpoint(model: LlamaModel, directory: str) -> LlamaModel:
-    """Copy a Hugging Face checkpoint's safetensors into the model by name, each tensor read straight to
-    the model's device (safetensors' `safe_open`) and converted to its dtype there, one at a time; missing
-    or extra tensors fail."""
-    from safetensors import safe_open
-
-    files = sorted(Path(directory).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{directory} has no *.safetensors files")
-    params = dict(model.named_parameters())
-    device = str(next(iter(params.values())).device)
-    loaded = set()
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device=device) as tensors:
-                for stored in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    name = stored.removeprefix("model.")
-                    if name not in params:
-                        if "rotary_emb" in name:
-                            continue
-                        raise ValueError(f"{file.name}: unexpected tensor {name}")
-                    params[name].copy_(tensors.get_tensor(stored))
-                    loaded.add(name)
-    missing = set(params) - loaded - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
-    if missing:
-        raise ValueError(f"{directory}: tensors missing from the checkpoint: {sorted(missing)[:5]}")
-    return model

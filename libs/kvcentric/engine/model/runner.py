@@ -17,9 +17,12 @@ import torch
 
 from kvcentric.engine.model.pools import serial_workers
 from kvcentric.model.config import ModelConfig, available_memory_bytes, check_fits
-from kvcentric.engine.model.llama import (AttentionBatch, AttentionKernels, LayerHook, LayerOps, LlamaModel, PaddedRows,
-                                          SequenceSlice, SmallGemm, empty_model, load_checkpoint, projection_shapes,
-                                          random_init, small_rows, use_ops)
+from kvcentric.engine.model.batch import AttentionBatch, PaddedRows, SequenceSlice
+from kvcentric.engine.model.dispatch import use_ops
+from kvcentric.engine.model.gemm import projection_shapes, small_rows
+from kvcentric.engine.model.llama import LayerHook, LlamaModel
+from kvcentric.engine.model.ops import AttentionKernels, LayerOps, SmallGemm
+from kvcentric.engine.model.weights import empty_model, load_checkpoint, random_init
 from kvcentric.engine.model.staging import LayerStaging
 from kvcentric.runtime.transfer import checksum
 
@@ -59,7 +62,7 @@ def build_model(config: ModelConfig, seed: int, dtype: torch.dtype, device: torc
                 onednn: bool = True) -> LlamaModel:
     """The checkpoint's weights when the config has a path, else seeded random weights; either way made
     on `device` in `dtype` (never a full fp32 copy on the host first). `onednn`: fp32 projections on the CPU
-    run through oneDNN's GEMM (`llama.pack_weight`)."""
+    run through oneDNN's GEMM (`gemm.pack_weight`)."""
     model = empty_model(config, dtype, device)
     model = load_checkpoint(model, config.path) if config.path else random_init(model, seed)
     return model.eval().fuse(pack=onednn)
@@ -92,7 +95,7 @@ def device_kernels(config: ModelConfig, dtype: torch.dtype, device: torch.device
 
 def weight_copies(config: ModelConfig, ops: LayerOps | None) -> int:
     """Copies of the projections' weights a model keeps: two where the small GEMM runs for some shape
-    (`llama.TwoLayouts`), else one."""
+    (`gemm.TwoLayouts`), else one."""
     if not hasattr(ops, "small_linear"):
         return 1
     gemm = cast(SmallGemm, ops)
@@ -174,7 +177,7 @@ class ModelRunner:
         kv_bytes = num_blocks * block_size * config.kv_bytes_per_token(dtype_size)
         self.kernels, ops = device_kernels(config, self.dtype, self.device, block_size, cpu_kernels, gpu_kernels,
                                            onednn)
-        if self.device.type == "cpu":  # an fp32 model's projections in two layouts (`llama.TwoLayouts`)
+        if self.device.type == "cpu":  # an fp32 model's projections in two layouts (`gemm.TwoLayouts`)
             check_fits(config, kv_bytes, dtype_size, available_memory_bytes(), weight_copies(config, ops))
         self.model = build_model(config, seed, self.dtype, self.device, onednn)
         use_ops(self.model, ops)

@@ -3,7 +3,7 @@ and the paged KV cache of those layers only, computing a chunk from tokens (the 
 previous stage's hidden states, and handing on hidden states (every stage but the last) or logits (the last).
 
 Weights are made on the meta device and only this stage's get memory; a seeded random model draws each
-weight by its name (`llama.random_init`), so a stage's weights equal those of the whole model's same
+weight by its name (`weights.random_init`), so a stage's weights equal those of the whole model's same
 layers. It computes; it does not schedule chunks or move bytes between stages.
 """
 
@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from kvcentric.core.pipeline import StagePosition, stage_layers
-from kvcentric.engine.model.llama import (AttentionBatch, DecoderLayer, LayerHook, LlamaModel, SequenceSlice,
-                                          random_init, use_ops)
+from kvcentric.engine.model.batch import AttentionBatch, SequenceSlice
+from kvcentric.engine.model.dispatch import use_ops
+from kvcentric.engine.model.llama import DecoderLayer, LayerHook, LlamaModel
+from kvcentric.engine.model.weights import random_init
 from kvcentric.engine.model.runner import DTYPES, ModelRunner, device_kernels
 from kvcentric.model.config import ModelConfig
 

@@ -11,7 +11,7 @@ tiles with an online softmax, grouped query heads sharing each key tile), every 
 whatever its length; torch's CPU flash SDPA took 1.0 ms a layer for one 256-token prompt of `small`, the
 kernel 0.6 (docs/performance.md).
 
-`CpuLayerOps`: a layer's small fp32 ops in one pass each (`llama.LayerOps`): SwiGLU's silu(gate) x up, and the
+`CpuLayerOps`: a layer's small fp32 ops in one pass each (`ops.LayerOps`): SwiGLU's silu(gate) x up, and the
 rotary embedding of q and k with the KV cache write. RMSNorm stays torch's (a one-pass kernel measured no faster
 in the engine).
 
@@ -129,7 +129,7 @@ def build(directory: Path | None = None, isa: str | None = None) -> Path:
 
 
 class CpuAttention:
-    """The loaded library's attention kernels, callable on CPU tensors (`llama.AttentionKernels`)."""
+    """The loaded library's attention kernels, callable on CPU tensors (`ops.AttentionKernels`)."""
 
     def __init__(self, path: Path) -> None:
         library = ctypes.CDLL(str(path))
@@ -203,7 +203,7 @@ class CpuAttention:
 
 
 class CpuLayerOps:
-    """The `llama.LayerOps` of an fp32 CPU model, from the same library: silu x up, rotary + cache write, and
+    """The `ops.LayerOps` of an fp32 CPU model, from the same library: silu x up, rotary + cache write, and
     RMSNorm in one pass each (`layer_ops.cpp`)."""
 
     def __init__(self, path: Path) -> None:

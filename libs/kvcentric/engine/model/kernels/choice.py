@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from kvcentric.engine.model.kernels import races
-from kvcentric.engine.model.llama import SMALL_GEMM_ROWS, projection_shapes
+from kvcentric.engine.model.gemm import SMALL_GEMM_ROWS, projection_shapes
 from kvcentric.model.config import ModelConfig
 
 log = logging.getLogger("kvcentric.kernels")
@@ -105,7 +105,7 @@ class Target:
     dtype: torch.dtype = torch.float32
     block_size: int = 16
     onednn: bool = True
-    """Torch's GEMM runs over oneDNN's blocked weights (`llama.pack_weight`), else over the plain ones."""
+    """Torch's GEMM runs over oneDNN's blocked weights (`gemm.pack_weight`), else over the plain ones."""
     gemm_rows: int = SMALL_GEMM_ROWS
     """The most rows the small GEMM may take (KVC_SMALL_GEMM_ROWS; 0: never)."""
 

@@ -57,7 +57,7 @@ def cpu_kernels(config: ModelConfig, dtype: torch.dtype, block_size: int,
 
 
 class ChosenAttention:
-    """`llama.AttentionKernels` that decline beyond the chosen row counts: decode steps of more sequences, prompts
+    """`ops.AttentionKernels` that decline beyond the chosen row counts: decode steps of more sequences, prompts
     of more tokens (the engine then runs SDPA)."""
 
     def __init__(self, attention: kernels.CpuAttention, decode_rows: int, prefill_rows: int) -> None:
@@ -83,7 +83,7 @@ class ChosenAttention:
 
 
 class ChosenOps:
-    """`llama.LayerOps` and `llama.SmallGemm` that run each kernel up to its chosen rows and torch's op beyond
+    """`ops.LayerOps` and `ops.SmallGemm` that run each kernel up to its chosen rows and torch's op beyond
     (`small_rows`: the GEMM's limit per weight shape, read once as the weights are laid out)."""
 
     def __init__(self, ops: kernels.CpuLayerOps, choice: Choice) -> None:

@@ -138,7 +138,7 @@ def fits(qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> boo
 
 
 class FusedOps:
-    """The `llama.LayerOps` of a CUDA model."""
+    """The `ops.LayerOps` of a CUDA model."""
 
     rms_norm = staticmethod(rms_norm)
     silu_mul = staticmethod(silu_mul)

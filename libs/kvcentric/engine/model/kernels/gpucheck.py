@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from kvcentric.engine.model.kernels.fused import FusedOps
 from kvcentric.engine.model.kernels.paged import PagedAttention
-from kvcentric.engine.model.llama import gather_blocks
+from kvcentric.engine.model.batch import gather_blocks
 from kvcentric.model.config import ModelConfig
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}

@@ -136,7 +136,7 @@ def splits_for(batch: int, kv_heads: int, programs: int = PROGRAMS) -> int:
 
 
 class PagedAttention:
-    """The `llama.AttentionKernels` of a CUDA engine: paged decode in Triton; prompts stay with SDPA."""
+    """The `ops.AttentionKernels` of a CUDA engine: paged decode in Triton; prompts stay with SDPA."""
 
     def __init__(self, splits: int | None = None) -> None:
         self.splits = splits

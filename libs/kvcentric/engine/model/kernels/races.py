@@ -1,7 +1,7 @@
 """The races of the kernel choice (`choice.py`): for a kernel site, the kernel's call and what the engine runs
 without it, on made-up tensors of the model's shapes, and the timing of the two side by side.
 
-Each torch side is the engine's own fallback (`llama.linear`/`linear_add` over the same weight layout, gather +
+Each torch side is the engine's own fallback (`gemm.linear`/`linear_add` over the same weight layout, gather +
 SDPA, SDPA over the KV heads repeated, `llama.Rotary` and two index copies, torch's RMSNorm and SwiGLU). Weights and
 decode KV come in as many copies as a step reads from memory rather than cache (more than the last-level cache
 holds, at most one per layer), each call taking the next. It times; it decides nothing.
@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 import torch.nn.functional as F
 
-from kvcentric.engine.model.llama import AttentionBatch, Rotary, gather_blocks, linear, linear_add, pack_weight
+from kvcentric.engine.model.batch import AttentionBatch, gather_blocks
+from kvcentric.engine.model.gemm import linear, linear_add, pack_weight
+from kvcentric.engine.model.llama import Rotary
 
 if TYPE_CHECKING:
     from kvcentric.engine.model.kernels import CpuAttention, CpuLayerOps
@@ -138,7 +140,7 @@ def cycling(items: list[T]) -> Callable[[], T]:
 
 
 def gemm(target: Target, ops: CpuLayerOps, out_features: int, in_features: int, residual: int) -> Prepared:
-    """The small GEMM over its panels against `llama.linear` (or `linear_add`) over the engine's weight layout."""
+    """The small GEMM over its panels against `gemm.linear` (or `linear_add`) over the engine's weight layout."""
     plain = noise(out_features, in_features, scale=0.02)
     count = copies(plain.numel() * 4, target.config.num_layers)
     first_blocked, first_panels = pack_weight(plain, target.onednn), ops.pack_panels(plain)
