@@ -116,7 +116,7 @@ class DecodeService(EngineService):
         --max-batch); running: the requests generating (those still waiting for KV are neither)."""
         states = collections.Counter(r.state for r in self.engine.requests.values())
         running = states["running"]
-        staging = (self.engine.staging_bytes - self.engine.staging_used) // self.runner.block_bytes
+        staging = (self.engine.kv.staging_bytes - self.engine.kv.staging_used) // self.runner.block_bytes
         return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
 
     def pace_s(self) -> float:
@@ -145,7 +145,7 @@ class DecodeService(EngineService):
     def gauges(self) -> dict[str, float]:
         running, waiting = self.engine.occupancy()
         return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(),
-                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes,
+                "kv_staging_bytes_used": self.engine.kv.staging_used, "kv_staging_bytes": self.engine.kv.staging_bytes,
                 "requests_running": running, "requests_waiting": waiting}
 
     def occupancy(self) -> tuple[int, int]:

@@ -7,6 +7,7 @@ pool behind the compute, `engine/kv/hostwrite.py`, never before its first token)
 from __future__ import annotations
 
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest
 from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.model.runner import ModelRunner
@@ -24,8 +25,11 @@ class ColocatedEngine:
         `layerwise_load`, `layerwise_store`: host-pool prefixes load, and new blocks are stored, layer by layer
         beside the compute (Mooncake §5.2)."""
         self.runner, self.pool, self.layerkv = runner, pool, layerkv
-        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host, layerwise_load, layerwise_store)
-        self.decode = DecodeEngine(runner, pool, max_batch)
+        self.kv = KVCacheManager(pool)
+        """The one cache manager both roles allocate through."""
+        self.prefill = PrefillEngine(runner, pool, hasher, chunk_tokens, host, layerwise_load, layerwise_store,
+                                     kv=self.kv)
+        self.decode = DecodeEngine(runner, pool, max_batch, kv=self.kv)
         self.jobs: dict[str, DecodeJob] = {}
 
     def submit(self, prefill_job: PrefillJob, decode_job: DecodeJob | None = None) -> None:
@@ -91,6 +95,6 @@ class ColocatedEngine:
         if job is None or work.cancelled:
             self.prefill.finish(work)
             return []
-        self.pool.share(work.blocks)  # decode's reference; finish() drops prefill's
+        self.kv.share(work.blocks)  # decode's reference; finish() drops prefill's
         self.prefill.finish(work)
         return self.decode.adopt(job, work.job.token_ids, work.blocks, first_token, work.first_token())

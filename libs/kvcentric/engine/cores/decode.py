@@ -22,6 +22,7 @@ from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.core.migration import history
 from kvcentric.core.scheduling.slo import relative_tbt_s
 from kvcentric.engine.model.runner import ModelRunner
@@ -99,21 +100,23 @@ class DecodeRequest:
 
 class DecodeEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, max_batch: int = 64, cost: CostModel | None = None,
-                 tbt_slo_s: float = 0.0, staging_bytes: int = 0, tbt_slo_factor: float = 0.0) -> None:
+                 tbt_slo_s: float = 0.0, staging_bytes: int = 0, tbt_slo_factor: float = 0.0,
+                 kv: KVCacheManager | None = None) -> None:
         """`cost` predicts a decode step for `check_tbt` against `tbt_slo_s`, or where that is 0 against
         `tbt_slo_factor` x the request's unloaded step (0 too: no check); `staging_bytes` bounds the host memory
-        that KV arriving at a full cache may wait in (0: none, refused at once)."""
+        that KV arriving at a full cache may wait in (0: none, refused at once); `kv`: the cache manager over
+        `pool` when another role of the instance shares it (colocated)."""
         if tbt_slo_s > 0 and cost is None:
             raise ValueError("a TBT SLO needs a cost model to predict decode steps with")
         self.runner, self.pool, self.max_batch = runner, pool, max_batch
+        self.kv = kv if kv is not None else KVCacheManager(pool, staging_bytes)
+        """Every block this engine takes, shares and frees, and its host staging, go through it."""
         self.cost, self.tbt_slo_s, self.tbt_slo_factor = cost, tbt_slo_s, tbt_slo_factor
         self.requests: dict[str, DecodeRequest] = {}
         self.guides = Guides(runner.config)
         """Structured output's grammar state of each guided sequence."""
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
-        self._deferred_free: list[int] = []
-        self.staging_bytes, self.staging_used = staging_bytes, 0
         self.stats = {"kv_staged": 0, "kv_refused_no_room": 0, "kv_bytes_received": 0, "kv_streams_committed": 0,
                       "prefill_tokens_computed": 0,
                       "recomputed_tokens": 0, "preemptions": 0, "decode_steps": 0, "batch_size_sum": 0,
@@ -137,9 +140,9 @@ class DecodeEngine:
         if num_tokens != request.job.n_prompt_tokens or num_layers != self.runner.config.num_layers:
             raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
                              f"expected {request.job.n_prompt_tokens} x {self.runner.config.num_layers}")
-        needed = self.pool.blocks_for(num_tokens + 1)
-        if self.pool.can_allocate(needed) and not (self.preempted and self._stageable(request)):
-            request.blocks = self.pool.allocate(needed)  # (with requests waiting for blocks, it queues behind)
+        needed = self.kv.blocks_for(num_tokens + 1)
+        if self.kv.can_allocate(needed) and not (self.preempted and self._stageable(request)):
+            request.blocks = self.kv.allocate(needed)  # (with requests waiting for blocks, it queues behind)
         else:
             self._stage(request, needed)
         request.prompt = list(prompt)
@@ -153,15 +156,15 @@ class DecodeEngine:
         if not self._stageable(request):
             self.stats["kv_refused_no_room"] += 1
             raise KVNoRoom(f"{NO_ROOM}: request {request.request_id} needs {needed} KV blocks "
-                           f"({self.pool.num_free} free) and host staging is full "
-                           f"({self.staging_used} of {self.staging_bytes} bytes used)")
+                           f"({self.kv.num_free} free) and host staging is full "
+                           f"({self.kv.staging_used} of {self.kv.staging_bytes} bytes used)")
         request.staged, request.staged_bytes = [], self._staged_size(request)
-        self.staging_used += request.staged_bytes
+        self.kv.stage(request.staged_bytes)
         self.stats["kv_staged"] += 1
 
     def _stageable(self, request: DecodeRequest) -> bool:
         """Host staging has room for the request's prompt KV (parallel sampling needs blocks to fork from)."""
-        return request.job.sampling.n == 1 and self.staging_used + self._staged_size(request) <= self.staging_bytes
+        return request.job.sampling.n == 1 and self.kv.can_stage(self._staged_size(request))
 
     def _staged_size(self, request: DecodeRequest) -> int:
         return request.job.n_prompt_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
@@ -221,7 +224,7 @@ class DecodeEngine:
         """Drop what arrived of a request's KV and wait for it again (the sender will resend)."""
         request = self.requests.get(request_id)
         if request is not None and request.state == "receiving":
-            self.pool.free(request.blocks)
+            self.kv.free(request.blocks)
             self._unstage(request)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
@@ -249,16 +252,14 @@ class DecodeEngine:
         no room it starts preempted and recomputes its KV when blocks free up."""
         sibling = DecodeRequest(parent.job, deadline=0.0, state="running", prompt=parent.prompt, index=index)
         self.requests[sibling.key] = sibling
-        full = parent.job.n_prompt_tokens // self.pool.block_size
+        full = parent.job.n_prompt_tokens // self.kv.block_size
         own = len(parent.blocks) - full
-        if not self.pool.can_allocate(own):
+        if not self.kv.can_allocate(own):
             sibling.state = "preempted"
             self.preempted.append(sibling.key)
             return sibling
-        shared = parent.blocks[:full]
-        self.pool.share(shared)
-        sibling.blocks = shared + self.pool.allocate(own)
-        if parent.job.n_prompt_tokens % self.pool.block_size:
+        sibling.blocks = self.kv.allocate(own, parent.blocks[:full])
+        if parent.job.n_prompt_tokens % self.kv.block_size:
             self.runner.copy_block(parent.blocks[full], sibling.blocks[full])
         self.stats["sequences_forked"] += 1
         return sibling
@@ -296,10 +297,10 @@ class DecodeEngine:
         for request in running[: self.max_batch]:
             if request.state != "running":
                 continue  # preempted below to make room for an older request
-            if request.position >= len(request.blocks) * self.pool.block_size:
+            if request.position >= len(request.blocks) * self.kv.block_size:
                 if not self._make_room(request, running):
                     continue
-                request.blocks += self.pool.allocate(1)
+                request.blocks += self.kv.allocate(1)
             batch.append(request)
         self._in_step = {r.key for r in batch}
         return batch, failed
@@ -338,16 +339,14 @@ class DecodeEngine:
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""
         self._in_step = set()
-        self.pool.free(self._deferred_free)
-        self._deferred_free = []
+        self.kv.end_step()
         return [self._end(r.key, "error", error) for r in batch if r.key in self.requests]
 
     def update(self, batch: list[DecodeRequest], tokens: list[int]) -> list[TokenChunk]:
         self.stats["decode_steps"] += 1
         self.stats["batch_size_sum"] += len(batch)
         self._in_step = set()
-        self.pool.free(self._deferred_free)
-        self._deferred_free = []
+        self.kv.end_step()
         return [self._emit(r, t) for r, t in zip(batch, tokens) if r.key in self.requests]
 
     def occupancy(self) -> tuple[int, int]:
@@ -365,7 +364,7 @@ class DecodeEngine:
     def _make_room(self, request: DecodeRequest, running: list[DecodeRequest]) -> bool:
         """Free a block for `request` by preempting the newest other running request; False if it is
         itself the one preempted."""
-        while not self.pool.can_allocate(1):
+        while not self.kv.can_allocate(1):
             victim = next(r for r in reversed(running) if r.state == "running")  # `request` at the latest
             self._preempt(victim)
             if victim is request:
@@ -373,7 +372,7 @@ class DecodeEngine:
         return True
 
     def _preempt(self, request: DecodeRequest) -> None:
-        self.pool.free(request.blocks)
+        self.kv.free(request.blocks)
         request.blocks, request.state = [], "preempted"
         self.preempted.append(request.key)
         self.stats["preemptions"] += 1
@@ -386,15 +385,15 @@ class DecodeEngine:
             if request is None or request.state != "preempted":
                 self.preempted.popleft()
                 continue
-            needed = self.pool.blocks_for(request.position + 1)
-            if needed > self.pool.num_blocks:
+            needed = self.kv.blocks_for(request.position + 1)
+            if needed > self.kv.num_blocks:
                 self.preempted.popleft()
                 failed.append(self._end(request.key, "error", "sequence outgrew the KV cache"))
                 continue
-            if not self.pool.can_allocate(needed):
+            if not self.kv.can_allocate(needed):
                 break
             self.preempted.popleft()
-            request.blocks, request.state = self.pool.allocate(needed), "running"
+            request.blocks, request.state = self.kv.allocate(needed), "running"
             request.recompute = not self._load_staged(request)
         return failed
 
@@ -408,7 +407,7 @@ class DecodeEngine:
         return True
 
     def _unstage(self, request: DecodeRequest) -> None:
-        self.staging_used -= request.staged_bytes
+        self.kv.unstage(request.staged_bytes)
         request.staged, request.staged_bytes = None, 0
 
     def _recompute(self, requests: list[DecodeRequest]) -> None:
@@ -439,9 +438,9 @@ class DecodeEngine:
         self._unstage(request)
         self.guides.forget(request.key)
         if request.key in self._in_step:  # the step in flight still reads and writes its blocks
-            self._deferred_free += request.blocks
+            self.kv.free_after_step(request.blocks)
             return
-        self.pool.free(request.blocks)
+        self.kv.free(request.blocks)
         request.blocks = []
 
     def _complete(self, request_id: str) -> DecodeRequest:

@@ -1,10 +1,10 @@
 """The prefill role: a FIFO of prompts, prefix reuse from the local block pool, chunked prefill.
 
-`submit` queues a job; `schedule` returns the next chunk of work, pinning a prompt's blocks when it
-starts (cached prefix shared, the rest allocated); `execute` runs one chunk (torch, may run in a worker
-thread) with a hook after each layer; `finish` caches the prompt's full blocks, hands those the host pool
-lacks to the write-behind worker (`HostWriter`: they enter the host pool behind the compute) and drops the
-prompt's references. No I/O; time is not needed.
+`submit` queues a job; `schedule` returns the next chunk of work, pinning a prompt's blocks when it starts (its
+computed prefix shared, the rest allocated, both through the `KVCacheManager`); `execute` runs one chunk (torch,
+may run in a worker thread) with a hook after each layer; `finish` caches the prompt's full blocks, hands those
+the host pool lacks to the write-behind worker (`HostWriter`: they enter the host pool behind the compute) and
+drops the prompt's references. No I/O; time is not needed.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import collections
 import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.engine.model.pools import serial_workers
 from kvcentric.engine.model.guided import Guides
 from kvcentric.engine.model.runner import ModelRunner
@@ -93,16 +94,19 @@ class PrefillChunk:
 class PrefillEngine:
     def __init__(self, runner: ModelRunner, pool: BlockPool, hasher: BlockHasher, chunk_tokens: int = 512,
                  host: HostBlockPool | None = None, layerwise_load: bool = True,
-                 layerwise_store: bool = True) -> None:
+                 layerwise_store: bool = True, kv: KVCacheManager | None = None) -> None:
+        """`kv`: the cache manager over `pool` when another role of the instance shares it (colocated)."""
         if hasher.block_size != pool.block_size:
             raise ValueError("the hasher's block size must equal the pool's")
         if chunk_tokens < 1:
             raise ValueError("chunk_tokens must be at least 1")
         self.runner, self.pool, self.hasher, self.chunk_tokens = runner, pool, hasher, chunk_tokens
+        self.kv = kv if kv is not None else KVCacheManager(pool)
+        """Every block this engine takes, shares and frees goes through it."""
         self.host = host
         """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
         computed full block is written to it behind the compute (`writer`)."""
-        self.writer = HostWriter(runner, pool, host) if host is not None else None
+        self.writer = HostWriter(runner, self.kv, host) if host is not None else None
         self.layerwise_store = layerwise_store
         """A chunk's new full blocks go into the host pool layer by layer as it computes (Mooncake §5.2);
         without, a prompt's blocks go whole when it ends."""
@@ -155,7 +159,7 @@ class PrefillEngine:
         vocab = self.runner.config.vocab_size
         if min(job.token_ids) < 0 or max(job.token_ids) >= vocab:
             raise PrefillRejected(f"token ids must be in [0, {vocab})")
-        if self.pool.blocks_for(len(job.token_ids)) > self.pool.num_blocks:
+        if self.kv.blocks_for(len(job.token_ids)) > self.kv.num_blocks:
             raise PrefillRejected(f"prompt of {len(job.token_ids)} tokens exceeds the KV pool")
 
     def cancel(self, request_id: str) -> bool:
@@ -233,7 +237,7 @@ class PrefillEngine:
         store), when there is a host pool and a plain cache."""
         if self.writer is None or self.runner.layered is not None or not self.layerwise_store:
             return None
-        first, last = start // self.pool.block_size, min(end // self.pool.block_size, len(work.hashes))
+        first, last = start // self.kv.block_size, min(end // self.kv.block_size, len(work.hashes))
         if first >= last:
             return None
         return self.writer.reserve_layers(work.blocks[first:last], work.hashes[first:last], first)
@@ -243,20 +247,19 @@ class PrefillEngine:
             return None
         job = self.queue[0]
         hashes = self.hashes(job.token_ids)
-        cached = self.pool.cached_prefix(hashes)
+        usable = (len(job.token_ids) - 1) // self.kv.block_size  # compute at least one token: its logits
+        cached = self.kv.computed_blocks(hashes, usable)
         from_host = self.host.prefix(hashes[len(cached):]) if self.host is not None else 0
         if job.sampling.prompt_logprobs is not None:  # a cached prefix has no logits to score it with
             cached, from_host = [], 0
-        usable = (len(job.token_ids) - 1) // self.pool.block_size  # compute at least one token: its logits
-        cached, from_host = cached[:usable], max(0, min(from_host, usable - len(cached)))
-        needed = self.pool.blocks_for(len(job.token_ids)) - len(cached)
+        from_host = max(0, min(from_host, usable - len(cached)))
+        needed = self.kv.blocks_for(len(job.token_ids)) - len(cached)
         if not self._fits(cached, needed):
             return None
-        self.pool.share(cached)
         self.queue.popleft()
-        blocks = cached + self.pool.allocate(needed)
+        blocks = self.kv.allocate(needed, cached)
         loading = self._load_from_host(blocks, hashes, len(cached), from_host)
-        num_cached = (len(cached) + from_host) * self.pool.block_size
+        num_cached = (len(cached) + from_host) * self.kv.block_size
         work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached, loading=loading)
         self.running[job.request_id] = work
         return work
@@ -266,8 +269,7 @@ class PrefillEngine:
         free list; while they cannot, blocks still being written to the host pool are waited for (they
         must not be reused before their bytes are there)."""
         while True:
-            reclaimed = sum(self.pool.ref_counts[block] == 0 for block in cached)
-            if self.pool.can_allocate(needed + reclaimed):
+            if self.kv.can_allocate(needed, cached):
                 return True
             if self.writer is None or not self.writer.busy:
                 return False
@@ -285,8 +287,8 @@ class PrefillEngine:
         if count == 0 or self.host is None:
             return None
         targets, found = blocks[first:first + count], hashes[first:first + count]
-        self.pool.cache(targets, found)
-        self.stats["prefill_tokens_from_host"] += count * self.pool.block_size
+        self.kv.cache(targets, found)
+        self.stats["prefill_tokens_from_host"] += count * self.kv.block_size
         if self.loader is None or self.runner.layered is not None:
             for depth, (block, block_hash) in enumerate(zip(targets, found), start=first):
                 self.runner.write_block(block, self.host.view(block_hash, depth))
@@ -316,8 +318,8 @@ class PrefillEngine:
         finally:
             loading.close()
             if loading.error is not None:  # the prefix is not in the cache: neither findable nor counted done
-                self.pool.uncache(loading.blocks)
-                work.done = work.num_cached = work.blocks.index(loading.blocks[0]) * self.pool.block_size
+                self.kv.uncache(loading.blocks)
+                work.done = work.num_cached = work.blocks.index(loading.blocks[0]) * self.kv.block_size
             self.stats["prefix_load_wait_seconds"] += loading.waited_s
             assert self.host is not None
             for slot in loading.slots:
@@ -387,8 +389,8 @@ class PrefillEngine:
         self._cache_computed(work)
 
     def _cache_computed(self, work: PrefillWork) -> int:
-        computed_blocks = min(len(work.hashes), work.done // self.pool.block_size)
-        self.pool.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
+        computed_blocks = min(len(work.hashes), work.done // self.kv.block_size)
+        self.kv.cache(work.blocks[:computed_blocks], work.hashes[:computed_blocks])
         return computed_blocks
 
     def finish(self, work: PrefillWork) -> None:
@@ -403,4 +405,4 @@ class PrefillEngine:
         if work.done == work.num_tokens:
             self.stats["prefill_tokens_cached"] += work.num_cached
             self.stats["requests_prefilled"] += 1
-        self.pool.free(work.blocks)
+        self.kv.free(work.blocks)

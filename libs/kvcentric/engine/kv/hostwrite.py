@@ -16,7 +16,7 @@ import concurrent.futures
 import dataclasses
 from collections.abc import Callable
 
-from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.engine.kv.kvpool import HostBlockPool
 from kvcentric.engine.model.pools import serial_workers
 from kvcentric.engine.model.runner import ModelRunner
@@ -44,9 +44,10 @@ class HostWriter:
     """One worker, so copies finish in the order they were submitted and `collect` indexes them in order.
     `on_done` is called from the worker after each copy (to wake the loop that calls `collect`)."""
 
-    def __init__(self, runner: ModelRunner, pool: BlockPool, host: HostBlockPool,
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, host: HostBlockPool,
                  on_done: Callable[[], None] | None = None) -> None:
-        self.runner, self.pool, self.host, self.on_done = runner, pool, host, on_done
+        """`kv`: the device cache's manager, through which a copy holds a reference on each block it reads."""
+        self.runner, self.kv, self.host, self.on_done = runner, kv, host, on_done
         self.worker = serial_workers(1, "host-write")
         self.copies: collections.deque[BlockCopy] = collections.deque()
         self.stats = {"host_writes_queued": 0, "host_writes_layerwise": 0, "host_writes_failed": 0,
@@ -79,7 +80,7 @@ class HostWriter:
                 break
             chosen.append(block)
             slots.append(slot)
-        self.pool.share(chosen)
+        self.kv.share(chosen)
         return chosen, slots
 
     def reserve_layers(self, blocks: list[int], hashes: list[str], first_depth: int) -> LayerStore | None:
@@ -137,7 +138,7 @@ class HostWriter:
             else:
                 for slot in copy.slots:
                     self.host.commit(slot)
-            self.pool.free(copy.blocks)
+            self.kv.free(copy.blocks)
             released += len(copy.blocks)
         return released
 

@@ -106,19 +106,18 @@ class StageEngine(PrefillEngine):
         job = self.queue[0]
         hashes = self.hashes(job.token_ids)
         skipped = self.first_cached.get(job.request_id, 0)
-        cached = self.pool.cached_prefix(hashes)[:skipped // self.pool.block_size]
-        if len(cached) * self.pool.block_size < skipped:
+        cached = self.kv.computed_blocks(hashes, skipped // self.kv.block_size)
+        if len(cached) * self.kv.block_size < skipped:
             self.queue.popleft()
             self.failures.append((job, f"stage {self.stage.position.index} lacks the cached prefix of "
                                        f"{skipped} tokens the first stage reused"))
             return None
-        needed = self.pool.blocks_for(len(job.token_ids)) - len(cached)
+        needed = self.kv.blocks_for(len(job.token_ids)) - len(cached)
         if not self._fits(cached, needed):
             return None
-        self.pool.share(cached)
         self.queue.popleft()
         self.first_cached.pop(job.request_id, None)
-        work = PrefillWork(job, cached + self.pool.allocate(needed), skipped, hashes, done=skipped)
+        work = PrefillWork(job, self.kv.allocate(needed, cached), skipped, hashes, done=skipped)
         self.running[job.request_id] = work
         return work
 
