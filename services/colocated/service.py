@@ -13,7 +13,8 @@ import time
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
 from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.cores.decode import DecodeRequest, KVRejected
+from kvcentric.engine.cores.decode import KVRejected
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.service.kvsink import DecodeSink
 from kvcentric.engine.cores.layerkv import layer_wise
 from kvcentric.engine.cores.mixed import MixedStep, MixedStepper, lane_prompt_share

@@ -20,7 +20,8 @@ from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.core.scheduling.slo import PACE_OF_SLO, TBT_FACTOR, relative_tbt_s
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest, KVRejected
+from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.service.assembly import AssemblingSink
 from kvcentric.engine.service.kvsink import DecodeSink
 from kvcentric.engine.service.prefixkv import PrefixPulls

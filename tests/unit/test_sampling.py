@@ -84,10 +84,11 @@ def test_prompt_logprobs_score_each_next_token_from_the_row_before():
 
 
 def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
-    """`DecodeEngine.choose_all` takes one argmax over the plain greedy rows and `choose` for the rest: the same
-    tokens, and the logprobs of the rows that asked, as choosing each row alone."""
+    """`BatchSampler.choose_all` (a decode engine's `sampler`) takes one argmax over the plain greedy rows and
+    `choose` for the rest: the same tokens, and the logprobs of the rows that asked, as choosing each row alone."""
     from factories import decode_job, make_pool, make_runner
-    from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
     from kvcentric.engine.model.sampling import plain_greedy
 
     kinds = [SamplingParams(max_tokens=4, temperature=0.0),
@@ -104,6 +105,6 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
              for i, params in enumerate(kinds)]
     expected = [engine._choose(logits[row], request) for row, request in enumerate(batch)]
     expected_logprobs = [request.next_logprob for request in batch]
-    assert engine.choose_all(logits, batch) == expected
+    assert engine.sampler.choose_all(logits, batch) == expected
     assert [request.next_logprob for request in batch] == expected_logprobs
-    assert engine.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain
+    assert engine.sampler.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.kv_cache import KVCacheManager
-from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher

@@ -16,22 +16,20 @@ the client, retryable). `abort` frees at any point. Time is passed in; no I/O. O
 from __future__ import annotations
 
 import collections
-import dataclasses
 from collections.abc import Collection, Sequence
 from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.kv_cache import KVCacheManager
-from kvcentric.core.migration import history
 from kvcentric.core.scheduling.slo import relative_tbt_s
+from kvcentric.engine.cores.decode_sampling import BatchSampler
+from kvcentric.engine.cores.decode_staging import HostStaging
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.engine.model.guided import Guides
-from kvcentric.engine.model.sampling import choose, plain_greedy
 from kvcentric.core.stopping import finish_reason
 from kvcentric.core.protocol import DecodeJob, FirstToken, TokenChunk, TokenLogprob, decode
-
-FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class KVRejected(RuntimeError):
@@ -44,58 +42,6 @@ NO_ROOM = "decode instance full"
 
 class KVNoRoom(KVRejected):
     """KV refused for want of room, neither device blocks nor host staging: overload, the client may retry."""
-
-
-@dataclasses.dataclass
-class DecodeRequest:
-    job: DecodeJob
-    deadline: float
-    state: Literal["waiting_kv", "receiving", "running", "preempted"] = "waiting_kv"
-    blocks: list[int] = dataclasses.field(default_factory=list)
-    prompt: list[int] = dataclasses.field(default_factory=list)
-    layer_tokens: list[int] = dataclasses.field(default_factory=list)
-    generated: list[int] = dataclasses.field(default_factory=list)
-    seq: int = 0
-    recompute: bool = False
-    """Resumed after preemption: its KV must be recomputed before the next step."""
-    next_logprob: TokenLogprob | None = None
-    """The logprobs of the token the step in flight chose (when the request asked for them)."""
-    index: int = 0
-    """Which of the request's `sampling.n` sequences this is (its choice index)."""
-    staged: list[tuple[int, int, int, bytes, bytes]] | None = None
-    """Its prompt KV in host memory (layer, start, end, key, value), waiting for blocks; None: on the device."""
-    staged_bytes: int = 0
-    """Host staging bytes reserved for it."""
-    pool_addr: str = ""
-    """The messenger whose pool takes the blocks its generated tokens fill (the prefill's, named in the push)."""
-
-    @property
-    def request_id(self) -> str:
-        return self.job.request_id
-
-    @property
-    def key(self) -> str:
-        """Its key among the engine's requests: the request id, and `<id>#<index>` for sequences after the first."""
-        return self.job.request_id if self.index == 0 else f"{self.job.request_id}#{self.index}"
-
-    @property
-    def position(self) -> int:
-        """Position of the last generated token, the one the next step feeds in."""
-        return self.job.n_prompt_tokens + len(self.generated) - 1
-
-    @property
-    def context_tokens(self) -> int:
-        """Tokens whose KV the next decode step reads: the prompt and every token generated."""
-        return self.job.n_prompt_tokens + max(1, len(self.generated))
-
-    def chunk(self, token_ids: list[int], reason: FinishReason | None = None, error: str = "",
-              error_status: int = 500, logprobs: list[TokenLogprob] | None = None,
-              prompt_logprobs: list[TokenLogprob] | None = None) -> TokenChunk:
-        self.seq += 1
-        return TokenChunk(request_id=self.request_id, seq=self.seq - 1, token_ids=token_ids, finish_reason=reason,
-                          prompt_tokens=self.job.n_prompt_tokens, completion_tokens=len(self.generated),
-                          error=error, error_status=error_status, logprobs=logprobs or [],
-                          prompt_logprobs=prompt_logprobs or [], index=self.index)
 
 
 class DecodeEngine:
@@ -115,6 +61,9 @@ class DecodeEngine:
         self.requests: dict[str, DecodeRequest] = {}
         self.guides = Guides(runner.config)
         """Structured output's grammar state of each guided sequence."""
+        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids)
+        self.staging = HostStaging(runner, self.kv)
+        """Where KV that arrives at a full cache waits for blocks."""
         self.preempted: collections.deque[str] = collections.deque()
         self._in_step: set[str] = set()
         self.stats = {"kv_staged": 0, "kv_refused_no_room": 0, "kv_bytes_received": 0, "kv_streams_committed": 0,
@@ -136,12 +85,12 @@ class DecodeEngine:
         `pool_addr`: where the blocks its generated tokens fill may go (`engine/service/writeback.py`)."""
         if join and request_id in self.requests and self.requests[request_id].state == "receiving":
             return
-        request = self._expect(request_id, "waiting_kv")
+        request = expect(self.requests, request_id, "waiting_kv")
         if num_tokens != request.job.n_prompt_tokens or num_layers != self.runner.config.num_layers:
             raise KVRejected(f"request {request_id}: KV for {num_tokens} tokens x {num_layers} layers, "
                              f"expected {request.job.n_prompt_tokens} x {self.runner.config.num_layers}")
         needed = self.kv.blocks_for(num_tokens + 1)
-        if self.kv.can_allocate(needed) and not (self.preempted and self._stageable(request)):
+        if self.kv.can_allocate(needed) and not (self.preempted and self.staging.fits(request)):
             request.blocks = self.kv.allocate(needed)  # (with requests waiting for blocks, it queues behind)
         else:
             self._stage(request, needed)
@@ -153,24 +102,16 @@ class DecodeEngine:
     def _stage(self, request: DecodeRequest, needed: int) -> None:
         """No blocks for the request now (or older requests wait for them): its KV waits in host memory,
         if staging has room for it, else it is refused."""
-        if not self._stageable(request):
+        if not self.staging.fits(request):
             self.stats["kv_refused_no_room"] += 1
             raise KVNoRoom(f"{NO_ROOM}: request {request.request_id} needs {needed} KV blocks "
                            f"({self.kv.num_free} free) and host staging is full "
                            f"({self.kv.staging_used} of {self.kv.staging_bytes} bytes used)")
-        request.staged, request.staged_bytes = [], self._staged_size(request)
-        self.kv.stage(request.staged_bytes)
+        self.staging.stage(request)
         self.stats["kv_staged"] += 1
 
-    def _stageable(self, request: DecodeRequest) -> bool:
-        """Host staging has room for the request's prompt KV (parallel sampling needs blocks to fork from)."""
-        return request.job.sampling.n == 1 and self.kv.can_stage(self._staged_size(request))
-
-    def _staged_size(self, request: DecodeRequest) -> int:
-        return request.job.n_prompt_tokens * 2 * self.runner.config.num_layers * self.runner.layer_token_bytes
-
     def write_kv(self, request_id: str, layer: int, start: int, end: int, key: bytes, value: bytes) -> None:
-        request = self._expect(request_id, "receiving")
+        request = expect(self.requests, request_id, "receiving")
         if not (0 <= layer < self.runner.config.num_layers and 0 <= start < end <= request.job.n_prompt_tokens):
             raise KVRejected(f"request {request_id}: layer {layer} tokens {start}..{end} out of range")
         if request.staged is not None:  # the sender's bytes may be views of its memory: keep a copy
@@ -187,7 +128,7 @@ class DecodeEngine:
     def check_tbt(self, request_id: str) -> TBTVerdict:
         """All layers are in: would a decode step keep within the TBT SLO with this request in the batch?
         The batch counted is every request with its KV here (running or preempted), whatever --max-batch."""
-        request = self._complete(request_id)
+        request = received(self.requests, request_id)
         if not request.job.tbt_check:  # the conductor judged its decode load at placement: nothing computed is refused
             return TBTVerdict(True, 0.0, 0.0)
         relative = (relative_tbt_s(self.tbt_slo_factor, self.cost.t_decode(1, request.context_tokens))
@@ -202,7 +143,7 @@ class DecodeEngine:
     def reject_kv(self, request_id: str, verdict: TBTVerdict) -> TokenChunk:
         """Refuse a request whose KV is all here (rejected after prefill): free its blocks now, and end it
         with an error the gateway answers as 429."""
-        request = self._complete(request_id)
+        request = received(self.requests, request_id)
         del self.requests[request_id]
         self._release(request)
         self.stats["requests_rejected_tbt"] += 1
@@ -211,7 +152,7 @@ class DecodeEngine:
     def commit_kv(self, request_id: str, first_token: int, extras: bytes = b"") -> list[TokenChunk]:
         """All layers are in: emit the prefill's first token (with the logprobs in `extras`, a msgpack
         FirstToken, when asked for) and join the batch (or finish)."""
-        request = self._complete(request_id)
+        request = received(self.requests, request_id)
         request.state = "running"
         self.stats["kv_streams_committed"] += 1
         chunks = self._start(request, first_token, decode(extras, FirstToken) if extras else None)
@@ -225,7 +166,7 @@ class DecodeEngine:
         request = self.requests.get(request_id)
         if request is not None and request.state == "receiving":
             self.kv.free(request.blocks)
-            self._unstage(request)
+            self.staging.unstage(request)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
 
     def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int,
@@ -240,29 +181,19 @@ class DecodeEngine:
     def _start(self, request: DecodeRequest, first_token: int, first: FirstToken | None) -> list[TokenChunk]:
         """Emit the first token of each of the request's n sequences: the others fork from the first before
         it may finish and free its blocks."""
-        siblings = [self._fork(request, index) for index in range(1, request.job.sampling.n)]
+        siblings = []
+        for index in range(1, request.job.sampling.n):
+            sibling = fork(request, index, self.kv, self.runner)
+            self.requests[sibling.key] = sibling
+            if sibling.state == "preempted":
+                self.preempted.append(sibling.key)
+            else:
+                self.stats["sequences_forked"] += 1
+            siblings.append(sibling)
         chunks = [self._emit(request, first_token, first)]
         for sibling, token, logprob in zip(siblings, first.siblings if first else [], _padded(first)):
             chunks.append(self._emit(sibling, token, FirstToken(logprob=logprob)))
         return chunks
-
-    def _fork(self, parent: DecodeRequest, index: int) -> DecodeRequest:
-        """Sequence `index` of a request: the prompt's full blocks shared with the first sequence (their
-        reference counts), the block it writes next its own (a copy of the prompt's partial last block). With
-        no room it starts preempted and recomputes its KV when blocks free up."""
-        sibling = DecodeRequest(parent.job, deadline=0.0, state="running", prompt=parent.prompt, index=index)
-        self.requests[sibling.key] = sibling
-        full = parent.job.n_prompt_tokens // self.kv.block_size
-        own = len(parent.blocks) - full
-        if not self.kv.can_allocate(own):
-            sibling.state = "preempted"
-            self.preempted.append(sibling.key)
-            return sibling
-        sibling.blocks = self.kv.allocate(own, parent.blocks[:full])
-        if parent.job.n_prompt_tokens % self.kv.block_size:
-            self.runner.copy_block(parent.blocks[full], sibling.blocks[full])
-        self.stats["sequences_forked"] += 1
-        return sibling
 
     # ---------------------------------------------------------------- ending
 
@@ -309,32 +240,7 @@ class DecodeEngine:
         self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
-        return self.choose_all(logits, batch)
-
-    def choose_all(self, logits, batch: list[DecodeRequest]) -> list[int]:
-        """The next token of every row: the plain greedy rows (`plain_greedy`) by one argmax over all of them,
-        the others one at a time through `choose` (the same tokens either way)."""
-        plain = [row for row, request in enumerate(batch) if plain_greedy(request.job.sampling)]
-        tokens: list[int] = [0] * len(batch)
-        if plain:
-            picked = (logits if len(plain) == len(batch) else logits[plain]).argmax(dim=-1).tolist()
-            for row, token in zip(plain, picked):
-                tokens[row] = token
-                batch[row].next_logprob = None
-        if len(plain) < len(batch):
-            chosen = set(plain)
-            for row, request in enumerate(batch):
-                if row not in chosen:
-                    tokens[row] = self._choose(logits[row], request)
-        return tokens
-
-    def _choose(self, logits, request: DecodeRequest) -> int:
-        sampling = request.job.sampling
-        prompt, output = history(sampling, request.prompt, request.generated)
-        token, request.next_logprob = choose(logits, sampling, len(output), prompt, output,
-                                             self.runner.config.eos_token_ids, request.index,
-                                             self.guides.mask(request.key, sampling, output))
-        return token
+        return self.sampler.choose_all(logits, batch)
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""
@@ -366,16 +272,13 @@ class DecodeEngine:
         itself the one preempted."""
         while not self.kv.can_allocate(1):
             victim = next(r for r in reversed(running) if r.state == "running")  # `request` at the latest
-            self._preempt(victim)
+            self.kv.free(victim.blocks)
+            victim.blocks, victim.state = [], "preempted"
+            self.preempted.append(victim.key)
+            self.stats["preemptions"] += 1
             if victim is request:
                 return False
         return True
-
-    def _preempt(self, request: DecodeRequest) -> None:
-        self.kv.free(request.blocks)
-        request.blocks, request.state = [], "preempted"
-        self.preempted.append(request.key)
-        self.stats["preemptions"] += 1
 
     def _resume_preempted(self) -> list[TokenChunk]:
         """Give preempted requests blocks again (oldest first); their KV is recomputed in execute."""
@@ -394,21 +297,8 @@ class DecodeEngine:
                 break
             self.preempted.popleft()
             request.blocks, request.state = self.kv.allocate(needed), "running"
-            request.recompute = not self._load_staged(request)
+            request.recompute = not self.staging.load(request)
         return failed
-
-    def _load_staged(self, request: DecodeRequest) -> bool:
-        """Copy a request's KV from host staging into its blocks; False when it has none staged."""
-        if request.staged is None:
-            return False
-        for layer, start, end, key, value in request.staged:
-            self.runner.write_layer(layer, request.blocks, start, end, key, value)
-        self._unstage(request)
-        return True
-
-    def _unstage(self, request: DecodeRequest) -> None:
-        self.kv.unstage(request.staged_bytes)
-        request.staged, request.staged_bytes = None, 0
 
     def _recompute(self, requests: list[DecodeRequest]) -> None:
         for request in requests:
@@ -435,7 +325,7 @@ class DecodeEngine:
                              prompt_logprobs=first.prompt_logprobs if first is not None else None)
 
     def _release(self, request: DecodeRequest) -> None:
-        self._unstage(request)
+        self.staging.unstage(request)
         self.guides.forget(request.key)
         if request.key in self._in_step:  # the step in flight still reads and writes its blocks
             self.kv.free_after_step(request.blocks)
@@ -443,21 +333,42 @@ class DecodeEngine:
         self.kv.free(request.blocks)
         request.blocks = []
 
-    def _complete(self, request_id: str) -> DecodeRequest:
-        """A request receiving KV whose every layer has arrived."""
-        request = self._expect(request_id, "receiving")
-        incomplete = [i for i, n in enumerate(request.layer_tokens) if n != request.job.n_prompt_tokens]
-        if incomplete:
-            raise KVRejected(f"request {request_id}: commit with layers {incomplete[:4]} incomplete")
-        return request
 
-    def _expect(self, request_id: str, state: str) -> DecodeRequest:
-        request = self.requests.get(request_id)
-        if request is None:
-            raise KVRejected(f"request {request_id} is not expected here")
-        if request.state != state:
-            raise KVRejected(f"request {request_id} is {request.state}, not {state}")
-        return request
+
+
+def expect(requests: dict[str, DecodeRequest], request_id: str, state: str) -> DecodeRequest:
+    """The request `request_id` of `requests`, in `state`; else `KVRejected`."""
+    request = requests.get(request_id)
+    if request is None:
+        raise KVRejected(f"request {request_id} is not expected here")
+    if request.state != state:
+        raise KVRejected(f"request {request_id} is {request.state}, not {state}")
+    return request
+
+
+def received(requests: dict[str, DecodeRequest], request_id: str) -> DecodeRequest:
+    """The request `request_id` of `requests`, receiving KV, with every layer of it arrived; else `KVRejected`."""
+    request = expect(requests, request_id, "receiving")
+    incomplete = [i for i, n in enumerate(request.layer_tokens) if n != request.job.n_prompt_tokens]
+    if incomplete:
+        raise KVRejected(f"request {request_id}: commit with layers {incomplete[:4]} incomplete")
+    return request
+
+
+def fork(parent: DecodeRequest, index: int, kv: KVCacheManager, runner: ModelRunner) -> DecodeRequest:
+    """Sequence `index` of a request: the prompt's full blocks shared with the first sequence (their reference
+    counts), the block it writes next its own (a copy of the prompt's partial last block). With no room it starts
+    preempted and recomputes its KV when blocks free up."""
+    sibling = DecodeRequest(parent.job, deadline=0.0, state="running", prompt=parent.prompt, index=index)
+    full = parent.job.n_prompt_tokens // kv.block_size
+    own = len(parent.blocks) - full
+    if not kv.can_allocate(own):
+        sibling.state = "preempted"
+        return sibling
+    sibling.blocks = kv.allocate(own, parent.blocks[:full])
+    if parent.job.n_prompt_tokens % kv.block_size:
+        runner.copy_block(parent.blocks[full], sibling.blocks[full])
+    return sibling
 
 
 def _padded(first: FirstToken | None) -> list[TokenLogprob | None]:

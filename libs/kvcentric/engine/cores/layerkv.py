@@ -19,7 +19,8 @@ from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.layerkv.scheduler import (Decoding, Holding, PrefillCost, forecast_free, offload_victims,
                                               schedule_prefills)
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.cores.decode import DecodeEngine, DecodeRequest
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.kv.layered import LayeredKV
 from kvcentric.engine.cores.prefill import PrefillEngine
 from kvcentric.engine.model.runner import ModelRunner

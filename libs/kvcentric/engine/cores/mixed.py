@@ -17,7 +17,7 @@ import torch
 
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.cores.colocated import ColocatedEngine
-from kvcentric.engine.cores.decode import DecodeRequest
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.batch import AttentionBatch, SequenceSlice
 from kvcentric.engine.cores.prefill import PrefillChunk
 from kvcentric.engine.model.runner import ModelRunner, padded_decode
@@ -100,7 +100,7 @@ class MixedStepper:
         last_logits, decode_logits = forward(self.engine.runner, plain, step.batch, self.decode_attention)
         ends = iter(last_logits)
         firsts = {id(c): prefill.sample_first(c.work, next(ends)) if c.last else None for c in plain}
-        tokens = decode.choose_all(decode_logits, step.batch) if step.batch else []
+        tokens = decode.sampler.choose_all(decode_logits, step.batch) if step.batch else []
         return [{**scored, **firsts}[id(c)] for c in step.chunks], tokens
 
     def step(self) -> list[TokenChunk]:

@@ -14,13 +14,13 @@ import dataclasses
 
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.kv_cache import KVCacheManager
-from kvcentric.engine.model.pools import serial_workers
+from kvcentric.engine.cores.prefill_host import HostTier
 from kvcentric.engine.model.guided import Guides
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.engine.model.sampling import choose, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import history
-from kvcentric.engine.kv.hostwrite import HostWriter, LayerStore
+from kvcentric.engine.kv.hostwrite import LayerStore
 from kvcentric.engine.kv.kvpool import HostBlockPool
 from kvcentric.engine.kv.layerload import LayerwiseLoad
 from kvcentric.engine.model.llama import LayerHook
@@ -103,17 +103,6 @@ class PrefillEngine:
         self.runner, self.pool, self.hasher, self.chunk_tokens = runner, pool, hasher, chunk_tokens
         self.kv = kv if kv is not None else KVCacheManager(pool)
         """Every block this engine takes, shares and frees goes through it."""
-        self.host = host
-        """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
-        computed full block is written to it behind the compute (`writer`)."""
-        self.writer = HostWriter(runner, self.kv, host) if host is not None else None
-        self.layerwise_store = layerwise_store
-        """A chunk's new full blocks go into the host pool layer by layer as it computes (Mooncake §5.2);
-        without, a prompt's blocks go whole when it ends."""
-        self.loader = serial_workers(1, "prefix-load") \
-            if host is not None and layerwise_load else None
-        """Loads prefixes from the host pool layer by layer beside the compute (Mooncake §5.2); without it
-        a prefix is copied whole before the prompt's first chunk."""
         self.queue: collections.deque[PrefillJob] = collections.deque()
         self.guides = Guides(runner.config)
         """Structured output's grammar state of each guided sequence (its first token is sampled here)."""
@@ -126,6 +115,10 @@ class PrefillEngine:
         self.stats = {"prefill_tokens_computed": 0, "prefill_tokens_cached": 0, "prefill_tokens_from_host": 0,
                       "prefill_chunks": 0, "prefill_passes": 0, "requests_prefilled": 0, "requests_cancelled": 0,
                       "prefix_load_wait_seconds": 0.0}
+        self.tier = HostTier(runner, self.kv, host, layerwise_load, layerwise_store, self.stats)
+        """The node's host-memory pool: prefixes missing from the cache are loaded from it, and every
+        computed full block is written to it behind the compute."""
+        self.host, self.writer = host, self.tier.writer
 
     @property
     def queued_tokens(self) -> int:
@@ -181,7 +174,7 @@ class PrefillEngine:
         if work is None:
             return None
         end = min(work.done + self.chunk_tokens, work.num_tokens)
-        work.storing = self._store_for(work, work.done, end)
+        work.storing = self.tier.store_for(work.blocks, work.hashes, work.done, end)
         return PrefillChunk(work, work.done, end, work.storing)
 
     def schedule_step(self, budget: int) -> list[PrefillChunk]:
@@ -204,7 +197,7 @@ class PrefillEngine:
                 break
             taken.add(work.request_id)
             end = min(work.done + min(self.chunk_tokens, left), work.num_tokens)
-            work.storing = self._store_for(work, work.done, end)
+            work.storing = self.tier.store_for(work.blocks, work.hashes, work.done, end)
             chunks.append(PrefillChunk(work, work.done, end, work.storing))
             left -= end - work.done
         return chunks
@@ -219,7 +212,8 @@ class PrefillEngine:
         self.stats["prefill_passes"] += 1
         if len(chunks) == 1:
             return [self.execute(chunks[0], hooks[0])]
-        hooks = [self._storing(c.store, hook) if c.store is not None else hook for c, hook in zip(chunks, hooks)]
+        hooks = [self.tier.storing(c.store, hook) if c.store is not None else hook
+                 for c, hook in zip(chunks, hooks)]
         sizes = [c.end - c.start for c in chunks]
 
         def on_layer(layer: int, keys, values) -> None:
@@ -232,16 +226,6 @@ class PrefillEngine:
                                           on_layer)
         return [self.sample_first(c.work, logits[i]) if c.last else None for i, c in enumerate(chunks)]
 
-    def _store_for(self, work: PrefillWork, start: int, end: int) -> LayerStore | None:
-        """Host slots for the full blocks that positions start..end-1 complete (Mooncake §5.2's layer-wise
-        store), when there is a host pool and a plain cache."""
-        if self.writer is None or self.runner.layered is not None or not self.layerwise_store:
-            return None
-        first, last = start // self.kv.block_size, min(end // self.kv.block_size, len(work.hashes))
-        if first >= last:
-            return None
-        return self.writer.reserve_layers(work.blocks[first:last], work.hashes[first:last], first)
-
     def _start_next(self) -> PrefillWork | None:
         if not self.queue:
             return None
@@ -249,7 +233,7 @@ class PrefillEngine:
         hashes = self.hashes(job.token_ids)
         usable = (len(job.token_ids) - 1) // self.kv.block_size  # compute at least one token: its logits
         cached = self.kv.computed_blocks(hashes, usable)
-        from_host = self.host.prefix(hashes[len(cached):]) if self.host is not None else 0
+        from_host = self.tier.prefix(hashes[len(cached):])
         if job.sampling.prompt_logprobs is not None:  # a cached prefix has no logits to score it with
             cached, from_host = [], 0
         from_host = max(0, min(from_host, usable - len(cached)))
@@ -258,7 +242,7 @@ class PrefillEngine:
             return None
         self.queue.popleft()
         blocks = self.kv.allocate(needed, cached)
-        loading = self._load_from_host(blocks, hashes, len(cached), from_host)
+        loading = self.tier.load(blocks, hashes, len(cached), from_host)
         num_cached = (len(cached) + from_host) * self.kv.block_size
         work = PrefillWork(job, blocks, num_cached, hashes, done=num_cached, loading=loading)
         self.running[job.request_id] = work
@@ -278,32 +262,9 @@ class PrefillEngine:
     def hashes(self, token_ids: list[int]) -> list[str]:
         return [to_hex(h) for h in self.hasher.hash_blocks(token_ids)]
 
-    def _load_from_host(self, blocks: list[int], hashes: list[str], first: int, count: int) -> LayerwiseLoad | None:
-        """Copy `count` blocks found in the host pool into the cache, after the `first` already there: layer
-        by layer beside the compute when there is a loader (returned; their host slots stay pinned until it is
-        closed), else whole, now. They are findable by hash at once: only this prompt's first chunk, which
-        waits for each layer, or a step after it, can read them."""
-        assert self.host is not None or count == 0  # blocks come from the host pool only when there is one
-        if count == 0 or self.host is None:
-            return None
-        targets, found = blocks[first:first + count], hashes[first:first + count]
-        self.kv.cache(targets, found)
-        self.stats["prefill_tokens_from_host"] += count * self.kv.block_size
-        if self.loader is None or self.runner.layered is not None:
-            for depth, (block, block_hash) in enumerate(zip(targets, found), start=first):
-                self.runner.write_block(block, self.host.view(block_hash, depth))
-            return None
-        slots = []
-        for depth, block_hash in enumerate(found, start=first):
-            self.host.view(block_hash, depth)  # counts the read, refreshes the eviction policy
-            self.host.pin(block_hash)
-            slots.append(self.host.slot_of[block_hash])
-        return LayerwiseLoad(self.runner, targets, slots, self.host.buffer).start(self.loader)
-
     def _end_store(self, work: PrefillWork, computed: bool) -> None:
         if work.storing is not None:
-            assert self.writer is not None
-            self.writer.end_store(work.storing, computed)
+            self.tier.end_store(work.storing, computed)
             work.storing = None
 
     def settle(self, work: PrefillWork, wait: bool = True) -> None:
@@ -313,24 +274,17 @@ class PrefillEngine:
         if loading is None:
             return
         try:
-            if wait:
-                loading.wait_all()
+            self.tier.end_load(loading, wait)
         finally:
-            loading.close()
-            if loading.error is not None:  # the prefix is not in the cache: neither findable nor counted done
-                self.kv.uncache(loading.blocks)
+            if loading.error is not None:  # the prefix is not in the cache: not counted done either
                 work.done = work.num_cached = work.blocks.index(loading.blocks[0]) * self.kv.block_size
-            self.stats["prefix_load_wait_seconds"] += loading.waited_s
-            assert self.host is not None
-            for slot in loading.slots:
-                self.host.unpin(self.host.hash_of[slot])
 
     def execute(self, chunk: PrefillChunk, on_layer: LayerHook | None = None) -> int | None:
         """Compute one chunk; after the last chunk, return the first generated token."""
         work, sampling = chunk.work, chunk.work.job.sampling
         scored = sampling.prompt_logprobs is not None
         if chunk.store is not None:
-            on_layer = self._storing(chunk.store, on_layer)
+            on_layer = self.tier.storing(chunk.store, on_layer)
         if work.loading is None:
             logits = self.runner.prefill(work.job.token_ids, work.blocks, chunk.start, chunk.end, on_layer, scored)
         else:
@@ -344,17 +298,6 @@ class PrefillEngine:
             work.prompt_logprobs += prompt_logprobs(logits, following, sampling.prompt_logprobs or 0)
             logits = logits[-1]
         return self.sample_first(work, logits) if chunk.last else None
-
-    def _storing(self, store: LayerStore, on_layer: LayerHook | None) -> LayerHook:
-        """`on_layer`, then the layer's part of the chunk's new blocks into the host pool."""
-        writer = self.writer
-        assert writer is not None  # a chunk has a store only when there is a host pool
-
-        def hook(layer: int, keys, values) -> None:
-            if on_layer is not None:
-                on_layer(layer, keys, values)
-            writer.store_layer(store, layer)
-        return hook
 
     def sample_first(self, work: PrefillWork, logits) -> int:
         """The prompt's first generated token from its last position's logits (and its siblings' with n > 1);

@@ -18,7 +18,8 @@ from kvcentric.core.layerkv.pool import LayerBlockPool, Move
 from kvcentric.engine.model.batch import AttentionBatch, SequenceSlice
 from kvcentric.engine.model.llama import LayerHook
 from kvcentric.engine.model.pools import serial_workers
-from kvcentric.engine.model.runner import ModelRunner, block_slots, kv_payload, padded_decode, slots_of
+from kvcentric.engine.model.kvcache import block_slots, slots_of
+from kvcentric.engine.model.runner import ModelRunner, kv_payload, padded_decode
 
 SCRATCH_BUFFERS = 3
 """Scratch buffers in turn: one being loaded, one computed in, one being written back."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from kvcentric.core.hashing import BlockHasher, to_hex
-from kvcentric.engine.cores.decode import DecodeRequest
+from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.runtime.transfer import KVPusher, TransferError, put_blocks
 
