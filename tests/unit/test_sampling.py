@@ -103,7 +103,7 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
     logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(1))
     batch = [DecodeRequest(decode_job(f"r{i}", 5, params), deadline=0.0, prompt=[1, 2, 3, 4, 5], generated=[7])
              for i, params in enumerate(kinds)]
-    expected = [engine._choose(logits[row], request) for row, request in enumerate(batch)]
+    expected = [engine.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
     expected_logprobs = [request.next_logprob for request in batch]
     assert engine.sampler.choose_all(logits, batch) == expected
     assert [request.next_logprob for request in batch] == expected_logprobs
