@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 # The engines of the tests run every CPU kernel wherever it takes the tensors, as fast or slow as it is on this
-# machine (the kernel choice, `engine/kernels/choice.py`, is tested on its own): the same paths on every machine.
+# machine (the kernel choice, `engine/model/kernels/choice.py`, is tested on its own): the same paths on every machine.
 os.environ.setdefault("KVC_KERNELS", "on")
 
 REPO = Path(__file__).resolve().parents[1]

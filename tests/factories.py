@@ -12,7 +12,7 @@ from kvcentric.model.config import preset
 from kvcentric.core.protocol import DecodeJob, LoadReport, PrefillJob, SamplingParams
 
 if TYPE_CHECKING:  # the runner imports torch: a pure-core test that takes only requests and reports needs none
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
 
 _ids = itertools.count()
 
@@ -23,7 +23,7 @@ TEST_DEVICE = os.environ.get("KVC_TEST_DEVICE", "cpu")
 
 def make_runner(num_blocks: int = 64, block_size: int = 4, seed: int = 0, model: str = "tiny",
                 device: str = TEST_DEVICE) -> ModelRunner:
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     return ModelRunner(preset(model), num_blocks, block_size, seed, device=device)
 
 

@@ -1,11 +1,11 @@
-"""The CPU kernels of `engine/kernels` against what torch does without them, built for one instruction set
+"""The CPU kernels of `engine/model/kernels` against what torch does without them, built for one instruction set
 (`--isa`: native, avx512, avx2, portable, or all those this CPU runs, one after another), torch held to the same
 set (`kernels.capped_env`: the script runs itself again in a process with that environment, as torch picks its
 kernels when it is imported). At the shapes of `small` (hidden 512, 8 heads, 4 KV heads of 64, SwiGLU 1408) and
 `medium` (the 136M Llama: hidden 1024, 16 heads, 4 KV heads, SwiGLU 2816), fp32, on 2 threads and on 1:
 
 - the small GEMM of each linear layer (q|k|v, o, gate|up, down) at 1 to 128 rows against F.linear (MKL) and
-  oneDNN's GEMM on the blocked weight the engine packs (`llama.pack_weight`), each weight copied to 64 MB or more
+  oneDNN's GEMM on the blocked weight the engine packs (`gemm.pack_weight`), each weight copied to 64 MB or more
   and the copies taken in turn, so they stream from memory as a decode step's do;
 - decode attention over the paged cache (its KV in cache, and the KV of the model's layers taken in turn) against
   gathering the blocks for SDPA; prefill of whole prompts against causal SDPA per prompt;
@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 
-from kvcentric.engine import kernels
-from kvcentric.engine.kernels.isas import ISAS, TORCH_CAPS
-from kvcentric.engine.llama import AttentionBatch, Rotary, gather_blocks, linear, pack_weight, \
-    projection_shapes
+from kvcentric.engine.model import kernels
+from kvcentric.engine.model.kernels.isas import ISAS, TORCH_CAPS
+from kvcentric.engine.model.batch import AttentionBatch, gather_blocks
+from kvcentric.engine.model.gemm import linear, pack_weight, projection_shapes
+from kvcentric.engine.model.llama import Rotary
 from kvcentric.model.config import ModelConfig, preset
 from bench import harness
 

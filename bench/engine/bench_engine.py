@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import load_model_config, preset
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from kvcentric.engine.runner import DTYPES, ModelRunner
+from kvcentric.engine.model.runner import DTYPES, ModelRunner
 from kvcentric.model.config import ModelConfig, load_model_config
 from bench import harness
 
@@ -508,7 +508,7 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
         ours_decode(state["runner"], decode_tables, args, result["decode"], "eager")
 
     def unfused() -> None:
-        from kvcentric.engine.llama import use_ops
+        from kvcentric.engine.model.dispatch import use_ops
 
         runner = state["runner"] = make_runner(config, blocks, args, graphs=True)
         use_ops(runner.model, None)  # torch's ops; the paged kernel and the graphs stay
@@ -542,7 +542,7 @@ def run_ours(report: Report, args: argparse.Namespace) -> None:
 def attention_kernel(report: Report, args: argparse.Namespace) -> None:
     """The paged decode kernel alone on one layer's cache, per batch and context split: its read bandwidth (keys
     and values of every cached token once) against the copy bandwidth."""
-    from kvcentric.engine.kernels.paged import PagedAttention, splits_for
+    from kvcentric.engine.model.kernels.paged import PagedAttention, splits_for
 
     config, dtype = report.config, DTYPES[args.dtype]
     bandwidth = report.result["ceilings"].get("copy", {}).get("bytes_per_s")

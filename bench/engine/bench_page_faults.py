@@ -44,11 +44,11 @@ def child(bursts: int) -> None:
     from kvcentric.core.block_pool import BlockPool
     from kvcentric.core.hashing import BlockHasher
     from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
-    from kvcentric.engine.colocated import ColocatedEngine
+    from kvcentric.engine.cores.colocated import ColocatedEngine
     from kvcentric.engine.config import EngineConfig
-    from kvcentric.engine.mixed import MixedStepper
-    from kvcentric.engine.node import ModelThread
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.cores.mixed import MixedStepper
+    from kvcentric.engine.service.node import ModelThread
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import preset
     from kvcentric.runtime.service import keep_heap
 

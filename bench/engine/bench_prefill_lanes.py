@@ -51,7 +51,7 @@ def main() -> None:
     args = parse_args()
     import torch
 
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import preset
     from kvcentric.runtime.service import keep_heap
 

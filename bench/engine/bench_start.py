@@ -26,7 +26,7 @@ def measure(model: str, layers: int, dtype: str, device: str) -> dict:
     """In this process: build the runner once; seconds, parameters and the peak RSS it added."""
     import torch
 
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import preset
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -50,8 +50,8 @@ def measure(model: str, layers: int, dtype: str, device: str) -> dict:
 
 
 def weight_bytes(weight) -> int:
-    """A fused projection's bytes: both layouts of a CPU fp32 one (`llama.TwoLayouts`)."""
-    from kvcentric.engine.llama import TwoLayouts
+    """A fused projection's bytes: both layouts of a CPU fp32 one (`gemm.TwoLayouts`)."""
+    from kvcentric.engine.model.gemm import TwoLayouts
 
     if isinstance(weight, TwoLayouts):
         return weight_bytes(weight.blocked) + weight.panels.numel() * weight.panels.element_size()

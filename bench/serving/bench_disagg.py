@@ -33,10 +33,10 @@ from bench.harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
-from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.mixed import MixedStepper
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.mixed import MixedStepper
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from bench import harness

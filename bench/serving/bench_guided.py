@@ -20,9 +20,9 @@ import torch
 
 from kvcentric.core.protocol import SamplingParams
 from kvcentric.core.structured import parse_guide
-from kvcentric.engine.guided import Guides
-from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.sampling import choose
+from kvcentric.engine.model.guided import Guides
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.engine.model.sampling import choose
 from kvcentric.model.config import PRESETS
 from bench import harness
 

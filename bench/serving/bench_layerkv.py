@@ -28,10 +28,10 @@ from kvcentric.core.costmodel import CostModel, HardwareSpec
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.layered import LayeredKV
-from kvcentric.engine.layerkv import LayerKV
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.kv.layered import LayeredKV
+from kvcentric.engine.cores.layerkv import LayerKV
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from bench import harness
 

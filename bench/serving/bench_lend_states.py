@@ -1,9 +1,10 @@
-"""Where the two cores of 1 prefill + 1 decode go during bursts (the cores lent between them, `engine/cores.py`):
-both instances' slot files sampled every 0.5 ms while `--bursts` bursts of 32 prompts of 256 tokens (32 tokens
-each) are served, as `bench_alone.py` sends them. Each sample is a state: the prefill's threads (P0: not in a
-model call), the decode's (D0 likewise), "paused" when the decode paused itself for its pace, and the
-prefill's queue (w0, w1, w2: 2 or more prompts behind the one it computes). A state with one thread computing
-and the other instance paused or idle is a core left unused. The 0.3 s between bursts count as (P0, D0).
+"""Where the two cores of 1 prefill + 1 decode go during bursts (the cores lent between them,
+`engine/service/coreshare.py`): both instances' slot files sampled every 0.5 ms while `--bursts` bursts of 32
+prompts of 256 tokens (32 tokens each) are served, as `bench_alone.py` sends them. Each sample is a state: the
+prefill's threads (P0: not in a model call), the decode's (D0 likewise), "paused" when the decode paused itself
+for its pace, and the prefill's queue (w0, w1, w2: 2 or more prompts behind the one it computes). A state with
+one thread computing and the other instance paused or idle is a core left unused. The 0.3 s between bursts count
+as (P0, D0).
 
 Appends one JSON line per run to `--out`:
 
@@ -23,7 +24,7 @@ from pathlib import Path
 from bench.serving import bench_vs_vllm as vs
 from bench.serving.bench_alone import append_record
 
-from kvcentric.engine.cores import COMPUTING, RESUMES_NS, USING, WAITING, Slot
+from kvcentric.engine.service.coreshare import COMPUTING, RESUMES_NS, USING, WAITING, Slot
 from bench import harness
 
 RESULTS = harness.RESULTS

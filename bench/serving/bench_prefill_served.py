@@ -62,7 +62,7 @@ def in_process(checkpoint: str, threads: int) -> None:
     """One process: 32 prompts, one per pass, three times on `threads` torch threads; JSON on stdout."""
     import torch
 
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import load_model_config
     from kvcentric.runtime.service import keep_heap
 

@@ -1,6 +1,6 @@
 """Request-path overhead: one request at a time through a whole `kvcentric up` cluster (gateway -> NATS ->
 conductor -> prefill -> gRPC KV push -> decode -> NATS -> SSE) vs the same work in one process
-(`kvcentric.engine.local.generate`), for several prompt lengths.
+(`kvcentric.engine.model.local.generate`), for several prompt lengths.
 
 Usage:
     .venv/bin/python -m bench.serving.bench_request_path [--model small] [--lengths 64 512 1536]
@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 from bench.harness import UpProcess
 from kvcentric.tools.processes import get_json
 from kvcentric.model.config import preset

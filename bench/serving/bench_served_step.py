@@ -36,7 +36,7 @@ from bench.serving.bench_vs_vllm import build_checkpoint
 from bench.harness import UpProcess
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 
 

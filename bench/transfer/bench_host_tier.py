@@ -36,9 +36,9 @@ from bench.harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from bench import harness
 

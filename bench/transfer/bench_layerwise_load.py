@@ -33,9 +33,9 @@ from bench.serving.bench_request_path import log, machine
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SamplingParams
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from bench import harness
 

@@ -25,9 +25,9 @@ import grpc
 import torch
 
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.streaming import RequestPush
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.engine.service.streaming import RequestPush
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.runtime.kvwire import LayerData
 from kvcentric.tools.processes import free_port, nats_server_argv, wait_for_port

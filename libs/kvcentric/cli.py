@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parser.parse_args(argv)
         if args.command == "profile":
             from kvcentric.engine.config import ProfileConfig
-            from kvcentric.engine.profile import main as profile_main
+            from kvcentric.engine.model.profile import main as profile_main
             sys.exit(profile_main(from_namespace(ProfileConfig, args)))
         if args.command == "plan":
             from kvcentric.tools.plan import PlanConfig, main as plan_main

@@ -11,16 +11,17 @@ import asyncio
 import time
 
 from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitAck
-from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import DecodeRequest, KVRejected
-from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.layerkv import layer_wise
-from kvcentric.engine.mixed import MixedStep, MixedStepper, lane_prompt_share
-from kvcentric.engine.node import Wakeup
-from kvcentric.engine.prefill import PrefillChunk, PrefillRejected
-from kvcentric.engine.reporter import Load, prefills_of
-from kvcentric.engine.service import EngineService
+from kvcentric.engine.cores.decode import KVRejected
+from kvcentric.engine.cores.sequence import DecodeRequest
+from kvcentric.engine.service.kvsink import DecodeSink
+from kvcentric.engine.cores.layerkv import layer_wise
+from kvcentric.engine.cores.mixed import MixedStep, MixedStepper, lane_prompt_share
+from kvcentric.engine.service.node import Wakeup
+from kvcentric.engine.cores.prefill import PrefillChunk, PrefillRejected
+from kvcentric.engine.service.reporter import Load, prefills_of
+from kvcentric.engine.service.base import EngineService
 
 
 class ColocatedService(EngineService):

@@ -20,14 +20,15 @@ from kvcentric.core.metrics import labelled
 from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.core.scheduling.slo import PACE_OF_SLO, TBT_FACTOR, relative_tbt_s
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import DecodeEngine, DecodeRequest, KVRejected
-from kvcentric.engine.assembly import AssemblingSink
-from kvcentric.engine.kvsink import DecodeSink
-from kvcentric.engine.prefixkv import PrefixPulls
-from kvcentric.engine.reporter import Load
-from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.service import EngineService
-from kvcentric.engine.writeback import FilledBlock, OutputBlocks, WriteBack
+from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
+from kvcentric.engine.cores.sequence import DecodeRequest
+from kvcentric.engine.service.assembly import AssemblingSink
+from kvcentric.engine.service.kvsink import DecodeSink
+from kvcentric.engine.service.prefixkv import PrefixPulls
+from kvcentric.engine.service.reporter import Load
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.engine.service.base import EngineService
+from kvcentric.engine.service.writeback import FilledBlock, OutputBlocks, WriteBack
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
 log = logging.getLogger("kvcentric.decode")
@@ -116,7 +117,7 @@ class DecodeService(EngineService):
         --max-batch); running: the requests generating (those still waiting for KV are neither)."""
         states = collections.Counter(r.state for r in self.engine.requests.values())
         running = states["running"]
-        staging = (self.engine.staging_bytes - self.engine.staging_used) // self.runner.block_bytes
+        staging = (self.engine.kv.staging_bytes - self.engine.kv.staging_used) // self.runner.block_bytes
         return Load(states["preempted"] + max(0, running - self.engine.max_batch), 0, running, staging)
 
     def pace_s(self) -> float:
@@ -145,7 +146,7 @@ class DecodeService(EngineService):
     def gauges(self) -> dict[str, float]:
         running, waiting = self.engine.occupancy()
         return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(),
-                "kv_staging_bytes_used": self.engine.staging_used, "kv_staging_bytes": self.engine.staging_bytes,
+                "kv_staging_bytes_used": self.engine.kv.staging_used, "kv_staging_bytes": self.engine.kv.staging_bytes,
                 "requests_running": running, "requests_waiting": waiting}
 
     def occupancy(self) -> tuple[int, int]:
@@ -196,7 +197,7 @@ class DecodeService(EngineService):
 
     async def pace(self, started: float) -> None:
         """While an instance beside this one computes (a prefill, on the cores lent between them), start steps
-        no more often than `pace_s`, so the time between them is lent to it (`engine/cores.py`)."""
+        no more often than `pace_s`, so the time between them is lent to it (`engine/service/coreshare.py`)."""
         share = self.model.share
         if share is None or self.config.lend_pace_s <= 0 or not share.taker_behind(PACE_BEHIND):
             return

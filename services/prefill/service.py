@@ -3,7 +3,7 @@ the model thread, and pushes each layer's KV to the decode instance's messenger 
 that layer of the chunk is computed, so the transfer overlaps the remaining layers and chunks. A computed
 request's push finishes beside the next jobs, so a slow or stopped receiver delays no one else. With
 --layerkv a prompt whose KV does not fit in device blocks starts with some of its layers in host memory
-(LayerKV, `engine/layerkv.py`); its layers stream out as they are computed, wherever they are kept.
+(LayerKV, `engine/cores/layerkv.py`); its layers stream out as they are computed, wherever they are kept.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import ClassVar
 
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import NO_ROOM
-from kvcentric.engine.layerkv import layer_wise
-from kvcentric.engine.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
-from kvcentric.engine.reporter import Load, prefills_of
-from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.streaming import RequestPush
-from kvcentric.engine.service import EngineService
+from kvcentric.engine.cores.decode import NO_ROOM
+from kvcentric.engine.cores.layerkv import layer_wise
+from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
+from kvcentric.engine.service.reporter import Load, prefills_of
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.engine.service.streaming import RequestPush
+from kvcentric.engine.service.base import EngineService
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
 

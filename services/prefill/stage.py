@@ -16,12 +16,12 @@ import time
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.pipeline import (NO_TOKEN, StageClient, StageEngine, StagePush, hidden_chunk, read_hidden,
-                                       stage_handler)
-from kvcentric.engine.prefill import PrefillChunk, PrefillRejected, PrefillWork
-from kvcentric.engine.runner import ModelRunner
-from kvcentric.engine.service import EngineService
-from kvcentric.engine.stage import StageRunner
+from kvcentric.engine.service.pipeline import (NO_TOKEN, StageClient, StageEngine, StagePush, hidden_chunk, read_hidden,
+                                               stage_handler)
+from kvcentric.engine.cores.prefill import PrefillChunk, PrefillRejected, PrefillWork
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.engine.service.base import EngineService
+from kvcentric.engine.model.stage import StageRunner
 from kvcentric.model.config import load_model_config
 from kvcentric.proto import kv_pb2
 

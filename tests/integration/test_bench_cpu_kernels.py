@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvcentric.engine import kernels
+from kvcentric.engine.model import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ from factories import TEST_DEVICE
 from harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 

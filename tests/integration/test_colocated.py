@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from factories import make_pool, make_runner
-from kvcentric.engine.local import generate
+from kvcentric.engine.model.local import generate
 from harness import UpProcess
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.core.protocol import SamplingParams

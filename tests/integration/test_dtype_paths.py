@@ -16,11 +16,11 @@ from harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.messenger import HostPoolSource
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.service.messenger import HostPoolSource
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.runtime.host_store import HostKVStore

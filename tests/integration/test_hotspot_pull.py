@@ -10,7 +10,7 @@ import nats
 import pytest
 
 from factories import make_pool, make_runner
-from kvcentric.engine.local import generate
+from kvcentric.engine.model.local import generate
 from kvcentric.core.hashing import BlockHasher, to_hex
 from harness import UpProcess
 from waiting import eventually

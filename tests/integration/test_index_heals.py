@@ -27,7 +27,7 @@ from kvc_kvs_meta.config import KVSMetaConfig
 from kvc_kvs_meta.service import KVSMetaService
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import KVSDump, KVSDumpQuery, KVSQuery, KVSReply, Subjects, decode, encode
-from kvcentric.engine.reporter import Reporter
+from kvcentric.engine.service.reporter import Reporter
 from kvcentric.runtime.bus import Bus
 from kvcentric.tools.processes import free_port, redis_server_argv
 from waiting import eventually, eventually_async

@@ -13,7 +13,7 @@ from factories import make_pool, make_runner
 from harness import UpProcess
 from waiting import eventually
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.local import generate
+from kvcentric.engine.model.local import generate
 from kvcentric.model.tokenizer import ByteTokenizer
 
 DEVICE_BLOCKS = 8

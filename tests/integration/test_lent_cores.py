@@ -1,5 +1,5 @@
 """`kvcentric up` with one prefill and one decode instance on the CPU lends cores between them
-(`kvcentric.engine.cores`): both keep a slot in the cluster's directory, the prefill computes prompts on the
+(`kvcentric.engine.service.coreshare`): both keep a slot in the cluster's directory, the prefill computes prompts on the
 decode's idle core, a burst is served in full through the openai client, and the directory goes with the
 cluster."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 
-from kvcentric.engine.cores import PID, Slot
+from kvcentric.engine.service.coreshare import PID, Slot
 
 from conftest import start_up
 from waiting import eventually

@@ -15,7 +15,7 @@ import pytest
 from factories import make_pool, make_runner
 from harness import UpProcess
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.local import generate
+from kvcentric.engine.model.local import generate
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from test_request_path import post

@@ -11,7 +11,7 @@ import urllib.request
 from factories import make_pool, make_runner
 from harness import UpProcess
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.local import generate
+from kvcentric.engine.model.local import generate
 from kvcentric.model.tokenizer import ByteTokenizer
 
 

@@ -9,9 +9,9 @@ import collections
 
 import pytest
 
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine import writeback
-from kvcentric.engine.writeback import FilledBlock, WriteBack
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.service import writeback
+from kvcentric.engine.service.writeback import FilledBlock, WriteBack
 from kvcentric.proto import kv_pb2
 from kvcentric.runtime.shm import UNAVAILABLE, SharedMemoryUnavailable
 from kvcentric.runtime.transfer import KVPusher, KVTransferServicer, TransferError, checksum, put_blocks, start_server

@@ -53,7 +53,7 @@ TO_THE_CLUSTER = (("127.0.0.1:8000", f"127.0.0.1:{PORT}"),)
 RUN_BASH = {
     ".venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_scheduling_eviction.py": Run(
         in_checkout=True, timeout_s=120.0),
-    ".venv/bin/python -m kvcentric.engine.kernels": Run(in_checkout=True, timeout_s=180.0),
+    ".venv/bin/python -m kvcentric.engine.model.kernels": Run(in_checkout=True, timeout_s=180.0),
     "kvcentric sim --speed 2": Run(),
     "--prefill-pipeline 4 --out sim-cpp": Run(),
     "python -m bench.papers.prfaas_table6": Run(),
@@ -216,7 +216,7 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
             assert summary["completed"] == 4, summary
         compared = json.loads((cwd / "bench" / "results" / "pd_vs_colocated.json").read_text())
         assert set(compared) == {"1P+1D", "2-colocated"}
-    elif key.startswith(".venv/bin/python -m kvcentric.engine.kernels"):
+    elif key.startswith(".venv/bin/python -m kvcentric.engine.model.kernels"):
         differences = [float(found) for found in re.findall(r"max \|kernel - [^|]*\| = (\S+)", output)]
         assert len(differences) == 4 and max(differences) < 1e-4, output  # decode, prefill, SwiGLU, RMSNorm
     elif key.startswith("kvcentric certs"):

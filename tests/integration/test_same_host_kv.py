@@ -16,8 +16,8 @@ from conftest import stop
 from harness import UpProcess
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.proto import kv_pb2, kv_pb2_grpc

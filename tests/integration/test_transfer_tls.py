@@ -9,8 +9,8 @@ import datetime
 
 import pytest
 
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.pipeline import StageClient, stage_handler
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.service.pipeline import StageClient, stage_handler
 from kvcentric.proto import kv_pb2
 from kvcentric.runtime.kvwire import LayerData
 from kvcentric.runtime.security import TransferTls

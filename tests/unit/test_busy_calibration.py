@@ -9,9 +9,9 @@ import time
 import pytest
 
 from factories import make_pool, make_runner
-from kvcentric.engine import speed as speed_module
-from kvcentric.engine.cpuwatch import CpuWatch, Sample, Stretch, judge
-from kvcentric.engine.speed import SERVED_TO_MEASURE, SpeedMeter
+from kvcentric.engine.service import speed as speed_module
+from kvcentric.engine.service.cpuwatch import CpuWatch, Sample, Stretch, judge
+from kvcentric.engine.service.speed import SERVED_TO_MEASURE, SpeedMeter
 
 
 def test_other_processes_on_the_cores_left_to_them_are_not_busy_but_beyond_them_they_are():

@@ -1,5 +1,5 @@
-"""Cores lent between the engine instances of one machine (`kvcentric.engine.cores`): which threads a model call
-may use, read from the slot files of the instances beside it."""
+"""Cores lent between the engine instances of one machine (`kvcentric.engine.service.coreshare`): which threads a
+model call may use, read from the slot files of the instances beside it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcentric.engine.cores import IDLE_AFTER_NS, RESCAN_NS, RESUMES_NS, SLOT, CoreShare, Slot
+from kvcentric.engine.service.coreshare import IDLE_AFTER_NS, RESCAN_NS, RESUMES_NS, SLOT, CoreShare, Slot
 
 
 @pytest.fixture
@@ -140,8 +140,8 @@ def test_a_file_too_short_to_be_a_slot_is_skipped(tmp_path):
 
 CHILD = textwrap.dedent("""
     import sys, time, torch
-    from kvcentric.engine.cores import CoreShare, IDLE_AFTER_NS
-    from kvcentric.engine.node import ModelThread, serial_elsewhere
+    from kvcentric.engine.service.coreshare import CoreShare, IDLE_AFTER_NS
+    from kvcentric.engine.service.node import ModelThread, serial_elsewhere
 
     serial_elsewhere()
     peer = CoreShare(sys.argv[1], "decode-0", 1, cores=2)
@@ -248,7 +248,7 @@ def test_with_a_relative_slo_a_decode_paces_at_0_8_of_its_own_slo_where_that_is_
 
 BITS = textwrap.dedent("""
     import torch
-    from kvcentric.engine.runner import ModelRunner
+    from kvcentric.engine.model.runner import ModelRunner
     from kvcentric.model.config import preset
 
     runner = ModelRunner(preset("small"), 256, 16, 0, "float32")

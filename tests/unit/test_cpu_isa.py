@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcentric.engine import kernels
-from kvcentric.engine.kernels import isas
-from kvcentric.engine.llama import AttentionBatch, Rotary
+from kvcentric.engine.model import kernels
+from kvcentric.engine.model.kernels import isas
+from kvcentric.engine.model.batch import AttentionBatch
+from kvcentric.engine.model.llama import Rotary
 from kvcentric.model.config import preset
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")

@@ -1,4 +1,4 @@
-"""The CPU attention kernels (`engine/kernels`): decode over the paged cache in place gives the numbers of
+"""The CPU attention kernels (`engine/model/kernels`): decode over the paged cache in place gives the numbers of
 gathering the blocks and running SDPA, prefill of whole prompts those of causal SDPA per prompt, in fp32 and
 bf16, with GQA, sliding windows, any block layout and prompt lengths; the fused layer ops give torch's SwiGLU to fp32
 rounding and torch's rotary and cache write bit for bit; the small GEMM gives torch's linear layers to fp32 rounding,
@@ -15,10 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvcentric.engine import kernels
-from kvcentric.engine.llama import SMALL_GEMM_ROWS, AttentionBatch, Rotary, TwoLayouts, linear, linear_add, \
-    pack_weight, two_layouts
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model import kernels
+from kvcentric.engine.model.batch import AttentionBatch
+from kvcentric.engine.model.gemm import SMALL_GEMM_ROWS, TwoLayouts, linear, linear_add, pack_weight, two_layouts
+from kvcentric.engine.model.llama import Rotary
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")
@@ -337,7 +338,7 @@ def test_fp32_cpu_runners_use_the_layer_ops_and_compute_the_same_logits():
     with_ops, without = (ModelRunner(preset("tiny"), 64, 4, seed=7) for _ in range(2))
     assert isinstance(with_ops.model.layers[0].mlp.ops, kernels.CpuLayerOps)
     assert isinstance(with_ops.model.layers[0].mlp.gate_up, TwoLayouts)
-    from kvcentric.engine.llama import use_ops
+    from kvcentric.engine.model.dispatch import use_ops
     use_ops(without.model, None)
     prompt = list(range(1, 40))
     got, expected = (r.prefill(prompt, list(range(16)), 0, len(prompt), every_row=True) for r in (with_ops, without))

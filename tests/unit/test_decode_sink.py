@@ -13,12 +13,12 @@ import pytest
 
 from factories import decode_job, make_pool, make_runner
 from waiting import eventually_async
-from kvcentric.engine import kvsink
-from kvcentric.engine.decode import DecodeEngine, KVNoRoom, KVRejected
-from kvcentric.engine.intake import JobIntake
-from kvcentric.engine.node import Wakeup
-from kvcentric.engine.outbox import TokenOutbox
-from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.service import kvsink
+from kvcentric.engine.cores.decode import DecodeEngine, KVNoRoom, KVRejected
+from kvcentric.engine.service.intake import JobIntake
+from kvcentric.engine.service.node import Wakeup
+from kvcentric.engine.service.outbox import TokenOutbox
+from kvcentric.engine.service.spans import RequestSpans
 
 
 def make_sink():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from factories import decode_job, greedy, make_pool, make_runner
-from kvcentric.engine.decode import DecodeEngine, KVNoRoom
+from kvcentric.engine.cores.decode import DecodeEngine, KVNoRoom
 
 
 def engine_with(num_blocks: int, staging_requests: int) -> DecodeEngine:
@@ -45,11 +45,11 @@ def test_kv_for_a_full_cache_waits_on_the_host_and_runs_once_blocks_free():
     first = arrive(engine, "b")
     assert first[0].token_ids == [1]  # its first token goes out at once
     assert engine.requests["b"].state == "preempted" and engine.stats["kv_staged"] == 1
-    assert engine.staging_used > 0
+    assert engine.kv.staging_used > 0
     run_until_idle(engine)
     assert not engine.requests and engine.stats["requests_finished"] == 2
     assert engine.stats["recomputed_tokens"] == 0  # loaded from staging, not recomputed
-    assert engine.pool.num_free == engine.pool.num_blocks and engine.staging_used == 0
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.kv.staging_used == 0
 
 
 def test_kv_is_refused_as_overload_when_staging_is_full_too():
@@ -62,7 +62,7 @@ def test_kv_is_refused_as_overload_when_staging_is_full_too():
     chunk = engine.abort("c", "error", "full", status=429)
     assert chunk is not None and chunk.error_status == 429
     run_until_idle(engine)
-    assert engine.pool.num_free == engine.pool.num_blocks and engine.staging_used == 0
+    assert engine.pool.num_free == engine.pool.num_blocks and engine.kv.staging_used == 0
 
 
 def test_aborting_a_staged_request_frees_its_staging():
@@ -70,7 +70,7 @@ def test_aborting_a_staged_request_frees_its_staging():
     arrive(engine, "a")
     arrive(engine, "b")
     engine.abort("b", "abort")
-    assert engine.staging_used == 0
+    assert engine.kv.staging_used == 0
     run_until_idle(engine)
     assert engine.pool.num_free == engine.pool.num_blocks
 

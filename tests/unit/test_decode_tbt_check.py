@@ -20,10 +20,10 @@ from kvcentric.model.tokenizer import ByteTokenizer
 from kvcentric.config import ConfigError
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.engine.intake import JobIntake
-from kvcentric.engine.node import Wakeup
-from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
+from kvcentric.engine.service.intake import JobIntake
+from kvcentric.engine.service.node import Wakeup
+from kvcentric.engine.service.spans import RequestSpans
 from kvcentric.core.openai_api import ApiError
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.core.scheduling.config import SchedulerConfig

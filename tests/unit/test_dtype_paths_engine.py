@@ -10,11 +10,11 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.costmodel import CostModel
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.engine.config import ProfileConfig
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.profile import main as profile_main
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.profile import main as profile_main
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 
 HALF = ["float16", "bfloat16"]

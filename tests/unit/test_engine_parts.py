@@ -11,14 +11,14 @@ import pytest
 
 from factories import decode_job, make_pool, make_runner
 from kvcentric.core.protocol import RoleSwitch, SamplingParams, TokenChunk
-from kvcentric.engine import intake as intake_module
-from kvcentric.engine import roles
-from kvcentric.engine.intake import JobIntake
-from kvcentric.engine.node import Wakeup
-from kvcentric.engine.outbox import TokenOutbox
-from kvcentric.engine.reporter import Load, Reporter
-from kvcentric.engine.roles import RoleChange
-from kvcentric.engine.spans import RequestSpans
+from kvcentric.engine.service import intake as intake_module
+from kvcentric.engine.service import roles
+from kvcentric.engine.service.intake import JobIntake
+from kvcentric.engine.service.node import Wakeup
+from kvcentric.engine.service.outbox import TokenOutbox
+from kvcentric.engine.service.reporter import Load, Reporter
+from kvcentric.engine.service.roles import RoleChange
+from kvcentric.engine.service.spans import RequestSpans
 from kvcentric.runtime.tasks import Tasks
 from kvcentric.runtime.transfer import KVPusher
 
@@ -140,7 +140,7 @@ def test_the_load_report_carries_the_roles_numbers_and_the_pool_and_drain_state(
 
 def test_a_prefill_report_carries_its_queue_time_from_the_measured_model_and_its_uncached_tokens():
     from kvcentric.core.scheduling.queueing import QueuedPrefill
-    from kvcentric.engine.speed import SpeedMeter
+    from kvcentric.engine.service.speed import SpeedMeter
     runner = make_runner()
     reporter = Reporter(None, "p0", "dc1", make_pool(runner), None, KVPusher())
     reporter.speed = SpeedMeter(runner, "tiny", prefill_chunk=10_000)

@@ -1,4 +1,4 @@
-"""Stopping at EOS: the rule (`engine/stopping.py`) on its own, then greedy generation on a tiny random
+"""Stopping at EOS: the rule (`core/stopping.py`) on its own, then greedy generation on a tiny random
 checkpoint whose EOS is a token greedy decoding produces early, which must stop exactly where `transformers`
 `generate` stops, with the same tokens, in one process and through the prefill -> decode and colocated
 engines. Every other test sets ignore_eos; these do not."""
@@ -13,11 +13,11 @@ import torch
 from checkpoints import build_checkpoint, hf_model
 from factories import decode_job, prefill_job
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.decode import DecodeEngine
-from kvcentric.engine.local import generate
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.core.stopping import finish_reason
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import load_model_config

@@ -1,5 +1,5 @@
 """The GPU decode path: the Triton paged attention kernel (`kernels/paged.py`) and decode steps through fixed buffers
-replayed from CUDA graphs (`engine/graphs.py`).
+replayed from CUDA graphs (`engine/model/graphs.py`).
 
 On the CPU the kernel runs in Triton's interpreter and the buffers run eagerly (the CPU kernel reads the same
 tables and lengths); with KVC_TEST_DEVICE=cuda (bench/engine/gpu_check.sh) the kernel is compiled for the GPU and the
@@ -23,13 +23,15 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from kvcentric.core.block_pool import BlockPool  # noqa: E402
-from kvcentric.engine.kernels import fused  # noqa: E402
-from kvcentric.engine.graphs import DecodeGraphs, batch_buckets  # noqa: E402
-from kvcentric.engine.kernels.fused import FusedOps  # noqa: E402
-from kvcentric.engine.kernels.gpucheck import self_check  # noqa: E402
-from kvcentric.engine.kernels.paged import PagedAttention, splits_for  # noqa: E402
-from kvcentric.engine.llama import AttentionBatch, RMSNorm, Rotary, gather_blocks, use_ops  # noqa: E402
-from kvcentric.engine.runner import ModelRunner, gpu_kernels_work  # noqa: E402
+from kvcentric.engine.model.kernels import fused  # noqa: E402
+from kvcentric.engine.model.graphs import DecodeGraphs, batch_buckets  # noqa: E402
+from kvcentric.engine.model.kernels.fused import FusedOps  # noqa: E402
+from kvcentric.engine.model.kernels.gpucheck import self_check  # noqa: E402
+from kvcentric.engine.model.kernels.paged import PagedAttention, splits_for  # noqa: E402
+from kvcentric.engine.model.batch import AttentionBatch, gather_blocks  # noqa: E402
+from kvcentric.engine.model.dispatch import use_ops  # noqa: E402
+from kvcentric.engine.model.llama import RMSNorm, Rotary  # noqa: E402
+from kvcentric.engine.model.runner import ModelRunner, gpu_kernels_work  # noqa: E402
 from kvcentric.model.config import preset  # noqa: E402
 
 DEVICE = torch.device(TEST_DEVICE)
@@ -283,7 +285,7 @@ def test_the_start_check_names_a_kernel_that_disagrees(monkeypatch):
 
 
 def test_kernels_that_fail_their_check_leave_torchs_ops_with_a_warning(monkeypatch):
-    import kvcentric.engine.kernels.gpucheck as gpucheck
+    import kvcentric.engine.model.kernels.gpucheck as gpucheck
 
     def broken(*args):
         raise RuntimeError("PTX .version 9.9 does not support .target sm_70")

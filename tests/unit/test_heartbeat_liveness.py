@@ -10,7 +10,7 @@ import pytest
 
 from factories import decode_report, load_report, make_conductor, schedule_request
 from kvcentric.core.protocol import Placement, Rejection
-from kvcentric.engine.reporter import Load, Reporter
+from kvcentric.engine.service.reporter import Load, Reporter
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.runtime.transfer import KVPusher
 

@@ -11,8 +11,8 @@ import torch
 from checkpoints import build_checkpoint, hf_model
 from factories import TEST_DEVICE
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 from kvcentric.core.protocol import SamplingParams
 

@@ -9,8 +9,8 @@ import torch
 from factories import make_runner, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.cores.prefill import PrefillEngine
 
 
 class GatedCopies:

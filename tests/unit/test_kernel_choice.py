@@ -1,4 +1,4 @@
-"""The kernel choice (`engine/kernels/choice.py`, `chosen.py`): from timings, each kernel runs up to the last row
+"""The kernel choice (`engine/model/kernels/choice.py`, `chosen.py`): from timings, each kernel runs up to the last row
 count before the first where it is not faster than torch's op, never where it loses at its first, and a GEMM shape
 it never wins gets no second weight layout; the cache is keyed by CPU, torch, threads and build, written once and
 read back without timing; engines choosing so compute the tokens of torch's ops."""
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvcentric.engine import kernels
-from kvcentric.engine.kernels import choice, chosen, races
-from kvcentric.engine.kernels.choice import UNLIMITED, Choice, Site, Target, Timing, decide, next_cases, row_limit
-from kvcentric.engine.llama import TwoLayouts, linear, pack_weight, two_layouts
-from kvcentric.engine.runner import ModelRunner, weight_copies
+from kvcentric.engine.model import kernels
+from kvcentric.engine.model.kernels import choice, chosen, races
+from kvcentric.engine.model.kernels.choice import UNLIMITED, Choice, Site, Target, Timing, decide, next_cases, row_limit
+from kvcentric.engine.model.gemm import TwoLayouts, linear, pack_weight, two_layouts
+from kvcentric.engine.model.runner import ModelRunner, weight_copies
 from kvcentric.model.config import preset
 
 needs_compiler = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")

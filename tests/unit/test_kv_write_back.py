@@ -1,6 +1,6 @@
-"""KV write-back on the CPU, no servers (`engine/writeback.py`): the blocks a decode step fills carry the hashes a
-prefill gives the same tokens and the KV it would compute, and a migrated request's continuation that finds them
-in the prefill's host pool computes only its last partial block, then goes on with the same tokens."""
+"""KV write-back on the CPU, no servers (`engine/service/writeback.py`): the blocks a decode step fills carry the
+hashes a prefill gives the same tokens and the KV it would compute, and a migrated request's continuation that finds
+them in the prefill's host pool computes only its last partial block, then goes on with the same tokens."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import torch
 from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import continuation
-from kvcentric.engine.decode import DecodeEngine
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.local import generate
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.runner import kv_payload
-from kvcentric.engine.writeback import FilledBlock, OutputBlocks
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.runner import kv_payload
+from kvcentric.engine.service.writeback import FilledBlock, OutputBlocks
 
 BLOCK = 4
 POOL = "127.0.0.1:1"

@@ -3,9 +3,9 @@ import torch
 
 from factories import make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.cores.prefill import PrefillEngine
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.engine.kvpool import HostBlockPool
+from kvcentric.engine.kv.kvpool import HostBlockPool
 
 
 def block(value: int, size: int = 8) -> bytes:

@@ -10,9 +10,9 @@ import torch
 from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.layerkv.pool import LayerBlockPool
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.layered import LayeredKV
-from kvcentric.engine.layerkv import LayerKV
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.kv.layered import LayeredKV
+from kvcentric.engine.cores.layerkv import LayerKV
 
 PROMPTS = [prompt(n, offset=n) for n in (7, 19, 30)]
 

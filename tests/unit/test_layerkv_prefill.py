@@ -11,9 +11,9 @@ from factories import greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.layerkv.pool import LayerBlockPool
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.layered import LayeredKV
-from kvcentric.engine.layerkv import LayerKV
-from kvcentric.engine.prefill import PrefillEngine, PrefillWork
+from kvcentric.engine.kv.layered import LayeredKV
+from kvcentric.engine.cores.layerkv import LayerKV
+from kvcentric.engine.cores.prefill import PrefillEngine, PrefillWork
 from kvc_prefill.service import PrefillService
 
 DEVICE_BLOCKS = 4

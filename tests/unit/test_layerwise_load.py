@@ -12,8 +12,8 @@ import torch
 from factories import make_runner, prefill_job, prompt
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
-from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.cores.prefill import PrefillEngine
 
 PREFIX = prompt(21)  # 5 full blocks of 4 tokens
 PROMPT = PREFIX + [7, 8, 9, 10, 11, 12]
@@ -150,7 +150,7 @@ async def test_the_push_sends_each_layer_of_a_loading_prefix_once_it_is_in_the_c
     but layer by layer from the first chunk's hook, after that layer's copy."""
     import asyncio
 
-    from kvcentric.engine.streaming import RequestPush
+    from kvcentric.engine.service.streaming import RequestPush
     from kvcentric.runtime.kvwire import LayerData
     engine = fresh_engine(host_holding_the_prefix())
     gate = GatedLoads(engine.runner, gated_from=1)

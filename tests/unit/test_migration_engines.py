@@ -9,8 +9,8 @@ from factories import make_conductor, make_pool, make_runner, prefill_job, promp
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.migration import continuation
 from kvcentric.core.protocol import Placement, Rejection, SamplingParams
-from kvcentric.engine.decode import DecodeEngine
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.cores.prefill import PrefillEngine
 from test_model_and_engines import handoff
 
 PENALISED = SamplingParams(max_tokens=24, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5,

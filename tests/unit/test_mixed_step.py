@@ -11,9 +11,9 @@ from factories import TEST_DEVICE
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import DecodeJob, PrefillJob, SamplingParams
-from kvcentric.engine.colocated import ColocatedEngine
-from kvcentric.engine.mixed import MixedStepper
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.cores.colocated import ColocatedEngine
+from kvcentric.engine.cores.mixed import MixedStepper
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import load_model_config
 
 OUTPUT = 12
@@ -95,7 +95,7 @@ def test_decode_only_steps_go_through_the_runners_decode_and_its_graphs(checkpoi
 def test_a_prefix_loading_from_the_host_pool_layer_by_layer_is_in_the_cache_before_a_mixed_step(checkpoint):
     """A mixed step runs every chunk in one forward pass, so a prompt's host-pool prefix (which otherwise loads
     layer by layer beside its first chunk) is settled before it; the tokens are still transformers' own."""
-    from kvcentric.engine.kvpool import HostBlockPool
+    from kvcentric.engine.kv.kvpool import HostBlockPool
     directory, reference = checkpoint
     runner = ModelRunner(load_model_config(str(directory)), 96, 4, device=TEST_DEVICE)
     runner.capture_decode_graphs(8)  # on CUDA its decode-only steps replay graphs; elsewhere nothing
@@ -180,7 +180,7 @@ def test_a_mixed_step_takes_no_chunk_of_a_prompt_a_lane_computes():
     (1, True, 9000, 1.0),     # one thread: no lane beside it
 ])
 def test_a_step_beside_the_lane_takes_the_share_of_its_threads(threads, lane_computing, waiting, expected):
-    from kvcentric.engine.mixed import lane_prompt_share
+    from kvcentric.engine.cores.mixed import lane_prompt_share
     assert lane_prompt_share(2048, threads, lane_computing, waiting) == expected
 
 

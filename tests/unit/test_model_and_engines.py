@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
-from kvcentric.engine.decode import DecodeEngine, KVRejected
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import kv_payload
-from kvcentric.engine.prefill import PrefillEngine, PrefillRejected
+from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import kv_payload
+from kvcentric.engine.cores.prefill import PrefillEngine, PrefillRejected
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.model.config import check_fits, preset
 from kvcentric.core.protocol import SamplingParams
@@ -200,7 +200,7 @@ def test_cancel_frees_a_running_request_at_once():
 
 
 def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
-    from kvcentric.engine.sampling import sample
+    from kvcentric.engine.model.sampling import sample
     logits = torch.randn(258, generator=torch.Generator().manual_seed(0))
     top1 = SamplingParams(temperature=1.5, top_k=1, seed=3)
     assert sample(logits, top1, 0) == int(torch.argmax(logits))
@@ -212,7 +212,7 @@ def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
 
 
 def test_colocated_engine_interleaves_chunks_and_decode_and_matches_single_requests():
-    from kvcentric.engine.colocated import ColocatedEngine
+    from kvcentric.engine.cores.colocated import ColocatedEngine
     params = greedy(9)
     prompts = [prompt(n, offset=n) for n in (7, 19, 12)]
     runner = make_runner(block_size=4)

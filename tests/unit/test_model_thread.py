@@ -1,4 +1,4 @@
-"""The model thread owns the process's only parallel torch team (`kvcentric.engine.node.ModelThread`).
+"""The model thread owns the process's only parallel torch team (`kvcentric.engine.service.node.ModelThread`).
 
 Run in a child interpreter: the thread counts it sets are process-wide state."""
 
@@ -11,7 +11,7 @@ import textwrap
 CHILD = textwrap.dedent("""
     import threading
     import torch
-    from kvcentric.engine.node import ModelThread, serial_elsewhere
+    from kvcentric.engine.service.node import ModelThread, serial_elsewhere
 
     serial_elsewhere()
     model = ModelThread("test", 2)
@@ -33,7 +33,7 @@ def test_the_model_thread_computes_in_parallel_and_every_other_thread_serially()
 
 
 def test_in_a_shared_process_the_model_thread_still_takes_its_own_count():
-    child = "import torch\nfrom kvcentric.engine.node import ModelThread\n" \
+    child = "import torch\nfrom kvcentric.engine.service.node import ModelThread\n" \
             "torch.set_num_threads(2)\nm = ModelThread('t', 1)\nprint(m.call(torch.get_num_threads))"
     done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["1"]
@@ -42,8 +42,8 @@ def test_in_a_shared_process_the_model_thread_still_takes_its_own_count():
 LENT = textwrap.dedent("""
     import concurrent.futures
     import torch
-    from kvcentric.engine.node import ModelThread, serial_elsewhere
-    from kvcentric.engine.pools import serial_workers
+    from kvcentric.engine.service.node import ModelThread, serial_elsewhere
+    from kvcentric.engine.model.pools import serial_workers
 
     serial_elsewhere()
     model = ModelThread("prefill", 1)
@@ -56,6 +56,6 @@ LENT = textwrap.dedent("""
 
 def test_a_worker_started_while_the_model_thread_computes_on_lent_cores_still_computes_serially():
     # torch hands a new thread the count set last anywhere: a plain worker started now would make a second
-    # OpenMP team, and libgomp would put the model thread's team to sleep between its ops (`engine/pools.py`)
+    # OpenMP team, and libgomp would put the model thread's team to sleep between its ops (`engine/model/pools.py`)
     done = subprocess.run([sys.executable, "-c", LENT], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["2", "2", "1"]  # the model thread, a plain worker, a serial worker

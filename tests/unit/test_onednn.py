@@ -5,9 +5,9 @@ import torch
 
 from factories import greedy, make_pool, prompt
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.llama import TwoLayouts
-from kvcentric.engine.local import generate
-from kvcentric.engine.runner import ModelRunner
+from kvcentric.engine.model.gemm import TwoLayouts
+from kvcentric.engine.model.local import generate
+from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.model.config import preset
 
 
@@ -43,10 +43,10 @@ def test_bf16_weights_are_left_to_torch():
 
 
 def test_a_long_cpu_mlp_runs_in_row_chunks_with_the_same_sums(monkeypatch):
-    from kvcentric.engine import llama
+    from kvcentric.engine.model import gemm, llama
     mlp = runner(True).model.layers[0].mlp
     # every chunk (the last too) more rows than the small GEMM takes, so all of them run through oneDNN
-    x = torch.randn(2 * llama.MLP_ROWS + llama.SMALL_GEMM_ROWS + 37, blocked(mlp.down).shape[0])
+    x = torch.randn(2 * llama.MLP_ROWS + gemm.SMALL_GEMM_ROWS + 37, blocked(mlp.down).shape[0])
     residual = torch.randn(x.shape)
     chunked = mlp(x, residual)
     monkeypatch.setattr(llama, "MLP_ROWS", 1 << 20)

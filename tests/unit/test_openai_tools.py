@@ -11,8 +11,8 @@ import torch
 
 from kvcentric.core.openai_api import ApiError, parse_chat
 from kvcentric.core.openai_tools import ToolCallStream, split_answer
-from kvcentric.engine.guided import Guides
-from kvcentric.engine.sampling import choose
+from kvcentric.engine.model.guided import Guides
+from kvcentric.engine.model.sampling import choose
 from kvcentric.model.config import PRESETS
 from kvcentric.model.tokenizer import ByteTokenizer, DummyTokenizer
 

@@ -11,7 +11,7 @@ import pytest
 from factories import make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import DecodeJob, SamplingParams
-from kvcentric.engine.colocated import ColocatedEngine
+from kvcentric.engine.cores.colocated import ColocatedEngine
 
 SEEDED = SamplingParams(max_tokens=6, temperature=1.0, seed=11, ignore_eos=True)
 

@@ -15,11 +15,11 @@ from factories import TEST_DEVICE, decode_job, make_pool, make_runner, prefill_j
 from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.pipeline import StagePosition
-from kvcentric.engine.assembly import AssemblingSink
-from kvcentric.engine.decode import DecodeEngine
-from kvcentric.engine.pipeline import StageEngine, StageChunk, hidden_chunk, read_hidden
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.stage import StageRunner
+from kvcentric.engine.service.assembly import AssemblingSink
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.service.pipeline import StageEngine, StageChunk, hidden_chunk, read_hidden
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.model.stage import StageRunner
 from kvcentric.model.config import preset
 
 

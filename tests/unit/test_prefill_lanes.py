@@ -16,9 +16,9 @@ import torch
 from factories import make_pool, make_runner, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SamplingParams
-from kvcentric.engine.cores import COMPUTING, IDLE_AFTER_NS, SLOT, CoreShare
-from kvcentric.engine.node import ModelThread
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.service.coreshare import COMPUTING, IDLE_AFTER_NS, SLOT, CoreShare
+from kvcentric.engine.service.node import ModelThread
+from kvcentric.engine.cores.prefill import PrefillEngine
 
 LENGTHS = (9, 30, 17, 44, 5)
 

@@ -10,7 +10,7 @@ import torch
 from factories import make_pool, make_runner, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SamplingParams
-from kvcentric.engine.prefill import PrefillChunk, PrefillEngine
+from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine
 
 LENGTHS = (9, 30, 17, 44, 5)
 

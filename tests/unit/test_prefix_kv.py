@@ -12,9 +12,9 @@ from factories import greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.dispatch import jobs
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import Placement
-from kvcentric.engine.prefill import PrefillEngine, PrefillRejected
-from kvcentric.engine.prefixkv import prefix_layers
-from kvcentric.engine.streaming import RequestPush
+from kvcentric.engine.cores.prefill import PrefillEngine, PrefillRejected
+from kvcentric.engine.service.prefixkv import prefix_layers
+from kvcentric.engine.service.streaming import RequestPush
 from kvcentric.runtime.kvwire import LayerData
 from test_streaming import RecordingPusher, settle
 

@@ -8,8 +8,8 @@ import pytest
 from factories import decode_job, make_pool, make_runner, prefill_job, prompt
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.decode import DecodeEngine
-from kvcentric.engine.prefill import PrefillEngine
+from kvcentric.engine.cores.decode import DecodeEngine
+from kvcentric.engine.cores.prefill import PrefillEngine
 
 SCORED = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 

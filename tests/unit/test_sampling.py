@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvcentric.core.protocol import SamplingParams
-from kvcentric.engine.sampling import adjust, choose, prompt_logprobs
+from kvcentric.engine.model.sampling import adjust, choose, prompt_logprobs
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 1.0, -3.0])
 
@@ -84,11 +84,12 @@ def test_prompt_logprobs_score_each_next_token_from_the_row_before():
 
 
 def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
-    """`DecodeEngine.choose_all` takes one argmax over the plain greedy rows and `choose` for the rest: the same
-    tokens, and the logprobs of the rows that asked, as choosing each row alone."""
+    """`BatchSampler.choose_all` (a decode engine's `sampler`) takes one argmax over the plain greedy rows and
+    `choose` for the rest: the same tokens, and the logprobs of the rows that asked, as choosing each row alone."""
     from factories import decode_job, make_pool, make_runner
-    from kvcentric.engine.decode import DecodeEngine, DecodeRequest
-    from kvcentric.engine.sampling import plain_greedy
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
+    from kvcentric.engine.model.sampling import plain_greedy
 
     kinds = [SamplingParams(max_tokens=4, temperature=0.0),
              SamplingParams(max_tokens=4, temperature=0.0, logprobs=2),
@@ -102,8 +103,8 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
     logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(1))
     batch = [DecodeRequest(decode_job(f"r{i}", 5, params), deadline=0.0, prompt=[1, 2, 3, 4, 5], generated=[7])
              for i, params in enumerate(kinds)]
-    expected = [engine._choose(logits[row], request) for row, request in enumerate(batch)]
+    expected = [engine.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
     expected_logprobs = [request.next_logprob for request in batch]
-    assert engine.choose_all(logits, batch) == expected
+    assert engine.sampler.choose_all(logits, batch) == expected
     assert [request.next_logprob for request in batch] == expected_logprobs
-    assert engine.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain
+    assert engine.sampler.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain

@@ -10,8 +10,8 @@ import asyncio
 import torch
 
 from factories import make_pool, make_runner, prefill_job, prompt
-from kvcentric.engine.prefill import PrefillEngine
-from kvcentric.engine.streaming import RequestPush
+from kvcentric.engine.cores.prefill import PrefillEngine
+from kvcentric.engine.service.streaming import RequestPush
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.runtime.kvwire import LayerData
 from kvcentric.model.config import preset

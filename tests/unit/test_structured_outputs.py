@@ -14,8 +14,8 @@ import torch
 from kvcentric.core.openai_api import ApiError, parse_chat, parse_completion
 from kvcentric.core.protocol import SamplingParams
 from kvcentric.core.structured import parse_guide
-from kvcentric.engine.guided import Guides
-from kvcentric.engine.sampling import choose
+from kvcentric.engine.model.guided import Guides
+from kvcentric.engine.model.sampling import choose
 from kvcentric.model.config import PRESETS
 from kvcentric.model.tokenizer import ByteTokenizer
 

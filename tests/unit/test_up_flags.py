@@ -145,7 +145,7 @@ def test_a_share_directory_a_killed_up_left_is_removed_and_a_live_one_kept(tmp_p
     import subprocess
     import sys
 
-    from kvcentric.engine.cores import SLOT, CoreShare
+    from kvcentric.engine.service.coreshare import SLOT, CoreShare
     from kvcentric.tools.up import remove_stale_shares
 
     dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,

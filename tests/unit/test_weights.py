@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from checkpoints import build_checkpoint
-from kvcentric.engine.llama import DRAW_CHUNK
-from kvcentric.engine.runner import build_model
+from kvcentric.engine.model.weights import DRAW_CHUNK
+from kvcentric.engine.model.runner import build_model
 from kvcentric.model.config import ModelConfig, load_model_config, preset
 
 WIDE = dataclasses.replace(preset("tiny"), name="wide", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
@@ -35,7 +35,7 @@ def build_in_a_new_process(config: ModelConfig, seed: int, dtype: str) -> dict:
     """Build in a fresh interpreter: the weights' fingerprint and the peak host memory the build added."""
     code = f"""
 import hashlib, json, resource, torch
-from kvcentric.engine.runner import build_model
+from kvcentric.engine.model.runner import build_model
 from kvcentric.model.config import ModelConfig
 {inspect.getsource(fingerprint)}
 config = ModelConfig(**json.loads({json.dumps(json.dumps(dataclasses.asdict(config)))}))

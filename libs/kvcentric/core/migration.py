@@ -6,7 +6,7 @@ When one of those goes silent (no load report, which every engine sends from a h
 `silent_after_s`) or sends an error chunk that means it failed (5xx), the gateway asks again for a placement
 of a *continuation*: the prompt followed by the tokens the client already has, with what is left of
 max_tokens. The prefill instance that gets it finds the prompt's blocks in its prefix cache (or pulls them),
-and the output's where the decode instance wrote them back (`engine/writeback.py`), and computes only the
+and the output's where the decode instance wrote them back (`engine/service/writeback.py`), and computes only the
 rest, so the client sees one stream with no token missing or repeated. The
 continuation's `SamplingParams.resumed_tokens` tells the engines how many of its prompt tokens were
 output (`history`), so penalties, min_tokens and seeded draws go on as if nothing had happened.

@@ -3,7 +3,7 @@
 OpenAI's `response_format` (`text`, `json_object`, `json_schema`) and vLLM's `structured_outputs` (`json`,
 `regex`, `choice`, `json_object`; and the older top-level `guided_json`, `guided_regex`, `guided_choice`)
 become the grammar string of `SamplingParams.guide`, checked here so that a schema or regex llguidance cannot
-compile is the client's 400, not an engine's failure. It masks nothing itself: `kvcentric.engine.guided` does.
+compile is the client's 400, not an engine's failure. It masks nothing itself: `kvcentric.engine.model.guided` does.
 """
 
 from __future__ import annotations

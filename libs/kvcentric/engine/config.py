@@ -42,7 +42,8 @@ class EngineConfig(BusConfig):
     torch_threads: int = setting(0, "torch intra-op threads (0: torch's default)")
     core_share_dir: str = setting("", "CPU: a directory the engine instances of this machine share; each model call "
                                       "then also runs on the torch threads of the instances that are idle (a "
-                                      "prefill instance takes an idle decode instance's core: engine/cores.py). "
+                                      "prefill instance takes an idle decode instance's core: "
+                                      "engine/service/coreshare.py). "
                                       "kvcentric up sets it when it starts several CPU engines; empty: off")
     lend_pace_s: float = setting(0.0, "decode, with --core-share-dir: while a prefill instance beside it computes with "
                                       "2 or more prompts queued, decode steps start at most this often and the "

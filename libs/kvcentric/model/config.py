@@ -1,6 +1,6 @@
 """Model shapes: a frozen config, the named presets, and the memory estimate that guards loading.
 
-It describes shapes and sizes only; building weights is `kvcentric.engine.llama`.
+It describes shapes and sizes only; building weights is `kvcentric.engine.model.llama`.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ CHANNEL_OPTIONS = [
 
 DRAIN_FLOOR_S = 10.0
 """The least time a computed request's push is given to finish: above the 5 s a receiver may wait for the
-request's job before it takes the KV (`engine/kvsink.py`)."""
+request's job before it takes the KV (`engine/service/kvsink.py`)."""
 DRAIN_PRIOR_BYTES_S = 100e6
 """The bandwidth assumed of a peer not measured yet."""
 

@@ -66,7 +66,7 @@ class UpConfig:
     torch_threads: int = setting(0, "torch threads of each engine (0: this machine's cores shared evenly)")
     lend_cores: bool = setting(True, "CPU, several engines: each model call of an engine also runs on the threads "
                                      "of the engines that are idle, and a prefill instance takes them within a "
-                                     "call (engine/cores.py; 1P+1D on 2 cores: docs/performance.md); "
+                                     "call (engine/service/coreshare.py; 1P+1D on 2 cores: docs/performance.md); "
                                      "--no-lend-cores: each engine keeps to its --torch-threads")
     lend_pace_s: float = setting(0.08, "with --lend-cores: while a prefill instance computes with 2 or more prompts "
                                        "queued (a burst), a decode instance starts its steps at most this often "
@@ -201,7 +201,8 @@ def share_dir() -> str:
 
 def remove_stale_shares(parent: str) -> list[str]:
     """Remove the `kvc-cores-*` directories under `parent` in which no instance's process is alive; returns them."""
-    from kvcentric.engine.cores import live_slots  # the slot format is the engines'; up itself imports no torch
+    # the slot format is the engines'; up itself imports no torch
+    from kvcentric.engine.service.coreshare import live_slots
 
     removed = []
     for name in os.listdir(parent):

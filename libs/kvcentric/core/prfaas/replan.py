@@ -1,7 +1,7 @@
 """Long-term re-planning of PrfaaS §3.4.3: from the measured load of the PD cluster's prefill and decode
 pools, which role change (prefill -> decode or decode -> prefill, how many instances) restores the balance
 of equation (8); it decides, the conductor sends `kvc.control.<id>` (a `RoleSwitch`), the engine drains and
-serves on in the other role (`kvcentric.engine.shell`). `Replanner` is the conductor's loop around it.
+serves on in the other role (`kvcentric.engine.service.roles`). `Replanner` is the conductor's loop around it.
 
 §3.4.3: "When Θ_prfaas + Θ_pd-p ≪ Θ_pd-d, prefill is the system bottleneck, and when ≫, decode is. The
 scheduler identifies the binding constraint by monitoring queue depth and utilization at each stage" and

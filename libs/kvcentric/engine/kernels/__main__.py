@@ -1,3 +1,0 @@
-from kvcentric.engine.kernels import main
-
-main()

@@ -1,0 +1,3 @@
+from kvcentric.engine.model.kernels import main
+
+main()

@@ -1,0 +1,126 @@
+"""Next-token choice from one position's logits, and the logprobs a request asks for (torch, no state).
+
+`choose` follows the order vLLM's sampler documents: min_tokens, logit_bias, then the repetition,
+frequency and presence penalties, then greedy or temperature, top-k, top-p and a draw seeded per
+(seed, step). Logprobs are the model's raw distribution (vLLM's default `raw_logprobs`) unless the
+request asks for the processed one (after bias, penalties and temperature, before top-k/top-p).
+`prompt_logprobs` scores the prompt's own tokens from a chunk's logits. It does not run the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from kvcentric.core.protocol import SamplingParams, TokenLogprob
+
+SEQUENCE_STRIDE = 7_919_000_017
+"""Seeds of a request's sequences lie this far apart (sequence 0 draws as a request with n = 1 does)."""
+PENALISED_LOGIT_MAX = 1e30
+"""Where a repetition penalty close to 0 leaves a positive logit (dividing by it would overflow float32 to inf,
+and a softmax over inf is NaN); still finite after the smallest temperature divides it (1e-5)."""
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
+    """The next token from one position's logits, with no history (no penalties apply)."""
+    return choose(logits, params, step)[0]
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequence[int] = (),
+           generated: Sequence[int] = (), stop_ids: Collection[int] = (),
+           sequence: int = 0, allowed: torch.Tensor | None = None) -> tuple[int, TokenLogprob | None]:
+    """The next token and, when asked for, its logprobs. `generated` is the output so far (its length is
+    normally `step`), `stop_ids` the tokens min_tokens holds back (EOS and the request's stop tokens),
+    `sequence` which of the request's n sequences draws (each has its own seeded draws), `allowed` the tokens
+    a structured output's grammar allows (`kvcentric.engine.model.guided`; None: all)."""
+    adjusted = adjust(logits.float(), params, prompt, generated, stop_ids, allowed)
+    token = draw(adjusted, params, step, sequence)
+    if params.logprobs is None:
+        return token, None
+    if params.processed_logprobs:
+        scaled = adjusted / params.temperature if params.temperature > 0 else adjusted
+        return token, token_logprob(torch.log_softmax(scaled, dim=-1), token, params.logprobs)
+    return token, token_logprob(torch.log_softmax(logits.float(), dim=-1), token, params.logprobs)
+
+
+def plain_greedy(params: SamplingParams) -> bool:
+    """`choose` would return the argmax of the raw logits and no logprobs, whatever the history: greedy, no
+    logprobs, nothing that adjusts the logits (no min_tokens, bias or penalty)."""
+    return (params.temperature <= 0.0 and params.logprobs is None and not params.min_tokens and not params.logit_bias
+            and not params.presence_penalty and not params.frequency_penalty and params.repetition_penalty == 1.0
+            and not params.guide)
+
+
+def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], generated: Sequence[int],
+           stop_ids: Collection[int], allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """min_tokens, logit_bias, the penalties and a grammar's mask applied to float32 logits (a copy when any
+    applies)."""
+    vocab = logits.shape[-1]
+    stop_ids = () if params.ignore_eos else stop_ids
+    holds_stops = len(generated) < params.min_tokens and (stop_ids or params.stop_token_ids)
+    penalised = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
+    if not (holds_stops or params.logit_bias or penalised or allowed is not None):
+        return logits
+    logits = logits.clone()
+    if allowed is not None:
+        logits[~allowed.to(logits.device)] = float("-inf")
+    if holds_stops:
+        held = [t for t in {*stop_ids, *params.stop_token_ids} if 0 <= t < vocab]
+        logits[torch.tensor(held, dtype=torch.long, device=logits.device)] = float("-inf")
+    if params.logit_bias:
+        biased = {t: b for t, b in params.logit_bias.items() if 0 <= t < vocab}
+        ids = torch.tensor(list(biased), dtype=torch.long, device=logits.device)
+        logits[ids] += torch.tensor(list(biased.values()), dtype=logits.dtype, device=logits.device)
+    if params.repetition_penalty != 1.0 and (prompt or generated):
+        seen = torch.tensor(sorted({*prompt, *generated}), dtype=torch.long, device=logits.device)
+        values = logits[seen]
+        divided = (values / params.repetition_penalty).clamp(max=PENALISED_LOGIT_MAX)
+        multiplied = torch.where(torch.isinf(values), values, values * params.repetition_penalty)  # -inf * 0 is NaN
+        logits[seen] = torch.where(values > 0, divided, multiplied)
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        counts = torch.bincount(torch.tensor(list(generated), device=logits.device), minlength=vocab)[:vocab]
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, step: int, sequence: int = 0) -> int:
+    """Greedy at temperature 0; else temperature, top-k and top-p, seeded per (seed, sequence, step)."""
+    if params.temperature <= 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True)
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if params.top_k > 0:
+        keep[params.top_k:] = False
+    if params.top_p < 1.0:
+        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    generator = torch.Generator(device=probs.device)
+    if params.seed is not None:
+        generator.manual_seed((params.seed * 1_000_003 + step + sequence * SEQUENCE_STRIDE) % 2 ** 64)
+    else:
+        generator.seed()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """Token `token`'s entry in one position's log-probabilities, with the `top` likeliest tokens."""
+    return logprob_rows(logprobs[None], torch.tensor([token], device=logprobs.device), top)[0]
+
+
+def prompt_logprobs(logits: torch.Tensor, next_tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each row of `logits` scores the token that follows it: the logprob of `next_tokens[i]` from row i
+    (the model's raw distribution, as vLLM's prompt logprobs)."""
+    rows = logits[: len(next_tokens)].float()
+    tokens = torch.tensor(list(next_tokens), dtype=torch.long, device=rows.device)
+    return logprob_rows(torch.log_softmax(rows, dim=-1), tokens, top)
+
+
+def logprob_rows(logprobs: torch.Tensor, tokens: torch.Tensor, top: int) -> list[TokenLogprob]:
+    chosen = logprobs.gather(1, tokens[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    top_values, top_ids = logprobs.topk(top, dim=1) if top else (logprobs[:, :0], tokens[:, None][:, :0])
+    return [TokenLogprob(token_id=token, logprob=value, rank=rank, top_ids=ids, top_logprobs=values)
+            for token, value, rank, ids, values in zip(tokens.tolist(), chosen[:, 0].tolist(), ranks.tolist(),
+                                                        top_ids.tolist(), top_values.tolist())]

@@ -1,0 +1,57 @@
+"""An engine's in-process messenger: the KVTransfer gRPC server that takes pushed KV into the role's sink,
+serves this node's host-pool blocks to peers that pull them (hot-spot replication) and keeps the blocks a
+decode instance puts back there (the KV of the tokens it generated, for a request migrated after it dies).
+
+It moves KV in and blocks in and out; what pushed KV becomes is the sink's business.
+"""
+
+from __future__ import annotations
+
+from kvcentric.engine.config import EngineConfig
+from kvcentric.engine.kv.kvpool import HostBlockPool
+from kvcentric.engine.model.runner import ModelRunner
+from kvcentric.runtime.security import transfer_tls
+from kvcentric.runtime.transfer import KVSink, KVTransferServicer, start_server
+
+
+class HostPoolSource:
+    """The messenger's block source: prefix blocks served from this node's host pool (for pulls)."""
+
+    def __init__(self, host: HostBlockPool, runner: ModelRunner) -> None:
+        self.host, self.runner = host, runner
+
+    def read_blocks(self, block_hashes: list[str], dtype: str, block_size: int):
+        if dtype != self.runner.dtype_name or block_size != self.runner.block_size:
+            raise ValueError(f"blocks here are {self.runner.dtype_name} x {self.runner.block_size} tokens, "
+                             f"asked for {dtype} x {block_size}")
+        for index, block_hash in enumerate(block_hashes):
+            data = self.host.read(block_hash, index)
+            yield block_hash, data
+            if data is None:
+                return
+
+
+class Messenger:
+    """The gRPC server on --kv-host:--kv-port; `addr` is what peers push to once it listens."""
+
+    def __init__(self, sink: KVSink, host: HostBlockPool | None, runner: ModelRunner) -> None:
+        source = HostPoolSource(host, runner) if host is not None else None
+        self.transfer = KVTransferServicer(sink, source, host)
+        self.addr = ""
+        self._server = None
+        self.more_services: list = []
+        """Other gRPC services this server offers (a pipeline stage's StageTransfer), added before `start`."""
+
+    @property
+    def stats(self):
+        return self.transfer.stats
+
+    async def start(self, config: EngineConfig) -> None:
+        self._server, port = await start_server(self.transfer, config.kv_host, config.kv_port,
+                                                   self.more_services, transfer_tls(config))
+        self.addr = config.kv_advertise or f"{config.kv_host}:{port}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        self.transfer.segments.close()
