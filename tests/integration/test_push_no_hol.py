@@ -4,7 +4,6 @@ push to the stopped one is given up on after its deadline and only that request 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time

@@ -6,7 +6,6 @@ a request goes the whole secured path. One secured cluster serves the module."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import http.client
 import itertools
@@ -149,7 +148,7 @@ async def test_a_subscription_outside_a_users_permissions_is_refused(secured):
         try:
             await client.subscribe(subject)
             await client.flush()
-            await eventually_async(lambda: errors, f"{user} refused a subscription to {subject}",
+            await eventually_async(lambda seen=errors: seen, f"{user} refused a subscription to {subject}",
                                    until=lambda seen: any("permissions violation for subscription" in error
                                                           for error in seen), timeout_s=5)
         finally:
