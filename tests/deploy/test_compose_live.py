@@ -10,6 +10,7 @@ docker-compose.yml names (PYTHON_IMAGE, NATS_IMAGE, REDIS_IMAGE, TORCH_INDEX_URL
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -169,9 +170,10 @@ def test_two_decode_replicas_each_take_work(stack):
     first, second = stack.health("decode", 1), stack.health("decode", 2)
     assert first["instance_id"] != second["instance_id"] and first["kv_addr"] != second["kv_addr"]
     before = [stack.health("decode", i)["stats"]["kv_streams_committed"] for i in (1, 2)]
-    eventually(lambda: serves(stack.url), "the stack serves with two decodes", until=bool, timeout_s=60)
-    for _ in range(16):
-        assert serves(stack.url)
+    eventually(lambda: stack.health("conductor")["decode_alive"], "the conductor sees exactly the two decodes",
+               until=lambda alive: alive == 2, timeout_s=90, every_s=1.0)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # load that overlaps, as traffic does
+        assert all(pool.map(lambda _: serves(stack.url), range(24)))
     after = [stack.health("decode", i)["stats"]["kv_streams_committed"] for i in (1, 2)]
     assert all(a > b for a, b in zip(after, before)), (before, after)
     stack.measured["decode_replicas_work"] = [a - b for a, b in zip(after, before)]
