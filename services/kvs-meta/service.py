@@ -5,7 +5,8 @@ conductor seeds its local mirror). It heals the index: it compares each engine's
 with what the index holds for it and, when they differ, asks the engine for its block lists and publishes
 the difference as the engine's KV events (so conductors' mirrors heal too); it asks every engine for its
 digest when it starts and when its Redis comes back, and purges nobody for a grace period then. With Redis
-Sentinels (--redis-sentinels) it follows a failover to the new primary. The storage logic is `kvcentric.runtime.kvs_store`, the digests `kvcentric.core.kvdigest`.
+Sentinels (--redis-sentinels) it follows a failover to the new primary. The storage logic is
+`kvcentric.runtime.kvs_store`, the digests `kvcentric.core.kvdigest`.
 """
 
 from __future__ import annotations

@@ -139,7 +139,8 @@ def test_the_production_overlay_passes_the_schemas_and_its_service_monitor_the_c
         if document["kind"] == "ServiceMonitor":
             assert document["apiVersion"] == "monitoring.coreos.com/v1"
             assert set(document["spec"]) <= SERVICE_MONITOR_FIELDS
-            assert all(set(e) <= {"port", "path", "interval", "scheme", "tlsConfig"} for e in document["spec"]["endpoints"])
+            endpoints = document["spec"]["endpoints"]
+            assert all(set(e) <= {"port", "path", "interval", "scheme", "tlsConfig"} for e in endpoints)
             continue
         kubernetes_validate.validate(document, version, strict=True)
 
