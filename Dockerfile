@@ -18,30 +18,42 @@
 ARG PYTHON_IMAGE=python:3.11.11-slim-bookworm
 
 # ---------------------------------------------------------------- build stages (compilers and pip caches stay here)
-FROM ${PYTHON_IMAGE} AS source
+# The dependencies go in first, in a layer of their own (from pyproject.toml alone); the source after them, so a
+# change of the code reinstalls nothing but the project.
+FROM ${PYTHON_IMAGE} AS build-control
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml deploy/docker/requirements.py ./
+RUN python -m venv /opt/kvcentric && python requirements.py pyproject.toml > requirements.txt && \
+    /opt/kvcentric/bin/pip install --no-cache-dir -r requirements.txt
+COPY README.md ./
 COPY libs libs
 COPY services services
+RUN /opt/kvcentric/bin/pip install --no-cache-dir --no-deps .
 
-FROM source AS build-control
-RUN python -m venv /opt/kvcentric && /opt/kvcentric/bin/pip install --no-cache-dir .
-
-FROM source AS build-engine
+FROM ${PYTHON_IMAGE} AS build-engine
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_WHEELS=deploy/wheels
 COPY ${TORCH_WHEELS} /wheels
-RUN python -m venv /opt/kvcentric && /opt/kvcentric/bin/pip install --no-cache-dir --find-links /wheels \
-        ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"} '.[engine]'
-RUN KVC_KERNEL_PREBUILT=/opt/kvcentric/kernels /opt/kvcentric/bin/python -m kvcentric.engine.kernels --prebuild
+COPY pyproject.toml deploy/docker/requirements.py ./
+RUN python -m venv /opt/kvcentric && python requirements.py pyproject.toml engine > requirements.txt && \
+    /opt/kvcentric/bin/pip install --no-cache-dir --find-links /wheels \
+        ${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"} -r requirements.txt
+COPY README.md ./
+COPY libs libs
+COPY services services
+# The CPU kernels for every x86-64 level, built here where the compiler is (the runtime image has none).
+RUN /opt/kvcentric/bin/pip install --no-cache-dir --no-deps . && \
+    KVC_KERNEL_PREBUILT=/opt/kvcentric/kernels /opt/kvcentric/bin/python -m kvcentric.engine.kernels --prebuild
 
 # ---------------------------------------------------------------- runtime: the interpreter, the venv, no compiler
 FROM ${PYTHON_IMAGE} AS runtime
 ARG RUNTIME_PACKAGES=""
 RUN if [ -n "${RUNTIME_PACKAGES}" ]; then apt-get update && \
         apt-get install -y --no-install-recommends ${RUNTIME_PACKAGES} && rm -rf /var/lib/apt/lists/*; fi && \
-    useradd --system --uid 10001 --user-group --create-home --home-dir /home/kvcentric kvcentric
+    groupadd --system --gid 10001 kvcentric && \
+    useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/kvcentric kvcentric
 COPY deploy/docker/entrypoint.sh /usr/local/bin/kvcentric-entrypoint
 ENV PATH=/opt/kvcentric/bin:${PATH} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     KVC_KERNEL_PREBUILT=/opt/kvcentric/kernels KVC_KERNEL_CACHE=/tmp/kvcentric/kernels

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -53,13 +54,25 @@ def test_each_service_has_a_target_that_runs_it_on_the_right_image(name):
 def test_the_control_plane_has_no_torch_and_the_engine_takes_its_torch_index_and_wheels_as_arguments():
     _, control = stages()["build-control"]
     _, engine = stages()["build-engine"]
-    assert "pip install --no-cache-dir ." in control[-1] and "engine" not in control[-1]
-    install = next(line for line in engine if "pip install" in line)
+    assert control[-1] == "RUN /opt/kvcentric/bin/pip install --no-cache-dir --no-deps ."
+    assert any("python requirements.py pyproject.toml > requirements.txt" in line for line in control)
+    assert any("python requirements.py pyproject.toml engine > requirements.txt" in line for line in engine)
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in engine
     assert "ARG TORCH_WHEELS=deploy/wheels" in engine and "COPY ${TORCH_WHEELS} /wheels" in engine
-    assert "--find-links /wheels" in install and "${TORCH_INDEX_URL:+--extra-index-url" in instructions_after(
-        engine, install) and "'.[engine]'" in instructions_after(engine, install)
+    install = instructions_after(engine, next(line for line in engine if "pip install" in line))
+    assert "--find-links /wheels" in install and '${TORCH_INDEX_URL:+--extra-index-url "${TORCH_INDEX_URL}"}' in install
     assert (ROOT / "deploy" / "wheels").is_dir()
+
+
+def test_the_dependencies_are_installed_before_the_source_is_copied():
+    for name in ("build-control", "build-engine"):
+        _, instructions = stages()[name]
+        requirements = next(i for i, line in enumerate(instructions) if "-r requirements.txt" in line)
+        source = instructions.index("COPY libs libs")
+        assert requirements < source and "COPY pyproject.toml deploy/docker/requirements.py ./" in instructions
+    listed = subprocess.run([sys.executable, str(ROOT / "deploy" / "docker" / "requirements.py"),
+                             str(ROOT / "pyproject.toml"), "engine"], capture_output=True, text=True, check=True)
+    assert "torch==2.13.0" in listed.stdout.splitlines() and "nats-py>=2.7" in listed.stdout.splitlines()
 
 
 def instructions_after(instructions: list[str], first: str) -> str:
