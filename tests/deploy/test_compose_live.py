@@ -118,7 +118,7 @@ def stack():
         yield stack
     finally:
         stack.report()
-        stack.compose("down", "-v", "--remove-orphans", "-t", "20", check=False)
+        stack.compose("down", "-v", "--remove-orphans", "--rmi", "local", "-t", "20", check=False)
 
 
 def test_the_images_run_as_an_unprivileged_user_without_a_compiler_and_answer_help(stack):

@@ -119,7 +119,7 @@ def test_the_base_image_is_pinned_and_every_stage_starts_from_it_or_another_stag
 ])
 def test_the_entrypoint_runs_the_images_own_service_when_the_arguments_start_with_a_flag(args, expected, tmp_path):
     fake = tmp_path / "kvcentric"
-    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.write_text('#!/bin/sh\nfor argument in "$@"; do echo "$argument"; done\n')
     fake.chmod(0o755)
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "KVC_SERVICE": "decode"}
     result = subprocess.run(["sh", str(ROOT / "deploy" / "docker" / "entrypoint.sh"), *args], env=env,
