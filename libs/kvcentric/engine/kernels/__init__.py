@@ -404,9 +404,10 @@ def main(argv: list[str] | None = None) -> None:
                         help="only build for every ISA into KVC_KERNEL_PREBUILT (an image's build stage)")
     args = parser.parse_args(argv)
     if args.prebuild:
-        if prebuilt_dir() is None:
+        into = prebuilt_dir()
+        if into is None:
             raise SystemExit("--prebuild: set KVC_KERNEL_PREBUILT to the folder to build into")
-        built = prebuild(prebuilt_dir())
+        built = prebuild(into)
         if not built:
             raise SystemExit("--prebuild: the kernels compiled for no instruction set")
         print("\n".join(str(path) for path in built))
