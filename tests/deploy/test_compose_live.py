@@ -43,6 +43,7 @@ def daemon_absent() -> str:
 
 
 pytestmark = [
+    pytest.mark.timeout(3600),  # the first test builds the images and brings the stack up (minutes)
     pytest.mark.skipif(bool(daemon_absent()), reason=daemon_absent() or "-"),
     pytest.mark.skipif(os.environ.get("KVC_COMPOSE_CHECK") != "1",
                        reason="builds the images and runs the stack for minutes: `make compose-check` "
