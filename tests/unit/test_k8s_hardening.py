@@ -206,6 +206,7 @@ def run_script(name: str, tmp_path: Path, host: str, **env: str) -> list[str]:
 def test_with_no_sentinel_answering_redis_0_starts_as_the_primary_and_the_others_follow_it(tmp_path):
     first = run_script("start-redis.sh", tmp_path, "redis-0")
     assert "--replicaof" not in first and first[first.index("--replica-announce-ip") + 1] == "redis-0.redis-headless"
+    assert first[first.index("--protected-mode") + 1] == "no"  # the other pods reach it
     second = run_script("start-redis.sh", tmp_path, "redis-1", REDIS_CONF="/etc/redis/redis.conf")
     assert second[0] == "/etc/redis/redis.conf"
     assert second[second.index("--replicaof") + 1:] == ["redis-0.redis-headless", "6379"]
@@ -216,6 +217,6 @@ def test_a_sentinel_writes_a_config_that_watches_the_primary_with_a_quorum_of_tw
                       REDISCLI_AUTH="s3cret")
     assert args == [str(tmp_path / "sentinel.conf"), "--sentinel"]
     conf = (tmp_path / "sentinel.conf").read_text().splitlines()
-    assert "sentinel monitor kvcentric redis-0.redis-headless 6379 2" in conf
+    assert "sentinel monitor kvcentric redis-0.redis-headless 6379 2" in conf and "protected-mode no" in conf
     assert "sentinel announce-ip redis-sentinel-1.redis-sentinel-headless" in conf
     assert "sentinel auth-pass kvcentric s3cret" in conf and "requirepass s3cret" in conf

@@ -15,5 +15,7 @@ if [ "$primary" = "$me" ]; then
 else
   set -- --replicaof "$primary" 6379
 fi
+# Protected mode off: the other pods must reach it (the NetworkPolicies say which; the secure component adds a password).
 # shellcheck disable=SC2086  # REDIS_CONF is one path or nothing
-exec "${REDIS_SERVER:-redis-server}" ${REDIS_CONF:-} --save "" --appendonly no --replica-announce-ip "$me" "$@"
+exec "${REDIS_SERVER:-redis-server}" ${REDIS_CONF:-} --save "" --appendonly no --protected-mode no \
+  --replica-announce-ip "$me" "$@"

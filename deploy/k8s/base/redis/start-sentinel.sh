@@ -12,6 +12,7 @@ primary=$(redis-cli -h "${SENTINEL_HOST:-redis-sentinel}" -p "${SENTINEL_PORT:-2
 conf="${SENTINEL_DIR:-/data}/sentinel.conf"
 {
   echo "port ${SENTINEL_PORT:-26379}"
+  echo "protected-mode no"
   echo "sentinel resolve-hostnames yes"
   echo "sentinel announce-hostnames yes"
   echo "sentinel announce-ip $(hostname).redis-sentinel-headless"
