@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 LINTED := $(VENV)/.lint-installed
 ARGS   ?=
 
-.PHONY: up test unit pure integration lint proto bench clean
+.PHONY: up test unit pure integration compose-check lint proto bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,12 @@ pure: $(STAMP)
 
 integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
+
+# docker-compose.yml for real (tests/deploy): build, up, requests, a killed decode restarted, decode scaled to 2,
+# down; needs a Docker daemon with the compose plugin (minutes; its measurements land in build/compose-check.json).
+# Pinned images can be pointed elsewhere: PYTHON_IMAGE=... NATS_IMAGE=... REDIS_IMAGE=... TORCH_INDEX_URL=...
+compose-check: $(STAMP)
+	KVC_COMPOSE_CHECK=1 $(BIN)/python -m pytest -q -ra -p no:cacheprovider tests/deploy
 
 $(LINTED): $(STAMP)
 	$(BIN)/pip install -q -e '.[lint]'

@@ -4,19 +4,22 @@ over NATS and GET /batch_query_keys over HTTP, and pages through the whole index
 conductor seeds its local mirror). It heals the index: it compares each engine's digest (kvc.kv.digest.*)
 with what the index holds for it and, when they differ, asks the engine for its block lists and publishes
 the difference as the engine's KV events (so conductors' mirrors heal too); it asks every engine for its
-digest when it starts and when its Redis comes back, and purges nobody for a grace period then. The
-storage logic is `kvcentric.runtime.kvs_store`, the digests `kvcentric.core.kvdigest`.
+digest when it starts and when its Redis comes back, and purges nobody for a grace period then. With Redis
+Sentinels (--redis-sentinels) it follows a failover to the new primary. The storage logic is
+`kvcentric.runtime.kvs_store`, the digests `kvcentric.core.kvdigest`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 
 import nats.errors
 
 from aiohttp import web
 from redis.asyncio import Redis
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from kvc_kvs_meta.config import KVSMetaConfig
@@ -29,6 +32,24 @@ from kvcentric.runtime.security import redis_options
 from kvcentric.runtime.service import Service
 
 
+def connect_redis(config: KVSMetaConfig) -> Redis:
+    """The client of the metadata store: --redis-url itself, or with --redis-sentinels the primary of
+    --redis-master as the Sentinels name it, looked up again whenever a connection to it fails or finds it
+    demoted (read-only), so writes follow a failover."""
+    options = redis_options(config.redis_url, config.redis_user, config.redis_password_file, config.tls_ca,
+                            config.tls_cert, config.tls_key)
+    if not config.redis_sentinels:
+        return Redis.from_url(config.redis_url, **options)
+    db = int(urllib.parse.urlparse(config.redis_url).path.strip("/") or 0)
+    if config.redis_url.startswith("rediss://"):
+        options["ssl"] = True
+    sentinel = Sentinel([address for address in config.sentinels if address], sentinel_kwargs=dict(options),
+                        socket_timeout=SENTINEL_TIMEOUT_S, **options)
+    return sentinel.master_for(config.redis_master, db=db)
+
+
+SENTINEL_TIMEOUT_S = 2.0
+"""How long a Sentinel or the primary may take to answer one command before the next is asked."""
 READY_PING_TIMEOUT_S = 0.5
 """How long /ready waits for Redis to answer a ping."""
 
@@ -39,9 +60,7 @@ class KVSMetaService(Service):
     def __init__(self, config: KVSMetaConfig) -> None:
         super().__init__(config)
         self.config: KVSMetaConfig = config
-        self.redis = Redis.from_url(config.redis_url, **redis_options(
-            config.redis_url, config.redis_user, config.redis_password_file, config.tls_ca, config.tls_cert,
-            config.tls_key))
+        self.redis = connect_redis(config)
         self.store = KVMetaStore(self.redis, config.lease_ttl_s)
         self.heartbeats: set[str] = set()
         self.endpoints: dict[str, tuple[str, int]] = {}

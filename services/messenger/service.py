@@ -13,7 +13,7 @@ from kvcentric.proto import kv_pb2
 from kvcentric.runtime.host_store import HostKVStore
 from kvcentric.runtime.security import transfer_tls
 from kvcentric.runtime.service import Service
-from kvcentric.runtime.transfer import KVTransferServicer, start_server
+from kvcentric.runtime.transfer import KVTransferServicer, advertised_address, start_server
 
 
 class StoreServicer(KVTransferServicer):
@@ -62,7 +62,7 @@ class MessengerService(Service):
             await self._grpc.stop(grace=1.0)
 
     def health(self) -> dict:
-        return {"kv_addr": f"{self.config.kv_host}:{self.kv_port}", "stats": self.gauges()}
+        return {"kv_addr": advertised_address(self.config.kv_host, self.kv_port), "stats": self.gauges()}
 
     def gauges(self) -> dict[str, float]:
         return {**self.servicer.stats, "stored_requests": len(self.store.complete),

@@ -146,7 +146,10 @@ class PrefillService(EngineService):
         return not busy and self.outbox.empty()
 
     def gauges(self) -> dict[str, float]:
-        work = {"requests_queued": len(self.engine.queue), "requests_running": len(self.engine.running)}
+        work = {"requests_queued": len(self.engine.queue), "requests_running": len(self.engine.running),
+                # T_queue as this engine predicts it (0 before it has measured itself): what an autoscaler of the
+                # prefill pool reads (deploy/k8s/components/autoscaling)
+                "prefill_queue_time_s": max(0.0, self.reporter.est_queue_s)}
         layerkv = self.layerkv.gauges() if self.layerkv is not None else {}
         return {**self.engine.stats, **work, **self.messenger.stats, **self.reporter.stats(), **layerkv,
                 **self.model.stats()}

@@ -1,5 +1,6 @@
-"""`kvcentric up` starts its own servers, serves, and leaves no process behind on SIGTERM or SIGINT; with
---restart never the first death of a child stops the cluster (fail fast)."""
+"""`kvcentric up` starts its own servers, serves, and on SIGTERM or SIGINT exits only once every process it started
+has (its children's own children included: nothing is alive at the moment `up` has exited); with --restart never
+the first death of a child stops the cluster (fail fast)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,28 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
-        return stat.read().split(") ")[1][0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead too
+            return stat.read().rsplit(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def descendants(root: int) -> list[int]:
+    """Every process below `root` now (children, their children, ...), from /proc."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parents[int(entry)] = int(stat.read().rsplit(") ", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -36,13 +57,12 @@ def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
             assert json.load(response)["usage"]["completion_tokens"] >= 1
         pids = cluster.pids()
         assert all(alive(pid) for pid in pids)
+        everything = descendants(cluster.process.pid)
+        assert set(pids) <= set(everything) and len(everything) > len(pids)  # the engines' own children too
     finally:
         started = time.monotonic()
         assert cluster.stop(sig) == 0
-    left_s = max(0.0, 10 - (time.monotonic() - started))
-    eventually(lambda: [pid for pid in pids if alive(pid)], "every child of `kvcentric up` gone",
-               until=lambda living: not living, timeout_s=left_s, every_s=0.1)
-    assert not [pid for pid in pids if alive(pid)]
+    assert not [pid for pid in everything if alive(pid)], "a process outlived `kvcentric up`"
     assert time.monotonic() - started < 10
     for name, service in cluster.manifest["services"].items():
         with open(service["log"]) as log:

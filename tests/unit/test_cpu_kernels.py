@@ -372,3 +372,22 @@ def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch):
     assert kernels.build() == first and first.stat().st_mtime_ns == modified  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no scratch left behind
     assert shutil.which(kernels.compiler() or "")
+
+
+def test_without_a_compiler_the_widest_prebuilt_kernels_this_cpu_runs_are_used(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("KVC_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVC_KERNEL_PREBUILT", str(tmp_path / "prebuilt"))
+    built = kernels.prebuild(tmp_path / "prebuilt")
+    assert "portable" in [path.name.split("-")[1] for path in built]
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "no-compiler-here"))
+    assert kernels.compiler() is None
+    widest = next(name for name in ("avx512", "avx2", "portable") if name in kernels.runnable())
+    library = kernels.build()
+    assert library.parent == tmp_path / "prebuilt" and library.name.startswith(f"kernels-{widest}-")
+    assert kernels.CpuAttention(library).isa == widest
+    assert kernels.build(isa="portable").name.startswith("kernels-portable-")
+    for path in built:
+        path.unlink()
+    with pytest.raises(RuntimeError, match="no build made ahead of time"):
+        kernels.build()

@@ -211,19 +211,21 @@ def test_nats_servers_accept_their_secured_config_routes_and_gateway_over_tls(la
     assert check.returncode == 0, check.stderr + check.stdout
     nats = of_kind(layout, "StatefulSet")["nats"]["spec"]["template"]["spec"]
     assert nats["containers"][0]["envFrom"] == [{"secretRef": {"name": "kvcentric-nats-users"}}]
-    assert {"name": "nats-tls", "secret": {"secretName": "kvcentric-nats-tls", "defaultMode": 0o400}} in nats["volumes"]
+    # group-readable: the pod's fsGroup, as nats-server runs as an unprivileged user
+    assert {"name": "nats-tls", "secret": {"secretName": "kvcentric-nats-tls", "defaultMode": 0o440}} in nats["volumes"]
+    assert nats["securityContext"]["runAsNonRoot"] and nats["securityContext"]["fsGroup"] == 1000
 
 
 @pytest.mark.parametrize("layout", ["secure", "pd-dc-secure"])
-def test_redis_and_its_replica_start_with_the_password_of_a_secret(layout):
+def test_redis_servers_and_sentinels_start_with_the_password_of_a_secret(layout):
     statefulsets = of_kind(layout, "StatefulSet")
-    for name in ("redis", "redis-replica"):
-        (spec,) = statefulsets[name]["spec"]["template"]["spec"]["containers"]
-        assert spec["command"][:2] == ["redis-server", "/etc/redis/redis.conf"]
-        assert {"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": "kvcentric-redis",
-                                                                        "key": "password"}}} in spec["env"]
-    replica = statefulsets["redis-replica"]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert replica[replica.index("--replicaof") + 1:][:2] == ["redis", "6379"]
+    password = {"name": "REDISCLI_AUTH", "valueFrom": {"secretKeyRef": {"name": "kvcentric-redis", "key": "password"}}}
+    (server,) = statefulsets["redis"]["spec"]["template"]["spec"]["containers"]
+    assert server["command"] == ["sh", "/etc/redis-scripts/start-redis.sh"]
+    assert {"name": "REDIS_CONF", "value": "/etc/redis/redis.conf"} in server["env"] and password in server["env"]
+    assert {"name": "redis-conf", "mountPath": "/etc/redis", "readOnly": True} in server["volumeMounts"]
+    (sentinel,) = statefulsets["redis-sentinel"]["spec"]["template"]["spec"]["containers"]
+    assert password in sentinel["env"]  # start-sentinel.sh: auth-pass to the servers, requirepass of its own
 
 
 def test_the_secured_layouts_reference_only_the_documented_secrets():

@@ -92,6 +92,8 @@ def materialise_mounts(layout: str, workload: dict, command: list[str], folder: 
     pod = workload["spec"]["template"]["spec"]
     volumes = {v["name"]: v["configMap"]["name"] for v in pod.get("volumes", []) if "configMap" in v}
     for mount in container(workload).get("volumeMounts", []):
+        if mount["name"] not in volumes:  # an emptyDir (/tmp) or a claim: nothing the command reads
+            continue
         target = folder / mount["name"]
         target.mkdir()
         for key, text in config_map(layout, volumes[mount["name"]].rsplit("-", 1)[0]).items():
@@ -128,7 +130,7 @@ def test_every_document_lands_in_the_kvcentric_namespace(layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_nats_is_a_three_node_cluster_with_jetstream_off_and_a_config_the_server_accepts(layout, tmp_path):
     nats = of_kind(layout, "StatefulSet")["nats"]
-    assert nats["spec"]["replicas"] == 3 and container(nats)["image"] == "nats:2.10-alpine"
+    assert nats["spec"]["replicas"] == 3 and container(nats)["image"] == "nats:2.10.24-alpine"
     files = config_map(layout, "nats-config")
     assert "jetstream: disabled" in files["nats.conf"]
     assert all(f"nats://nats-{n}.nats-headless:6222" in files["nats.conf"] for n in range(3))
@@ -141,12 +143,20 @@ def test_nats_is_a_three_node_cluster_with_jetstream_off_and_a_config_the_server
 
 
 @pytest.mark.parametrize("layout", ["base", "gpu", "pd-dc"])
-def test_redis_has_a_replica_that_follows_the_primary(layout):
+def test_redis_is_three_servers_watched_by_three_sentinels_and_kvs_meta_asks_the_sentinels(layout):
     statefulsets = of_kind(layout, "StatefulSet")
-    command = container(statefulsets["redis-replica"])["command"]
-    assert "redis" in statefulsets and command[command.index("--replicaof") + 1:][:2] == ["redis", "6379"]
+    assert statefulsets["redis"]["spec"]["replicas"] == 3 and statefulsets["redis-sentinel"]["spec"]["replicas"] == 3
+    assert container(statefulsets["redis"])["command"] == ["sh", "/etc/redis-scripts/start-redis.sh"]
+    assert container(statefulsets["redis-sentinel"])["command"] == ["sh", "/etc/redis-scripts/start-sentinel.sh"]
+    scripts = config_map(layout, "redis-scripts")
+    assert scripts["start-redis.sh"] == (K8S / "base" / "redis" / "start-redis.sh").read_text()
+    assert "sentinel monitor $master $primary 6379 2" in scripts["start-sentinel.sh"]
+    services = of_kind(layout, "Service")
+    assert services["redis-headless"]["spec"]["clusterIP"] == "None" and "redis" not in services
+    assert services["redis-sentinel"]["spec"]["ports"][0]["port"] == 26379
     kvs_meta = container(kvcentric_workloads(layout)["kvs-meta"])["command"]
-    assert kvs_meta[kvs_meta.index("--redis-url") + 1] == "redis://redis:6379/0"
+    assert kvs_meta[kvs_meta.index("--redis-sentinels") + 1] == "redis-sentinel:26379"
+    assert kvs_meta[kvs_meta.index("--redis-master") + 1] == "kvcentric"
 
 
 @pytest.mark.parametrize("layout", ["base", "gpu", "pd-dc"])
@@ -211,7 +221,8 @@ def test_the_base_runs_every_service_and_the_gpu_overlay_only_adds_gpus_to_the_e
         assert spec["resources"]["requests"]["nvidia.com/gpu"] == spec["resources"]["limits"]["nvidia.com/gpu"] == "1"
         assert spec["command"][-2:] == ["--device", "cuda"]
         assert {"name": "KVC_DTYPE", "value": "bfloat16"} in spec["env"]
-        assert spec["image"] == "kvcentric-engine:cuda"
+        assert spec["image"] == "kvcentric-engine:0.1.0-cuda"
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in spec["volumeMounts"]
         assert any(t["key"] == "nvidia.com/gpu" for t in pod["tolerations"]) and pod["nodeSelector"]
 
 

@@ -55,7 +55,8 @@ class EngineConfig(BusConfig):
                                  "engines): an integer, or empty for none (Llumnix GO_HASH_SEED; vLLM PYTHONHASHSEED)")
     kv_host: str = setting("127.0.0.1", "address the messenger's gRPC server binds to")
     kv_port: int = setting(0, "gRPC port of the messenger (0: pick a free port)")
-    kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port)")
+    kv_advertise: str = setting("", "host:port peers use to reach the messenger (default: kv-host:kv-port; for a "
+                                    "wildcard kv-host such as 0.0.0.0, this machine's own address)")
     load_interval_s: float = setting(0.1, "seconds between load reports on kvc.load.<role>.<id>")
     kv_digest_every_s: float = setting(10.0, "seconds between digests of the blocks this engine holds, on "
                                              "kvc.kv.digest.<id> (kvs-meta heals its index when they differ)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Protocol
@@ -283,6 +284,35 @@ async def start_server(servicer: KVTransferServicer, host: str, port: int,
         raise OSError(f"cannot bind the KV transfer port {host}:{port}")
     await server.start()
     return server, bound
+
+
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")
+
+
+def advertised_address(host: str, port: int) -> str:
+    """host:port where peers reach a server bound to `host`:`port`: `host` itself, or for a wildcard bind (0.0.0.0,
+    ::) this machine's own address, so that each replica of a scaled container advertises itself."""
+    if host not in WILDCARDS:
+        return f"{host}:{port}"
+    address = own_address()
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def own_address() -> str:
+    """This machine's address for its peers: what its hostname resolves to (a container's own IP), else the source
+    address of its route out (nothing is sent), else loopback."""
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+        if not resolved.startswith("127."):
+            return resolved
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1: only picks the route, sends nothing
+            return probe.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 class TokenBucket:

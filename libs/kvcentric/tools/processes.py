@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import json
 import importlib.metadata
+import math
 import os
 import shutil
 import signal
@@ -26,6 +27,7 @@ import urllib.request
 from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 SERVER_START_S = 10.0
 """How long a nats-server or redis-server may take to listen."""
 SERVER_ATTEMPTS = 5
@@ -45,6 +47,72 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:
         pass
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (a child's own children, such as the resource
+    tracker of multiprocessing, come back to it when that child exits); False where the kernel refuses."""
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+    except OSError:
+        return False
+
+
+def own_children() -> list[int]:
+    """The pids of this process's children, living or zombie (from /proc)."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == me:
+            found.append(int(entry))
+    return found
+
+
+def reap_zombies(keep: set[int]) -> int:
+    """Reap the exited children that are not in `keep` (orphans handed to a subreaper; the `Popen` children are
+    waited by their own objects); returns how many."""
+    reaped = 0
+    for pid in own_children():
+        if pid in keep:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped += 1
+        except ChildProcessError:
+            pass
+    return reaped
+
+
+def end_the_rest(grace_s: float) -> None:
+    """SIGTERM every child still here, wait up to `grace_s` for them all, SIGKILL what is left and reap it: once
+    this returns, this process has no child at all. For a process about to exit that owns all its children."""
+    for pid in own_children():
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return  # none left
+        if pid:
+            continue
+        if time.monotonic() > deadline:
+            for pid in own_children():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            deadline = math.inf
+        time.sleep(0.02)
 
 
 def nats_server_binary() -> str:

@@ -7,7 +7,9 @@ M decode instances (each with its in-process messenger) and the gateway; waits u
 /health and every conductor sees all engines; prints the URL and a sample request. A child that dies
 afterwards is started again after a backoff (--restart on-failure) and `up` says so; a crash loop, or with
 --restart never any death, stops everything. SIGINT or SIGTERM stops every child within a few seconds,
-and each child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG).
+and each child also gets SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG). `up` is the
+subreaper of everything it started (PR_SET_CHILD_SUBREAPER): a child's own children come back to it, and it exits
+only once every descendant has.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
 from kvcentric.runtime.security import client_context
-from kvcentric.tools.processes import Child, Supervisor, get_json
+from kvcentric.tools.processes import Child, Supervisor, become_subreaper, end_the_rest, get_json, reap_zombies
 from kvcentric.tools.secure import SecureFiles, make_secure_files
 
 Restart = Literal["on-failure", "never"]
+REAP_EVERY_S = 2.0
+"""How often a running `up` reaps the exited orphans handed back to it (a scan of /proc)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +240,8 @@ class Cluster:
         """The CA, certificates and secrets of a --secure cluster (made at start)."""
         self.tls: ssl.SSLContext | None = None
         """How `up` checks the gateway's HTTPS (--secure)."""
+        self.reap_at = 0.0
+        """When `tend` next reaps the orphans handed back to `up` (monotonic time)."""
 
     @property
     def log_dir(self) -> str:
@@ -337,6 +343,9 @@ class Cluster:
         for line in self.processes.tend(time.monotonic()):
             print(f"kvcentric: {line}", flush=True)
         self.write_manifest()
+        if time.monotonic() >= self.reap_at:  # orphans of the children's own children that came back to `up`
+            reap_zombies({child.process.pid for child in self.processes.children})
+            self.reap_at = time.monotonic() + REAP_EVERY_S
 
     def secured_note(self) -> str:
         """What `ready at` adds for a --secure cluster: where its CA and secrets are (never a secret itself)."""
@@ -391,6 +400,7 @@ def run_up(config: UpConfig) -> int:
     """Run until SIGINT/SIGTERM, or until a child dies for good; returns the exit code."""
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
+    become_subreaper()
     cluster = Cluster(config)
     try:
         engines = f"{config.colocated} colocated" if config.colocated else \
@@ -418,3 +428,4 @@ def run_up(config: UpConfig) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
+        end_the_rest(grace_s=3.0)  # the children's children (and a child started as the stop came) too

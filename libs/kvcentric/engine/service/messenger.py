@@ -11,7 +11,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.kv.kvpool import HostBlockPool
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.runtime.security import transfer_tls
-from kvcentric.runtime.transfer import KVSink, KVTransferServicer, start_server
+from kvcentric.runtime.transfer import KVSink, KVTransferServicer, advertised_address, start_server
 
 
 class HostPoolSource:
@@ -49,7 +49,7 @@ class Messenger:
     async def start(self, config: EngineConfig) -> None:
         self._server, port = await start_server(self.transfer, config.kv_host, config.kv_port,
                                                    self.more_services, transfer_tls(config))
-        self.addr = config.kv_advertise or f"{config.kv_host}:{port}"
+        self.addr = config.kv_advertise or advertised_address(config.kv_host, port)
 
     async def stop(self) -> None:
         if self._server is not None:

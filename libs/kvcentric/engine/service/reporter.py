@@ -84,6 +84,8 @@ class Reporter:
         self.reports_sent = 0
         self.pipeline: StagePosition | None = None
         """The prefill group this instance is a stage of, named in its load reports (None: not one)."""
+        self.est_queue_s = -1.0
+        """A prefill instance's T_queue in its latest report (-1: none predicted yet), also on /metrics."""
         """Load reports published; the first is how the conductor learns of this instance."""
         self.latest: dict[str, tuple[LoadReport, float]] = {}
         """Role -> the last report the event loop computed and when (time.monotonic())."""
@@ -134,7 +136,8 @@ class Reporter:
         """The queue fields of a prefill report: T_queue predicted from this engine's measured model (Mooncake
         §6.1; -1 before it has one), the tokens still to compute, and the newest request ids."""
         cost = self.prefill_cost()
-        return {"est_queue_s": round(queue_seconds(cost, prefills), 6) if cost is not None else -1.0,
+        self.est_queue_s = round(queue_seconds(cost, prefills), 6) if cost is not None else -1.0
+        return {"est_queue_s": self.est_queue_s,
                 "queued_uncached_tokens": uncached_tokens(prefills),
                 "prefill_ids": [prefill.request_id for prefill in prefills[-MAX_LISTED_PREFILLS:]]}
 

@@ -25,12 +25,18 @@ Its loops are written once over the vectors of `simd.h`: AVX-512, AVX2 + FMA, or
 instruction set has (`KVC_CPU_ISA`: native, the default, or avx512, avx2, portable; `isas.py`, which also gives
 the environment that holds torch to the same set for a comparison). Built once per source, compiler flags and
 CPU into a cache directory (`KVC_KERNEL_CACHE`, default ~/.cache/kvcentric/kernels), atomically, so concurrent
-engines share one build. Where no compiler works (`CXX`, else c++/g++/clang++) `load()` says why once and
+engines share one build. An image without a compiler carries builds made ahead of time (`prebuild`, into
+`KVC_KERNEL_PREBUILT`): where no compiler is found, `native` takes the widest of them this CPU runs, and a named ISA
+its own. Where no compiler works (`CXX`, else c++/g++/clang++) `load()` says why once and
 returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU cannot run, it raises.
 
 It computes; it decides nothing about when a kernel is used (`ModelRunner`, `llama.Attention`).
 
-Build ahead of time (an image with a compiler at build time), and check it::
+Build ahead of time for every ISA (an image's build stage, which has the compiler its runtime stage lacks)::
+
+    KVC_KERNEL_PREBUILT=/opt/kvcentric/kernels python -m kvcentric.engine.model.kernels --prebuild
+
+and check the build this machine would use::
 
     python -m kvcentric.engine.model.kernels
 """
@@ -54,7 +60,7 @@ from kvcentric.engine.model.kernels.isas import COMMON_FLAGS, ISA_FLAGS, Isa, Un
     checked, isa, runnable
 
 __all__ = ["CpuAttention", "CpuLayerOps", "Isa", "UnsupportedIsa", "build", "cache_dir", "capped_env", "compiler",
-           "cpu_signature", "flags", "isa", "load", "load_layer_ops", "runnable"]
+           "cpu_signature", "flags", "isa", "load", "load_layer_ops", "prebuild", "prebuilt", "runnable"]
 
 log = logging.getLogger("kvcentric.kernels")
 
@@ -72,6 +78,49 @@ def cache_dir() -> Path:
     base = os.environ.get("KVC_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvcentric", "kernels")
     return Path(base)
+
+
+def prebuilt_dir() -> Path | None:
+    """Where builds made ahead of time lie (`KVC_KERNEL_PREBUILT`; None when unset)."""
+    base = os.environ.get("KVC_KERNEL_PREBUILT", "")
+    return Path(base) if base else None
+
+
+def source_digest() -> str:
+    """What a build made ahead of time must have been made from: the sources and headers of this version."""
+    return hashlib.sha256(b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))).hexdigest()[:16]
+
+
+def prebuilt(name: Isa, directory: Path | None = None) -> Path | None:
+    """The build made ahead of time (in `directory`, default `KVC_KERNEL_PREBUILT`) for `name`, of these sources;
+    for `native`, the widest set this CPU runs. None where there is none."""
+    directory = directory or prebuilt_dir()
+    if directory is None:
+        return None
+    candidates: tuple[Isa, ...] = ("avx512", "avx2", "portable") if name == "native" else (name,)
+    for candidate in candidates:
+        path = directory / f"kernels-{candidate}-{source_digest()}.so"
+        if path.exists() and candidate in runnable():
+            return path
+    return None
+
+
+def prebuild(directory: Path) -> list[Path]:
+    """Build the kernels for every ISA the compiler can target (not `native`: the image may run on another CPU)
+    into `directory`, named so that `prebuilt` finds them; returns what was built."""
+    built = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in ("avx512", "avx2", "portable"):
+            try:
+                library = build(Path(scratch), name)
+            except RuntimeError as exc:
+                log.warning("no prebuilt kernels for %s: %s", name, exc)
+                continue
+            directory.mkdir(parents=True, exist_ok=True)
+            target = directory / f"kernels-{name}-{source_digest()}.so"
+            shutil.copyfile(library, target)
+            built.append(target)
+    return built
 
 
 def compiler() -> str | None:
@@ -104,7 +153,11 @@ def build(directory: Path | None = None, isa: str | None = None) -> Path:
     name = checked(isa)
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++)")
+        ahead = prebuilt(name)
+        if ahead is not None:
+            return ahead
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++), and no build made ahead of "
+                           f"time for {name} in KVC_KERNEL_PREBUILT ({prebuilt_dir() or 'unset'})")
     directory = directory or cache_dir()
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     machine = cpu_signature() if name == "native" else platform.machine()
@@ -345,7 +398,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--budget-s", type=float, default=60.0, help="most seconds spent timing cases not cached")
     parser.add_argument("--retime", action="store_true", help="time every case again, cached or not")
+    parser.add_argument("--prebuild", action="store_true",
+                        help="only build for every ISA into KVC_KERNEL_PREBUILT (an image's build stage)")
     args = parser.parse_args(argv)
+    if args.prebuild:
+        into = prebuilt_dir()
+        if into is None:
+            raise SystemExit("--prebuild: set KVC_KERNEL_PREBUILT to the folder to build into")
+        built = prebuild(into)
+        if not built:
+            raise SystemExit("--prebuild: the kernels compiled for no instruction set")
+        print("\n".join(str(path) for path in built))
+        return
     try:
         kernel = CpuAttention(build())
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:

@@ -1,0 +1,45 @@
+"""A process that is the subreaper of its descendants gets back the children of a child that exits, reaps the
+exited ones it is handed, and `end_the_rest` leaves it with no child at all. Run in a process of its own (a
+subreaper's children are its own business, not pytest's)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+GRANDCHILDREN = ("import subprocess, sys; "
+                 "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
+                 "subprocess.Popen(['true'])")
+"""A child's code: it starts a grandchild that sleeps and ignores SIGTERM and one that exits, then exits itself."""
+SCRIPT = textwrap.dedent("""
+    import subprocess, sys, time
+    from kvcentric.tools.processes import become_subreaper, end_the_rest, own_children, reap_zombies
+
+    def zombie(pid):
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(") ", 1)[1][0] == "Z"
+
+    assert become_subreaper()
+    subprocess.run([sys.executable, "-c", GRANDCHILDREN], check=True)
+    deadline = time.monotonic() + 10
+    while len(own_children()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(own_children()) == 2, "the grandchildren did not come back to this process"
+    while not any(zombie(pid) for pid in own_children()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reap_zombies(keep=set()) == 1  # `true`, exited; the sleeper stays
+    (sleeper,) = own_children()
+    assert not zombie(sleeper)
+    started = time.monotonic()
+    end_the_rest(grace_s=1.0)  # it ignores SIGTERM: SIGKILL after the grace
+    assert own_children() == [], own_children()
+    assert time.monotonic() - started < 5
+    print("ok")
+""").replace("GRANDCHILDREN", repr(GRANDCHILDREN))
+
+
+def test_a_subreaper_gets_its_grandchildren_back_and_ends_them_all():
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr
