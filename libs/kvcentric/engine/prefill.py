@@ -296,7 +296,8 @@ class PrefillEngine:
             self.host.view(block_hash, depth)  # counts the read, refreshes the eviction policy
             self.host.pin(block_hash)
             slots.append(self.host.slot_of[block_hash])
-        return LayerwiseLoad(self.runner, targets, slots, self.host.buffer).start(self.loader)
+        rows = self.host.rows(self.runner.config.num_layers)
+        return LayerwiseLoad(self.runner, targets, slots, rows).start(self.loader)
 
     def _end_store(self, work: PrefillWork, computed: bool) -> None:
         if work.storing is not None:
