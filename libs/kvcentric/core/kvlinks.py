@@ -67,7 +67,9 @@ def choose(wanted: str, here: Endpoint, peer: Endpoint | None) -> LinkChoice:
         return LinkChoice("grpc", "the peer advertised nothing of itself")
     if wanted != "auto":
         why_not = possible(wanted, here, peer)
-        return LinkChoice(wanted, "asked for") if not why_not else LinkChoice("grpc", f"{wanted} asked for, but {why_not}")
+        if why_not:
+            return LinkChoice("grpc", f"{wanted} asked for, but {why_not}")
+        return LinkChoice(wanted, "asked for")
     for transport, reason in (("cuda-ipc", "same host, GPUs on both sides"), ("shm", "same host"),
                               ("mooncake", "another host, Mooncake's Transfer Engine on both sides")):
         if not possible(transport, here, peer):
