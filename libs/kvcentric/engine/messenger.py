@@ -40,8 +40,11 @@ class HostPoolSource:
 
 def mooncake_parts(config: EngineConfig) -> tuple[MooncakeSender, MooncakeReceiver] | None:
     """This engine's Transfer Engine (`runtime/mooncake.py`), its sending and receiving sides, where
-    --kv-transport may use it and the package imports; else None."""
+    --kv-transport may use it, the package imports and the KV transfer is not under TLS; else None."""
     if config.kv_transport not in ("auto", "mooncake") or not config.kv_mooncake_mb:
+        return None
+    if config.tls_cert:  # the Transfer Engine's own connections are not the KV transfer's mutual TLS
+        log.warning("--tls-cert: no Mooncake transport (its connections would bypass TLS); pushes go over gRPC")
         return None
     parts = open_mooncake(config.kv_advertise.rsplit(":", 1)[0] if config.kv_advertise else config.kv_host,
                           config.kv_mooncake_mb << 20, config.kv_mooncake_protocol, config.kv_mooncake_device)
