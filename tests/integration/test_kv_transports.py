@@ -49,7 +49,7 @@ def test_1p1d_on_one_host_decodes_what_one_process_does_over_each_transport(tmp_
                                  "ignore_eos": True})
         decode = eventually(lambda: up.health("decode-0")["stats"], "the decode's cache all free again",
                             until=lambda s: s["kv_blocks_free"] == s["kv_blocks_total"])
-        prefill = up.health("prefill-0")
+        prefill, decode_health = up.health("prefill-0"), up.health("decode-0")
     finally:
         up.stop()
     runner = ModelRunner(preset("tiny"), 64, 16, 0)
@@ -61,8 +61,9 @@ def test_1p1d_on_one_host_decodes_what_one_process_does_over_each_transport(tmp_
     kv_bytes = config.num_layers * len(token_ids) * 2 * config.num_kv_heads * config.head_dim * 4
     assert decode["bytes_received"] == kv_bytes  # the whole prompt's KV arrived: the decode computed none of it
     assert decode.get("shm_bytes_received", 0) == (kv_bytes if transport == "shm" else 0)
-    assert prefill["kv_transport"] == transport
+    assert prefill["kv_transport"] == transport and prefill["host_id"] == decode_health["host_id"] != ""
     assert [link["transport"] for link in prefill["kv_links"].values()] == [transport]
+    assert prefill["stats"][f"push_links_{transport}"] == 1
 
 
 def test_a_prefill_killed_mid_push_over_shm_leaks_no_segment_and_its_request_ends(tmp_path):

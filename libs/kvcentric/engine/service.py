@@ -241,7 +241,8 @@ class EngineService(Service):
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,
                 "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges(),
-                "kv_transport": self.config.kv_transport,
+                "kv_transport": self.config.kv_transport, "host_id": self.messenger.transfer.endpoint.host,
+                "kv_transports_taken": list(self.messenger.transfer.endpoint.transports),
                 "kv_links": {addr: {"transport": link.transport, "reason": link.reason}
                              for addr, link in self.pusher.links.items()},
                 "measured_cost": msgspec.to_builtins(self.speed.measured()),
