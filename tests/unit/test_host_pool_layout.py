@@ -8,7 +8,8 @@ import torch
 
 from factories import make_runner
 from kvcentric.engine.kvpool import HostBlockPool
-from kvcentric.engine.runner import slot_runs
+from kvcentric.engine.runner import ModelRunner, slot_runs
+from kvcentric.model.config import preset
 
 
 def pools(runner, capacity: int = 8) -> dict[str, HostBlockPool]:
@@ -43,10 +44,11 @@ def test_a_layer_major_pool_keeps_one_layer_of_its_blocks_contiguous_and_gives_b
         made["layer"].rows(layers + 1)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("slots", [[0, 1, 2, 3], [5, 1, 6, 2], [7, 0, 1, 2, 3, 4, 5, 6]],
                          ids=["one run", "scattered", "two runs"])
-def test_a_layer_wise_load_fills_the_cache_alike_from_either_layout(slots):
-    runner = make_runner(num_blocks=16, block_size=4)
+def test_a_layer_wise_load_fills_the_cache_alike_from_either_layout(slots, dtype):
+    runner = ModelRunner(preset("tiny"), 16, 4, 0, dtype=dtype)
     caches = {}
     for name, pool in pools(runner).items():
         for slot in range(pool.capacity):
@@ -57,7 +59,7 @@ def test_a_layer_wise_load_fills_the_cache_alike_from_either_layout(slots):
         targets = [15 - i for i in range(len(slots))]
         for layer in range(runner.config.num_layers):
             assert runner.load_host_layer(layer, pool.rows(runner.config.num_layers), slots, targets) is None
-        caches[name] = runner.k_cache.view(torch.int32).clone(), runner.v_cache.view(torch.int32).clone()  # bits
+        caches[name] = runner.k_cache.view(torch.uint8).clone(), runner.v_cache.view(torch.uint8).clone()  # bits
         written = runner.read_blocks(targets)
         expected = torch.stack([torch.frombuffer(bytearray(pool.read(f"h{s}")), dtype=torch.uint8) for s in slots])
         assert torch.equal(written.reshape(len(slots), -1).view(torch.uint8).reshape(expected.shape), expected)
