@@ -10,7 +10,10 @@ from __future__ import annotations
 import glob
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -205,3 +208,19 @@ def test_the_killed_process_check_sees_a_segment_made_here():
         pool.release(segment)
         pool.close()
     assert segments_of(os.getpid()) == []
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.002, 0.02, 0.2])
+def test_a_process_killed_while_it_makes_its_segment_leaves_none(delay_s):
+    """Killed right as the segment's name shows in /dev/shm (before SharedMemory has told the resource tracker of
+    it, where the name is not registered first) or a little after: nothing stays behind."""
+    code = ("import time; from kvcentric.runtime.shm import SegmentPool; "
+            "SegmentPool().acquire(64 << 20); time.sleep(60)")
+    process = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.DEVNULL)
+    try:
+        eventually(lambda: segments_of(process.pid), "the segment made", timeout_s=30, every_s=0.001)
+        time.sleep(delay_s)
+    finally:
+        process.kill()
+        process.wait()
+    eventually(lambda: not segments_of(process.pid), "the killed process's segment unlinked", timeout_s=10)

@@ -41,9 +41,15 @@ def segment_prefix(pid: int | None = None) -> str:
 
 
 def _create(size: int) -> shared_memory.SharedMemory:
+    """A new segment, its name given to this process's resource tracker before it exists: a process killed at
+    any moment after (even while the segment is being made) leaves nothing in /dev/shm, since the tracker, a
+    child process that outlives it, unlinks what it was told of (an unknown name costs it a warning)."""
+    name = f"{segment_prefix()}{next(_NUMBERS)}"
+    resource_tracker.register(f"/{name}", "shared_memory")
     try:
-        return shared_memory.SharedMemory(f"{segment_prefix()}{next(_NUMBERS)}", create=True, size=size)
+        return shared_memory.SharedMemory(name, create=True, size=size)
     except FileExistsError:  # left by a dead process of the same pid: a fresh random name
+        resource_tracker.unregister(f"/{name}", "shared_memory")
         return shared_memory.SharedMemory(create=True, size=size)
 
 
