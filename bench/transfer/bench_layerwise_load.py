@@ -2,7 +2,8 @@
 
 Usage:
     .venv/bin/python -m bench.transfer.bench_layerwise_load [--model small] [--prefixes 1024 3072] [--suffix 256]
-        [--requests 5] [--threads 1] [--device cpu] [--dtype float32] [--out bench/results/layerwise_load.json]
+        [--requests 5] [--threads 1] [--device cpu] [--dtype float32] [--layout block]
+        [--out bench/results/layerwise_load.json]
 
 On a GPU machine (bench/engine/gpu_check.sh): `--device cuda --dtype bfloat16 --model llama3-8b`; the host pool is then
 pinned and the layer copies run on a side stream.
@@ -10,10 +11,12 @@ pinned and the layer copies run on a side stream.
 In one process, two `PrefillEngine`s with the same weights, each with a host pool that holds the prompt's prefix
 and a device cache that does not (forgotten after every request with `BlockPool.uncache`): `layerwise` loads the
 prefix one layer at a time on a worker while the layers compute (what the engines do by default), `whole` copies
-every block before the first layer runs (`--no-layerwise-load`). Requests alternate between the two, so the VM's
-drift hits both alike. TTFT is from submit to the first token (one chunk: the suffix). Also timed, alone: the
-whole load and the compute of the suffix over a cached prefix. The physical floor of TTFT is the larger of the
-two (the load entirely hidden); the whole load's cost is their sum.
+every block before the first layer runs (`--no-layerwise-load`); `--layout layer` gives both a layer-major host
+pool (`--host-pool-layout layer`: a layer's rows of consecutive slots are one range, copied without a gather).
+Requests alternate between the two, so the VM's drift hits both alike. TTFT is from submit to the first token
+(one chunk: the suffix). Also timed, alone: the whole load and the compute of the suffix over a cached prefix.
+The physical floor of TTFT is the larger of the two (the load entirely hidden); the whole load's cost is their
+sum.
 
 Writes the JSON (machine, per-mode samples, p50s, ratios to the floor and between the modes).
 """
@@ -43,7 +46,7 @@ RESULTS = harness.RESULTS
 BLOCK = 16
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="small", help="model preset (default: small; prompts up to 4095)")
     parser.add_argument("--prefixes", type=int, nargs="+", default=[1024, 3072], help="prefix lengths in the host pool")
@@ -52,13 +55,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the compute")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda")
     parser.add_argument("--dtype", default="float32", help="compute and KV dtype: float32 or bfloat16")
+    parser.add_argument("--layout", default="block", choices=["block", "layer"], help="the host pool's layout")
     parser.add_argument("--out", default=str(RESULTS / "layerwise_load.json"), help="JSON output path")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def make_engine(config, blocks: int, layerwise: bool, device: str, dtype: str) -> PrefillEngine:
+def make_engine(config, blocks: int, layerwise: bool, device: str, dtype: str, layout: str = "block") -> PrefillEngine:
     runner = ModelRunner(config, blocks, BLOCK, seed=0, dtype=dtype, device=device)
-    host = HostBlockPool(4 * blocks, runner.block_bytes, pin_memory=device.startswith("cuda"))  # prefix + suffixes
+    host = HostBlockPool(4 * blocks, runner.block_bytes, pin_memory=device.startswith("cuda"),  # prefix + suffixes
+                         layers=config.num_layers if layout == "layer" else 0)
     return PrefillEngine(runner, BlockPool(blocks, BLOCK), BlockHasher(block_size=BLOCK), chunk_tokens=1 << 16,
                          host=host, layerwise_load=layerwise)
 
@@ -108,11 +113,10 @@ def loader_s(engine: PrefillEngine, tokens: list[int], prefix: int) -> tuple[flo
     sync(engine)
     started = time.perf_counter()
     for layer in range(layers):
-        runner.load_host_layer(layer, engine.host.buffer, slots, blocks)
+        runner.load_host_layer(layer, engine.host.rows(layers), slots, blocks)
     sync(engine)
     loader = time.perf_counter() - started
-    rows = engine.host.buffer.view(runner.dtype).view(-1, layers, 2, runner.block_size * runner.config.num_kv_heads
-                                                      * runner.config.head_dim)
+    rows = runner.host_rows(engine.host.rows(layers)).flatten(-3)
     index = torch.tensor(slots, dtype=torch.long)
     part = torch.empty((len(slots), 2, rows.shape[-1]), dtype=runner.dtype)
     started = time.perf_counter()
@@ -144,8 +148,8 @@ def bench(args) -> dict:
     torch.set_num_threads(args.threads)
     config = preset(args.model)
     blocks = (max(args.prefixes) + args.suffix) // BLOCK + 8
-    engines = {"layerwise": make_engine(config, blocks, True, args.device, args.dtype),
-               "whole": make_engine(config, blocks, False, args.device, args.dtype)}
+    engines = {"layerwise": make_engine(config, blocks, True, args.device, args.dtype, args.layout),
+               "whole": make_engine(config, blocks, False, args.device, args.dtype, args.layout)}
     rows = []
     for prefix in args.prefixes:
         generator = torch.Generator().manual_seed(prefix)
@@ -176,7 +180,7 @@ def bench(args) -> dict:
             f"{p50['loader'] * 1e3:.1f} ms, its host gathers {p50['gather'] * 1e3:.1f} ms")
     device = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
     return {"machine": machine(), "device": device, "dtype": args.dtype, "model": args.model, "threads": args.threads,
-            "load_average": os.getloadavg(), "rows": rows}
+            "layout": args.layout, "load_average": os.getloadavg(), "rows": rows}
 
 
 def main() -> int:

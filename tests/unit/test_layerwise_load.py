@@ -27,10 +27,11 @@ def run(engine: PrefillEngine, job, on_layer=None):
     return chunk.work, first
 
 
-def host_holding_the_prefix() -> HostBlockPool:
-    """A host pool that a first engine filled with PREFIX's full blocks."""
+def host_holding_the_prefix(layers: int = 0) -> HostBlockPool:
+    """A host pool that a first engine filled with PREFIX's full blocks (`layers`: 0 block-major, else
+    layer-major)."""
     runner = make_runner(num_blocks=16, block_size=4)
-    host = HostBlockPool(64, runner.block_bytes)
+    host = HostBlockPool(64, runner.block_bytes, layers=layers)
     engine = PrefillEngine(runner, BlockPool(16, 4), BlockHasher(block_size=4), host=host)
     work, _ = run(engine, prefill_job(PREFIX))
     engine.finish(work)
@@ -64,10 +65,11 @@ class GatedLoads:
         self.gate.set()
 
 
-def test_a_layer_wise_load_gives_the_tokens_and_kv_of_a_whole_load_and_of_computing_the_prefix():
+@pytest.mark.parametrize("layers", [0, 4], ids=["block-major", "layer-major"])  # tiny has 4 layers
+def test_a_layer_wise_load_gives_the_tokens_and_kv_of_a_whole_load_and_of_computing_the_prefix(layers):
     results = {}
-    for name, engine in (("layerwise", fresh_engine(host_holding_the_prefix())),
-                         ("whole", fresh_engine(host_holding_the_prefix(), layerwise=False)),
+    for name, engine in (("layerwise", fresh_engine(host_holding_the_prefix(layers))),
+                         ("whole", fresh_engine(host_holding_the_prefix(layers), layerwise=False)),
                          ("computed", fresh_engine(HostBlockPool(1, make_runner(block_size=4).block_bytes)))):
         work, first = run(engine, prefill_job(PROMPT))
         results[name] = first, engine.runner.read_blocks(work.blocks), engine.stats

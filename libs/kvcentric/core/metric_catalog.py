@@ -33,7 +33,10 @@ RUNNING_TOTALS = frozenset({
     "bytes_received", "streams_received", "shm_refused", "checksum_failures", "shm_bytes_received",
     "blocks_served", "bytes_sent", "blocks_put", "blocks_put_refused", "bytes_put", "evicted_requests",
     "push_bytes_streamed", "push_shm_bytes_sent", "push_bytes_sent", "push_streams_sent", "push_retries",
-    "push_blocks_pulled", "push_blocks_put",
+    "push_blocks_pulled", "push_blocks_put", "mooncake_bytes_received", "push_mooncake_bytes_sent",
+    "push_mooncake_no_room",
+    # links chosen per --kv-transport (one per peer, again after a failed push)
+    "push_links_grpc", "push_links_shm", "push_links_cuda_ipc", "push_links_mooncake",
     # the model thread, and the process
     "lane_calls", "lane_waits", "model_calls_on_lent_cores", "gc_full_collections", "minor_page_faults",
 })

@@ -11,6 +11,7 @@ from typing import Literal
 from kvcentric.config import BusConfig, ConfigError, require, setting
 from kvcentric.core.costmodel import HARDWARE, CostModel, load_cost_model
 from kvcentric.core.hashing import HASH_ALGOS, BlockHasher, HashAlgo, parse_seed
+from kvcentric.core.kvlinks import KV_TRANSPORTS, KVTransportName
 from kvcentric.core.pipeline import StagePosition, parse_stage
 from kvcentric.core.scheduling.eviction import EVICTION_POLICIES, EvictionName
 from kvcentric.model.config import PRESETS, load_model_config
@@ -65,6 +66,24 @@ class EngineConfig(BusConfig):
     kv_stripes: int = setting(1, "concurrent gRPC connections one request's KV push is striped over")
     kv_rate_limit_gbps: float = setting(0.0, "cap each peer's KV push bandwidth, Gbit/s (0: none); emulates "
                                              "a cross-datacenter link")
+    kv_transport: KVTransportName = setting(
+        "auto", "how this engine's KV pushes travel: grpc (bytes on the gRPC stream), shm (a peer on this host: "
+                "through a shared-memory segment), cuda-ipc (a peer on this host's GPUs: not wired into the engines "
+                "yet, so it falls back to grpc), mooncake (Mooncake's Transfer Engine, the optional [mooncake] "
+                "extra); auto: per link, from the host, GPUs and transports the peer advertises: same GPU host → "
+                "cuda-ipc, same host → shm, else mooncake where both have it, else grpc. A transport a link cannot "
+                "use falls back to grpc; /health's kv_links says what each peer got and why")
+    kv_mooncake_mb: int = setting(256, "with Mooncake's Transfer Engine importable and --kv-transport auto or "
+                                       "mooncake: host memory registered once with it on each side (layers being "
+                                       "pushed, layers being read), MiB; 0: no Mooncake transport")
+    kv_mooncake_protocol: Literal["tcp", "rdma"] = setting("tcp", "the Transfer Engine's transport: tcp, or rdma "
+                                                                  "(with --kv-mooncake-device)")
+    kv_mooncake_device: str = setting("", "with --kv-mooncake-protocol rdma: the RDMA device(s), e.g. mlx5_0")
+    host_pool_layout: Literal["auto", "block", "layer"] = setting(
+        "auto", "how the host pool lays out its blocks: block (a block's layers together, as the wire and pulls "
+                "carry it) or layer (one layer of every block together, so a layer-wise prefix load copies "
+                "contiguous ranges per layer instead of gathering a slice of each block); auto: layer where "
+                "--layerwise-load is on, else block")
     host_pool_mb: int = setting(256, "host-memory KV block pool of this node (prefill, colocated), MiB; 0: none")
     kv_staging_mb: int = setting(1024, "decode: host memory that KV arriving at a full KV cache waits in until "
                                        "blocks free, MiB (0: refused at once, 429)")
@@ -162,6 +181,8 @@ class EngineConfig(BusConfig):
         require(self.host_pool_policy in EVICTION_POLICIES, "host_pool_policy",
                 f"choose one of {', '.join(EVICTION_POLICIES)}")
         require(self.kv_stripes >= 1, "kv_stripes", "must be at least 1")
+        require(self.kv_transport in KV_TRANSPORTS, "kv_transport", f"choose one of {', '.join(KV_TRANSPORTS)}")
+        require(self.kv_mooncake_mb >= 0, "kv_mooncake_mb", "must be 0 (none) or positive")
         require(self.kv_rate_limit_gbps >= 0, "kv_rate_limit_gbps", "must be 0 (none) or positive")
         require(self.kv_retries >= 0, "kv_retries", "must be 0 or more")
         require(self.prefill_chunk >= 1, "prefill_chunk", "must be at least 1")
@@ -213,6 +234,13 @@ class EngineConfig(BusConfig):
         if self.layerwise_load == "auto":
             return not self.device.startswith("cuda")
         return self.layerwise_load == "on"
+
+    @property
+    def host_layer_major(self) -> bool:
+        """--host-pool-layout resolved: whether the host pool keeps one layer of its blocks together."""
+        if self.host_pool_layout == "auto":
+            return self.layerwise_prefix_load
+        return self.host_pool_layout == "layer"
 
     @property
     def stage_position(self) -> StagePosition | None:

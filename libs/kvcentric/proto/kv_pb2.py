@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvcentric/proto/kv.proto\x12\x0ckvcentric.kv\"\xae\x01\n\x0bHiddenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\x0c\x12\x12\n\nnum_cached\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x11\n\tpositions\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06hidden\x18\x08 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\"\xd9\x01\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x0f\n\x07stripes\x18\x08 \x01(\r\x12\x0e\n\x06stripe\x18\t \x01(\r\x12\x13\n\x0bshm_segment\x18\n \x01(\t\x12\x11\n\tpool_addr\x18\x0b \x01(\t\"\x98\x01\n\nLayerChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x11\n\ttoken_end\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x11\n\tshm_bytes\x18\x08 \x01(\x04\"D\n\x08KVCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xtras\x18\x03 \x01(\x0c\"\x90\x01\n\x07KVChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvcentric.kv.KVHeaderH\x00\x12)\n\x05layer\x18\x02 \x01(\x0b\x32\x18.kvcentric.kv.LayerChunkH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvcentric.kv.KVCommitH\x00\x42\x06\n\x04kind\"O\n\x07PushAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x11\n\tretryable\x18\x04 \x01(\x08\"L\n\x11PullBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\x9a\x01\n\nBlockChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x13\n\x0bshm_segment\x18\x06 \x01(\t\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x11\n\tshm_bytes\x18\x08 \x01(\x04\"1\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x02\"\x0e\n\x0cStatsRequest\"\xb3\x01\n\nStatsReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x18\n\x10streams_received\x18\x03 \x01(\x04\x12\x14\n\x0cstreams_sent\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x17\n\x0fstored_requests\x18\x06 \x01(\x04\x12\x15\n\rblocks_served\x18\x07 \x01(\x04\x32\xce\x02\n\nKVTransfer\x12\x38\n\x06PushKV\x12\x15.kvcentric.kv.KVChunk\x1a\x15.kvcentric.kv.PushAck(\x01\x12I\n\nPullBlocks\x12\x1f.kvcentric.kv.PullBlocksRequest\x1a\x18.kvcentric.kv.BlockChunk0\x01\x12>\n\tPutBlocks\x12\x18.kvcentric.kv.BlockChunk\x1a\x15.kvcentric.kv.PushAck(\x01\x12<\n\x06PullKV\x12\x19.kvcentric.kv.PullRequest\x1a\x15.kvcentric.kv.KVChunk0\x01\x12=\n\x05Stats\x12\x1a.kvcentric.kv.StatsRequest\x1a\x18.kvcentric.kv.StatsReply2O\n\rStageTransfer\x12>\n\nPushHidden\x12\x19.kvcentric.kv.HiddenChunk\x1a\x15.kvcentric.kv.PushAckb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvcentric/proto/kv.proto\x12\x0ckvcentric.kv\"\xae\x01\n\x0bHiddenChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03job\x18\x02 \x01(\x0c\x12\x12\n\nnum_cached\x18\x03 \x01(\r\x12\x13\n\x0btoken_start\x18\x04 \x01(\r\x12\x11\n\ttoken_end\x18\x05 \x01(\r\x12\x11\n\tpositions\x18\x06 \x03(\x05\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06hidden\x18\x08 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\t \x01(\r\"\x8a\x02\n\x08KVHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x11\n\ttoken_ids\x18\x07 \x03(\x05\x12\x0f\n\x07stripes\x18\x08 \x01(\r\x12\x0e\n\x06stripe\x18\t \x01(\r\x12\x13\n\x0bshm_segment\x18\n \x01(\t\x12\x11\n\tpool_addr\x18\x0b \x01(\t\x12\x18\n\x10mooncake_segment\x18\x0c \x01(\t\x12\x15\n\rmooncake_base\x18\r \x01(\x04\"\x98\x01\n\nLayerChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x13\n\x0btoken_start\x18\x02 \x01(\r\x12\x11\n\ttoken_end\x18\x03 \x01(\r\x12\x0b\n\x03key\x18\x04 \x01(\x0c\x12\r\n\x05value\x18\x05 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x06 \x01(\r\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x11\n\tshm_bytes\x18\x08 \x01(\x04\"D\n\x08KVCommit\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x13\n\x0btotal_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x65xtras\x18\x03 \x01(\x0c\"\x90\x01\n\x07KVChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.kvcentric.kv.KVHeaderH\x00\x12)\n\x05layer\x18\x02 \x01(\x0b\x32\x18.kvcentric.kv.LayerChunkH\x00\x12(\n\x06\x63ommit\x18\x03 \x01(\x0b\x32\x16.kvcentric.kv.KVCommitH\x00\x42\x06\n\x04kind\"O\n\x07PushAck\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12\x11\n\tretryable\x18\x04 \x01(\x08\"L\n\x11PullBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\"\x9a\x01\n\nBlockChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\t\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x10\n\x08\x63hecksum\x18\x04 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x05 \x01(\r\x12\x13\n\x0bshm_segment\x18\x06 \x01(\t\x12\x12\n\nshm_offset\x18\x07 \x01(\x04\x12\x11\n\tshm_bytes\x18\x08 \x01(\x04\"1\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06wait_s\x18\x02 \x01(\x02\"\x0e\n\x0cStatsRequest\"\x80\x02\n\nStatsReply\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x12\x12\n\nbytes_sent\x18\x02 \x01(\x04\x12\x18\n\x10streams_received\x18\x03 \x01(\x04\x12\x14\n\x0cstreams_sent\x18\x04 \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x05 \x01(\x04\x12\x17\n\x0fstored_requests\x18\x06 \x01(\x04\x12\x15\n\rblocks_served\x18\x07 \x01(\x04\x12\x0f\n\x07host_id\x18\x08 \x01(\t\x12\x0c\n\x04gpus\x18\t \x03(\t\x12\x12\n\ntransports\x18\n \x03(\t\x12\x18\n\x10mooncake_segment\x18\x0b \x01(\t2\xce\x02\n\nKVTransfer\x12\x38\n\x06PushKV\x12\x15.kvcentric.kv.KVChunk\x1a\x15.kvcentric.kv.PushAck(\x01\x12I\n\nPullBlocks\x12\x1f.kvcentric.kv.PullBlocksRequest\x1a\x18.kvcentric.kv.BlockChunk0\x01\x12>\n\tPutBlocks\x12\x18.kvcentric.kv.BlockChunk\x1a\x15.kvcentric.kv.PushAck(\x01\x12<\n\x06PullKV\x12\x19.kvcentric.kv.PullRequest\x1a\x15.kvcentric.kv.KVChunk0\x01\x12=\n\x05Stats\x12\x1a.kvcentric.kv.StatsRequest\x1a\x18.kvcentric.kv.StatsReply2O\n\rStageTransfer\x12>\n\nPushHidden\x12\x19.kvcentric.kv.HiddenChunk\x1a\x15.kvcentric.kv.PushAckb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HIDDENCHUNK']._serialized_start=43
   _globals['_HIDDENCHUNK']._serialized_end=217
   _globals['_KVHEADER']._serialized_start=220
-  _globals['_KVHEADER']._serialized_end=437
-  _globals['_LAYERCHUNK']._serialized_start=440
-  _globals['_LAYERCHUNK']._serialized_end=592
-  _globals['_KVCOMMIT']._serialized_start=594
-  _globals['_KVCOMMIT']._serialized_end=662
-  _globals['_KVCHUNK']._serialized_start=665
-  _globals['_KVCHUNK']._serialized_end=809
-  _globals['_PUSHACK']._serialized_start=811
-  _globals['_PUSHACK']._serialized_end=890
-  _globals['_PULLBLOCKSREQUEST']._serialized_start=892
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=968
-  _globals['_BLOCKCHUNK']._serialized_start=971
-  _globals['_BLOCKCHUNK']._serialized_end=1125
-  _globals['_PULLREQUEST']._serialized_start=1127
-  _globals['_PULLREQUEST']._serialized_end=1176
-  _globals['_STATSREQUEST']._serialized_start=1178
-  _globals['_STATSREQUEST']._serialized_end=1192
-  _globals['_STATSREPLY']._serialized_start=1195
-  _globals['_STATSREPLY']._serialized_end=1374
-  _globals['_KVTRANSFER']._serialized_start=1377
-  _globals['_KVTRANSFER']._serialized_end=1711
-  _globals['_STAGETRANSFER']._serialized_start=1713
-  _globals['_STAGETRANSFER']._serialized_end=1792
+  _globals['_KVHEADER']._serialized_end=486
+  _globals['_LAYERCHUNK']._serialized_start=489
+  _globals['_LAYERCHUNK']._serialized_end=641
+  _globals['_KVCOMMIT']._serialized_start=643
+  _globals['_KVCOMMIT']._serialized_end=711
+  _globals['_KVCHUNK']._serialized_start=714
+  _globals['_KVCHUNK']._serialized_end=858
+  _globals['_PUSHACK']._serialized_start=860
+  _globals['_PUSHACK']._serialized_end=939
+  _globals['_PULLBLOCKSREQUEST']._serialized_start=941
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=1017
+  _globals['_BLOCKCHUNK']._serialized_start=1020
+  _globals['_BLOCKCHUNK']._serialized_end=1174
+  _globals['_PULLREQUEST']._serialized_start=1176
+  _globals['_PULLREQUEST']._serialized_end=1225
+  _globals['_STATSREQUEST']._serialized_start=1227
+  _globals['_STATSREQUEST']._serialized_end=1241
+  _globals['_STATSREPLY']._serialized_start=1244
+  _globals['_STATSREPLY']._serialized_end=1500
+  _globals['_KVTRANSFER']._serialized_start=1503
+  _globals['_KVTRANSFER']._serialized_end=1837
+  _globals['_STAGETRANSFER']._serialized_start=1839
+  _globals['_STAGETRANSFER']._serialized_end=1918
 # @@protoc_insertion_point(module_scope)

@@ -3,14 +3,16 @@ header and sends only where it lies; the receiver reads it from the segment. The
 the header, the layers' places and checksums, the commit and the ack, so everything else about a push is
 unchanged, and a peer on another host (or one that cannot open the segment) gets the bytes inline.
 
-It maps and copies memory; it does not decide which peers are on this host beyond the address (a loopback
-address is this host), nor what the receiver does with the bytes.
+It maps and copies memory; it does not decide which peers are on this host (`core/kvlinks.py` does, from
+the hosts the peers advertise), nor what the receiver does with the bytes. A segment is named after the
+process that made it (`kvc_<pid>_<n>`), so a leak is traceable to its maker.
 """
 
 from __future__ import annotations
 
 import collections
-import ipaddress
+import itertools
+import os
 from multiprocessing import resource_tracker, shared_memory
 
 from kvcentric.proto import kv_pb2
@@ -30,15 +32,25 @@ class SharedMemoryUnavailable(OSError):
     """The receiver cannot open the segment a push names (another host, another /dev/shm)."""
 
 
-def same_host(addr: str) -> bool:
-    """Whether a peer address is this host: a loopback address or `localhost`."""
-    host = addr.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
+_NUMBERS = itertools.count()
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """How the names of the segments process `pid` (default: this one) makes begin."""
+    return f"kvc_{os.getpid() if pid is None else pid}_"
+
+
+def _create(size: int) -> shared_memory.SharedMemory:
+    """A new segment, its name given to this process's resource tracker before it exists: a process killed at
+    any moment after (even while the segment is being made) leaves nothing in /dev/shm, since the tracker, a
+    child process that outlives it, unlinks what it was told of (an unknown name costs it a warning)."""
+    name = f"{segment_prefix()}{next(_NUMBERS)}"
+    resource_tracker.register(f"/{name}", "shared_memory")
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        return shared_memory.SharedMemory(name, create=True, size=size)
+    except FileExistsError:  # left by a dead process of the same pid: a fresh random name
+        resource_tracker.unregister(f"/{name}", "shared_memory")
+        return shared_memory.SharedMemory(create=True, size=size)
 
 
 def push_bytes(header: kv_pb2.KVHeader) -> int:
@@ -63,7 +75,7 @@ class SegmentPool:
             self.idle.remove(segment)
             return segment
         size = max(MIN_SEGMENT_BYTES, 1 << (max(nbytes, 1) - 1).bit_length())
-        segment = shared_memory.SharedMemory(create=True, size=size)
+        segment = _create(size)
         _MADE_HERE.add(segment.name)
         return segment
 

@@ -3,7 +3,10 @@ serves block pulls from a source and takes block puts into a pool, and the clien
 layers as they are produced, optionally striped over several connections and held to a per-peer rate (to
 emulate a slow link), and puts blocks into a peer's pool. A peer on this host gets the layers' bytes
 through a shared-memory segment (`runtime/shm.py`), the stream carrying only where they lie; a peer that
-cannot open it is pushed to inline from then on.
+cannot open it is pushed to inline from then on. Which transport a link uses (`--kv-transport`) is chosen once
+per peer from what the peer's `Stats` says of itself (`core/kvlinks.py`): its host, its GPUs, the transports it
+takes; with Mooncake's Transfer Engine (`runtime/mooncake.py`) the receiver reads each announced layer from
+the sender's registered memory.
 
 The contract is `kvcentric/proto/kv.proto`; what a receiver does with the bytes (write into a decode
 engine's paged cache, keep in a host pool) is the sink's business, not this module's.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -21,12 +25,18 @@ from typing import Protocol
 import crc32c
 import grpc
 
+from kvcentric.core.kvlinks import Endpoint, LinkChoice, choose
 from kvcentric.runtime import kvwire
 from kvcentric.proto import kv_pb2, kv_pb2_grpc
+from kvcentric.runtime.hostid import host_id
 from kvcentric.runtime.security import TransferTls
 from kvcentric.runtime.security import channel as open_channel
 from kvcentric.runtime.shm import (UNAVAILABLE, AttachedSegments, SegmentPool, SegmentWriter,
-                                   SharedMemoryUnavailable, push_bytes, same_host)
+                                   SharedMemoryUnavailable, push_bytes)
+
+log = logging.getLogger("kvcentric.transfer")
+LINK_QUERY_S = 5.0
+"""How long a pusher waits for a peer's `Stats` (what it says of itself) before it pushes over gRPC."""
 
 MAX_MESSAGE_BYTES = 1 << 30
 OFFLOAD_CHECKSUM_BYTES = 8 << 20
@@ -111,11 +121,16 @@ def checksum(*parts: bytes | memoryview) -> int:
 
 
 class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
-    def __init__(self, sink: KVSink, source: BlockSource | None = None, pool: BlockSink | None = None) -> None:
-        self.sink, self.source, self.pool = sink, source, pool
+    def __init__(self, sink: KVSink, source: BlockSource | None = None, pool: BlockSink | None = None,
+                 gpus: Sequence[str] = (), mooncake=None) -> None:
+        """`gpus`: the UUIDs of the GPUs the receiving engine computes on; `mooncake`: a
+        `runtime.mooncake.MooncakeReceiver` (layers read from a sender's registered memory), or None."""
+        self.sink, self.source, self.pool, self.mooncake = sink, source, pool, mooncake
         self.stats: collections.Counter[str] = collections.Counter()
         self.segments = AttachedSegments()
         """Same-host senders' shared memory, mapped here."""
+        self.endpoint = Endpoint(host_id(), tuple(gpus), ("grpc", "shm") + (("mooncake",) if mooncake else ()))
+        """What this messenger says of itself in `Stats`: what a pusher chooses its transport from."""
 
     async def PushKV(self, request_iterator, context) -> kv_pb2.PushAck:
         """Takes raw serialized KVChunks (see `add_servicer`): layers are parsed without copying."""
@@ -133,7 +148,9 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
                 elif header is None:
                     raise ValueError(f"{type(item).__name__} before the header")
                 elif isinstance(item, kvwire.LayerData):
-                    if item.shm_bytes:
+                    if item.shm_bytes and header.mooncake_segment:
+                        item = await self._from_mooncake(header, item)
+                    elif item.shm_bytes:
                         item = self._from_segment(header, item)
                     await self._verify(header.request_id, item)
                     self.sink.write(header.request_id, item)
@@ -175,6 +192,14 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
             return layer
         return kvwire.LayerData(layer.layer, layer.token_start, layer.token_end, bytes(layer.key),
                                 bytes(layer.value), layer.checksum)
+
+    async def _from_mooncake(self, header: kv_pb2.KVHeader, layer: kvwire.LayerData) -> kvwire.LayerData:
+        """A layer whose bytes lie in the sender's registered memory: read over the Transfer Engine."""
+        if self.mooncake is None:
+            raise ValueError("a Mooncake push, but this messenger has no Transfer Engine")
+        layer = await self.mooncake.read(header.mooncake_segment, header.mooncake_base, layer)
+        self.stats["mooncake_bytes_received"] += layer.nbytes
+        return layer
 
     async def _verify(self, request_id: str, layer: kvwire.LayerData) -> None:
         """The checksum of a big layer runs in a thread (crc32c drops the GIL), so gRPC keeps receiving meanwhile."""
@@ -237,10 +262,14 @@ class KVTransferServicer(kv_pb2_grpc.KVTransferServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this messenger does not serve request pulls")
 
     async def Stats(self, request, context) -> kv_pb2.StatsReply:
-        return kv_pb2.StatsReply(**{k: v for k, v in self.stats.items() if k in STATS_FIELDS})
+        counters = {k: v for k, v in self.stats.items() if k in STATS_FIELDS}
+        return kv_pb2.StatsReply(**counters, host_id=self.endpoint.host, gpus=self.endpoint.gpus,
+                                 transports=self.endpoint.transports,
+                                 mooncake_segment=self.mooncake.segment if self.mooncake else "")
 
 
-STATS_FIELDS = set(kv_pb2.StatsReply.DESCRIPTOR.fields_by_name)
+STATS_FIELDS = set(kv_pb2.StatsReply.DESCRIPTOR.fields_by_name) - {"host_id", "gpus", "transports",
+                                                                    "mooncake_segment"}
 
 
 SERVICE = "kvcentric.kv.KVTransfer"
@@ -341,11 +370,20 @@ class KVPusher:
     connections, an optional per-peer rate limit, and the bandwidth each peer was measured at."""
 
     def __init__(self, stripes: int = 1, rate_limit_bytes_s: float = 0.0, shared_memory: bool = True,
-                 tls: TransferTls | None = None) -> None:
-        """`shared_memory`: push to peers on this host through shared memory (unstriped, unlimited pushes);
-        `tls`: every connection is mutual TLS (the peers' certificates checked against the deployment's CA)."""
+                 tls: TransferTls | None = None, transport: str = "auto", gpus: Sequence[str] = (),
+                 mooncake=None) -> None:
+        """`transport`: `--kv-transport` (auto: chosen per peer, `core/kvlinks.py`); `shared_memory=False` is
+        `transport="grpc"`. Striped or rate-limited pushes always go over gRPC. `tls`: every connection is mutual
+        TLS (the peers' certificates checked against the deployment's CA); `gpus`: the UUIDs of the GPUs this
+        engine computes on; `mooncake`: a `runtime.mooncake.MooncakeSender`, or None."""
         self.stripes, self.rate_limit, self.tls = max(1, stripes), rate_limit_bytes_s, tls
-        self.shared_memory = shared_memory and self.stripes == 1 and not rate_limit_bytes_s
+        self.transport = transport if shared_memory else "grpc"
+        self.shared_memory = self.transport != "grpc" and self.stripes == 1 and not rate_limit_bytes_s
+        """Whether a push may go around the gRPC stream at all (each link still chooses: `link`)."""
+        self.mooncake = mooncake
+        self.here = Endpoint(host_id(), tuple(gpus), ("grpc", "shm") + (("mooncake",) if mooncake else ()))
+        self.links: dict[str, LinkChoice] = {}
+        """Peer address -> the transport its pushes use, and why (/health's `kv_links`)."""
         self.segments = SegmentPool()
         self.inline_peers: set[str] = set()
         """Same-host peers that could not open a segment: pushed to inline."""
@@ -389,6 +427,35 @@ class KVPusher:
             raise TransferError(f"KV push to {addr} refused: {ack.error}", retryable=ack.retryable)
         return ack.bytes_received
 
+    async def link(self, addr: str) -> LinkChoice:
+        """The transport pushes to `addr` use: chosen once, from what the peer's `Stats` says of itself."""
+        choice = self.links.get(addr)
+        if choice is not None:
+            return choice
+        if not self.shared_memory:
+            choice = LinkChoice("grpc", "asked for" if self.transport == "grpc" else "striped or rate-limited pushes")
+        else:
+            choice = choose(self.transport, self.here, await self._peer(addr))
+        if addr in self.links:  # another push asked meanwhile
+            return self.links[addr]
+        self.links[addr] = choice
+        self.stats[f"links_{choice.transport.replace('-', '_')}"] += 1
+        log.info("KV pushes to %s go over %s (%s)", addr, choice.transport, choice.reason)
+        return choice
+
+    async def _peer(self, addr: str) -> Endpoint | None:
+        """What the messenger at `addr` says of itself (None when it does not answer in time)."""
+        try:
+            reply = await self.stub(addr).Stats(kv_pb2.StatsRequest(), timeout=LINK_QUERY_S)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("KV peer %s did not say what it is (%s): pushing over gRPC", addr, exc.code().name)
+            return None
+        return Endpoint(reply.host_id, tuple(reply.gpus), tuple(reply.transports) or ("grpc",))
+
+    def forget(self, addr: str) -> None:
+        """Choose `addr`'s transport again at its next push (the peer failed a push: it may have been replaced)."""
+        self.links.pop(addr, None)
+
     async def push(self, addr: str, chunks: AsyncIterator, timeout_s: float = 120.0,
                    metadata: list | None = None) -> int:
         """Stream one request's chunks (header, layers, commit: `kvwire` items or generated KVChunks) to
@@ -396,8 +463,12 @@ class KVPusher:
         round-robin over concurrent streams."""
         chunks = _normalized(chunks)
         started = time.monotonic()
-        if self.shared_memory and same_host(addr) and addr not in self.inline_peers:
+        transport = (await self.link(addr)).transport
+        if transport == "shm" and addr not in self.inline_peers:
             total = await self._push_shared(addr, chunks, timeout_s, metadata)
+        elif transport == "mooncake" and self.mooncake is not None:
+            total = await self.mooncake.push(chunks, lambda items: self._call(addr, 0, items, timeout_s, metadata),
+                                             self.stats)
         elif self.stripes == 1:
             total = await self._call(addr, 0, chunks, timeout_s, metadata)
         else:
@@ -463,6 +534,7 @@ class KVPusher:
                 return await self.push(addr, make_chunks(attempt), timeout_s, metadata)
             except TransferError as exc:
                 if not exc.retryable or attempt == retries:
+                    self.forget(addr)
                     raise
                 self.stats["retries"] += 1
         raise AssertionError("unreachable")
@@ -471,6 +543,8 @@ class KVPusher:
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
         self.segments.close()
+        if self.mooncake is not None:
+            self.mooncake.close()
 
 
 async def _normalized(chunks: AsyncIterator) -> AsyncIterator[kvwire.Item]:
@@ -556,7 +630,7 @@ async def put_blocks(pusher: KVPusher, addr: str, blocks: Sequence[Block], timeo
     """Put blocks into the pool of the messenger at `addr` in one stream, their bytes through a shared-memory
     segment to a peer on this host (inline to one that cannot open it, from then on); returns the bytes it took.
     TransferError when it refused them or cannot be reached."""
-    if pusher.shared_memory and same_host(addr) and addr not in pusher.inline_peers:
+    if (await pusher.link(addr)).transport == "shm" and addr not in pusher.inline_peers:
         segment = pusher.segments.acquire(sum(len(data) for _, _, data in blocks))
         try:
             return await _put(pusher, addr, _placed(blocks, segment), len(blocks), timeout_s)

@@ -27,6 +27,7 @@ import time
 from typing import Literal
 
 from kvcentric.config import LogLevel, require, setting
+from kvcentric.core.kvlinks import KVTransportName
 from kvcentric.core.scheduling.slo import PACE_OF_SLO
 from kvcentric.engine.config import DEVICE
 from kvcentric.model.config import PRESETS
@@ -85,6 +86,9 @@ class UpConfig:
     layerkv: bool = setting(False, "colocated instances run LayerKV (layer-wise KV offloading, SLO-aware admission); "
                                    "without --colocated, the prefill instances do (layer-wise KV offloading)")
     layerkv_tpot_slo_s: float = setting(0.2, "with --layerkv: the TPOT SLO prompts are admitted by, seconds")
+    kv_transport: KVTransportName = setting("auto", "the engines' --kv-transport: how KV moves between them "
+                                                    "(auto: per link, shm between engines of this host; grpc, shm, "
+                                                    "cuda-ipc, mooncake)")
     log_dir: str = setting("", "where each service writes its log (default: a new temp dir)")
     startup_timeout_s: float = setting(120.0, "give up if the cluster is not healthy after this long")
     log_level: LogLevel = setting("info", "log level of the services")
@@ -157,6 +161,7 @@ class UpConfig:
         --device); `core_share_dir`: the directory its engines lend each other cores in ("": they do not)."""
         blocks = self.prefill_kv_blocks if command == "prefill" and self.prefill_kv_blocks else self.num_kv_blocks
         flags = ["--model", self.model, "--seed", str(self.seed), "--num-kv-blocks", str(blocks),
+                 "--kv-transport", self.kv_transport,
                  "--block-size", str(self.block_size), "--torch-threads", str(threads), "--prefill-chunk",
                  str(self.prefill_chunk), "--max-batch", str(self.max_batch), "--device", device or self.device]
         if command in ("colocated", "prefill") and self.layerkv:

@@ -80,7 +80,8 @@ class HostTier:
             self.host.view(block_hash, depth)  # counts the read, refreshes the eviction policy
             self.host.pin(block_hash)
             slots.append(self.host.slot_of[block_hash])
-        return LayerwiseLoad(self.runner, targets, slots, self.host.buffer).start(self.loader)
+        rows = self.host.rows(self.runner.config.num_layers)
+        return LayerwiseLoad(self.runner, targets, slots, rows).start(self.loader)
 
     def end_load(self, loading: LayerwiseLoad, wait: bool = True) -> None:
         """End a layer-wise load: every layer in the cache (`wait`: the compute stream waits for the copies), the

@@ -93,7 +93,7 @@ class HostWriter:
         """Layer `layer` of the chunk is computed (the model thread): its part of the blocks goes now."""
         ready = self.runner.copy_point()
         store.layers.append(self.worker.submit(self.runner.copy_layer_to_host, layer, store.blocks,
-                                               self.host.buffer, store.slots, ready))
+                                               self.host.rows(self.runner.config.num_layers), store.slots, ready))
 
     def end_store(self, store: LayerStore, computed: bool) -> None:
         """The chunk ran (`computed`: every layer of it) or will not: once its copies end, `collect` indexes
@@ -118,7 +118,7 @@ class HostWriter:
 
     def _copy(self, blocks: list[int], slots: list[int], ready) -> None:
         try:
-            self.runner.copy_blocks_to_host(blocks, self.host.buffer, slots, ready)
+            self.runner.copy_blocks_to_host(blocks, self.host.rows(self.runner.config.num_layers), slots, ready)
         finally:
             if self.on_done is not None:
                 self.on_done()

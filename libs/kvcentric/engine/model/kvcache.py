@@ -30,6 +30,22 @@ def _tensor(data: bytes | memoryview, dtype: torch.dtype, shape: tuple) -> torch
         return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
+MAX_RUNS = 8
+"""A layer-wise load from a layer-major pool copies its slots run by run up to this many runs; a prefix more
+scattered than that over the pool is gathered, as from a block-major one."""
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(index in `slots`, first slot, count) of each run of consecutive slots, in order."""
+    runs: list[tuple[int, int, int]] = []
+    for at, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((at, slot, 1))
+    return runs
+
+
 def block_slots(blocks: list[int], block_size: int) -> torch.Tensor:
     return (torch.tensor(blocks, dtype=torch.long)[:, None] * block_size + torch.arange(block_size)).reshape(-1)
 
@@ -87,14 +103,12 @@ class PagedKVCache:
 
     def copy_blocks_to_host(self, blocks: list[int], host: torch.Tensor, slots: list[int],
                             ready: torch.cuda.Event | None = None) -> None:
-        """Copy cache blocks into rows `slots` of `host` ([rows, block_bytes] bytes, host pool layout),
+        """Copy cache blocks into rows `slots` of `host` (`host_rows`: a host pool's rows, either layout),
         returning once the bytes are there. Runs in a worker thread beside the model, in a few whole-batch
         ops (each lets go of the GIL: a loop per block would hold it from the model thread): on CUDA on a side
         stream that starts at `ready` (`copy_point`), through pinned memory. The blocks must stay referenced
         until it returns."""
-        config = self.config
-        rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
-                                          config.head_dim)
+        rows = self.host_rows(host)
         index = torch.tensor(slots, dtype=torch.long)
         if self.device.type != "cuda":
             for which, cache in enumerate((self.k_cache, self.v_cache)):
@@ -119,8 +133,7 @@ class PagedKVCache:
         bytes are there (Mooncake §5.2: new KV stored layer by layer as each layer is computed). Runs in the
         host-write worker; on CUDA on its side stream from `ready` (`copy_point` after the layer)."""
         config = self.config
-        rows = host.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
-                                          config.head_dim)
+        rows = self.host_rows(host)
         index = torch.tensor(slots, dtype=torch.long)
         shape = (-1, self.block_size, config.num_kv_heads, config.head_dim)
         if self.device.type != "cuda":
@@ -170,13 +183,14 @@ class PagedKVCache:
 
     def load_host_layer(self, layer: int, buffer: torch.Tensor, slots: list[int],
                         blocks: list[int]) -> torch.cuda.Event | None:
-        """Copy layer `layer` of host-pool rows `slots` (`buffer`: [rows, block_bytes] bytes, host pool layout)
-        into cache blocks `blocks` (Mooncake §5.2: a prefix loads layer by layer). On CPU the copy is done on
-        return; on CUDA it is enqueued on a side stream (through pinned memory) and the returned event marks
-        its end. Called from a loader thread: each op lets go of the GIL."""
-        config = self.config
-        rows = buffer.view(self.dtype).view(-1, config.num_layers, 2, self.block_size, config.num_kv_heads,
-                                            config.head_dim)
+        """Copy layer `layer` of host-pool rows `slots` (`buffer`: `host_rows`, either layout) into cache blocks
+        `blocks` (Mooncake §5.2: a prefix loads layer by layer). On CPU the copy is done on return; on CUDA it is
+        enqueued on a side stream (through pinned memory) and the returned event marks its end. Called from a
+        loader thread: each op lets go of the GIL. Where the layer's rows are contiguous (a layer-major pool),
+        each run of consecutive slots is copied as one range, with no gather (`_load_runs`)."""
+        rows = self.host_rows(buffer)
+        if rows[:, layer].is_contiguous() and len(slot_runs(slots)) <= MAX_RUNS:
+            return self._load_runs(layer, rows[:, layer], slots, blocks)
         index = torch.tensor(slots, dtype=torch.long)
         pinned = self.device.type == "cuda"
         part = torch.empty((len(slots), 2, *rows.shape[3:]), dtype=self.dtype, pin_memory=pinned)
@@ -194,6 +208,37 @@ class PagedKVCache:
             # on an H200 as index_copy_ out of bounds).
             target = block_slots(blocks, self.block_size).to(self.device)
             self._install_layer(layer, target, part.to(self.device, non_blocking=True))
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def host_rows(self, host: torch.Tensor) -> torch.Tensor:
+        """[slots, layers, 2, block_size, heads, dim] in the cache's dtype over a host pool's bytes: `host` is
+        [slots, block bytes] (block-major) or `HostBlockPool.rows` ([slots, layers, layer bytes], either layout)."""
+        config = self.config
+        if host.dim() == 2:
+            host = host.view(host.shape[0], config.num_layers, -1)
+        return host.view(self.dtype).unflatten(-1, (2, self.block_size, config.num_kv_heads, config.head_dim))
+
+    def _load_runs(self, layer: int, rows: torch.Tensor, slots: list[int],
+                   blocks: list[int]) -> torch.cuda.Event | None:
+        """`load_host_layer` from contiguous rows: each run of consecutive slots is one range of memory, copied
+        block-wise into the cache (on CUDA straight from the page-locked pool to the device, one DMA a run)."""
+        shape = (-1, self.block_size, self.config.num_kv_heads, self.config.head_dim)
+        caches = (self.k_cache[layer].view(shape), self.v_cache[layer].view(shape))
+        if self.device.type != "cuda":
+            for at, first, count in slot_runs(slots):
+                target = torch.tensor(blocks[at:at + count], dtype=torch.long)
+                for which, cache in enumerate(caches):
+                    cache.index_copy_(0, target, rows[first:first + count, which])
+            return None
+        stream = self._side_stream("prefix_in")
+        with torch.cuda.stream(stream):
+            for at, first, count in slot_runs(slots):
+                target = torch.tensor(blocks[at:at + count], dtype=torch.long).to(self.device)
+                part = rows[first:first + count].to(self.device, non_blocking=True)
+                for which, cache in enumerate(caches):
+                    cache.index_copy_(0, target, part[:, which])
             done = torch.cuda.Event()
             done.record(stream)
         return done

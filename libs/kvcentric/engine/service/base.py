@@ -20,9 +20,9 @@ from kvcentric.core.protocol import Cancel, Role
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.service.intake import JobIntake
 from kvcentric.engine.kv.kvpool import HostBlockPool
-from kvcentric.engine.service.messenger import Messenger
-from kvcentric.engine.service.node import (ModelThread, Wakeup, core_share, engine_threads, host_pool, load_runner,
-                                           serial_elsewhere)
+from kvcentric.engine.service.messenger import Messenger, mooncake_parts
+from kvcentric.engine.service.node import (ModelThread, Wakeup, core_share, engine_threads, gpu_uuids, host_pool,
+                                           load_runner, serial_elsewhere)
 from kvcentric.engine.service.outbox import TokenOutbox
 from kvcentric.engine.service.reporter import Reporter
 from kvcentric.engine.service.roles import RoleChange
@@ -69,8 +69,14 @@ class EngineService(Service):
         self.spans = RequestSpans()
         self.outbox = TokenOutbox(self.spans)
         self.intake = JobIntake(self.counters)
-        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8, tls=transfer_tls(config))
-        """The messenger's client side: pushes to decode peers, pulls from block holders."""
+        self.gpus = gpu_uuids(self.runner.device)
+        self.mooncake = mooncake_parts(config)
+        """This engine's Transfer Engine, sending and receiving sides (None: no Mooncake transport)."""
+        self.pusher = KVPusher(config.kv_stripes, config.kv_rate_limit_gbps * 1e9 / 8, tls=transfer_tls(config),
+                               transport=config.kv_transport, gpus=self.gpus,
+                               mooncake=self.mooncake[0] if self.mooncake else None)
+        """The messenger's client side: pushes to decode peers (over the transport each link chose), pulls from
+        block holders."""
         self.speed = SpeedMeter(self.runner, config.model, config.prefill_chunk, config.slow_step_s,
                                 config.slow_while_file)
         """This instance's own prefill chunk and decode step times, and the cost model fitted to them."""
@@ -86,7 +92,8 @@ class EngineService(Service):
 
     def attach(self, sink) -> None:
         """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
-        self.messenger = Messenger(sink, self.host, self.runner)
+        self.messenger = Messenger(sink, self.host, self.runner, self.gpus,
+                                   self.mooncake[1] if self.mooncake else None)
         self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher,
                                  heartbeat_every_s=2 * self.config.load_interval_s)
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,
@@ -234,6 +241,10 @@ class EngineService(Service):
         return {"kv_addr": self.messenger.addr, "model": self.config.model, "cluster": self.config.cluster,
                 "draining_to": self.role_change.draining_to,
                 "link_bandwidth": dict(self.pusher.bandwidth), "stats": self.gauges(),
+                "kv_transport": self.config.kv_transport, "host_id": self.messenger.transfer.endpoint.host,
+                "kv_transports_taken": list(self.messenger.transfer.endpoint.transports),
+                "kv_links": {addr: {"transport": link.transport, "reason": link.reason}
+                             for addr, link in self.pusher.links.items()},
                 "measured_cost": msgspec.to_builtins(self.speed.measured()),
                 "calibration": self.calibration_state()}
 

@@ -34,7 +34,15 @@ def host_pool(config: EngineConfig, block_bytes: int) -> HostBlockPool | None:
     on a CUDA engine, whose side stream copies blocks into it behind the compute."""
     host_blocks = (config.host_pool_mb << 20) // block_bytes
     pinned = config.device.startswith("cuda")
-    return HostBlockPool(host_blocks, block_bytes, config.host_pool_policy, pinned) if host_blocks else None
+    layers = load_model_config(config.model).num_layers if config.host_layer_major else 0
+    return HostBlockPool(host_blocks, block_bytes, config.host_pool_policy, pinned, layers) if host_blocks else None
+
+
+def gpu_uuids(device: torch.device) -> tuple[str, ...]:
+    """The UUID of the GPU an engine computes on (a peer with the same one shares this host's GPUs); () on CPU."""
+    if device.type != "cuda":
+        return ()
+    return (str(torch.cuda.get_device_properties(device).uuid),)
 
 
 def engine_threads(config: EngineConfig, runner: ModelRunner | None = None) -> int:
