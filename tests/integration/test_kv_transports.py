@@ -79,11 +79,17 @@ def test_a_prefill_killed_mid_push_over_shm_leaks_no_segment_and_its_request_end
         body = {"prompt": [3 + (i * 11) % 250 for i in range(3000)], "max_tokens": 4, "temperature": 0,
                 "ignore_eos": True}
         opened: list[Stream] = []
-        opener = threading.Thread(target=lambda: opened.append(Stream(up.port, body)))
+        first_events: list[dict] = []
+
+        def open_and_read_one() -> None:
+            """The stream opens once the request is placed; its first event comes with the first token."""
+            opened.append(Stream(up.port, body))
+            first_events.extend(event for _, event in zip(range(1), opened[0].events()))
+        opener = threading.Thread(target=open_and_read_one)
         opener.start()
         eventually(lambda: segments_of(pid), "the prefill's push segment", timeout_s=60, every_s=0.01)
         os.kill(pid, signal.SIGKILL)
-        assert not opened, "the first token came before the kill: the push was not cut mid-transfer"
+        assert not first_events, "the first token came before the kill: the push was not cut mid-transfer"
         eventually(lambda: not segments_of(pid), "the killed prefill's segments unlinked", timeout_s=15)
         opener.join(120)
         stream = opened[0].finish()

@@ -176,7 +176,7 @@ def test_a_killed_decode_instances_migrated_stream_resumes_without_recomputing_t
 
 
 def start_in_background(port: int, body: dict) -> tuple[threading.Thread, list[Stream]]:
-    """A streaming request opened in a thread (its response comes with its first token)."""
+    """A streaming request opened in a thread (its response opens once the request is placed)."""
     opened: list[Stream] = []
     opener = threading.Thread(target=lambda: opened.append(Stream(port, body)))
     opener.start()

@@ -8,11 +8,15 @@ import subprocess
 import sys
 import textwrap
 
-GRANDCHILDREN = ("import subprocess, sys; "
+GRANDCHILDREN = ("import os, subprocess, sys; "
+                 "quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
                  "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)']); "
-                 "subprocess.Popen(['true'])")
-"""A child's code: it starts a grandchild that sleeps and ignores SIGTERM and one that exits, then exits itself."""
+                 "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'], **quiet); "
+                 "subprocess.Popen(['true'], **quiet); "
+                 "os._exit(0)")
+"""A child's code: it starts a grandchild that sleeps and ignores SIGTERM and one that exits, then exits itself at
+once (`os._exit`: no finalizer of its own may reap the one that exited; and the grandchildren hold none of the
+test's pipes, so a failed assertion is reported at once, not after the sleeper's minute)."""
 SCRIPT = textwrap.dedent("""
     import subprocess, sys, time
     from kvcentric.tools.processes import become_subreaper, end_the_rest, own_children, reap_zombies
