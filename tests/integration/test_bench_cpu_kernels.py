@@ -32,8 +32,8 @@ def test_bench_cpu_kernels_writes_every_figure(tmp_path):
     for shape, cell in gemm.items():  # each figure a list over `gemm_rows`
         assert all(len(cell[key]) == len(rows) for key in ("kernel_ms", "F.linear_ms", "onednn_ms")), shape
         for kernel_ms, linear_ms, ratio in zip(cell["kernel_ms"], cell["F.linear_ms"], cell["kernel/F.linear"]):
-            assert kernel_ms > 0 and linear_ms > 0, shape
-            assert ratio == round(kernel_ms / linear_ms, 3), shape
+            assert kernel_ms >= 0 and linear_ms >= 0, shape  # a 1-row GEMM of `tiny` can round to 0.0 ms
+            assert linear_ms == 0 or ratio == round(kernel_ms / linear_ms, 3), shape
     assert len(figures) == 11  # 5 attention cases, 3 layer ops at 32 and 2048 rows
     for name, cell in figures.items():
         assert cell["kernel_ms"] > 0 and cell["torch_ms"] > 0, name

@@ -18,13 +18,14 @@ GRANDCHILDREN = ("import os, subprocess, sys; "
 once (`os._exit`: no finalizer of its own may reap the one that exited; and the grandchildren hold none of the
 test's pipes, so a failed assertion is reported at once, not after the sleeper's minute)."""
 SCRIPT = textwrap.dedent("""
-    import subprocess, sys, time
+    import signal, subprocess, sys, time
     from kvcentric.tools.processes import become_subreaper, end_the_rest, own_children, reap_zombies
 
     def zombie(pid):
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(") ", 1)[1][0] == "Z"
 
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # an ignored SIGCHLD (inherited) would reap the exited one at once
     assert become_subreaper()
     subprocess.run([sys.executable, "-c", GRANDCHILDREN], check=True)
     deadline = time.monotonic() + 10
