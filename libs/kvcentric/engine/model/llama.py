@@ -76,9 +76,15 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        angles = self.angles()
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        if torch.empty(0).is_meta:  # `weights.empty_model`: shapes only (meta arange would import TorchDynamo)
+            with torch.device("cpu"):
+                pairs = len(rope_inverse_frequencies(config))
+            cos = sin = torch.empty(config.max_position, 2 * pairs)
+        else:
+            angles = self.angles()
+            cos, sin = angles.cos(), angles.sin()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def angles(self) -> torch.Tensor:
         """[max_position, head_dim] rotation angles, in fp32 on the current default device."""
@@ -308,7 +314,13 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its weight, the embedding skips its default init: on the meta device (`weights.empty_model`)
+        # that init goes through torch's reference ops, whose first use imports TorchDynamo (and Triton),
+        # seconds of an engine's start for a tensor that holds no values.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -19,10 +19,26 @@ def empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     (no host copy, no default init, no fp32 temporary), then given memory where it runs; rotary tables filled."""
     with torch.device("meta"):
         model = LlamaModel(config)
-    model = model.to(dtype=dtype).to_empty(device=device)
-    model.tie()  # moving off the meta device gave the two modules a parameter each
+    materialize(model, dtype, torch.device(device))
+    model.tie()  # materializing gave the two modules a parameter each
     model.rotary.compute_tables(torch.device(device), dtype)
     return model
+
+
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every parameter and buffer of a model built on the meta device uninitialised memory on `device`
+    (floating point ones in `dtype`). What `Module.to_empty` does, without its `empty_like` of a meta tensor,
+    whose first call imports SymPy (hundreds of modules, seconds of an engine's start)."""
+    def empty(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tensor.shape, dtype=dtype if tensor.is_floating_point() else tensor.dtype, device=device)
+
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                module._parameters[name] = torch.nn.Parameter(empty(param), requires_grad=param.requires_grad)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = empty(buffer)
 
 
 DRAW_CHUNK = 1 << 22
