@@ -75,6 +75,7 @@ class Placing:
             try:
                 return await self.bus.request(subject, message, kind, timeout_s=self.config.bus_timeout_s)
             except nats.errors.NoRespondersError:
+                self.counters["schedule_no_responders_total"] += 1
                 if subject != Subjects.SCHEDULE:  # that replica is gone although its last heartbeat is recent
                     self.conductors.forget(subject.rpartition(".")[2])
                 if time.monotonic() < patience:

@@ -102,7 +102,9 @@ class GatewayService(Service):
                 "conductor": instances is not None,
                 "prefill_alive": sum(i.role == "prefill" for i in instances or []),
                 "decode_alive": sum(i.role == "decode" for i in instances or []),
-                "slos_last_placed": self.placing.slos}
+                "slos_last_placed": self.placing.slos,
+                "conductors_heartbeating": sorted(self.placing.conductors.peers(time.monotonic())),
+                "schedule_no_responders": self.counters["schedule_no_responders_total"]}
         return (200 if self.ready else 503), body
 
     async def readiness(self) -> str:

@@ -76,6 +76,11 @@ async def nc(own_nats):
         await client.close()
 
 
+async def health(url: str) -> dict:
+    async with aiohttp.ClientSession() as session, session.get(url + "/health") as response:
+        return json.loads(await response.text())
+
+
 async def complete(url: str) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as session:
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
@@ -97,7 +102,9 @@ async def test_a_conductor_that_goes_silent_is_replaced_under_a_new_request_id(g
 async def test_while_no_conductor_is_subscribed_the_gateway_asks_again(gateway, nc):
     cluster = Cluster(nc)
     asking = asyncio.ensure_future(complete(gateway))
-    await asyncio.sleep(0.5)  # nobody answers on the subject yet: a conductor restarting
+    # nobody answers on the subject yet (a conductor restarting): the gateway asks again and again
+    await eventually_async(lambda: health(gateway), "the gateway asked again after no responders",
+                           until=lambda body: body["schedule_no_responders"] >= 2)
     assert not asking.done()
     await cluster.join()
     status, body = await asking
@@ -135,7 +142,9 @@ async def test_requests_go_to_a_replica_that_heartbeats_not_to_a_stopped_one(gat
     await nc.subscribe(Subjects.schedule_at("conductor-1"), cb=live.schedule)
     beating = asyncio.ensure_future(heartbeat(nc, "conductor-1"))
     try:
-        await asyncio.sleep(2.0)  # the stopped replica's one heartbeat is older than the gateway's lease
+        # the stopped replica's one heartbeat gets older than the gateway's lease: only the live one is left
+        await eventually_async(lambda: health(gateway), "the stopped replica's lease ran out",
+                               until=lambda body: body["conductors_heartbeating"] == ["conductor-1"], timeout_s=15)
         answers = await asyncio.gather(*(complete(gateway) for _ in range(8)))
     finally:
         beating.cancel()

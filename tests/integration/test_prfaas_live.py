@@ -5,13 +5,13 @@ bench/papers/prfaas_live.py). Long prompts must prefill remotely, short ones loc
 from __future__ import annotations
 
 import json
-import time
 import random
 import urllib.request
 
 import pytest
 
 from twodc import TwoDatacenters, TwoDCConfig
+from waiting import eventually
 
 THRESHOLD = 64
 
@@ -66,6 +66,21 @@ def decode_counter(two_dcs, name: str) -> float:
     return 0.0
 
 
+def conductor_gauge(two_dcs, name: str) -> float:
+    url = two_dcs.processes.child("conductor").health_url.replace("/health", "/metrics")
+    with urllib.request.urlopen(url, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith(f"kvc_{name} ") or line.startswith(f"kvc_{name}{{"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def indexed(two_dcs, blocks: float) -> None:
+    """Wait until the conductor's block index (`--prefix-index local`) holds at least `blocks` blocks."""
+    eventually(lambda: conductor_gauge(two_dcs, "prefix_index_blocks"), f"{blocks:g} blocks in the index",
+               until=lambda held: held >= blocks)
+
+
 def complete_tokens(url: str, token_ids: list[int]) -> tuple[str, str, list[int]]:
     body = json.dumps({"model": "tiny", "prompt": token_ids, "max_tokens": 6, "temperature": 0,
                        "ignore_eos": True, "logprobs": 1}).encode()
@@ -82,8 +97,9 @@ def test_only_the_uncached_part_of_a_prompts_kv_crosses_the_link(two_dcs):
     the one the same prompt gets when it is prefilled locally afterwards."""
     rng = random.Random(99)
     prefix = [rng.randrange(256) for _ in range(48)]  # 3 blocks of 16, <= t: prefilled (and cached) in pd
+    held = conductor_gauge(two_dcs, "prefix_index_blocks")
     assert complete_tokens(two_dcs.url, prefix)[0] == "prefill-pd-0"
-    time.sleep(1.0)  # its blocks reach the PD instance's host pool and the conductor's index
+    indexed(two_dcs, held + 3)  # its blocks reached the PD instance's host pool and the conductor's index
     prompt = prefix + [rng.randrange(256) for _ in range(200)]
     sent = two_dcs.health("prefill-prfaas-0")["stats"].get("push_bytes_streamed", 0)
     pulled = decode_counter(two_dcs, "prefix_tokens_pulled_total")
@@ -93,6 +109,6 @@ def test_only_the_uncached_part_of_a_prompts_kv_crosses_the_link(two_dcs):
     assert two_dcs.health("prefill-prfaas-0")["stats"]["push_bytes_streamed"] - sent == 200 * kv_bytes_per_token
     assert decode_counter(two_dcs, "prefix_tokens_pulled_total") - pulled == 48
     assert two_dcs.health("conductor")["prfaas"]["routed"]["kv_tokens_kept_local"] >= 48
-    time.sleep(1.0)
+    indexed(two_dcs, held + 3 + 12)  # the 12 new full blocks the PrfaaS prefill computed
     prefill, _, local_answer = complete_tokens(two_dcs.url, prompt)  # now cached in both clusters: l = 8 <= t
     assert prefill == "prefill-pd-0" and local_answer == remote_answer
