@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from composing import LIVE
 from kvcentric.tools.processes import free_port
 from waiting import eventually
 
@@ -29,26 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = f"kvc-check-{os.getpid()}"
 REPORT = ROOT / "build" / "compose-check.json"
 
-
-def daemon_absent() -> str:
-    """Why no Docker daemon can be used here ("" when one answers)."""
-    if shutil.which("docker") is None:
-        return "no docker CLI on this machine"
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
-    if info.returncode != 0:
-        return f"no Docker daemon answers (`docker info`: {info.stderr.strip()[:200]})"
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
-        return "the docker CLI has no compose plugin"
-    return ""
-
-
-pytestmark = [
-    pytest.mark.timeout(3600),  # the first test builds the images and brings the stack up (minutes)
-    pytest.mark.skipif(bool(daemon_absent()), reason=daemon_absent() or "-"),
-    pytest.mark.skipif(os.environ.get("KVC_COMPOSE_CHECK") != "1",
-                       reason="builds the images and runs the stack for minutes: `make compose-check` "
-                              "(KVC_COMPOSE_CHECK=1) runs it"),
-]
+pytestmark = LIVE
 
 
 class Stack:
