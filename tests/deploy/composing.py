@@ -9,9 +9,12 @@ import json
 import os
 import re
 import shutil
+import ssl
+import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -154,3 +157,25 @@ def refused_all_but_the_user(attempts: dict[str, str]) -> None:
     assert "Authorization Violation" in attempts["certificate_without_user"], attempts
     assert "Authorization Violation" in attempts["certificate_wrong_password"], attempts
     assert attempts["certificate_and_user"] == "connected", attempts  # the probe itself can connect
+
+
+def time_to_first_token(url: str, api_key: str = "", context: ssl.SSLContext | None = None, n: int = 20) -> dict:
+    """TTFT of `n` streaming completions one after another (3 first to warm up), from the request to the first
+    event: median and 90th percentile in ms, and the load average it was measured at (a shared machine's)."""
+    def once(prompt: str) -> float:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True})
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        started = time.perf_counter()
+        with urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", body.encode(), headers),
+                                    timeout=60, context=context) as response:
+            first = next(line for line in response if line.startswith(b"data: "))
+            assert b'"error"' not in first, first
+            elapsed = time.perf_counter() - started
+            response.read()
+        return elapsed
+
+    for i in range(3):
+        once(f"warm {i}")
+    times = sorted(once(f"Hello number {i} from a container") for i in range(n))
+    return {"median": round(statistics.median(times) * 1000, 1), "p90": round(times[int(0.9 * n) - 1] * 1000, 1),
+            "requests": n, "load_average": [round(x, 2) for x in os.getloadavg()]}

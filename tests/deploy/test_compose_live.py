@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from composing import LIVE
+from composing import LIVE, time_to_first_token
 from kvcentric.tools.processes import free_port
 from waiting import eventually
 
@@ -127,6 +127,12 @@ def test_plain_and_streaming_requests_go_through_prefill_and_decode(stack):
     decode = stack.health("decode")
     assert decode["stats"]["kv_streams_committed"] >= 4  # KV moved from the prefill container over gRPC
     assert not decode["kv_addr"].startswith(("0.0.0.0", "127.")) and decode["instance_id"].startswith("decode-")
+
+
+def test_time_to_first_token_over_plain_http(stack):
+    """The plain figure beside test_compose_secure_live's over HTTPS (build/compose-check.json)."""
+    stack.measured["ttft_ms"] = time_to_first_token(stack.url)
+    assert stack.measured["ttft_ms"]["p90"] < 30_000
 
 
 def test_tracing_export_stays_off_and_quiet_without_a_collector(stack):
