@@ -33,7 +33,9 @@ integration: $(STAMP)
 	$(BIN)/python -m pytest -q tests/integration
 
 # docker-compose.yml for real (tests/deploy): build, up, requests, a killed decode restarted, decode scaled to 2,
-# down; needs a Docker daemon with the compose plugin (minutes; its measurements land in build/compose-check.json).
+# down; then secured (docker-compose.secure.yml) and the two PrfaaS datacenters secured (docker-compose.prfaas.secure.yml),
+# each from its block of docs/operations.md; needs a Docker daemon with the compose plugin (minutes; measurements
+# land in build/compose-check.json, build/compose-secure-check.json, build/compose-prfaas-secure-check.json).
 # Pinned images can be pointed elsewhere: PYTHON_IMAGE=... NATS_IMAGE=... REDIS_IMAGE=... TORCH_INDEX_URL=...
 compose-check: $(STAMP)
 	KVC_COMPOSE_CHECK=1 $(BIN)/python -m pytest -q -ra -p no:cacheprovider tests/deploy

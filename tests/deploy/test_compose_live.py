@@ -13,7 +13,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shutil
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from composing import LIVE, time_to_first_token
 from kvcentric.tools.processes import free_port
 from waiting import eventually
 
@@ -29,26 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = f"kvc-check-{os.getpid()}"
 REPORT = ROOT / "build" / "compose-check.json"
 
-
-def daemon_absent() -> str:
-    """Why no Docker daemon can be used here ("" when one answers)."""
-    if shutil.which("docker") is None:
-        return "no docker CLI on this machine"
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True)
-    if info.returncode != 0:
-        return f"no Docker daemon answers (`docker info`: {info.stderr.strip()[:200]})"
-    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
-        return "the docker CLI has no compose plugin"
-    return ""
-
-
-pytestmark = [
-    pytest.mark.timeout(3600),  # the first test builds the images and brings the stack up (minutes)
-    pytest.mark.skipif(bool(daemon_absent()), reason=daemon_absent() or "-"),
-    pytest.mark.skipif(os.environ.get("KVC_COMPOSE_CHECK") != "1",
-                       reason="builds the images and runs the stack for minutes: `make compose-check` "
-                              "(KVC_COMPOSE_CHECK=1) runs it"),
-]
+pytestmark = LIVE
 
 
 class Stack:
@@ -146,6 +127,12 @@ def test_plain_and_streaming_requests_go_through_prefill_and_decode(stack):
     decode = stack.health("decode")
     assert decode["stats"]["kv_streams_committed"] >= 4  # KV moved from the prefill container over gRPC
     assert not decode["kv_addr"].startswith(("0.0.0.0", "127.")) and decode["instance_id"].startswith("decode-")
+
+
+def test_time_to_first_token_over_plain_http(stack):
+    """The plain figure beside test_compose_secure_live's over HTTPS (build/compose-check.json)."""
+    stack.measured["ttft_ms"] = time_to_first_token(stack.url)
+    assert stack.measured["ttft_ms"]["p90"] < 30_000
 
 
 def test_tracing_export_stays_off_and_quiet_without_a_collector(stack):

@@ -88,7 +88,12 @@ NOT_RUN = {
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
     "python3 -m bench.engine.bench_gpu --eager-too": "needs a GPU; bench/engine/gpu_check.sh runs it there, and "
                                              "tests/integration/test_bench_gpu.py runs a CPU smoke of it",
-    "docker compose -f docker-compose.prfaas.yml": "needs docker; tests/unit/test_compose_prfaas.py checks the file",
+    "docker compose -f docker-compose.prfaas.yml up --build ": "needs docker; tests/unit/test_compose_prfaas.py "
+                                                               "checks the file",
+    "docker compose -f docker-compose.yml -f docker-compose.secure.yml up": "needs docker: "
+        "tests/deploy/test_compose_secure_live.py runs it as written (`make compose-check`)",
+    "docker compose -f docker-compose.prfaas.yml -f docker-compose.prfaas.secure.yml up": "needs docker: "
+        "tests/deploy/test_compose_prfaas_secure_live.py runs it as written (`make compose-check`)",
     "kvcentric up --secure --port 8443": "a cluster that serves until Ctrl-C, and a request to it with the paths "
                                          "of its log dir; tests/integration/test_security.py runs `kvcentric up "
                                          "--secure` and sends that request with its CA and API key",
@@ -254,6 +259,10 @@ def test_the_commands_of_a_block_not_run_here_are_valid(key):
     from kvcentric.tools.up import UpConfig
 
     for argv in commands(block(BASH, key)):
+        if argv[:1] == ["certs"]:  # its own parser (`kvcentric.tools.secure`)
+            from kvcentric.tools.secure import certs_parser
+            certs_parser().parse_args(argv[1:])
+            continue
         args = build_parser().parse_args(argv)
         if args.command == "up":
             from_namespace(UpConfig, args)

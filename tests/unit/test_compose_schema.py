@@ -1,6 +1,6 @@
-"""Both compose files pass the compose-spec JSON schema (check-jsonschema's vendored copy, offline), and start in
-order of readiness: every kvcentric service has a healthcheck on its own GET /ready, the servers have theirs,
-and every depends_on waits for service_healthy."""
+"""The compose files and their secured overrides pass the compose-spec JSON schema (check-jsonschema's vendored copy,
+offline), and both compose files start in order of readiness: every kvcentric service has a healthcheck on its own
+GET /ready, the servers have theirs, and every depends_on waits for service_healthy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 FILES = ["docker-compose.yml", "docker-compose.prfaas.yml"]
+OVERRIDES = ["docker-compose.secure.yml", "docker-compose.prfaas.secure.yml"]
+"""Files that go over one of FILES (`-f FILE -f OVERRIDE`): partial, but each passes the schema on its own."""
 
 
 def validate(path: Path) -> subprocess.CompletedProcess:
@@ -20,7 +22,7 @@ def validate(path: Path) -> subprocess.CompletedProcess:
                            str(path)], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("name", FILES)
+@pytest.mark.parametrize("name", FILES + OVERRIDES)
 def test_the_compose_file_passes_the_compose_spec_schema(name):
     result = validate(ROOT / name)
     assert result.returncode == 0, result.stdout + result.stderr

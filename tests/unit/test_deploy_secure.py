@@ -1,4 +1,5 @@
-"""The secured compose file takes every certificate and credential from files (compose secrets), offline: each
+"""The secured compose files (one datacenter, and the two of PrfaaS) take every certificate and credential from files
+(compose secrets), offline: each
 kvcentric service's command and environment parse with the real CLI, and once the material `kvcentric certs`
 writes is put where the secrets land, every file a service names is there and is what it should be (the flags'
 own checks, as at start); nats-server accepts its secured config with the passwords from its environment; no
@@ -10,6 +11,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -26,53 +28,82 @@ from kvcentric.tools.processes import nats_server_binary
 from kvcentric.tools.secure import make_secure_files, users_conf
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-SECURE = yaml.safe_load((ROOT / "docker-compose.secure.yml").read_text())
-OUT = "./deploy/secure/out"
+LAYOUTS = {"one-dc": ("docker-compose.yml", "docker-compose.secure.yml"),
+           "prfaas": ("docker-compose.prfaas.yml", "docker-compose.prfaas.secure.yml")}
+"""Each secured compose layout: the file it secures, and the override that does."""
+FILES = {layout: tuple(yaml.safe_load((ROOT / name).read_text()) for name in names)
+         for layout, names in LAYOUTS.items()}
+BASE, SECURE = FILES["one-dc"]
+OUT = "${KVC_SECURE_DIR:-./deploy/secure/out}"
+"""Where the secrets are read from: deploy/secure/out, or the folder KVC_SECURE_DIR names."""
+NATS_HOSTS = ["nats", "nats-pd", "nats-prfaas"]
+"""The names the documented `kvcentric certs` gives nats-server's certificate: every NATS server of both layouts."""
+KVCENTRIC = [(layout, name) for layout, (base, _) in FILES.items() for name, service in base["services"].items()
+             if service.get("command", [""])[0] == "kvcentric"]
+NATS = [(layout, name) for layout, (base, _) in FILES.items() for name in base["services"] if name.startswith("nats")]
 
 
 @pytest.fixture(scope="module")
 def material(tmp_path_factory):
     folder = tmp_path_factory.mktemp("deploy") / "out"
-    make_secure_files(str(folder), ["localhost"], ["nats"])
+    make_secure_files(str(folder), ["localhost"], NATS_HOSTS)
     return folder
 
 
-def mounted(service: dict, material: Path) -> dict[str, str]:
+def mounted(service: dict, material: Path, secure: dict = SECURE) -> dict[str, str]:
     """Where each of a service's compose secrets lands in its container -> the file `kvcentric certs` wrote."""
     places = {}
     for entry in service.get("secrets", []):
         source, target = (entry, f"/run/secrets/{entry}") if isinstance(entry, str) else \
             (entry["source"], entry["target"])
-        places[target] = SECURE["secrets"][source]["file"].replace(OUT, str(material))
+        places[target] = secure["secrets"][source]["file"].replace(OUT, str(material))
     return places
+
+
+def volumes(service: dict) -> dict[str, Path]:
+    """Container path -> the repository file mounted there."""
+    pairs = (volume.split(":")[:2] for volume in service.get("volumes", []))
+    return {target: ROOT / source for source, target in pairs}
 
 
 def test_the_users_file_is_the_permissions_table():
     assert (ROOT / "deploy" / "secure" / "nats-users.conf").read_text() == users_conf()
 
 
-@pytest.mark.parametrize("name", sorted(SERVICES))
-def test_each_service_finds_its_certificates_and_credentials_where_the_secrets_land(name, material, monkeypatch):
-    base, secure = BASE["services"][name], SECURE["services"][name]
-    places = mounted(secure, material)
+def test_every_kvcentric_service_of_both_layouts_is_secured():
+    assert {name for layout, name in KVCENTRIC if layout == "one-dc"} >= set(SERVICES)
+    for layout, name in KVCENTRIC:
+        assert name in FILES[layout][1]["services"], (layout, name)
+
+
+@pytest.mark.parametrize("layout, name", KVCENTRIC)
+def test_each_service_finds_its_certificates_and_credentials_where_the_secrets_land(layout, name, material,
+                                                                                  monkeypatch):
+    bases, secures = FILES[layout]
+    base, secure = bases["services"][name], secures["services"][name]
+    places = mounted(secure, material, secures)
     environment = {**base.get("environment", {}), **secure["environment"]}
     for key in [key for key in os.environ if key.startswith("KVC_")]:
         monkeypatch.delenv(key)
     for key, value in environment.items():
         if key.startswith("KVC_"):
             monkeypatch.setenv(key, places.get(str(value), str(value)))
-    config = from_namespace(_config_class(name), build_parser().parse_args(base["command"][1:]))
-    assert config.nats_url == "tls://nats:4222" and config.tls_cert and config.nats_user
+    command = [str(volumes(base).get(part, part)) for part in base["command"]]  # a mounted file: the repository's
+    subcommand = command[1]
+    config = from_namespace(_config_class(subcommand), build_parser().parse_args(command[1:]))
+    side = {"one-dc": "nats"}.get(layout, "nats-prfaas" if name.endswith("-prfaas") else "nats-pd")
+    assert config.nats_url == f"tls://{side}:4222" and config.tls_cert and config.nats_user == user_of(subcommand)
+    assert base["environment"]["KVC_NATS_URL"] == f"nats://{side}:4222"  # the same server as the plain layout's
     check_files(config)  # every file is there, parses, and a KV certificate names what peers check
 
 
-def test_nats_server_accepts_its_secured_config_with_the_passwords_of_its_environment(material, tmp_path):
-    nats = SECURE["services"]["nats"]
-    places = mounted(nats, material)
-    for mount in nats["volumes"]:
-        source, target = mount.split(":")[:2]
-        text = (ROOT / source).read_text()
+@pytest.mark.parametrize("layout, name", NATS)
+def test_nats_server_accepts_its_secured_config_with_the_passwords_of_its_environment(layout, name, material,
+                                                                                    tmp_path):
+    nats = FILES[layout][1]["services"][name]
+    places = mounted(nats, material, FILES[layout][1])
+    for target, source in volumes(nats).items():
+        text = source.read_text()
         for inside, outside in places.items():
             text = text.replace(inside, outside)
         (tmp_path / Path(target).name).write_text(text)
@@ -84,15 +115,51 @@ def test_nats_server_accepts_its_secured_config_with_the_passwords_of_its_enviro
     check = subprocess.run([nats_server_binary(), "-t", "-c", str(tmp_path / "nats.conf")], capture_output=True,
                            text=True, env={}, timeout=30)
     assert check.returncode != 0  # without its environment the users have no passwords: it refuses to start
+    text = (tmp_path / "nats.conf").read_text()
+    assert "verify: true" in text.split("gateway {")[0]  # clients present a certificate of the CA
+    if layout == "prfaas":  # the gateway to the other datacenter: mutual TLS, each side's name in the certificate
+        gateway = text.split("gateway {")[1]
+        assert "verify: true" in gateway and set(re.findall(r"nats://([\w-]+):7222", gateway)) <= set(NATS_HOSTS)
 
 
-def test_redis_reads_its_password_from_a_secret_and_no_command_or_variable_carries_a_secret():
-    redis = SECURE["services"]["redis"]
+def test_the_documented_certs_command_names_every_nats_server():
+    operations = (ROOT / "docs" / "operations.md").read_text().replace("\\\n", " ")
+    (line,) = [line for line in operations.splitlines() if line.startswith("kvcentric certs --out deploy/secure/out")]
+    assert re.findall(r"--nats-host (\S+)", line) == NATS_HOSTS
+    assert sorted(name for _, name in NATS) == sorted(NATS_HOSTS)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_container_that_reads_a_secret_runs_as_the_owner_of_the_files(layout):
+    """Compose mounts a file secret as it is on the host (owner-only: `kvcentric certs`), ignoring uid and mode."""
+    secure = FILES[layout][1]
+    for name, service in secure["services"].items():
+        if service.get("secrets"):
+            assert service["user"] == "${KVC_UID:-10001}:${KVC_GID:-10001}", name
+    for source, secret in secure["secrets"].items():
+        assert secret["file"] == f"{OUT}/{source}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_redis_reads_its_password_from_a_secret_and_no_command_or_variable_carries_a_secret(layout):
+    base, secure = FILES[layout]
+    redis = secure["services"]["redis"]
     assert redis["command"][:2] == ["redis-server", "/run/secrets/redis.conf"] and "redis.conf" in redis["secrets"]
-    for name, service in SECURE["services"].items():
-        command = " ".join(service.get("command", BASE["services"][name].get("command", [])))
+    for name, service in secure["services"].items():
+        command = " ".join(service.get("command", base["services"][name].get("command", [])))
         assert not {"--requirepass", "--api-key", "--pass", "--user"} & set(command.split()), name
         assert not [key for key in service.get("environment", {}) if key.endswith(("PASSWORD", "API_KEY"))], name
+
+
+@pytest.mark.skipif(shutil.which("docker") is None, reason="no docker CLI on this machine")
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_docker_compose_config_accepts_the_layout_with_its_override(layout, material):
+    if subprocess.run(["docker", "compose", "version"], capture_output=True).returncode != 0:
+        pytest.skip("the docker CLI has no compose plugin here")
+    files = [part for name in LAYOUTS[layout] for part in ("-f", str(ROOT / name))]
+    result = subprocess.run(["docker", "compose", *files, "config", "-q"], capture_output=True, text=True,
+                            env={**os.environ, "KVC_SECURE_DIR": str(material)}, timeout=60)
+    assert result.returncode == 0, result.stderr
 
 
 # ---------------------------------------------------------------- Kubernetes: deploy/k8s/components/secure

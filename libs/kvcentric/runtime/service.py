@@ -121,14 +121,16 @@ class Service:
         self.nats_access = nats_access(self.config)
         await self.bus.connect(self.nats_access, self.stopping)
         self.add_routes(self.http.app)
-        await self.http.start(self.config.host, self.config.port, self.http_tls())
+        tls = self.http_tls()
+        await self.http.start(self.config.host, self.config.port, tls)
         if self.config.port_file:
             write_port_file(self.config.port_file, self.http.port)
         await self.start()
         if self.owns_process:
             freeze_heap()
         self.ready = True
-        self.log.info("%s %s ready: http://%s:%d", self.role, self.instance_id, self.config.host, self.http.port)
+        self.log.info("%s %s ready: %s://%s:%d", self.role, self.instance_id, "https" if tls else "http",
+                      self.config.host, self.http.port)
 
     async def close(self) -> None:
         self.ready = False

@@ -9,6 +9,7 @@ It makes files and configs; it starts nothing (`tools/up.py` does).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import os
@@ -149,10 +150,8 @@ def users_conf() -> str:
             f"authorization {{\n  timeout: 2\n  users: [\n{users}\n  ]\n}}\n")
 
 
-def main(argv: Sequence[str]) -> int:
-    """`kvcentric certs`: the material of a secured deployment (compose, Kubernetes) in a folder."""
-    import argparse
-
+def certs_parser() -> argparse.ArgumentParser:
+    """The arguments of `kvcentric certs`."""
     parser = argparse.ArgumentParser(prog="kvcentric certs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="folder to write the CA, certificates, passwords and API key to")
     parser.add_argument("--nats-host", action="append", default=[],
@@ -160,6 +159,12 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--gateway-host", action="append", default=[], help="a name clients reach the gateway by")
     parser.add_argument("--users-conf", action="store_true",
                         help="print nats-server's authorization block (passwords from its environment) and exit")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """`kvcentric certs`: the material of a secured deployment (compose, Kubernetes) in a folder."""
+    parser = certs_parser()
     args = parser.parse_args(argv)
     if args.users_conf:
         print(users_conf(), end="")
