@@ -26,10 +26,11 @@ instruction set has (`KVC_CPU_ISA`: native, the default, or avx512, avx2, portab
 the environment that holds torch to the same set for a comparison). The tests also build `avx512-emulated`
 (`isas.EMULATED`): the AVX-512 lines over SIMDe's portable vectors, for a CPU without AVX-512 (`simde_version`).
 Built once per source, compiler flags and CPU into a cache directory (`KVC_KERNEL_CACHE`, default
-~/.cache/kvcentric/kernels), atomically, so concurrent engines share one build. An image without a compiler carries builds made ahead of time (`prebuild`, into
-`KVC_KERNEL_PREBUILT`): where no compiler is found, `native` takes the widest of them this CPU runs, and a named ISA
-its own. Where no compiler works (`CXX`, else c++/g++/clang++) `load()` says why once and
-returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU cannot run, it raises.
+~/.cache/kvcentric/kernels), atomically, so concurrent engines share one build. An image without a compiler carries
+builds made ahead of time (`prebuild`, into `KVC_KERNEL_PREBUILT`): where no compiler is found, `native` takes the
+widest of them this CPU runs, and a named ISA its own. Where no compiler works (`CXX`, else c++/g++/clang++)
+`load()` says why once and returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU
+cannot run, it raises.
 
 It computes; it decides nothing about when a kernel is used (`ModelRunner`, `llama.Attention`).
 
