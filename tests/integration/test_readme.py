@@ -86,6 +86,8 @@ NOT_RUN = {
     "--prefill-pipeline 2 --decode 1   # serves until Ctrl-C": "a cluster that serves until Ctrl-C; "
                                                              "tests/integration/test_pipeline_prefill.py runs it",
     "docker compose up --build": "needs docker; tests/unit/test_compose.py checks docker-compose.yml",
+    "apt-get install -y libsimde-dev": "installs a system package (root and the network); make test runs "
+                                       "tests/unit/test_cpu_isa.py, these cases included where SIMDe is installed",
     "python3 -m bench.engine.bench_gpu --eager-too": "needs a GPU; bench/engine/gpu_check.sh runs it there, and "
                                              "tests/integration/test_bench_gpu.py runs a CPU smoke of it",
     "docker compose -f docker-compose.prfaas.yml up --build ": "needs docker; tests/unit/test_compose_prfaas.py "

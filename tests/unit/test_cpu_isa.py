@@ -2,11 +2,18 @@
 each loaded from its own library in this process: decode and prefill attention give SDPA's numbers, the layer ops
 torch's, the small GEMM torch's linear to fp32 rounding and the same bits in every build (one in-order fused
 multiply-add chain per output, whatever the vectors); the AVX-512 build compiles on any x86-64 machine; the ISA
-is chosen by name, checked against the CPU before loading, and capped alike for torch in a subprocess."""
+is chosen by name, checked against the CPU before loading, and capped alike for torch in a subprocess.
+
+The `avx512` cases run on a CPU without AVX-512 too, through the `avx512-emulated` build (the kernels' AVX-512 lines,
+16 lanes and tiles, over SIMDe's portable `__m512`), wherever the compiler finds SIMDe's headers (libsimde-dev);
+they skip only where the CPU has no AVX-512 and there is no SIMDe to emulate it with."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -24,16 +31,32 @@ from kvcentric.model.config import preset
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler on this machine")
 
-VECTORS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512"}
+VECTORS = {"portable": "portable", "avx2": "avx2", "avx512": "avx512", kernels.EMULATED: "avx512-emulated"}
 """What the library of each ISA says it was built with (`native`: whichever this CPU has)."""
+
+
+def emulation() -> str:
+    """Why the AVX-512 path cannot be emulated here ("" where it can: SIMDe's headers found, and the AVX2 its
+    build is compiled for)."""
+    try:
+        isas.check_cpu(kernels.EMULATED)
+    except kernels.UnsupportedIsa as exc:
+        return str(exc)
+    if kernels.simde_version() is None:
+        return ("the compiler finds no SIMDe headers to emulate it with (simde/x86/avx512.h: apt-get install "
+                "libsimde-dev; a machine with only Python and pip has none)")
+    return ""
 
 
 @pytest.fixture(scope="session")
 def builds(tmp_path_factory) -> dict[str, Path]:
     """Each runnable ISA's library, built side by side into a directory of this session (`native` from the cache
-    the engine uses, built there once per source)."""
+    the engine uses, built there once per source), and `avx512-emulated` where this CPU has no AVX-512 and the
+    emulation can be built."""
     directory = tmp_path_factory.mktemp("kernels")
-    names = [name for name in kernels.runnable() if name != "native"]
+    names: list[str] = [name for name in kernels.runnable() if name != "native"]
+    if "avx512" not in names and not emulation():
+        names.append(kernels.EMULATED)
     with ThreadPoolExecutor(len(names) + 1) as pool:
         built = {name: pool.submit(kernels.build, directory, name) for name in names}
         built["native"] = pool.submit(kernels.build, None, "native")
@@ -42,10 +65,16 @@ def builds(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(params=list(isas.ISAS))
 def library(request, builds) -> tuple[str, kernels.CpuAttention, kernels.CpuLayerOps]:
-    if request.param not in builds:
-        pytest.skip(f"this CPU cannot run {request.param}")
-    path = builds[request.param]
-    return request.param, kernels.CpuAttention(path), kernels.CpuLayerOps(path)
+    """The ISA's library; `avx512`'s is the emulated build where this CPU has no AVX-512."""
+    name = request.param
+    if name == "avx512" and name not in builds:
+        if kernels.EMULATED not in builds:
+            pytest.skip(f"this CPU has no AVX-512, and the AVX-512 path cannot be emulated: {emulation()}")
+        name = kernels.EMULATED
+    if name not in builds:
+        pytest.skip(f"this CPU cannot run {name}")
+    path = builds[name]
+    return name, kernels.CpuAttention(path), kernels.CpuLayerOps(path)
 
 
 def test_each_build_says_which_vectors_it_has(library):
@@ -53,6 +82,19 @@ def test_each_build_says_which_vectors_it_has(library):
     expected = VECTORS.get(name) or ("avx512" if "avx512f" in isas.cpu_flags() else
                                      "avx2" if {"avx2", "fma"} <= isas.cpu_flags() else "portable")
     assert attention.isa == expected and f"kernels-{name}-" in attention.path.name
+
+
+def test_the_emulated_avx512_build_has_no_avx512_instruction(builds):
+    """What runs as `avx512` here on a CPU without it is SIMDe's code for AVX2: no zmm register, no mask register
+    (an instruction of AVX-512 left in it would end in SIGILL, or would mean a real intrinsic slipped through)."""
+    if kernels.EMULATED not in builds:
+        pytest.skip("no emulated build here: " + ("this CPU has AVX-512" if "avx512" in builds else emulation()))
+    if shutil.which("objdump") is None:
+        pytest.skip("no objdump to disassemble it with")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(builds[kernels.EMULATED])], capture_output=True,
+                          text=True, timeout=120, check=True).stdout
+    assert "kvc_prefill_attention" in code and "kvc_small_gemm" in code
+    assert not re.search(r"%zmm|%k[0-7]\b", code)
 
 
 def paged_case(batch, heads, kv_heads, head_dim, block_size, max_len, seed, dtype=torch.float32):
@@ -157,6 +199,80 @@ def test_layer_ops_are_torchs(library):
     assert torch.equal(caches[0][slots], rotated[:, heads:]) and torch.equal(caches[1][slots], v)
 
 
+
+ROW_COUNTS = (1, 3, 8, 33)
+"""Rows of a case (sequences, prompt tokens, activations): one, an odd few, a whole AVX2 vector's worth, and past
+AVX-512's 16 and 32, so that every tail of the 16-lane loops is taken."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("batch", ROW_COUNTS)
+def test_decode_at_every_row_count(library, batch, dtype):
+    """Heads of 48 (three AVX-512 vectors, six of AVX2), of 40 (whole vectors of AVX2, none of AVX-512: its scalar
+    loops) and of 16 (`tiny`'s: one AVX-512 vector), groups of three (an odd last row), contexts ending inside
+    blocks; from 8 sequences on an item reads a slot's heads together."""
+    _, attention, _ = library
+    for heads, kv_heads, head_dim in ((6, 2, 48), (3, 1, 40), (4, 2, 16)):
+        q, k_cache, v_cache, tables, lengths = paged_case(batch, heads, kv_heads, head_dim, 16, 75, batch, dtype)
+        out = attention.decode(q, k_cache, v_cache, tables, lengths, 16)
+        assert out is not None and out.dtype == dtype
+        expected = gathered_sdpa(q, k_cache, v_cache, tables, lengths, 16)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_prefill_at_every_row_count(library, rows, dtype):
+    """A prompt of `rows` tokens alone and beside one of 70 (a second key tile, 6 keys into it), heads of 80 (with
+    AVX-512 a pass of four vectors and one left over) in groups of three, and of 16: the masked loads of the key
+    tiles' tails."""
+    _, attention, _ = library
+    for lengths, head_dim in (([rows], 80), ([rows, 70], 80), ([rows, 70], 16)):
+        q, k, v, starts, lengths_, expected = causal_case(lengths, 6, 2, head_dim, rows)
+        if dtype == torch.bfloat16:  # SDPA of the rounded inputs
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+            expected = torch.cat([
+                F.scaled_dot_product_attention(*(t[a:a + n].float().transpose(0, 1) for t in (q, k, v)),
+                                               is_causal=True, enable_gqa=True).transpose(0, 1)
+                for a, n in zip(starts.tolist(), lengths)])
+        out = torch.empty(q.shape, dtype=dtype)
+        assert attention.prefill(q, k, v, out, starts, lengths_)
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, expected, atol=2e-6, rtol=1e-5)
+        else:
+            torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("rows", ROW_COUNTS)
+def test_layer_ops_at_every_row_count(library, rows):
+    """SwiGLU and RMSNorm over widths of 37 and 200 (no whole number of 16: 2 x 16 + 5, 12 x 16 + 8), rows of a wider
+    tensor; the rotary and cache write bit for bit at heads of 40 (halves of 20) and 64."""
+    _, _, ops = library
+    generator = torch.Generator().manual_seed(rows)
+    for width in (37, 200):
+        gate_up = (torch.randn(rows, 2 * width + 3, generator=generator) * 4)[:, :2 * width]
+        torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate_up[:, :width]) * gate_up[:, width:], rtol=1e-6,
+                                   atol=0)
+        x = (torch.randn(rows, width + 3, generator=generator) * 3)[:, 3:]
+        weight = torch.randn(width, generator=generator)
+        torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (width,), weight, 1e-5), rtol=2e-6,
+                                   atol=1e-6)
+    for heads, kv_heads, head_dim in ((3, 1, 40), (8, 4, 64)):
+        config = dataclasses.replace(preset("small"), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim)
+        rotary = Rotary(config)
+        rotary.compute_tables(torch.device("cpu"), torch.float32)
+        qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator)
+        positions = torch.randint(0, config.max_position, (rows,), generator=generator)
+        slots = torch.randperm(40, generator=generator)[:rows]
+        caches = [torch.zeros(40, kv_heads, head_dim) for _ in range(2)]
+        q, k, v = ops.rotate_store(qkv, heads, kv_heads, rotary.cos, rotary.sin, positions, slots, *caches)
+        rotated = rotary(qkv[:, :heads + kv_heads], AttentionBatch(positions, slots))
+        assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
+        assert torch.equal(caches[0][slots], rotated[:, heads:]) and torch.equal(caches[1][slots], v)
+
 GEMM_SHAPES = [(48, 33), (80, 64), (208, 40)]
 """[out, in]: a last panel of 16 (48, 80, 208 = 13 x 16: AVX2's strips of 4 and 2 panels with one left over), an
 input width no multiple of a vector (33, 40)."""
@@ -186,7 +302,8 @@ def test_small_gemm_is_torchs_linear_at_every_row_count(library, out_features, i
 
 def test_small_gemm_gives_the_same_bits_in_every_build(builds):
     """Each output is one in-order fused multiply-add chain from zero in every build, so the vectors change no bit
-    (a row alone or among others, on one thread or two)."""
+    (a row alone or among others, on one thread or two): the 16-lane path too, emulated where the CPU lacks it
+    (panels of 32, blocks of 12 rows), against AVX2's 8 lanes and the scalar loops."""
     outputs = {}
     threads = torch.get_num_threads()
     try:
@@ -197,7 +314,7 @@ def test_small_gemm_gives_the_same_bits_in_every_build(builds):
                 for out_features, in_features in GEMM_SHAPES:
                     weight, x, bias, residual = gemm_case(out_features, in_features, seed=1)
                     panels = ops.pack_panels(weight)
-                    for rows in (1, 2, 3, 5, 13, 37):
+                    for rows in (1, 2, 3, 5, 8, 13, 33, 37):
                         got = ops.small_linear(x[:rows], panels, out_features, bias, residual[:rows])
                         outputs.setdefault((out_features, rows), []).append((name, got))
                         alone = ops.small_linear(x[rows - 1:rows], panels, out_features, bias, residual[rows - 1:rows])
@@ -254,6 +371,26 @@ def test_the_isa_is_chosen_by_name(monkeypatch):
     assert all("-march=native" not in flags for name in ("portable", "avx2", "avx512")
                for flags in kernels.flags(name))
 
+
+def test_the_emulated_build_is_for_tests_not_a_choice_of_users(monkeypatch, tmp_path):
+    """`avx512-emulated` is built and loaded by name only: KVC_CPU_ISA, capped_env and runnable do not offer it, and
+    its build says what it needs where SIMDe's headers are missing."""
+    monkeypatch.setenv("KVC_CPU_ISA", kernels.EMULATED)
+    with pytest.raises(ValueError, match="expected one of native, avx512, avx2, portable"):
+        kernels.isa()
+    with pytest.raises(ValueError, match="'avx512-emulated'"):
+        kernels.capped_env(kernels.EMULATED)
+    assert kernels.EMULATED not in kernels.runnable() and kernels.EMULATED not in isas.ISAS
+    assert isas.checked(kernels.EMULATED, emulated=True) == kernels.EMULATED
+    assert all("-DKVC_AVX512_EMULATED" in flags and "-march=x86-64-v4" not in flags
+               for flags in kernels.flags(kernels.EMULATED))
+    monkeypatch.setattr(isas, "cpu_flags", lambda: {"sse2", "avx"})
+    monkeypatch.setattr(isas, "X86", True)
+    with pytest.raises(kernels.UnsupportedIsa, match="this CPU has no avx2"):
+        kernels.load(kernels.EMULATED)
+    monkeypatch.setattr(kernels, "simde_version", lambda: None)
+    with pytest.raises(RuntimeError, match="needs SIMDe's headers .*libsimde-dev"):
+        kernels.build(tmp_path, kernels.EMULATED)
 
 def test_capped_env_holds_torch_to_the_same_isa():
     assert kernels.capped_env("avx2") == {"KVC_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",

@@ -23,12 +23,14 @@ with -fopenmp against the libgomp torch already loaded, so its parallel loops ru
 torch team rather than a second one; it is called through ctypes, which releases the GIL for the call.
 Its loops are written once over the vectors of `simd.h`: AVX-512, AVX2 + FMA, or scalar, whichever the build's
 instruction set has (`KVC_CPU_ISA`: native, the default, or avx512, avx2, portable; `isas.py`, which also gives
-the environment that holds torch to the same set for a comparison). Built once per source, compiler flags and
-CPU into a cache directory (`KVC_KERNEL_CACHE`, default ~/.cache/kvcentric/kernels), atomically, so concurrent
-engines share one build. An image without a compiler carries builds made ahead of time (`prebuild`, into
-`KVC_KERNEL_PREBUILT`): where no compiler is found, `native` takes the widest of them this CPU runs, and a named ISA
-its own. Where no compiler works (`CXX`, else c++/g++/clang++) `load()` says why once and
-returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU cannot run, it raises.
+the environment that holds torch to the same set for a comparison). The tests also build `avx512-emulated`
+(`isas.EMULATED`): the AVX-512 lines over SIMDe's portable vectors, for a CPU without AVX-512 (`simde_version`).
+Built once per source, compiler flags and CPU into a cache directory (`KVC_KERNEL_CACHE`, default
+~/.cache/kvcentric/kernels), atomically, so concurrent engines share one build. An image without a compiler carries
+builds made ahead of time (`prebuild`, into `KVC_KERNEL_PREBUILT`): where no compiler is found, `native` takes the
+widest of them this CPU runs, and a named ISA its own. Where no compiler works (`CXX`, else c++/g++/clang++)
+`load()` says why once and returns None, and the engine keeps the gather; where KVC_CPU_ISA names a set this CPU
+cannot run, it raises.
 
 It computes; it decides nothing about when a kernel is used (`ModelRunner`, `llama.Attention`).
 
@@ -56,22 +58,25 @@ from pathlib import Path
 
 import torch
 
-from kvcentric.engine.model.kernels.isas import COMMON_FLAGS, ISA_FLAGS, Isa, UnsupportedIsa, capped_env, check_cpu, \
-    checked, isa, runnable
+from kvcentric.engine.model.kernels.isas import COMMON_FLAGS, EMULATED, ISA_FLAGS, Isa, UnsupportedIsa, capped_env, \
+    check_cpu, checked, isa, runnable
 
-__all__ = ["CpuAttention", "CpuLayerOps", "Isa", "UnsupportedIsa", "build", "cache_dir", "capped_env", "compiler",
-           "cpu_signature", "flags", "isa", "load", "load_layer_ops", "prebuild", "prebuilt", "runnable"]
+__all__ = ["EMULATED", "CpuAttention", "CpuLayerOps", "Isa", "UnsupportedIsa", "build", "cache_dir", "capped_env",
+           "compiler", "cpu_signature", "flags", "isa", "load", "load_layer_ops", "prebuild", "prebuilt", "runnable",
+           "simde_version"]
 
 log = logging.getLogger("kvcentric.kernels")
 
 SOURCES = (Path(__file__).with_name("attention.cpp"), Path(__file__).with_name("layer_ops.cpp"),
            Path(__file__).with_name("gemm.cpp"))
-HEADERS = (Path(__file__).with_name("fast_exp.h"), Path(__file__).with_name("simd.h"))
+HEADERS = (Path(__file__).with_name("fast_exp.h"), Path(__file__).with_name("simd.h"),
+           Path(__file__).with_name("avx512_emulated.h"))
 """Included by the sources: part of what a build is cached by, not compiled on their own."""
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 BUILD_TIMEOUT_S = 120.0
 
 _loaded: dict[tuple[str, Isa], CpuAttention | None] = {}
+_simde: dict[str, str | None] = {}
 
 
 def cache_dir() -> Path:
@@ -130,6 +135,25 @@ def compiler() -> str | None:
     return None
 
 
+def simde_version() -> str | None:
+    """SIMDe's version where the C++ compiler finds its AVX-512 header (`simde/x86/avx512.h`: the system's, e.g.
+    Debian's libsimde-dev, or a clone on CPATH), which the `avx512-emulated` build needs; None where it does not."""
+    cxx = compiler()
+    if cxx is None:
+        return None
+    if cxx not in _simde:
+        probe = "#include <simde/x86/avx512.h>\nkvc_simde SIMDE_VERSION_MAJOR SIMDE_VERSION_MINOR SIMDE_VERSION_MICRO\n"
+        try:
+            result = subprocess.run([cxx, "-x", "c++", "-std=c++17", "-E", "-P", "-"], input=probe,
+                                    capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.SubprocessError):
+            result = None
+        lines = [] if result is None or result.returncode != 0 else \
+            [line for line in result.stdout.splitlines() if line.startswith("kvc_simde ")]
+        _simde[cxx] = ".".join(lines[-1].split()[1:]) if lines else None
+    return _simde[cxx]
+
+
 def cpu_signature() -> str:
     """What -march=native depends on: the CPU's model and flags (a cache shared by two kinds of machine keeps
     one build per kind)."""
@@ -150,8 +174,10 @@ def build(directory: Path | None = None, isa: str | None = None) -> Path:
     """The built library's path for instruction set `isa` (default: KVC_CPU_ISA's, `native` when unset), built now
     when this source, compiler, ISA (and for `native` the CPU) have none yet; raises RuntimeError saying why it
     cannot be built. It builds for any ISA whatever this CPU runs (`load` checks that)."""
-    name = checked(isa)
+    name = checked(isa, emulated=True)
     cxx = compiler()
+    if cxx is None and name == EMULATED:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++ or clang++) for the avx512-emulated build")
     if cxx is None:
         ahead = prebuilt(name)
         if ahead is not None:
@@ -161,6 +187,12 @@ def build(directory: Path | None = None, isa: str | None = None) -> Path:
     directory = directory or cache_dir()
     source = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     machine = cpu_signature() if name == "native" else platform.machine()
+    if name == EMULATED:
+        version = simde_version()
+        if version is None:
+            raise RuntimeError(f"the {EMULATED} build needs SIMDe's headers (simde/x86/avx512.h), which {cxx} does "
+                               "not find: apt-get install libsimde-dev, or put a clone of SIMDe on CPATH")
+        machine += f" simde {version}"  # a new SIMDe is a new build
     errors = []
     for flag_set in flags(name):
         key = hashlib.sha256(source + " ".join((cxx, *flag_set)).encode() + machine.encode()).hexdigest()[:16]
@@ -187,7 +219,8 @@ class CpuAttention:
         self.path = path
         library.kvc_kernels_isa.restype = ctypes.c_char_p
         self.isa: str = library.kvc_kernels_isa().decode()
-        """The vectors the library was built with: avx512, avx2 or portable (scalar loops)."""
+        """The vectors the library was built with: avx512, avx2 or portable (scalar loops), or avx512-emulated (the
+        AVX-512 lines over SIMDe: `isas.EMULATED`)."""
         pointer, size = ctypes.c_void_p, ctypes.c_int64
         self.decode_function = library.kvc_paged_decode_attention
         self.decode_function.argtypes = [ctypes.c_int, pointer, size, pointer, pointer, pointer, size, pointer,
@@ -362,7 +395,7 @@ class CpuLayerOps:
 def load(isa: str | None = None) -> CpuAttention | None:
     """The kernels of this process for instruction set `isa` (default: KVC_CPU_ISA's; built on first use), or None
     when they cannot be built here (logged once); UnsupportedIsa where this CPU cannot run that set."""
-    name = checked(isa)
+    name = checked(isa, emulated=True)
     check_cpu(name)
     key = (str(cache_dir()), name)
     if key not in _loaded:

@@ -6,6 +6,11 @@ of x86-64 whatever the CPU, e.g. to measure how the kernels and torch do on a CP
 The kernels themselves (`simd.h`) have AVX-512 and AVX2 + FMA vector paths and a scalar one; the library says
 which it was built with (`CpuAttention.isa`). This module builds and loads nothing (`kernels.build`, `load`).
 
+`avx512-emulated` (`EMULATED`) is not a speed option and KVC_CPU_ISA does not take it: a build for tests that compiles
+the AVX-512 source lines of the kernels, 16 lanes and their register tiles, with AVX2's flags over SIMDe's portable
+`__m512` (`avx512_emulated.h`; SIMDe's headers: `apt-get install libsimde-dev`), so a CPU without AVX-512 runs that
+path (slowly) and the tests check it there.
+
 Torch picks its vector kernels once, when it is imported, so capping it takes the environment of a new process::
 
     env = {**os.environ, **kernels.capped_env("avx2")}
@@ -22,24 +27,33 @@ import os
 import platform
 from typing import Literal
 
-Isa = Literal["native", "avx512", "avx2", "portable"]
+Isa = Literal["native", "avx512", "avx2", "portable", "avx512-emulated"]
 ISAS: tuple[Isa, ...] = ("native", "avx512", "avx2", "portable")
+"""What KVC_CPU_ISA takes."""
+EMULATED: Isa = "avx512-emulated"
+"""The AVX-512 path over SIMDe for tests on a CPU without AVX-512; `kernels.build` and `load` take it by name."""
 ENV = "KVC_CPU_ISA"
 
 COMMON_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 """Every build's flags; an ISA's own are added to them."""
 X86 = platform.machine().lower() in ("x86_64", "amd64")
+EMULATION_FLAGS = ("-DKVC_AVX512_EMULATED", "-Wno-psabi")
+"""simd.h's AVX-512 branch over SIMDe (-Wno-psabi: SIMDe's 64-byte vectors passed by value without AVX-512 are
+GCC's note about an ABI no other object shares)."""
 ISA_FLAGS: dict[Isa, tuple[tuple[str, ...], ...]] = {
     "native": (("-march=native",), ()),  # () where the compiler does not take -march=native
     "avx512": (("-march=x86-64-v4",), ("-march=skylake-avx512",)),  # the second for compilers before GCC 11
     "avx2": (("-march=x86-64-v3",), ("-march=haswell",)),
     "portable": (("-march=x86-64",),) if X86 else ((),),
+    EMULATED: (("-march=x86-64-v3", *EMULATION_FLAGS), ("-march=haswell", *EMULATION_FLAGS)) if X86
+    else (EMULATION_FLAGS,),
 }
 """The ISA's flags, tried in order until one compiles."""
 
 CPU_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("avx512f", "avx512dq", "avx512bw", "avx512vl", "avx512cd", "avx2", "fma"),
     "avx2": ("avx2", "fma", "bmi2", "f16c", "movbe"),
+    EMULATED: ("avx2", "fma", "bmi2", "f16c", "movbe"),  # built with AVX2's flags
 }
 """What /proc/cpuinfo must list for code built for the ISA to run (x86-64-v4 and v3's features)."""
 
@@ -66,10 +80,12 @@ def isa() -> Isa:
     return value
 
 
-def checked(name: str | None) -> Isa:
-    """`name` as an Isa (None: `isa()`); ValueError for another name."""
+def checked(name: str | None, emulated: bool = False) -> Isa:
+    """`name` as an Isa (None: `isa()`); ValueError for another name, and for `EMULATED` unless `emulated`."""
     if name is None:
         return isa()
+    if emulated and name == EMULATED:
+        return EMULATED
     if name not in ISAS:
         raise ValueError(f"unknown instruction set {name!r}: expected one of {', '.join(ISAS)}")
     return name
@@ -95,7 +111,7 @@ def cpu_flags() -> set[str]:
 
 def check_cpu(name: Isa) -> None:
     """Raises UnsupportedIsa, saying what is missing, where this CPU cannot run code built for `name`."""
-    if name in ("native", "portable"):
+    if name in ("native", "portable") or (name == EMULATED and not X86):  # SIMDe needs nothing of another CPU
         return
     if not X86:
         raise UnsupportedIsa(f"this CPU is {platform.machine()}, not x86-64; {ENV}={name} cannot run here")

@@ -11,9 +11,10 @@
 // Without AVX-512's masked lanes GCC kept kvc_silu_mul's loop scalar: e^-x is taken only inside its range there,
 // and under the default -ftrapping-math it may not compute a lane whose operations might trap and then drop it,
 // so it did not turn the branch into a select (AVX2: silu x up 2.4x slower than torch's at 2048 rows). No trap
-// is enabled here and the values are the same; AVX-512 builds are left as they were.
+// is enabled here and the values are the same; AVX-512 builds (and the emulated one, which takes their branches)
+// are left as they were.
 // (Before the includes: an inline function compiled with other options is not inlined into these.)
-#if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX512F__)
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__AVX512F__) && !defined(KVC_AVX512_EMULATED)
 #pragma GCC optimize("no-trapping-math")
 #endif
 

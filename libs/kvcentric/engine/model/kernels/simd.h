@@ -3,20 +3,31 @@
 // and `simd::LANES` compiles to either; where the compiler targets neither, KVC_SIMD is left undefined and the
 // kernels take their scalar loops. It holds no kernel and no policy (how many rows or vectors a kernel keeps in
 // registers is the kernel's choice, per LANES).
+//
+// KVC_AVX512_EMULATED (the `avx512-emulated` build, for tests only) takes the AVX-512 branch on a CPU without it:
+// the same lines over SIMDe's portable `__m512` (avx512_emulated.h), 16 lanes, the kernels' 16-lane tiles.
 
 #pragma once
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(KVC_AVX512_EMULATED)
+#if defined(KVC_AVX512_EMULATED)
+#include "avx512_emulated.h"
+#else
 #include <immintrin.h>
+#endif
 #define KVC_SIMD 16
 
 namespace simd {
 
 using vec = __m512;
 constexpr int LANES = 16;
+#if defined(KVC_AVX512_EMULATED)
+constexpr const char* NAME = "avx512-emulated";
+#else
 constexpr const char* NAME = "avx512";
+#endif
 
 inline vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline void store(float* p, vec v) { _mm512_storeu_ps(p, v); }
