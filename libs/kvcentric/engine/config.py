@@ -120,8 +120,8 @@ class EngineConfig(BusConfig):
     hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline that the "
                                          f"measured decode model is laid over: {', '.join(HARDWARE)}")
     slow_step_s: float = setting(0.0, "testing: while --slow-while-file exists, every timed model call (calibration, "
-                                      "colocated steps) takes this many seconds more, as on a machine busy with "
-                                      "other work (0: never)")
+                                      "colocated steps) and every prefill step takes this many seconds more, as "
+                                      "on a machine busy with other work (0: never)")
     slow_while_file: str = setting("", "testing: the file whose existence makes --slow-step-s apply")
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "

@@ -23,6 +23,12 @@ from kvcentric.engine.cores.decode import DecodeEngine
 from kvcentric.engine.service.writeback import read_block
 
 
+STATS = ("kv_pushes_broken_kept", "kv_blocks_kept", "kv_tokens_kept", "kv_blocks_kept_expired", "kv_blocks_kept_served",
+         "kv_blocks_kept_handed_over")
+"""What `KeptKV.stats` counts (running totals): pushes whose KV was kept, blocks and tokens kept, blocks forgotten
+when their time ran out, blocks served to pulls, and blocks forgotten once served whole."""
+
+
 class KeptKV:
     """The blocks of broken pushes that `engine` keeps findable for `keep_s` seconds; a messenger's block source."""
 
@@ -33,7 +39,7 @@ class KeptKV:
             raise ValueError("a LayerKV cache has no whole blocks to keep")
         self.engine, self.hasher = engine, hasher
         self.kept = KeptBlocks(keep_s)
-        self.stats: collections.Counter[str] = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter(dict.fromkeys(STATS, 0))
         self.announces = False
         """Whether this instance has kept a block yet (from then on it announces its cache's blocks)."""
 
