@@ -102,7 +102,7 @@ def test_a_prefill_killed_after_1024_of_1500_tokens_leaves_them_to_the_continuat
     connection.close()
 
     decode = stats(up, "decode-0")
-    kept_tokens = decode["kv_tokens_kept"] - before["decode-0"].get("kv_tokens_kept", 0)
+    kept_tokens = decode.get("kv_tokens_kept", 0) - before["decode-0"].get("kv_tokens_kept", 0)
     kept_blocks = kept_tokens // BLOCK
     computed = stats(up, survivor)["prefill_tokens_computed"] - before[survivor]["prefill_tokens_computed"]
     from_host = stats(up, survivor)["prefill_tokens_from_host"] - before[survivor]["prefill_tokens_from_host"]
