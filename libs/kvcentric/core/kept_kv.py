@@ -67,6 +67,7 @@ class KeptBlocks:
         return block_hash in self.until
 
     def keep(self, block_hashes: Iterable[str], now: float) -> None:
+        """These blocks are kept from `now`."""
         until = now + self.keep_s
         for block_hash in block_hashes:
             self.until[block_hash] = until

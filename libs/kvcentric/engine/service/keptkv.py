@@ -17,14 +17,15 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator
 
+from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.kept_kv import KeptBlocks
 from kvcentric.engine.cores.decode import DecodeEngine
 from kvcentric.engine.service.writeback import read_block
 
 
-STATS = ("kv_pushes_broken_kept", "kv_blocks_kept", "kv_tokens_kept", "kv_blocks_kept_expired", "kv_blocks_kept_served",
-         "kv_blocks_kept_handed_over")
+STATS = ("kv_pushes_broken_kept", "kv_blocks_kept", "kv_tokens_kept", "kv_blocks_kept_expired",
+         "kv_blocks_kept_served", "kv_blocks_kept_handed_over")
 """What `KeptKV.stats` counts (running totals): pushes whose KV was kept, blocks and tokens kept, blocks forgotten
 when their time ran out, blocks served to pulls, and blocks forgotten once served whole."""
 
@@ -44,7 +45,7 @@ class KeptKV:
         """Whether this instance has kept a block yet (from then on it announces its cache's blocks)."""
 
     @property
-    def pool(self):
+    def pool(self) -> BlockPool:
         return self.engine.kv.pool
 
     def keep(self, request_id: str, now: float) -> int:
