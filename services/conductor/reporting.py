@@ -51,6 +51,7 @@ class Reporting:
                   "decode_time_estimate_s": core.t_d,
                   "placements_pulling_total": float(stats["pulls"]),
                   "pulled_blocks_total": float(stats["pulled_blocks"]),
+                  "placements_pulling_from_decode_total": float(stats["pulls_from_decode"]),
                   "rejections_prefill_total": float(stats["rejected_prefill"]),
                   "rejections_decode_total": float(stats["rejected_decode"]),
                   "probes_total": float(stats["probes"]),

@@ -4,7 +4,8 @@ in-process messenger's gRPC server, runs decode steps in the model thread, and s
 only if the batch is predicted to keep its TBT SLO with it (--tbt-slo-s; unless set, --tbt-slo-factor 5 x the
 request's unloaded step, so a request alone is never refused), else it is rejected with 429 (Mooncake §7).
 Without --profile the prediction is this instance's own measured decode model, so until it has one, and while
-that is a guess (calibrated on a busy machine), no request is rejected.
+that is a guess (calibrated on a busy machine), no request is rejected. The KV of a push that breaks off (its
+prefill died mid-prompt) is kept for the request's continuation (--kv-keep-s, `engine/service/keptkv.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
 from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.service.assembly import AssemblingSink
+from kvcentric.engine.service.keptkv import KeptKV
 from kvcentric.engine.service.kvsink import DecodeSink
 from kvcentric.engine.service.prefixkv import PrefixPulls
 from kvcentric.engine.service.reporter import Load
@@ -49,6 +51,10 @@ class CheckedDecodeSink(DecodeSink):
         self.emit([self.engine.reject_kv(request_id, verdict)])
 
 
+KEPT_CHECK_S = 0.2
+"""How often the kept KV of broken pushes is expired and its changes announced (a continuation is placed no sooner
+than the gateway's --silent-after-s after the push broke)."""
+
 PACE_BEHIND = 2
 """Prompts queued at a prefill instance beside this one that make a decode instance with --lend-pace-s pace
 itself: the prefill is then the bottleneck (a burst); with fewer (a steady closed loop) the decode steps
@@ -69,13 +75,30 @@ class DecodeService(EngineService):
             self.engine.cost = None
         self.sink = CheckedDecodeSink(self.engine, self.counters, self.intake, self.spans, self.outbox.emit,
                                       self.wake)
-        self.attach(AssemblingSink(self.sink, self.engine))  # KV of a prefill group comes from each stage
+        self.kept = KeptKV(self.engine, config.hasher(), config.kv_keep_s) \
+            if config.kv_keep_s > 0 and self.runner.layered is None else None
+        """The KV of pushes that broke off, kept for the requests' continuations and served to pulls (--kv-keep-s)."""
+        self.sink.kept = self.kept
+        self.attach(AssemblingSink(self.sink, self.engine), self.kept)  # KV of a prefill group comes from each stage
         self.prefix_pulls = PrefixPulls(self.pusher, self.runner.dtype_name, self.runner.block_size)
         self.sink.prefixes = self.prefix_pulls
         self.output_blocks = OutputBlocks(self.runner, config.hasher()) \
             if config.kv_write_back and self.runner.layered is None else None
         """The blocks each step fills with generated tokens' KV, for the prefill's pool (--kv-write-back)."""
         self.write_back = WriteBack(self.pusher, self.counters)
+
+    async def start(self) -> None:
+        await super().start()
+        if self.kept is not None:
+            self.tasks.spawn(self.tasks.every(KEPT_CHECK_S, self.check_kept), "kept-kv")
+
+    async def check_kept(self) -> None:
+        """Forget the kept blocks whose time ran out, and announce what the cache's findable blocks became (kept,
+        handed over, reused, forgotten) once it has kept any."""
+        assert self.kept is not None
+        self.kept.expire(time.monotonic())
+        if self.kept.announces:
+            await self.reporter.publish_cache_changes()
 
     async def take_jobs(self) -> None:
         await self.intake.take_jobs(self.bus, self.role, self.instance_id, DecodeJob, self.on_submit)
@@ -145,7 +168,8 @@ class DecodeService(EngineService):
 
     def gauges(self) -> dict[str, float]:
         running, waiting = self.engine.occupancy()
-        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(),
+        kept = dict(self.kept.stats) if self.kept is not None else {}
+        return {**self.engine.stats, **self.messenger.stats, **self.reporter.stats(), **self.model.stats(), **kept,
                 "kv_staging_bytes_used": self.engine.kv.staging_used, "kv_staging_bytes": self.engine.kv.staging_bytes,
                 "requests_running": running, "requests_waiting": waiting}
 

@@ -267,7 +267,7 @@ class PrefillService(EngineService):
         hooks = [push.hook(chunk.start) for chunk, push in zip(live, pushes)]
         run = self.model.run_lane if lane else self.model.run
         try:
-            tokens = await run(self.engine.execute_step, live, hooks)
+            tokens = await run(self.execute_step, live, hooks)
         except Exception as exc:  # noqa: BLE001 - the step's requests fail, the service lives on
             for chunk in live:
                 self.end_push(chunk.work, str(exc))
@@ -283,6 +283,13 @@ class PrefillService(EngineService):
                 push.finish(token, work.first_token_extras())
                 self.engine.complete(work)
                 self.tasks.spawn(self.drain_push(work, push), f"push-{work.request_id}")
+
+    def execute_step(self, chunks: list[PrefillChunk], hooks: list) -> list[int | None]:
+        """One step's chunks computed in one pass (the model thread), slowed by --slow-step-s while
+        --slow-while-file exists (tests)."""
+        tokens = self.engine.execute_step(chunks, hooks)
+        self.speed.slow_down()
+        return tokens
 
     async def chunk_push(self, chunk: PrefillChunk) -> RequestPush:
         """The request's push for this chunk (opened at its first); raises CancelledError for a cancelled

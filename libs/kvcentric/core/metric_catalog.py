@@ -21,6 +21,9 @@ RUNNING_TOTALS = frozenset({
     "kv_staged", "kv_refused_no_room", "kv_bytes_received", "kv_streams_committed", "recomputed_tokens",
     "preemptions", "decode_steps", "batch_size_sum", "tokens_generated", "requests_finished", "requests_aborted",
     "requests_rejected_tbt", "sequences_forked",
+    # decode: the KV of pushes that broke off, kept for their continuations (engine/service/keptkv.py)
+    "kv_pushes_broken_kept", "kv_blocks_kept", "kv_tokens_kept", "kv_blocks_kept_expired", "kv_blocks_kept_served",
+    "kv_blocks_kept_handed_over",
     # LayerKV
     "layerkv_prefills_admitted", "layerkv_held_for_slo", "layerkv_held_for_blocks", "layerkv_forecast_offloads",
     "layerkv_swap_ins", "layerkv_queue_delay_s_sum", "layerkv_decode_held_steps", "layerkv_retained_layers_sum",

@@ -100,6 +100,11 @@ class EngineConfig(BusConfig):
     kv_write_back: bool = setting(True, "decode: each block filled with the KV of generated tokens goes into the "
                                         "host pool of the prefill instance that sent the prompt, so a request "
                                         "migrated after this instance dies computes only its last partial block")
+    kv_keep_s: float = setting(30.0, "decode: when a prompt's KV push breaks off (its prefill instance died "
+                                     "mid-prompt), the blocks whose every layer arrived stay findable this long, "
+                                     "announced to kvs-meta and served to the prefill instance that pulls them, so "
+                                     "the request's continuation computes only the rest of the prompt (free blocks, "
+                                     "reused last); 0: dropped at once")
     tbt_slo_s: float = setting(0.0, "decode: TBT SLO, seconds; a request whose KV has all arrived is rejected "
                                     "(429, its prefill wasted) when the predicted decode step with it in the "
                                     "batch exceeds this (Mooncake §7's double-check, asked for by a conductor with "
@@ -115,8 +120,8 @@ class EngineConfig(BusConfig):
     hardware: str = setting("cpu-2core", f"decode with --tbt-slo-s: hardware preset of the roofline that the "
                                          f"measured decode model is laid over: {', '.join(HARDWARE)}")
     slow_step_s: float = setting(0.0, "testing: while --slow-while-file exists, every timed model call (calibration, "
-                                      "colocated steps) takes this many seconds more, as on a machine busy with "
-                                      "other work (0: never)")
+                                      "colocated steps) and every prefill step takes this many seconds more, as "
+                                      "on a machine busy with other work (0: never)")
     slow_while_file: str = setting("", "testing: the file whose existence makes --slow-step-s apply")
     calibrate: bool = setting(True, "time a few prefill and decode shapes at start, so the first load report "
                                     "carries this instance's measured cost model (--no-calibrate: it is learned "
@@ -196,6 +201,7 @@ class EngineConfig(BusConfig):
         require(self.load_interval_s > 0, "load_interval_s", "must be positive")
         require(self.kv_digest_every_s > 0, "kv_digest_every_s", "must be positive")
         require(self.kv_wait_s > 0, "kv_wait_s", "must be positive")
+        require(self.kv_keep_s >= 0, "kv_keep_s", "must not be negative")
         require(math.isfinite(self.layerkv_tpot_slo_s) and self.layerkv_tpot_slo_s >= 0, "layerkv_tpot_slo_s",
                 "must be 0 (off) or positive")
         require(0 <= self.layerkv_offload_threshold <= 1, "layerkv_offload_threshold", "must be in [0, 1]")

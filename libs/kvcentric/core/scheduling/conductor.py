@@ -1,20 +1,20 @@
 """The Conductor's core: turns a ScheduleRequest and the prefix blocks each instance holds into a Placement
 or a Rejection, and keeps the dispatch-time accounting the next decision needs. Pure, time passed in.
 
-Mooncake Algorithm 1 end to end: each decision first builds every candidate's view (`view.PrefillView`: its
-last load report, the placements in flight there, its TTFT correction and the prompt's blocks it holds, a
-pipelined group's from its stages in `groups`), the placement policy picks from those views the prefill instance
-and predicts TTFT (`policies`), admission picks the decode instance by predicted TBT and applies the rejection mode
-(`admission`), and on a placement the chosen instances' queues, the pull link and the decode forecast
-are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement counts
-in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
+Mooncake Algorithm 1 end to end: each decision first builds every candidate's view (`view.PrefillView`: its last
+load report, the placements in flight there, its TTFT correction and the prompt's blocks it holds, a pipelined
+group's from its stages in `groups`), the placement policy picks from those views the prefill instance and predicts
+TTFT (`policies`), and it pulls the prompt's leading blocks from a decode instance that kept them after their
+prefill died mid-prompt where that is sooner (`holders`); admission picks the decode instance by predicted TBT and
+applies the rejection mode (`admission`), and on a placement the chosen instances' queues, the pull link and the
+decode forecast are updated ("updates the cache and queue times for that instance accordingly", §6.1: the placement
+counts in the instance's T_queue until its load reports list it, and the prompt's blocks count as held there until
 its KV events say so). Placement ranks, and admission judges, each predicted TTFT times its instance's learned
 correction (`correction`: actual over predicted, from first tokens, timed chunks and late placements), against the
 request's SLOs (`slo`: absolute, or relative to the unloaded speed of the fastest trusted model). An idle prefill
 instance refused on its prediction gets one request now and then anyway (`probe_every_s`), so a stale estimate is
-measured again instead of refusing for ever. It decides where
-a request goes; it does not send it there, ask kvs-meta, or read a clock. The live conductor service and
-the simulator drive this same class.
+measured again instead of refusing for ever. It decides where a request goes; it does not send it there, ask
+kvs-meta, or read a clock. The live conductor service and the simulator drive this same class.
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from kvcentric.core.scheduling.config import SchedulerConfig
 from kvcentric.core.scheduling.correction import TtftCorrection
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
 from kvcentric.core.scheduling.groups import PrefillGroups
+from kvcentric.core.scheduling.holders import block_holders, pull_from_holder
 from kvcentric.core.scheduling.models import InstanceModels
 from kvcentric.core.scheduling.policies import PrefillChoice, make_policy
 from kvcentric.core.scheduling.prefix import ExpectedBlocks
 from kvcentric.core.scheduling.registry import DecodeState, InstanceRegistry, PrefillState
 from kvcentric.core.scheduling.slo import Slo
-from kvcentric.core.scheduling.view import PrefillView, PromptBlocks, instance_view
+from kvcentric.core.scheduling.view import BlockHolder, PrefillView, PromptBlocks, instance_view
 
 MAX_PENDING = 100_000
 """Placements remembered for their outcome; the oldest are dropped beyond this."""
@@ -236,6 +237,9 @@ class Conductor:
         choice = self._choose_prefill(request, prefills, now, len(decodes))
         if choice is None:
             return self._no_instance(request, [], decodes)
+        if self.router is None and self.cache_aware(request):  # a killed prefill's KV, kept where it was pushed
+            holders = block_holders(hits, decodes, self.registry.prefill)
+            choice = pull_from_holder(request, choice, holders, self.estimator, self.links, now)
         slo = self.slo_for(request.n_tokens, alive, decodes)
         decode = self._decode_for(request, choice, decodes, now, slo)
         judged_ttft_s = self.judged_ttft_s(choice)
@@ -357,6 +361,7 @@ class Conductor:
             self.links.reserve(choice.source.instance_id, instance.instance_id, nbytes, now)
             self.stats["pulls"] += 1
             self.stats["pulled_blocks"] += choice.pull_blocks
+            self.stats["pulls_from_decode"] += isinstance(choice.source, BlockHolder)
         decode.instance.forecast.add(request.request_id, now + choice.ttft_s, request.n_tokens)
         if len(self.pending) >= MAX_PENDING:
             oldest = next(iter(self.pending))

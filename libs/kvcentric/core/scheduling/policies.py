@@ -20,7 +20,7 @@ from typing import Literal, Protocol, get_args
 
 from kvcentric.core.protocol import ScheduleRequest
 from kvcentric.core.scheduling.estimators import Estimator, LinkTable
-from kvcentric.core.scheduling.view import PrefillView
+from kvcentric.core.scheduling.view import BlockHolder, PrefillView
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,8 +32,9 @@ class PrefillChoice:
     """Predicted prefill execution time (what the instance's queue grows by)."""
     prefix_blocks: int
     """Leading blocks the instance will not compute (held locally, or pulled)."""
-    source: PrefillView | None = None
-    """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling."""
+    source: PrefillView | BlockHolder | None = None
+    """Instance to pull the blocks [local prefix, prefix_blocks) from, when pulling (a prefill instance, or a decode
+    instance keeping a broken push's KV)."""
     local_blocks: int = 0
     """Leading blocks the instance holds itself."""
     decode_prefix_source: PrefillView | None = None

@@ -3,7 +3,8 @@
 do not show yet, its TTFT correction and the blocks of the prompt it holds. Pure, time passed in; a view is a
 value that policies read and nothing writes through (the Conductor accounts a placement on its registry).
 
-A pipelined prefill group's view is built in `groups` from its stages; this module builds a whole instance's.
+A pipelined prefill group's view is built in `groups` from its stages; this module builds a whole instance's, and
+names an instance that only holds blocks to pull (`BlockHolder`).
 """
 
 from __future__ import annotations
@@ -67,6 +68,17 @@ class PrefillView(NamedTuple):
     """Of those, the ones it holds now: the only ones another instance can pull from it."""
     pipeline_addrs: tuple[str, ...] = ()
     """A group's later stages' messengers, in order (a whole instance has none)."""
+
+
+class BlockHolder(NamedTuple):
+    """An instance that is no prefill candidate but holds leading blocks of the prompt a prefill instance may pull
+    from its messenger: a decode instance keeping the KV a prefill killed mid-prompt had pushed it
+    (`holders.pull_from_holder`)."""
+
+    instance_id: str
+    kv_addr: str
+    cluster: str
+    held_blocks: int
 
 
 def instance_view(state: PrefillState, now: float, prompt: PromptBlocks = NO_PROMPT,

@@ -9,8 +9,9 @@ When blocks run out the newest running request is preempted (blocks freed) and l
 tokens, as vLLM does, instead of failing. KV that arrives when no blocks are free waits in a bounded host
 staging area and is loaded into blocks once they free up, like a preempted request (Mooncake §3: KV lands
 in the decode node's DRAM first); only when staging is full too is it refused, with `KVNoRoom` (a 429 to
-the client, retryable). `abort` frees at any point. Time is passed in; no I/O. Only
-`execute` touches torch (through the runner) and may run in a worker thread.
+the client, retryable). `abort` frees at any point; before that, for a push that broke off, `received_blocks` says
+which blocks hold KV in every layer (the sink keeps them findable, `engine/service/keptkv.py`). Time is passed in;
+no I/O. Only `execute` touches torch (through the runner) and may run in a worker thread.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Literal
 
 from kvcentric.core.costmodel import CostModel, TBTVerdict, decode_tbt_check
 from kvcentric.core.block_pool import BlockPool
+from kvcentric.core.kept_kv import ReceivedKV
 from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.core.scheduling.slo import relative_tbt_s
 from kvcentric.engine.cores.decode_sampling import BatchSampler
@@ -96,6 +98,7 @@ class DecodeEngine:
             self._stage(request, needed)
         request.prompt = list(prompt)
         request.layer_tokens = [0] * num_layers
+        request.received = ReceivedKV(num_layers)
         request.state = "receiving"
         request.pool_addr = pool_addr
 
@@ -123,6 +126,8 @@ class DecodeEngine:
         else:
             self.runner.write_layer(layer, request.blocks, start, end, key, value)
         request.layer_tokens[layer] += end - start
+        if request.received is not None:
+            request.received.add(layer, start, end)
         self.stats["kv_bytes_received"] += len(key) + len(value)
 
     def check_tbt(self, request_id: str) -> TBTVerdict:
@@ -153,7 +158,7 @@ class DecodeEngine:
         """All layers are in: emit the prefill's first token (with the logprobs in `extras`, a msgpack
         FirstToken, when asked for) and join the batch (or finish)."""
         request = received(self.requests, request_id)
-        request.state = "running"
+        request.state, request.received = "running", None
         self.stats["kv_streams_committed"] += 1
         chunks = self._start(request, first_token, decode(extras, FirstToken) if extras else None)
         if request.staged is not None and request.key in self.requests:  # waits for blocks, as if preempted
@@ -168,6 +173,16 @@ class DecodeEngine:
             self.kv.free(request.blocks)
             self.staging.unstage(request)
             request.blocks, request.layer_tokens, request.state = [], [], "waiting_kv"
+            request.received = None
+
+    def received_blocks(self, request_id: str) -> tuple[list[int], list[int]]:
+        """A request still receiving its KV (a push that breaks off now): its cache blocks whose every token arrived
+        in every layer, and the prompt tokens they hold; none for one whose KV waits in host staging."""
+        request = self.requests.get(request_id)
+        if request is None or request.state != "receiving" or request.staged is not None or request.received is None:
+            return [], []
+        blocks = min(request.received.whole_blocks(self.kv.block_size), len(request.blocks))
+        return request.blocks[:blocks], request.prompt[:blocks * self.kv.block_size]
 
     def adopt(self, job: DecodeJob, prompt: list[int], blocks: list[int], first_token: int,
               first: FirstToken | None = None) -> list[TokenChunk]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from kvcentric.core.kept_kv import ReceivedKV
 from kvcentric.core.protocol import DecodeJob, TokenChunk, TokenLogprob
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -34,6 +35,8 @@ class DecodeRequest:
     """Host staging bytes reserved for it."""
     pool_addr: str = ""
     """The messenger whose pool takes the blocks its generated tokens fill (the prefill's, named in the push)."""
+    received: ReceivedKV | None = None
+    """While its KV arrives: which of its prompt's tokens arrived in every layer (what a broken push leaves)."""
 
     @property
     def request_id(self) -> str:

@@ -90,10 +90,11 @@ class EngineService(Service):
         self.metrics.vllm_labels = {"model_name": self.runner.config.name}
         self.metrics.vllm_gauges = self.vllm_gauges
 
-    def attach(self, sink) -> None:
-        """The in-process messenger (serving pushes into `sink`), the load reporter and the role change."""
+    def attach(self, sink, source=None) -> None:
+        """The in-process messenger (serving pushes into `sink`, pulls from `source` or else the host pool), the load
+        reporter and the role change."""
         self.messenger = Messenger(sink, self.host, self.runner, self.gpus,
-                                   self.mooncake[1] if self.mooncake else None)
+                                   self.mooncake[1] if self.mooncake else None, source)
         self.reporter = Reporter(self.bus, self.instance_id, self.config.cluster, self.pool, self.host, self.pusher,
                                  heartbeat_every_s=2 * self.config.load_interval_s)
         self.role_change = RoleChange(self.role, self.tasks, self.counters, self.log, self.idle, self.report_load,

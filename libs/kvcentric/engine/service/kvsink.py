@@ -7,7 +7,9 @@ engine has no room for, on the device or in host staging, waits for room (the pu
 gRPC's flow control) while steps free blocks, up to ROOM_WAIT_S: its prompt is computed, and a request that ends
 frees room within a few steps; only past that does its request end with a 429. A request whose job names a
 local prefix source (PrfaaS §3.3) gets the prefix's KV from that pull (`engine/service/prefixkv.py`) when its push
-begins, and only the rest from the push. It receives; it does not schedule decode steps.
+begins, and only the rest from the push. A push that breaks off leaves the blocks whose every layer arrived
+findable for the request's continuation (`engine/service/keptkv.py`). It receives; it does not schedule decode
+steps.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Callable, Container, Sequence
 
 from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.cores.decode import DecodeEngine, KVNoRoom, KVRejected
+from kvcentric.engine.service.keptkv import KeptKV
 from kvcentric.engine.service.node import Wakeup
 from kvcentric.engine.service.prefixkv import PrefixPulls, prefix_layers
 from kvcentric.engine.service.spans import RequestSpans
@@ -49,6 +52,8 @@ class DecodeSink:
         """Set (and replaced) whenever blocks or staging may have been freed: KV waiting for room tries again."""
         self.prefixes: PrefixPulls | None = None
         """Set by the service: the local prefix pulls of PrfaaS requests."""
+        self.kept: KeptKV | None = None
+        """Set by the service: where the KV of a push that breaks off is kept (`engine/service/keptkv.py`)."""
 
     def registered(self, request_id: str) -> None:
         """The request's DecodeJob is in: KV that came first may go on."""
@@ -146,6 +151,8 @@ class DecodeSink:
         self.wake.set()
 
     def abort(self, request_id: str, reason: str, retryable: bool = False) -> None:
+        if self.kept is not None:  # what arrived in every layer stays findable for the request's continuation
+            self.kept.keep(request_id, time.monotonic())
         if retryable:
             self.engine.reset_kv(request_id)
         else:

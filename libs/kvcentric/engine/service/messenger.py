@@ -1,6 +1,7 @@
 """An engine's in-process messenger: the KVTransfer gRPC server that takes pushed KV into the role's sink,
-serves this node's host-pool blocks to peers that pull them (hot-spot replication) and keeps the blocks a
-decode instance puts back there (the KV of the tokens it generated, for a request migrated after it dies).
+serves this node's host-pool blocks to peers that pull them (hot-spot replication; on a decode instance, the
+blocks of a push that broke off, `keptkv.py`) and keeps the blocks a decode instance puts back there (the KV of
+the tokens it generated, for a request migrated after it dies).
 
 It moves KV in and blocks in and out (over gRPC, and where a link chose it Mooncake's Transfer Engine, whose
 registered memory `mooncake_parts` sets up once per engine); what pushed KV becomes is the sink's business.
@@ -16,7 +17,7 @@ from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.runtime.mooncake import MooncakeReceiver, MooncakeSender, open_mooncake
 from kvcentric.runtime.mooncake import available as mooncake_unavailable
 from kvcentric.runtime.security import transfer_tls
-from kvcentric.runtime.transfer import KVSink, KVTransferServicer, advertised_address, start_server
+from kvcentric.runtime.transfer import BlockSource, KVSink, KVTransferServicer, advertised_address, start_server
 
 log = logging.getLogger("kvcentric.messenger")
 
@@ -58,9 +59,11 @@ class Messenger:
     """The gRPC server on --kv-host:--kv-port; `addr` is what peers push to once it listens."""
 
     def __init__(self, sink: KVSink, host: HostBlockPool | None, runner: ModelRunner, gpus: tuple[str, ...] = (),
-                 mooncake: MooncakeReceiver | None = None) -> None:
-        """`gpus`, `mooncake`: what the servicer advertises and reads with (`KVTransferServicer`)."""
-        source = HostPoolSource(host, runner) if host is not None else None
+                 mooncake: MooncakeReceiver | None = None, source: BlockSource | None = None) -> None:
+        """`gpus`, `mooncake`: what the servicer advertises and reads with (`KVTransferServicer`); `source`: what
+        pulls are served from, where not the host pool (a decode instance's kept blocks, `keptkv.py`)."""
+        if source is None and host is not None:
+            source = HostPoolSource(host, runner)
         self.transfer = KVTransferServicer(sink, source, host, gpus, mooncake)
         self.addr = ""
         self._server = None

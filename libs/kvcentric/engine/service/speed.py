@@ -13,8 +13,8 @@ down the model follows within seconds), or once serving has timed enough steps o
 Old samples decay: a sample timed more than `SAMPLE_MAX_AGE_S` ago leaves the fit (`age_out`), and an idle engine
 calibrates the parts that lost samples again, so a stale shape does not speak for a machine that has changed.
 
-For tests, `--slow-step-s` with `--slow-while-file` makes every timed model call slower while a file exists, as a
-machine busy with other work would.
+For tests, `--slow-step-s` with `--slow-while-file` makes every timed model call, and every prefill step, slower
+while a file exists, as a machine busy with other work would.
 """
 
 from __future__ import annotations
@@ -91,11 +91,15 @@ class SpeedMeter:
         """`fn(*args)` and the seconds it took on the device (the compute stream waited for on CUDA)."""
         start = time.perf_counter()
         result = fn(*args)
-        if self.slow_step_s and os.path.exists(self.slow_while_file):
-            time.sleep(self.slow_step_s)
+        self.slow_down()
         if self.runner.device.type == "cuda":
             torch.cuda.current_stream(self.runner.device).synchronize()
         return result, time.perf_counter() - start
+
+    def slow_down(self) -> None:
+        """For tests (in the model thread): sleep `slow_step_s` while `slow_while_file` exists."""
+        if self.slow_step_s and os.path.exists(self.slow_while_file):
+            time.sleep(self.slow_step_s)
 
     def prefill(self, n_new: int, n_cached: int, seconds: float) -> bool:
         """One prefill chunk timed while serving; True when the fit was redone."""

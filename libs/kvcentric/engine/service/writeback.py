@@ -67,12 +67,7 @@ class OutputBlocks:
                 for r in batch if (index := self.filled_by(r)) is not None]
 
     def read(self, block: int) -> bytes:
-        """One cache block's bytes in host-pool layout: its slots are contiguous in every layer, so one copy
-        (a fifth of the time `ModelRunner.read_blocks` takes for one block)."""
-        start = block * self.block_size
-        end = start + self.block_size
-        data = torch.stack((self.runner.k_cache[:, start:end], self.runner.v_cache[:, start:end]), dim=1)
-        return data.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return read_block(self.runner, block)
 
     def block_hash(self, request: DecodeRequest, index: int) -> bytes:
         """The chained hash of block `index` of the request's tokens (prompt, then those generated)."""
@@ -87,6 +82,15 @@ class OutputBlocks:
         block_hash = self.hasher.hash_block(parent, tokens[index * size:(index + 1) * size])
         self.last[request.key] = (index, block_hash)
         return block_hash
+
+
+def read_block(runner: ModelRunner, block: int) -> bytes:
+    """One cache block's bytes in host-pool layout: its slots are contiguous in every layer, so one copy (a fifth
+    of the time `ModelRunner.read_blocks` takes for one block)."""
+    start = block * runner.block_size
+    end = start + runner.block_size
+    data = torch.stack((runner.k_cache[:, start:end], runner.v_cache[:, start:end]), dim=1)
+    return data.cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 class WriteBack:
