@@ -13,6 +13,8 @@ import pytest
 from twodc import TwoDatacenters, TwoDCConfig
 from waiting import eventually
 
+from kvcentric.core.prfaas.routing import ShortTermPolicy
+
 THRESHOLD = 64
 
 
@@ -81,6 +83,14 @@ def indexed(two_dcs, blocks: float) -> None:
                until=lambda held: held >= blocks)
 
 
+def link_drained(two_dcs) -> None:
+    """Wait until no PrfaaS cluster's egress counts as scarce (`ShortTermPolicy.scarce_above`): the link's
+    measured use decays once its pushes end."""
+    scarce = ShortTermPolicy().scarce_above
+    eventually(lambda: two_dcs.health("conductor")["prfaas"]["egress_utilization"], "the link's egress drained",
+               until=lambda use: all(value <= scarce for value in use.values()))
+
+
 def complete_tokens(url: str, token_ids: list[int]) -> tuple[str, str, list[int]]:
     body = json.dumps({"model": "tiny", "prompt": token_ids, "max_tokens": 6, "temperature": 0,
                        "ignore_eos": True, "logprobs": 1}).encode()
@@ -110,5 +120,6 @@ def test_only_the_uncached_part_of_a_prompts_kv_crosses_the_link(two_dcs):
     assert decode_counter(two_dcs, "prefix_tokens_pulled_total") - pulled == 48
     assert two_dcs.health("conductor")["prfaas"]["routed"]["kv_tokens_kept_local"] >= 48
     indexed(two_dcs, held + 3 + 12)  # the 12 new full blocks the PrfaaS prefill computed
+    link_drained(two_dcs)  # a link still busy with that push would route by the PD cluster's prefix alone
     prefill, _, local_answer = complete_tokens(two_dcs.url, prompt)  # now cached in both clusters: l = 8 <= t
     assert prefill == "prefill-pd-0" and local_answer == remote_answer
