@@ -8,8 +8,10 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
+from llguidance import LLMatcher
 
 from kvcentric.core.openai_api import ApiError, parse_chat, parse_completion
 from kvcentric.core.protocol import SamplingParams
@@ -104,3 +106,42 @@ def test_text_is_no_constraint_and_every_way_of_asking_reaches_the_sampling_para
 def test_a_grammar_that_does_not_build_lets_its_sequence_only_end():
     guides = Guides(PRESETS["tiny"])
     assert guides.allowed("k", "not a grammar {", []).nonzero().flatten().tolist() == [257]
+
+
+def alone(guides: Guides, grammar: str, output: list[int]) -> torch.Tensor:
+    """One sequence's mask computed on its own, from a new matcher, as the engines did row by row before."""
+    matcher = LLMatcher(guides.tokenizer, grammar)
+    matcher.consume_tokens(output)
+    if matcher.is_error():
+        return guides.only_eos()
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = torch.from_numpy(bits[:guides.vocab_size].astype(bool))
+    return allowed if bool(allowed.any()) else guides.only_eos()
+
+
+@pytest.mark.parametrize("vocab", [258, 32000, 32001])
+def test_a_batch_of_sequences_in_different_states_gets_the_masks_each_gets_alone(vocab):
+    """`Guides.masks` feeds every row's matcher and computes the batch's masks into one bitmask: each row's is
+    the one its sequence gets alone, whatever the others' grammars and states (at the start, mid-string, done,
+    refused, a grammar that does not build, a row not guided), on the worker thread (`start`) too, and step
+    after step as each matcher is fed only its new tokens."""
+    guides = Guides(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    choice = parse_guide({"guided_choice": ["yes", "no"]})
+    regex = parse_guide({"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})
+    rows = [("start", schema, []), ("mid", schema, list(b'{"ok":true,"size":"M","count":4')), None,
+            ("done", choice, list(b"yes")), ("refused", regex, list(b"ab_")), ("broken", "not a grammar {", []),
+            ("regex", regex, list(b"abc-1")), ("again", schema, list(b'{"ok":true,"si'))]
+    for step in range(3):
+        expected = [None if row is None else alone(guides, row[1], row[2]) for row in rows]
+        started = guides.start(rows)
+        assert started is not None
+        for masks in (guides.masks(rows), started.result()):
+            assert [mask is None for mask in masks] == [row is None for row in rows]
+            assert all(mask is None or torch.equal(mask, want) for mask, want in zip(masks, expected))
+        assert all(expected[i].nonzero().flatten().tolist() == [257] for i in (3, 4, 5))  # they may only end
+        rows = [row if row is None or row[0] in ("done", "refused", "broken")
+                else (row[0], row[1], row[2] + [int(expected[i].nonzero()[-1])]) for i, row in enumerate(rows)]
+        rows += [(f"late{step}", schema, list(b'{"ok":fal')), None]
+    assert guides.start([None, None]) is None and guides.masks([None]) == [None]
+

@@ -4,14 +4,18 @@ A sequence's grammar state is a function of its output so far, so it is kept now
 replaying that output wherever the sequence goes: the prefill's first token, each decode step (colocated and
 mixed steps alike), each of n sequences (its own state), a preempted sequence when it resumes, and a migrated
 one on its new instances (its output is in `history`). A matcher is cached per sequence and fed only the
-tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. It decides no
+tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. A batch's masks
+are computed together, into one bitmask unpacked once, and may be computed on a worker thread (`start`) while the
+step's forward pass runs: a row's mask depends only on its output so far, known before the forward. It decides no
 token: `kvcentric.engine.model.sampling` samples under the mask.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +31,9 @@ MAX_SEQUENCES_KEPT = 4096
 """Matchers kept (one per guided sequence); past this the least recently used is dropped and rebuilt later."""
 SPECIAL = b"\xff"
 """llguidance's mark of a special token: its bytes start with 0xFF (never in UTF-8 text)."""
+
+GuideRow = tuple[str, str, Sequence[int]]
+"""A guided sequence in a batch: its key, its grammar and its output so far."""
 
 
 class ByteVocabulary:
@@ -61,6 +68,9 @@ class Guides:
         self.model = model
         self._tokenizer: LLTokenizer | None = None
         self.matchers: collections.OrderedDict[str, tuple[LLMatcher, int]] = collections.OrderedDict()
+        self._busy = threading.Lock()
+        """Held while matchers are fed and asked for masks: a matcher is used by one thread at a time."""
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -85,12 +95,41 @@ class Guides:
     def allowed(self, key: str, grammar: str, output: Sequence[int]) -> torch.Tensor:
         """The tokens the grammar allows after `output` (a bool row of the vocabulary). A sequence whose output
         the grammar refuses (it cannot, sampled under these masks) may only end."""
-        matcher = self.matcher(key, grammar, output)
-        if matcher.is_error():
-            return self.only_eos()
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:self.vocab_size].astype(bool))
-        return allowed if bool(allowed.any()) else self.only_eos()
+        allowed = self.masks([(key, grammar, output)])[0]
+        assert allowed is not None
+        return allowed
+
+    def masks(self, rows: Sequence[GuideRow | None]) -> list[torch.Tensor | None]:
+        """`allowed` of each guided row of a batch (None for a row that is not guided), the same masks as row by
+        row: every matcher fed, then each writes its row of one bitmask, which is unpacked once."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        guided = [(index, row) for index, row in enumerate(rows) if row is not None]
+        if not guided:
+            return out
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.zeros((len(guided), words), dtype=np.int32)
+        with self._busy:
+            for slot, (_, (key, grammar, output)) in enumerate(guided):
+                matcher = self.matcher(key, grammar, output)
+                if not matcher.is_error():  # (one in error would allow EOS alone; `allowed` says so below)
+                    matcher.unsafe_compute_mask_ptr(bitmask[slot].ctypes.data, words * 4)
+        bits = torch.from_numpy(np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size,
+                                              bitorder="little").view(np.bool_))
+        ends = ~bits.any(dim=1)
+        if bool(ends.any()):
+            bits[ends] = self.only_eos()
+        for slot, (index, _) in enumerate(guided):
+            out[index] = bits[slot]
+        return out
+
+    def start(self, rows: Sequence[GuideRow | None]) -> Future[list[torch.Tensor | None]] | None:
+        """`masks(rows)` begun on this engine's worker thread (llguidance computes without the GIL, so the model's
+        forward pass runs on meanwhile); None when no row is guided."""
+        if all(row is None for row in rows):
+            return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="guides")
+        return self._worker.submit(self.masks, list(rows))
 
     def matcher(self, key: str, grammar: str, output: Sequence[int]) -> LLMatcher:
         """The sequence's matcher, fed the output it has not seen yet (made and fed from the start if none is
