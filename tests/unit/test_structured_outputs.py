@@ -145,3 +145,27 @@ def test_a_batch_of_sequences_in_different_states_gets_the_masks_each_gets_alone
         rows += [(f"late{step}", schema, list(b'{"ok":fal')), None]
     assert guides.start([None, None]) is None and guides.masks([None]) == [None]
 
+
+def test_a_decode_batch_samples_under_masks_computed_together_as_row_by_row():
+    """`BatchSampler.choose_all` with the masks `start` began (a decode step's path) picks what `choose` picks
+    for each guided row alone, greedy and seeded, beside plain rows."""
+    from factories import decode_job, make_pool, make_runner
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
+
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    choice = parse_guide({"guided_choice": ["alpha", "beta"]})
+    kinds = [(SamplingParams(max_tokens=40, temperature=0.0, guide=schema), b'{"ok":'),
+             (SamplingParams(max_tokens=40, temperature=0.0), b""),
+             (SamplingParams(max_tokens=40, temperature=1.0, seed=5, guide=schema), b'{"ok":true,"size":"'),
+             (SamplingParams(max_tokens=40, temperature=0.7, seed=2, guide=choice), b"al"),
+             (SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, guide=choice), b"")]
+    runner = make_runner()
+    for seed in range(4):
+        logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        together, alone_ = DecodeEngine(runner, make_pool(runner)), DecodeEngine(runner, make_pool(runner))
+        batch = [DecodeRequest(decode_job(f"r{i}", 3, params), deadline=0.0, prompt=[256, 1, 2],
+                               generated=list(output)) for i, (params, output) in enumerate(kinds)]
+        expected = [alone_.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
+        assert together.sampler.choose_all(logits, batch, together.sampler.start(batch)) == expected
+        assert together.sampler.choose_all(logits, batch) == expected  # computed there when not begun

@@ -237,10 +237,11 @@ class DecodeEngine:
         return batch, failed
 
     def execute(self, batch: list[DecodeRequest]) -> list[int]:
+        masks = self.sampler.start(batch)  # the guided rows' masks, computed while the model runs
         self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
-        return self.sampler.choose_all(logits, batch)
+        return self.sampler.choose_all(logits, batch, masks)
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""
