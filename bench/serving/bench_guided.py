@@ -1,10 +1,11 @@
 """What structured output adds to a decode step: one decode step of a preset model (batch 1 and 8, every row
 sampled at temperature 1) with and without a JSON-schema grammar's mask on every row, and the mask alone
 (`Guides.allowed`) at the vocabulary sizes of the byte models, Llama 2 (32,000) and Llama 3 (128,256). The step
-runs as a decode engine's does (`DecodeEngine.execute`): the batch's masks begun on the guides' worker thread
-before the forward pass (`BatchSampler.start`), every row sampled after it (`BatchSampler.choose_all`); each row
-is fed the token it sampled, so its matcher moves on through the grammar as in serving, and a row that ends starts
-again as a new sequence. Goal: a masked step costs under 10% more than a plain one.
+runs as a decode engine's does (`DecodeEngine.execute`): `BatchSampler.start` (on the CPU it begins nothing), the
+forward pass, then `BatchSampler.choose_all`, which computes the batch's masks together and samples every row;
+each row is fed the token it sampled, so its matcher moves on through the grammar as in serving, and a row that
+ends starts again as a new sequence (a copy of the grammar's prototype). Goal: a masked step costs under 10% more
+than a plain one.
 
 Usage:
     .venv/bin/python -m bench.serving.bench_guided [--models tiny small] [--steps 50]

@@ -1,7 +1,8 @@
 """The next token of every sequence of a decode step from the step's logits: the plain greedy rows by one argmax
 over all of them, the others one at a time through `sampling.choose` (the same tokens either way), with each
 guided sequence's token mask, the batch's masks computed together (`start`: on a worker thread while the step's
-forward pass runs); it schedules nothing and keeps no state but the grammar states of `Guides`.
+forward pass runs, where it leaves the CPU free); it schedules nothing and keeps no state but the grammar states
+of `Guides`.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ class BatchSampler:
 
     def start(self, batch: list[DecodeRequest]) -> Masks | None:
         """Begin the masks of the batch's guided rows on the guides' worker thread, to be computed while the
-        step's forward pass runs (a row's mask depends only on its output so far); None when none is guided.
-        Give the result to `choose_all`, which waits for it."""
-        return self.guides.start([guide_row(request) for request in batch])
+        step's forward pass runs (a row's mask depends only on its output so far); None when none is guided, or
+        where the guides do not overlap the forward (on the CPU: `choose_all` computes them after it). Give the
+        result to `choose_all`, which waits for it."""
+        return self.guides.start([guide_row(request) for request in batch]) if self.guides.overlap else None
 
     def choose_all(self, logits: torch.Tensor, batch: list[DecodeRequest], masks: Masks | None = None) -> list[int]:
         """The next token of every row, in the batch's order; each request's logprobs go in `next_logprob`.

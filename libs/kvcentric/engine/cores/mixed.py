@@ -89,7 +89,7 @@ class MixedStepper:
         """Run the step: the first token of each chunk that ends its prompt (None for the others), and the
         decode batch's next tokens. A prompt that asked for prompt logprobs runs alone (it needs every row)."""
         prefill, decode = self.engine.prefill, self.engine.decode
-        masks = decode.sampler.start(step.batch)  # the guided rows' masks, computed while the model runs
+        masks = decode.sampler.start(step.batch)  # the guided rows' masks, computed while the model runs (off the CPU)
         decode._recompute([r for r in step.batch if r.recompute])
         scored = {id(c): prefill.execute(c) for c in step.chunks if c.work.job.sampling.prompt_logprobs is not None}
         plain = [c for c in step.chunks if id(c) not in scored]
