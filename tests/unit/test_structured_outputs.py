@@ -8,8 +8,10 @@ import dataclasses
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
+from llguidance import LLMatcher, LLParserLimits
 
 from kvcentric.core.openai_api import ApiError, parse_chat, parse_completion
 from kvcentric.core.protocol import SamplingParams
@@ -104,3 +106,131 @@ def test_text_is_no_constraint_and_every_way_of_asking_reaches_the_sampling_para
 def test_a_grammar_that_does_not_build_lets_its_sequence_only_end():
     guides = Guides(PRESETS["tiny"])
     assert guides.allowed("k", "not a grammar {", []).nonzero().flatten().tolist() == [257]
+
+
+def alone(guides: Guides, grammar: str, output: list[int]) -> torch.Tensor:
+    """One sequence's mask computed on its own, from a new matcher, as the engines did row by row before."""
+    matcher = LLMatcher(guides.tokenizer, grammar)
+    matcher.consume_tokens(output)
+    if matcher.is_error():
+        return guides.only_eos()
+    bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = torch.from_numpy(bits[:guides.vocab_size].astype(bool))
+    return allowed if bool(allowed.any()) else guides.only_eos()
+
+
+@pytest.mark.parametrize("vocab", [258, 32000, 32001])
+def test_a_batch_of_sequences_in_different_states_gets_the_masks_each_gets_alone(vocab):
+    """`Guides.masks` feeds every row's matcher and computes the batch's masks into one bitmask: each row's is
+    the one its sequence gets alone, whatever the others' grammars and states (at the start, mid-string, done,
+    refused, a grammar that does not build, a row not guided), on the worker thread (`start`) too, and step
+    after step as each matcher (a copy of its grammar's prototype) is fed only its new tokens."""
+    guides = Guides(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab), overlap=True)
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    choice = parse_guide({"guided_choice": ["yes", "no"]})
+    regex = parse_guide({"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})
+    rows = [("start", schema, []), ("mid", schema, list(b'{"ok":true,"size":"M","count":4')), None,
+            ("done", choice, list(b"yes")), ("refused", regex, list(b"ab_")), ("broken", "not a grammar {", []),
+            ("regex", regex, list(b"abc-1")), ("again", schema, list(b'{"ok":true,"si'))]
+    for step in range(3):
+        expected = [None if row is None else alone(guides, row[1], row[2]) for row in rows]
+        started = guides.start(rows)
+        assert started is not None
+        for masks in (guides.masks(rows), started.result()):
+            assert [mask is None for mask in masks] == [row is None for row in rows]
+            assert all(mask is None or torch.equal(mask, want) for mask, want in zip(masks, expected))
+        assert all(expected[i].nonzero().flatten().tolist() == [257] for i in (3, 4, 5))  # they may only end
+        rows = [row if row is None or row[0] in ("done", "refused", "broken")
+                else (row[0], row[1], row[2] + [int(expected[i].nonzero()[-1])]) for i, row in enumerate(rows)]
+        rows += [(f"late{step}", schema, list(b'{"ok":fal')), None]
+    assert guides.start([None, None]) is None and guides.masks([None]) == [None]
+    assert set(guides.prototypes) == {schema, choice, regex}  # (the grammar that does not build has none)
+    assert Guides(PRESETS["tiny"]).start(rows) is None  # no overlap: `masks` after the forward
+
+
+def test_a_sequence_whose_shared_lexer_runs_out_of_states_goes_on_on_a_matcher_of_its_own():
+    """Copies of a prototype share its lexer and its bound on states: a copy that reaches the bound is replayed on
+    a matcher of its own, so its masks are those it gets alone, never an end forced by the others' states."""
+    guides = Guides(PRESETS["tiny"])
+    grammar = LLMatcher.grammar_from_regex(r"(a|b)*a(a|b){12}")  # a lexer of thousands of states
+    guides.prototypes[grammar] = (LLMatcher(guides.tokenizer, grammar, limits=LLParserLimits(max_lexer_states=300)), 0)
+    generator = np.random.default_rng(0)
+    outputs = [[int(t) for t in generator.choice([ord("a"), ord("b")], 30)] for _ in range(6)]
+    for end in range(31):
+        masks = guides.masks([(f"r{i}", grammar, output[:end]) for i, output in enumerate(outputs)])
+        for mask, output in zip(masks, outputs):
+            assert mask is not None and torch.equal(mask, alone(guides, grammar, output[:end]))
+            assert bool(mask[ord("a")]) and bool(mask[ord("b")])
+    assert not any(matcher.is_error() for matcher, _, _ in guides.matchers.values())
+    assert not all(shared for _, _, shared in guides.matchers.values())  # some went on on their own
+
+
+def test_a_decode_batch_samples_under_masks_computed_together_as_row_by_row():
+    """`BatchSampler.choose_all` with the masks `start` began (a decode step's path) picks what `choose` picks
+    for each guided row alone, greedy and seeded, beside plain rows."""
+    from factories import decode_job, make_pool, make_runner
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
+
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    choice = parse_guide({"guided_choice": ["alpha", "beta"]})
+    kinds = [(SamplingParams(max_tokens=40, temperature=0.0, guide=schema), b'{"ok":'),
+             (SamplingParams(max_tokens=40, temperature=0.0), b""),
+             (SamplingParams(max_tokens=40, temperature=1.0, seed=5, guide=schema), b'{"ok":true,"size":"'),
+             (SamplingParams(max_tokens=40, temperature=0.7, seed=2, guide=choice), b"al"),
+             (SamplingParams(max_tokens=40, temperature=0.0, logprobs=2, guide=choice), b"")]
+    runner = make_runner()
+    for seed in range(4):
+        logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(seed))
+        together, alone_ = DecodeEngine(runner, make_pool(runner)), DecodeEngine(runner, make_pool(runner))
+        batch = [DecodeRequest(decode_job(f"r{i}", 3, params), deadline=0.0, prompt=[256, 1, 2],
+                               generated=list(output)) for i, (params, output) in enumerate(kinds)]
+        expected = [alone_.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
+        assert together.sampler.start(batch) is None  # on the CPU: computed in choose_all, after the forward
+        assert together.sampler.choose_all(logits, batch) == expected
+        together.guides.overlap = True  # as off the CPU: begun on the worker thread, during the forward
+        assert together.sampler.choose_all(logits, batch, together.sampler.start(batch)) == expected
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_guided_tokens_through_the_colocated_engine_are_the_same_with_masks_overlapping_the_forward(mixed):
+    """Several guided requests at once (greedy and seeded, n = 3, a plain one among them) through the colocated
+    engine's split or mixed steps: the same tokens with the masks computed after the forward (the CPU's way) and
+    during it on the worker thread (the way off the CPU), and every matcher dropped at the end."""
+    import collections
+
+    from factories import make_pool, make_runner, prefill_job, prompt
+    from kvcentric.core.hashing import BlockHasher
+    from kvcentric.core.protocol import DecodeJob
+    from kvcentric.engine.cores.colocated import ColocatedEngine
+    from kvcentric.engine.cores.mixed import MixedStepper
+
+    guides = [parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}}),
+              parse_guide({"guided_choice": ["alpha", "beta", "gamma delta"]}),
+              parse_guide({"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})]
+    answers = []
+    for overlap in (False, True):
+        runner = make_runner(num_blocks=256, block_size=4)
+        engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4))
+        engine.decode.guides.overlap = overlap
+        stepper = MixedStepper(engine, 64) if mixed else None
+        expected = 0
+        for i in range(7):
+            params = (SamplingParams(max_tokens=30, temperature=0.0) if i == 6 else
+                      SamplingParams(max_tokens=30, temperature=0.0, guide=guides[i % 3]) if i < 3 else
+                      SamplingParams(max_tokens=30, temperature=1.0, seed=i, n=3, guide=guides[i % 3]))
+            job = prefill_job(prompt(9 + i, i), params, request_id=f"q{i}")
+            engine.submit(job, DecodeJob(request_id=job.request_id, n_prompt_tokens=len(job.token_ids),
+                                         sampling=params))
+            expected += params.n
+        tokens: dict[tuple[str, int], list[int]] = collections.defaultdict(list)
+        done = set()
+        while len(done) < expected:
+            for chunk in (stepper.step() if stepper is not None else engine.step()):
+                tokens[(chunk.request_id, chunk.index)] += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    done.add((chunk.request_id, chunk.index))
+        assert not engine.decode.guides.matchers and not engine.prefill.guides.matchers
+        answers.append(dict(tokens))
+    assert answers[0] == answers[1]
+    assert ByteTokenizer().decode([t for t in answers[0][("q1", 0)] if t < 256]) in ("alpha", "beta", "gamma delta")

@@ -61,8 +61,9 @@ class DecodeEngine:
         """Every block this engine takes, shares and frees, and its host staging, go through it."""
         self.cost, self.tbt_slo_s, self.tbt_slo_factor = cost, tbt_slo_s, tbt_slo_factor
         self.requests: dict[str, DecodeRequest] = {}
-        self.guides = Guides(runner.config)
-        """Structured output's grammar state of each guided sequence."""
+        self.guides = Guides(runner.config, overlap=runner.device.type != "cpu")
+        """Structured output's grammar state of each guided sequence (masks computed during the forward pass where
+        it leaves the CPU free)."""
         self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids)
         self.staging = HostStaging(runner, self.kv)
         """Where KV that arrives at a full cache waits for blocks."""
@@ -252,10 +253,11 @@ class DecodeEngine:
         return batch, failed
 
     def execute(self, batch: list[DecodeRequest]) -> list[int]:
+        masks = self.sampler.start(batch)  # the guided rows' masks, computed while the model runs (off the CPU)
         self._recompute([r for r in batch if r.recompute])
         logits = self.runner.decode([r.generated[-1] for r in batch], [r.position for r in batch],
                                     [r.blocks for r in batch])
-        return self.sampler.choose_all(logits, batch)
+        return self.sampler.choose_all(logits, batch, masks)
 
     def fail_step(self, batch: list[DecodeRequest], error: str) -> list[TokenChunk]:
         """The step in flight raised: end its requests with the error and free everything it held."""

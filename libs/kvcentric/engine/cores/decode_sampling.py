@@ -1,26 +1,40 @@
 """The next token of every sequence of a decode step from the step's logits: the plain greedy rows by one argmax
 over all of them, the others one at a time through `sampling.choose` (the same tokens either way), with each
-guided sequence's token mask; it schedules nothing and keeps no state but the grammar states of `Guides`.
+guided sequence's token mask, the batch's masks computed together (`start`: on a worker thread while the step's
+forward pass runs, where it leaves the CPU free); it schedules nothing and keeps no state but the grammar states
+of `Guides`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection
+from concurrent.futures import Future
 
 import torch
 
 from kvcentric.core.migration import history
 from kvcentric.engine.cores.sequence import DecodeRequest
-from kvcentric.engine.model.guided import Guides
+from kvcentric.engine.model.guided import GuideRow, Guides
 from kvcentric.engine.model.sampling import choose, plain_greedy
+
+Masks = Future[list[torch.Tensor | None]]
+"""The masks of a step's rows (None for a row not guided), being computed by `BatchSampler.start`."""
 
 
 class BatchSampler:
     def __init__(self, guides: Guides, eos_token_ids: Collection[int]) -> None:
         self.guides, self.eos_token_ids = guides, eos_token_ids
 
-    def choose_all(self, logits: torch.Tensor, batch: list[DecodeRequest]) -> list[int]:
-        """The next token of every row, in the batch's order; each request's logprobs go in `next_logprob`."""
+    def start(self, batch: list[DecodeRequest]) -> Masks | None:
+        """Begin the masks of the batch's guided rows on the guides' worker thread, to be computed while the
+        step's forward pass runs (a row's mask depends only on its output so far); None when none is guided, or
+        where the guides do not overlap the forward (on the CPU: `choose_all` computes them after it). Give the
+        result to `choose_all`, which waits for it."""
+        return self.guides.start([guide_row(request) for request in batch]) if self.guides.overlap else None
+
+    def choose_all(self, logits: torch.Tensor, batch: list[DecodeRequest], masks: Masks | None = None) -> list[int]:
+        """The next token of every row, in the batch's order; each request's logprobs go in `next_logprob`.
+        `masks`: the batch's masks begun by `start` (without them, they are computed here, all together)."""
         plain = [row for row, request in enumerate(batch) if plain_greedy(request.job.sampling)]
         tokens: list[int] = [0] * len(batch)
         if plain:
@@ -28,17 +42,31 @@ class BatchSampler:
             for row, token in zip(plain, picked):
                 tokens[row] = token
                 batch[row].next_logprob = None
+        allowed = (masks.result() if masks is not None
+                   else self.guides.masks([guide_row(request) for request in batch]) if len(plain) < len(batch)
+                   else [])
         if len(plain) < len(batch):
             chosen = set(plain)
             for row, request in enumerate(batch):
                 if row not in chosen:
-                    tokens[row] = self.choose(logits[row], request)
+                    tokens[row] = self.masked(logits[row], request, allowed[row])
         return tokens
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""
+        return self.masked(logits, request, self.guides.masks([guide_row(request)])[0])
+
+    def masked(self, logits: torch.Tensor, request: DecodeRequest, allowed: torch.Tensor | None) -> int:
+        """`choose` with the sequence's grammar's mask given (`allowed`; None: not guided)."""
         sampling = request.job.sampling
         prompt, output = history(sampling, request.prompt, request.generated)
         token, request.next_logprob = choose(logits, sampling, len(output), prompt, output, self.eos_token_ids,
-                                             request.index, self.guides.mask(request.key, sampling, output))
+                                             request.index, allowed)
         return token
+
+
+def guide_row(request: DecodeRequest) -> GuideRow | None:
+    """The request's row for `Guides.masks`: its key, grammar and output so far (None when not guided)."""
+    sampling = request.job.sampling
+    return (request.key, sampling.guide, history(sampling, request.prompt, request.generated)[1]) if sampling.guide \
+        else None

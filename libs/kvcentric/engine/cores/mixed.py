@@ -89,6 +89,7 @@ class MixedStepper:
         """Run the step: the first token of each chunk that ends its prompt (None for the others), and the
         decode batch's next tokens. A prompt that asked for prompt logprobs runs alone (it needs every row)."""
         prefill, decode = self.engine.prefill, self.engine.decode
+        masks = decode.sampler.start(step.batch)  # the guided rows' masks, computed while the model runs (off the CPU)
         decode._recompute([r for r in step.batch if r.recompute])
         scored = {id(c): prefill.execute(c) for c in step.chunks if c.work.job.sampling.prompt_logprobs is not None}
         plain = [c for c in step.chunks if id(c) not in scored]
@@ -99,7 +100,7 @@ class MixedStepper:
         last_logits, decode_logits = forward(self.engine.runner, plain, step.batch, self.decode_attention)
         ends = iter(last_logits)
         firsts = {id(c): prefill.sample_first(c.work, next(ends)) if c.last else None for c in plain}
-        tokens = decode.sampler.choose_all(decode_logits, step.batch) if step.batch else []
+        tokens = decode.sampler.choose_all(decode_logits, step.batch, masks) if step.batch else []
         return [{**scored, **firsts}[id(c)] for c in step.chunks], tokens
 
     def step(self) -> list[TokenChunk]:

@@ -305,13 +305,11 @@ class PrefillEngine:
         sampling, eos = work.job.sampling, self.runner.config.eos_token_ids
         prompt, output = history(sampling, work.job.token_ids, ())
         request_id = work.job.request_id
-        token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos, 0,
-                                           self.guides.mask(request_id, sampling, output))
-        work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index,
-                                self.guides.mask(f"{request_id}#{index}", sampling, output))
+        allowed = self.guides.mask(request_id, sampling, output)  # the n sequences' (their output is the same)
+        self.guides.forget(request_id)  # they go on on decode, which replays their output there
+        token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos, 0, allowed)
+        work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index, allowed)
                          for index in range(1, sampling.n)]
-        for key in (request_id, *(f"{request_id}#{index}" for index in range(1, sampling.n))):
-            self.guides.forget(key)  # the sequences go on on decode, which replays their output there
         return token
 
     def update(self, chunk: PrefillChunk) -> None:

@@ -4,14 +4,20 @@ A sequence's grammar state is a function of its output so far, so it is kept now
 replaying that output wherever the sequence goes: the prefill's first token, each decode step (colocated and
 mixed steps alike), each of n sequences (its own state), a preempted sequence when it resumes, and a migrated
 one on its new instances (its output is in `history`). A matcher is cached per sequence and fed only the
-tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. It decides no
-token: `kvcentric.engine.model.sampling` samples under the mask.
+tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. A sequence's
+matcher is a copy of its grammar's prototype (compiled once; the copies share its lexer's states, so what one
+sequence's masks computed the others reuse). A batch's masks are computed together, into one bitmask unpacked
+once; where the forward pass leaves the CPU free (a GPU's), on a worker thread while it runs (`start`): a row's
+mask depends only on its output so far, known before the forward. It decides no token:
+`kvcentric.engine.model.sampling` samples under the mask.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +31,16 @@ from kvcentric.model.tokenizer import BYTE_VOCAB, ByteTokenizer, synthetic_word
 
 MAX_SEQUENCES_KEPT = 4096
 """Matchers kept (one per guided sequence); past this the least recently used is dropped and rebuilt later."""
+MAX_GRAMMARS_KEPT = 64
+"""Grammars whose prototype is kept; past this the least recently used is dropped and compiled again later."""
+COPIES_PER_PROTOTYPE = 64
+"""Sequences one prototype starts before it is compiled again: its copies share its lexer, whose states (and their
+memory, and llguidance's bound on their number) grow with what they all explore; this bounds how many do."""
 SPECIAL = b"\xff"
 """llguidance's mark of a special token: its bytes start with 0xFF (never in UTF-8 text)."""
+
+GuideRow = tuple[str, str, Sequence[int]]
+"""A guided sequence in a batch: its key, its grammar and its output so far."""
 
 
 class ByteVocabulary:
@@ -57,10 +71,20 @@ def llg_tokenizer(model: ModelConfig) -> LLTokenizer:
 class Guides:
     """The matchers of the guided sequences an engine samples for, and the masks they give."""
 
-    def __init__(self, model: ModelConfig) -> None:
-        self.model = model
+    def __init__(self, model: ModelConfig, overlap: bool = False) -> None:
+        """`overlap`: `start` computes a batch's masks on a worker thread, to overlap a forward pass that leaves the
+        CPU free (off the CPU); on the CPU the forward's threads take every core, and a worker beside them slows
+        it by more than it saves (measured: docs/performance-notebook.md), so the masks are computed after it."""
+        self.model, self.overlap = model, overlap
         self._tokenizer: LLTokenizer | None = None
-        self.matchers: collections.OrderedDict[str, tuple[LLMatcher, int]] = collections.OrderedDict()
+        self.matchers: collections.OrderedDict[str, tuple[LLMatcher, int, bool]] = collections.OrderedDict()
+        """Each guided sequence's matcher, the length of the output it has seen, and whether it is a prototype's
+        copy (shares its lexer)."""
+        self.prototypes: collections.OrderedDict[str, tuple[LLMatcher, int]] = collections.OrderedDict()
+        """Each grammar's matcher at its start, and the copies made of it."""
+        self._busy = threading.Lock()
+        """Held while matchers are fed and asked for masks: a matcher is used by one thread at a time."""
+        self._worker: ThreadPoolExecutor | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -85,29 +109,88 @@ class Guides:
     def allowed(self, key: str, grammar: str, output: Sequence[int]) -> torch.Tensor:
         """The tokens the grammar allows after `output` (a bool row of the vocabulary). A sequence whose output
         the grammar refuses (it cannot, sampled under these masks) may only end."""
-        matcher = self.matcher(key, grammar, output)
-        if matcher.is_error():
-            return self.only_eos()
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:self.vocab_size].astype(bool))
-        return allowed if bool(allowed.any()) else self.only_eos()
+        allowed = self.masks([(key, grammar, output)])[0]
+        assert allowed is not None
+        return allowed
+
+    def masks(self, rows: Sequence[GuideRow | None]) -> list[torch.Tensor | None]:
+        """`allowed` of each guided row of a batch (None for a row that is not guided), the same masks as row by
+        row: every matcher fed and writing its row of one bitmask, which is unpacked once."""
+        out: list[torch.Tensor | None] = [None] * len(rows)
+        guided = [index for index, row in enumerate(rows) if row is not None]
+        if not guided:
+            return out
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.zeros((len(guided), words), dtype=np.int32)
+        base = bitmask.ctypes.data
+        with self._busy:
+            for slot, index in enumerate(guided):
+                key, grammar, output = rows[index]  # type: ignore[misc]
+                matcher, shared = self.fed(key, grammar, output)
+                if not matcher.is_error():  # (one in error would allow EOS alone; it may only end, below)
+                    matcher.unsafe_compute_mask_ptr(base + slot * words * 4, words * 4)
+                if matcher.is_error() and shared:
+                    matcher, bitmask[slot] = self.unshare(key, grammar, output), 0
+                    if not matcher.is_error():
+                        matcher.unsafe_compute_mask_ptr(base + slot * words * 4, words * 4)
+        ends = ~bitmask.any(axis=1)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little").view(np.bool_)
+        if ends.any():
+            bits[ends] = self.only_eos().numpy()
+        allowed = torch.from_numpy(bits)
+        for slot, index in enumerate(guided):
+            out[index] = allowed[slot]
+        return out
+
+    def start(self, rows: Sequence[GuideRow | None]) -> Future[list[torch.Tensor | None]] | None:
+        """`masks(rows)` begun on this engine's worker thread, where `overlap` says to (llguidance computes
+        without the GIL, so the forward pass runs on meanwhile); None when not, or when no row is guided."""
+        if not self.overlap or all(row is None for row in rows):
+            return None
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="guides")
+        return self._worker.submit(self.masks, list(rows))
 
     def matcher(self, key: str, grammar: str, output: Sequence[int]) -> LLMatcher:
-        """The sequence's matcher, fed the output it has not seen yet (made and fed from the start if none is
-        kept, or if the output is not the one it has seen)."""
+        """The sequence's matcher, fed the output it has not seen yet (a new copy of the grammar's prototype fed
+        from the start if none is kept, or if the output is not the one it has seen)."""
+        return self.fed(key, grammar, output)[0]
+
+    def fed(self, key: str, grammar: str, output: Sequence[int]) -> tuple[LLMatcher, bool]:
+        """`matcher`, and whether it is a prototype's copy."""
         kept = self.matchers.pop(key, None)
-        matcher, seen = kept if kept is not None and kept[1] <= len(output) else (self.new_matcher(grammar), 0)
+        if kept is not None and kept[1] <= len(output):
+            matcher, seen, shared = kept
+        else:
+            (matcher, shared), seen = self.new_matcher(grammar), 0
         if seen < len(output):
             matcher.consume_tokens(list(output[seen:]))
-        self.matchers[key] = (matcher, len(output))
+        self.matchers[key] = (matcher, len(output), shared)
         while len(self.matchers) > MAX_SEQUENCES_KEPT:
             self.matchers.popitem(last=False)
-        return matcher
+        return matcher, shared
 
-    def new_matcher(self, grammar: str) -> LLMatcher:
-        """A matcher at the grammar's start. One whose grammar does not build (the gateway checked it, so this
-        is not expected) is in its error state, and `allowed` lets its sequence only end."""
-        return LLMatcher(self.tokenizer, grammar)
+    def new_matcher(self, grammar: str) -> tuple[LLMatcher, bool]:
+        """A matcher at the grammar's start, a copy of its prototype (True) unless the grammar does not build: then
+        it is in its error state (the gateway checked it, so this is not expected), and its sequence may only end."""
+        prototype, copies = self.prototypes.pop(grammar, (None, 0))
+        if prototype is None or copies >= COPIES_PER_PROTOTYPE:
+            prototype, copies = LLMatcher(self.tokenizer, grammar), 0
+        if prototype.is_error():
+            return prototype, False
+        self.prototypes[grammar] = (prototype, copies + 1)
+        while len(self.prototypes) > MAX_GRAMMARS_KEPT:
+            self.prototypes.popitem(last=False)
+        return prototype.deep_copy(), True
+
+    def unshare(self, key: str, grammar: str, output: Sequence[int]) -> LLMatcher:
+        """A prototype's copy fell into its error state: so that sharing the lexer (its bound on states) is never
+        what ends a sequence, the sequence is replayed on a matcher of its own, and the prototype compiled again."""
+        self.prototypes.pop(grammar, None)
+        matcher = LLMatcher(self.tokenizer, grammar)
+        matcher.consume_tokens(list(output))
+        self.matchers[key] = (matcher, len(output), False)
+        return matcher
 
     def forget(self, key: str) -> None:
         self.matchers.pop(key, None)

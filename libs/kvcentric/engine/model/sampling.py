@@ -62,9 +62,7 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
     penalised = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
     if not (holds_stops or params.logit_bias or penalised or allowed is not None):
         return logits
-    logits = logits.clone()
-    if allowed is not None:
-        logits[~allowed.to(logits.device)] = float("-inf")
+    logits = logits.clone() if allowed is None else torch.where(allowed.to(logits.device), logits, float("-inf"))
     if holds_stops:
         held = [t for t in {*stop_ids, *params.stop_token_ids} if 0 <= t < vocab]
         logits[torch.tensor(held, dtype=torch.long, device=logits.device)] = float("-inf")
