@@ -46,11 +46,28 @@ class BatchSampler:
                    else self.guides.masks([guide_row(request) for request in batch]) if len(plain) < len(batch)
                    else [])
         if len(plain) < len(batch):
-            chosen = set(plain)
+            chosen, premasked = set(plain), self.premasked(logits, batch, allowed)
             for row, request in enumerate(batch):
-                if row not in chosen:
+                if row in premasked:
+                    tokens[row] = self.masked(premasked[row], request, None)
+                elif row not in chosen:
                     tokens[row] = self.masked(logits[row], request, allowed[row])
         return tokens
+
+    @staticmethod
+    def premasked(logits: torch.Tensor, batch: list[DecodeRequest],
+                  allowed: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """Row -> its float32 logits with its grammar's mask applied (-inf where refused), for the guided rows
+        that ask for no logprobs (raw logprobs read the unmasked row), all in one op: what `adjust` does to each
+        row alone. Empty for fewer than two such rows."""
+        rows = [row for row, mask in enumerate(allowed)
+                if mask is not None and batch[row].job.sampling.logprobs is None]
+        if len(rows) < 2:
+            return {}
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        masks = torch.stack([allowed[row] for row in rows]).to(logits.device)  # type: ignore[misc]
+        masked = torch.where(masks, logits.index_select(0, index).float(), float("-inf"))
+        return dict(zip(rows, masked))
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""

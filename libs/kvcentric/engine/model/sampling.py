@@ -87,13 +87,14 @@ def draw(logits: torch.Tensor, params: SamplingParams, step: int, sequence: int 
     if params.temperature <= 0.0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True)
-    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
-    if params.top_k > 0:
-        keep[params.top_k:] = False
-    if params.top_p < 1.0:
-        keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-    probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    if params.top_k > 0 or params.top_p < 1.0:  # (with neither, the sort would keep every token where it is)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+        if params.top_k > 0:
+            keep[params.top_k:] = False
+        if params.top_p < 1.0:
+            keep &= torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
     generator = torch.Generator(device=probs.device)
     if params.seed is not None:
         generator.manual_seed((params.seed * 1_000_003 + step + sequence * SEQUENCE_STRIDE) % 2 ** 64)
