@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import time
+import urllib.request
 
 from kvcentric.runtime.security import client_context
 from kvcentric.tools.processes import Child, Supervisor, free_port, get_json, nats_server_binary
@@ -152,6 +153,16 @@ class TwoDatacenters:
 
     def health(self, name: str) -> dict:
         return get_json(self.processes.child(name).health_url, timeout_s=5.0)[1]
+
+    def metric(self, name: str, series: str) -> float | None:
+        """The value of `kvc_<series>` (its first sample, labelled or not) on service `name`'s /metrics; None when
+        it exposes no such series."""
+        url = self.processes.child(name).health_url.replace("/health", "/metrics")
+        with urllib.request.urlopen(url, timeout=5) as response:
+            for line in response.read().decode().splitlines():
+                if line.startswith((f"kvc_{series} ", f"kvc_{series}{{")):
+                    return float(line.rsplit(" ", 1)[1])
+        return None
 
     def engines_seen(self) -> bool:
         """The conductor sees every prefill instance of both datacenters and every decode instance."""

@@ -60,21 +60,11 @@ def test_long_prompts_prefill_in_the_prfaas_cluster_and_short_ones_locally(two_d
 
 
 def decode_counter(two_dcs, name: str) -> float:
-    url = two_dcs.processes.child("decode-pd-0").health_url.replace("/health", "/metrics")
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(f"kvc_{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return two_dcs.metric("decode-pd-0", name) or 0.0
 
 
 def conductor_gauge(two_dcs, name: str) -> float:
-    url = two_dcs.processes.child("conductor").health_url.replace("/health", "/metrics")
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(f"kvc_{name} ") or line.startswith(f"kvc_{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return two_dcs.metric("conductor", name) or 0.0
 
 
 def indexed(two_dcs, blocks: float) -> None:

@@ -39,12 +39,9 @@ def complete(url: str, n_tokens: int, seed: int) -> str:
 
 
 def conductor_metric(two_dcs, name: str) -> float:
-    url = two_dcs.processes.child("conductor").health_url.replace("/health", "/metrics")
-    with urllib.request.urlopen(url, timeout=5) as response:
-        for line in response.read().decode().splitlines():
-            if line.startswith(f"kvc_{name} ") or line.startswith(f"kvc_{name}{{"):
-                return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"kvc_{name} is not among the conductor's metrics")
+    value = two_dcs.metric("conductor", name)
+    assert value is not None, f"kvc_{name} is not among the conductor's metrics"
+    return value
 
 
 def test_a_saturated_link_re_derives_t_from_the_model_at_the_measured_egress(two_dcs):
