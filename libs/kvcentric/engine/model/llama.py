@@ -76,7 +76,8 @@ class Rotary(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        if torch.empty(0).is_meta:  # `weights.empty_model`: shapes only (meta arange would import TorchDynamo)
+        if torch.get_default_device().type == "meta":  # `weights.empty_model`: shapes only (a meta arange
+            # would import TorchDynamo); `compute_tables` fills them where the model runs
             with torch.device("cpu"):
                 pairs = len(rope_inverse_frequencies(config))
             cos = sin = torch.empty(config.max_position, 2 * pairs)
