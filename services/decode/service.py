@@ -10,7 +10,6 @@ prefill died mid-prompt) is kept for the request's continuation (--kv-keep-s, `e
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import time
@@ -22,7 +21,7 @@ from kvcentric.core.protocol import Cancel, DecodeJob, Role, SubmitAck
 from kvcentric.core.scheduling.slo import PACE_OF_SLO, TBT_FACTOR, relative_tbt_s
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
-from kvcentric.engine.cores.sequence import DecodeRequest
+from kvcentric.engine.cores.role_steps import DecodeSteps
 from kvcentric.engine.service.assembly import AssemblingSink
 from kvcentric.engine.service.keptkv import KeptKV
 from kvcentric.engine.service.kvsink import DecodeSink
@@ -30,7 +29,8 @@ from kvcentric.engine.service.prefixkv import PrefixPulls
 from kvcentric.engine.service.reporter import Load
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.engine.service.base import EngineService
-from kvcentric.engine.service.writeback import FilledBlock, OutputBlocks, WriteBack
+from kvcentric.engine.service.steps import Pacer, StepRunner
+from kvcentric.engine.service.writeback import OutputBlocks, WriteBack
 
 TBT_REJECTIONS = labelled("rejections_total", reason="tbt")
 log = logging.getLogger("kvcentric.decode")
@@ -86,6 +86,9 @@ class DecodeService(EngineService):
             if config.kv_write_back and self.runner.layered is None else None
         """The blocks each step fills with generated tokens' KV, for the prefill's pool (--kv-write-back)."""
         self.write_back = WriteBack(self.pusher, self.counters)
+        collect = self.output_blocks.collect if self.output_blocks is not None else None
+        self.steps = StepRunner(DecodeSteps(self.engine, collect), self.model.run)
+        self.pacer = Pacer(self.model.share, config.lend_pace_s, self.pace_s, PACE_BEHIND)
 
     async def start(self) -> None:
         await super().start()
@@ -182,6 +185,8 @@ class DecodeService(EngineService):
     # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
+        """Decode steps (`DecodeSteps`) in the model thread while any request runs; each step's tokens out, the blocks
+        it filled written back, its whole turn (from before scheduling, as the tokens' gaps see it) timed."""
         while not self.stopping.is_set():
             expired = self.engine.expire(time.monotonic())
             for chunk in expired:  # a prefix pull for a request that never got its KV is not needed any more
@@ -190,43 +195,23 @@ class DecodeService(EngineService):
             if not self.engine.has_work:
                 await self.wake.sleep(0.1)
                 continue
-            started = time.perf_counter()  # the step's whole turn, as the tokens' gaps see it
-            batch, failed = self.engine.schedule()
-            self.outbox.emit(failed)
-            if not batch:  # everything left is preempted and waiting for blocks
+            out = self.steps.schedule()
+            self.outbox.emit(out.chunks)
+            if out.idle:  # everything left is preempted and waiting for blocks
                 await self.wake.sleep(0.05)
                 continue
-            try:
-                tokens, filled = await self.model.run(self.step, batch)
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                self.log.exception("decode step failed")
-                self.outbox.emit(self.engine.fail_step(batch, f"decode step failed: {exc}"))
+            await self.steps.run(out)
+            self.outbox.emit(out.chunks)
+            if out.error is not None:
+                self.log.error("decode step failed", exc_info=out.error)
                 continue
-            kv_tokens = sum(r.context_tokens for r in batch)
-            self.outbox.emit(self.engine.update(batch, tokens))
+            assert out.result is not None
             self.sink.freed()
-            self.write_back.send(filled)
-            if self.speed.decode(len(batch), kv_tokens, time.perf_counter() - started):
+            self.write_back.send(out.result.filled)
+            if self.speed.decode(out.computed.rows, out.computed.kv_tokens, time.perf_counter() - out.started):
                 self.on_refit()
-            await self.pace(started)
-
-    def step(self, batch: list[DecodeRequest]) -> tuple[list[int], list[FilledBlock]]:
-        """One decode step (the model thread): its tokens, and the blocks it filled that go to a prefill's pool."""
-        tokens = self.engine.execute(batch)
-        return tokens, self.output_blocks.collect(batch) if self.output_blocks is not None else []
+            await self.pacer.pace(out.started)
 
     async def stop(self) -> None:
         await self.write_back.close()
         await super().stop()
-
-    async def pace(self, started: float) -> None:
-        """While an instance beside this one computes (a prefill, on the cores lent between them), start steps
-        no more often than `pace_s`, so the time between them is lent to it (`engine/service/coreshare.py`)."""
-        share = self.model.share
-        if share is None or self.config.lend_pace_s <= 0 or not share.taker_behind(PACE_BEHIND):
-            return
-        pace = self.pace_s()
-        rest = started + pace - time.perf_counter()
-        if rest > 0.001:
-            share.pause(time.monotonic_ns() + int(rest * 1e9))
-            await asyncio.sleep(rest)

@@ -199,20 +199,19 @@ def test_only_a_computing_prefill_with_prompts_queued_makes_a_decode_pace_itself
 
 def test_a_paced_decode_waits_out_its_period_and_says_when_it_resumes(tmp_path):
     import asyncio
-    from types import SimpleNamespace
 
-    from kvc_decode.service import DecodeService
+    from kvc_decode.service import PACE_BEHIND
+    from kvcentric.engine.service.steps import Pacer
 
     decode = CoreShare(tmp_path, "decode-0", 1, cores=2)
     prefill = CoreShare(tmp_path, "prefill-0", 1, cores=2, takes=True)
-    service = SimpleNamespace(model=SimpleNamespace(share=decode), config=SimpleNamespace(lend_pace_s=0.05),
-                              pace_s=lambda: 0.05)
+    pacer = Pacer(decode, lend_pace_s=0.05, pace_s=lambda: 0.05, behind=PACE_BEHIND)
     try:
         decode.rescan(later())
 
         async def step_then_pace() -> float:
             started = time.perf_counter()
-            await DecodeService.pace(service, started)
+            await pacer.pace(started)
             return time.perf_counter() - started
 
         assert asyncio.run(step_then_pace()) < 0.02  # no prefill computing: the next step follows at once
