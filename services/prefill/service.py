@@ -14,19 +14,18 @@ from typing import ClassVar
 
 from kvcentric.core.protocol import Cancel, PrefillJob, Role, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.cores.decode import NO_ROOM
 from kvcentric.engine.cores.layerkv import layer_wise
 from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
+from kvcentric.engine.cores.role_steps import PrefillPass, PrefillSteps, failed_prefill
+from kvcentric.engine.cores.step import Computed, StepOutput, token_shares
+from kvcentric.engine.model.llama import LayerHook
 from kvcentric.engine.service.reporter import Load, prefills_of
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.engine.service.streaming import RequestPush
 from kvcentric.engine.service.base import EngineService
+from kvcentric.engine.service.steps import PrefillLaneGate, StepRunner
 from kvcentric.runtime.service import Service
 from kvcentric.runtime.transfer import TransferError, drain_deadline_s, pull_blocks, pull_deadline_s
-
-
-LANE_LOOK_S = 0.005
-"""How often, while the model thread computes a step, the lane looks for a lent core and a queued prompt."""
 
 
 class RefusingSink:
@@ -64,6 +63,12 @@ class PrefillService(EngineService):
                                     config.layerwise_store)
         if self.lanes:
             self.model.add_lane(self.role)
+        core = PrefillSteps(self.engine, config.prefill_step_tokens, self.layerkv, time.monotonic,
+                            self.speed.slow_down)
+        self.steps = StepRunner(core, self.model.run)
+        self.lane_steps = StepRunner(core, self.model.run_lane) if self.model.lane is not None else None
+        """The lane's steps: the same core, computed in the lane's thread."""
+        self.lane_gate = PrefillLaneGate(self.engine.queue, self.model.share)
         self.attach(RefusingSink())
         self.pushes: dict[str, RequestPush] = {}
         self.pulling = 0
@@ -165,22 +170,22 @@ class PrefillService(EngineService):
     # ---------------------------------------------------------------- the work loop
 
     async def work_loop(self) -> None:
-        if self.model.lane is None:
-            await self.step_loop()
+        if self.lane_steps is None:
+            await self.step_loop(self.steps)
             return
-        await asyncio.gather(self.step_loop(), self.step_loop(lane=True))
+        await asyncio.gather(self.step_loop(self.steps), self.step_loop(self.lane_steps, lane=True))
 
-    async def step_loop(self, lane: bool = False) -> None:
+    async def step_loop(self, steps: StepRunner[PrefillPass, list[int | None]], lane: bool = False) -> None:
         """Steps one after the other: in the model thread, or with `lane` in the lane's thread beside it, which
-        takes a prompt only while the model thread computes one and a core is lent (`lanes`)."""
+        takes a prompt only while the model thread computes one and a core is lent (`PrefillLaneGate`)."""
         while not self.stopping.is_set():
-            if lane and not self.lane_may_start():
-                await self.lane_wait()
+            if lane and not self.lane_gate.may_start():
+                await self.lane_gate.wait()
                 continue
-            chunks = self.schedule()
-            if not chunks:
+            out = steps.schedule()
+            if out.idle:
                 if lane:
-                    await self.lane_wait()
+                    await self.lane_gate.wait()
                     continue
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
@@ -188,43 +193,25 @@ class PrefillService(EngineService):
             started = time.perf_counter()  # the step's whole turn, as the queue behind it sees it
             if self.model.share is not None:
                 self.model.share.waiting(len(self.engine.queue))
-            computing = {chunk.work.request_id for chunk in chunks}
-            self.engine.computing |= computing
             if not lane:
-                self.model_step.set()
+                self.lane_gate.begin()
             try:
-                await self.prefill_step(chunks, lane)
+                await self.prefill_step(steps, out)
             finally:
-                self.engine.computing -= computing
                 if not lane:
-                    self.model_step.clear()
+                    self.lane_gate.end()
             await self.reporter.publish_cache_changes()
-            seconds = time.perf_counter() - started
-            if self.model.lane is not None and (self.model.lane.computing or lane):
-                seconds /= 2  # two passes at once: the queue behind them moves at twice this one's pace
-            tokens = sum(chunk.end - chunk.start for chunk in chunks)
-            for chunk in chunks:  # a shared pass is timed to its chunks by their tokens
-                share = seconds * (chunk.end - chunk.start) / tokens
-                self.speed.prefill(chunk.end - chunk.start, chunk.start, share)
-                if self.layerkv is not None:
-                    self.layerkv.observe_prefill(chunk.end - chunk.start, chunk.start, share)
+            self.time_step(out.computed, time.perf_counter() - started, lane)
 
-    def lane_may_start(self) -> bool:
-        """The lane takes a prompt while the model thread computes one, another is queued, and a core is lent."""
-        share = self.model.share
-        return (self.model_step.is_set() and bool(self.engine.queue) and share is not None
-                and share.threads() > 1)
-
-    async def lane_wait(self) -> None:
-        """Until the model thread starts a step; then a look every LANE_LOOK_S while it computes (a core lent
-        comes with no event)."""
-        if not self.model_step.is_set():
-            try:
-                await asyncio.wait_for(self.model_step.wait(), 0.5)
-            except TimeoutError:
-                pass
-            return
-        await asyncio.sleep(LANE_LOOK_S)
+    def time_step(self, computed: Computed, seconds: float, lane: bool) -> None:
+        """Feed the cost model: a shared pass is timed to its chunks by their tokens."""
+        if self.model.lane is not None and (self.model.lane.computing or lane):
+            seconds /= 2  # two passes at once: the queue behind them moves at twice this one's pace
+        shares, _ = token_shares(seconds, computed)
+        for (new, cached), share in zip(computed.chunks, shares):
+            self.speed.prefill(new, cached, share)
+            if self.layerkv is not None:
+                self.layerkv.observe_prefill(new, cached, share)
 
     @property
     def lanes(self) -> bool:
@@ -234,62 +221,53 @@ class PrefillService(EngineService):
         return (self.config.prefill_lanes == 2 and share is not None and share.takes and self.layerkv is None
                 and self.runner.device.type == "cpu" and type(self) is PrefillService)
 
-    def schedule(self) -> list[PrefillChunk]:
-        """The engine's next step: chunks of as many prompts as --prefill-step-tokens holds (one pass), none of a
-        prompt the other lane computes; with LayerKV one chunk, and a new prompt starts only once its layers are
-        placed."""
-        if self.layerkv is None:
-            return self.engine.schedule_step(self.config.prefill_step_tokens)
-        now = time.monotonic()
-        chunk = self.engine.schedule() if self.layerkv.admit(self.engine, None, now) else None
-        self.layerkv.placed(self.engine, now)
-        return [chunk] if chunk is not None else []
-
-    async def prefill_step(self, chunks: list[PrefillChunk], lane: bool = False) -> None:
+    async def prefill_step(self, steps: StepRunner[PrefillPass, list[int | None]],
+                           out: StepOutput[PrefillPass, list[int | None]]) -> None:
         """Compute one step's chunks in one pass while each prompt's layers stream to its decode instance; a
         prompt's first chunk opens its push, its last closes it with the first token. Any failure fails the
         requests it concerns, not the service: a cancelled or already failed push only its own."""
-        pushes: list[RequestPush] = []
-        live: list[PrefillChunk] = []
-        for chunk in chunks:
-            try:
-                pushes.append(await self.chunk_push(chunk))
-                live.append(chunk)
-            except asyncio.CancelledError:
-                if not chunk.work.cancelled:
-                    raise
-                self.end_push(chunk.work)
-            except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
-                self.end_push(chunk.work, str(exc))
-                self.fail(chunk.work, exc)
-        if not live:
+        await steps.run(out, self.open_pushes)
+        plan = out.plan
+        assert plan is not None
+        if out.error is not None:
+            for chunk in plan.chunks:
+                self.end_push(chunk.work, str(out.error))
+                self.failed(chunk.work, out.error)
+            self.outbox.emit(out.chunks)
             return
-        hooks = [push.hook(chunk.start) for chunk, push in zip(live, pushes)]
-        run = self.model.run_lane if lane else self.model.run
-        try:
-            tokens = await run(self.execute_step, live, hooks)
-        except Exception as exc:  # noqa: BLE001 - the step's requests fail, the service lives on
-            for chunk in live:
-                self.end_push(chunk.work, str(exc))
-                self.fail(chunk.work, exc)
+        if out.result is None:  # every push was gone already
             return
-        for chunk, push, token in zip(live, pushes, tokens):
+        for chunk, token in zip(plan.chunks, out.result):
             work = chunk.work
-            self.engine.update(chunk)
             self.spans.get(work.request_id, "prefill.run").add_event("chunk", {"kvc.start": chunk.start,
                                                                                 "kvc.end": chunk.end})
             if chunk.last:
                 assert token is not None
+                push = self.pushes[work.request_id]
                 push.finish(token, work.first_token_extras())
-                self.engine.complete(work)
                 self.tasks.spawn(self.drain_push(work, push), f"push-{work.request_id}")
 
-    def execute_step(self, chunks: list[PrefillChunk], hooks: list) -> list[int | None]:
-        """One step's chunks computed in one pass (the model thread), slowed by --slow-step-s while
-        --slow-while-file exists (tests)."""
-        tokens = self.engine.execute_step(chunks, hooks)
-        self.speed.slow_down()
-        return tokens
+    async def open_pushes(self, plan: PrefillPass) -> bool:
+        """Each chunk's push (its prompt's first opens it) and its layer hook; a chunk whose push is gone is dropped
+        (and its request failed, unless cancelled). Whether any chunk is left to compute."""
+        live: list[PrefillChunk] = []
+        hooks: list[LayerHook | None] = []
+        for chunk in plan.scheduled:
+            try:
+                push = await self.chunk_push(chunk)
+            except asyncio.CancelledError:
+                if not chunk.work.cancelled:
+                    raise
+                self.end_push(chunk.work)
+                continue
+            except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
+                self.end_push(chunk.work, str(exc))
+                self.fail(chunk.work, exc)
+                continue
+            live.append(chunk)
+            hooks.append(push.hook(chunk.start))
+        plan.chunks, plan.hooks = live, hooks
+        return bool(live)
 
     async def chunk_push(self, chunk: PrefillChunk) -> RequestPush:
         """The request's push for this chunk (opened at its first); raises CancelledError for a cancelled
@@ -346,8 +324,10 @@ class PrefillService(EngineService):
             self.engine.finish(work)
 
     def fail(self, work: PrefillWork, exc: BaseException) -> None:
+        self.failed(work, exc)
+        self.outbox.emit([failed_prefill(work, exc)])
+
+    def failed(self, work: PrefillWork, exc: BaseException) -> None:
+        """Count and log a request whose prefill failed (its last chunk goes out with the others)."""
         self.counters["requests_failed_total"] += 1
         self.log.warning("prefill of %s failed: %s", work.request_id, exc)
-        status = 429 if NO_ROOM in str(exc) else 500  # the decode instance was full: overload, not failure
-        self.outbox.emit([TokenChunk.failed(work.request_id, f"prefill failed: {exc}",
-                                            prompt_tokens=len(work.job.token_ids), status=status)])
