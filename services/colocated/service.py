@@ -14,14 +14,15 @@ from kvcentric.core.protocol import Cancel, DecodeJob, PrefillJob, Role, SubmitA
 from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.config import EngineConfig
 from kvcentric.engine.cores.decode import KVRejected
-from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.service.kvsink import DecodeSink
 from kvcentric.engine.cores.layerkv import layer_wise
-from kvcentric.engine.cores.mixed import MixedStep, MixedStepper, lane_prompt_share
-from kvcentric.engine.service.node import Wakeup
-from kvcentric.engine.cores.prefill import PrefillChunk, PrefillRejected
+from kvcentric.engine.cores.mixed import MixedStep, MixedStepper
+from kvcentric.engine.cores.prefill import PrefillRejected
+from kvcentric.engine.cores.role_steps import LanePasses, MixedSteps, SplitResult, SplitSteps
+from kvcentric.engine.cores.step import Computed, StepOutput, token_shares
 from kvcentric.engine.service.reporter import Load, prefills_of
 from kvcentric.engine.service.base import EngineService
+from kvcentric.engine.service.steps import ColocatedLaneGate, StepRunner
 
 
 class ColocatedService(EngineService):
@@ -39,11 +40,14 @@ class ColocatedService(EngineService):
             if config.step_tokens and self.layerkv is None else None
         """Mixed steps (one forward pass for decode rows and prompt chunks); LayerKV's layer-wise KV runs
         split steps only."""
-        self.lane_wake = Wakeup()
-        """Set when a prompt is queued and when a mixed step with prompt chunks starts: the lane looks then."""
+        self.lane_gate = ColocatedLaneGate(self.engine.prefill, config.step_tokens, self.model)
+        self.steps = self.step_runner()
+        self.lane_steps: StepRunner | None = None
         if self.lanes:
             self.model.add_lane(self.role)
             self.runner.model.look = self.model.refresh  # the model thread gives the lane a core within a step
+            self.lane_steps = StepRunner(LanePasses(self.engine, config.step_tokens), self.model.run_lane,
+                                         self.speed.timed)
         self.attach(DecodeSink(self.engine.decode, self.counters, self.intake, self.spans, self.outbox.emit,
                                self.wake))
         """Its role change refuses every RoleSwitch: a colocated instance serves both roles already."""
@@ -79,7 +83,7 @@ class ColocatedService(EngineService):
         self.spans.received(job.request_id)  # its compute is traced: prefill.run, then decode.generate (outbox)
         self.spans.start(job.request_id, "prefill.run", prompt_tokens=len(job.token_ids))
         self.wake.set()
-        self.lane_wake.set()
+        self.lane_gate.wake.set()
         return SubmitAck.accepted()
 
     async def on_cancel(self, cancel: Cancel) -> None:
@@ -117,6 +121,14 @@ class ColocatedService(EngineService):
 
     # ---------------------------------------------------------------- the work loop
 
+    def step_runner(self) -> StepRunner:
+        """The model thread's steps: mixed with --step-tokens (timed as one pass), else a prefill chunk and a decode
+        batch each timed apart (`SplitSteps`)."""
+        if self.stepper is None:
+            return StepRunner(SplitSteps(self.engine, time.monotonic, self.speed.timed), self.model.run)
+        return StepRunner(MixedSteps(self.stepper, time.monotonic, self.lane_gate.prompt_share), self.model.run,
+                          self.speed.timed)
+
     @property
     def lanes(self) -> bool:
         """Whether queued prompts may compute in passes of their own on a second model thread of one torch thread
@@ -127,127 +139,80 @@ class ColocatedService(EngineService):
                 and self.model.threads >= 2 and self.runner.device.type == "cpu")
 
     async def work_loop(self) -> None:
-        if self.stepper is not None and self.model.lane is not None:
-            await asyncio.gather(self.mixed_loop(self.stepper), self.lane_loop())
+        if self.lane_steps is not None:
+            await asyncio.gather(self.step_loop(), self.lane_loop(self.lane_steps))
             return
-        if self.stepper is not None:
-            return await self.mixed_loop(self.stepper)
+        await self.step_loop()
+
+    async def step_loop(self) -> None:
+        """The model thread's steps (split, or mixed with --step-tokens): their chunks out, their time to the cost
+        model; a mixed step with prompt chunks lets the lane look (`ColocatedLaneGate`)."""
         while not self.stopping.is_set():
-            self.outbox.emit(self.engine.decode.expire(time.monotonic()))
-            chunk, batch, failed = self.engine.schedule(time.monotonic())
-            self.outbox.emit(failed)
-            if chunk is None and not batch:
+            out = self.steps.schedule()
+            self.outbox.emit(out.chunks)
+            if out.idle:
                 await self.reporter.publish_cache_changes()  # blocks the host pool took in meanwhile
                 await self.wake.sleep(0.05)
                 continue
+            if isinstance(out.plan, MixedStep) and out.plan.chunks:  # a step of decode rows alone keeps both threads
+                self.lane_gate.begin()
             try:
-                first, tokens, prefill_s, decode_s = await self.model.run(self.execute, chunk, batch)
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                self.log.exception("colocated step failed")
-                self.outbox.emit(self.engine.fail_step(chunk, batch, f"step failed: {exc}"))
+                await self.steps.run(out)
+            finally:
+                self.lane_gate.end()
+            if out.error is not None:
+                self.log.error("colocated step failed", exc_info=out.error)
+                self.outbox.emit(out.chunks)
                 continue
-            self.time_step(chunk, batch, prefill_s, decode_s)
-            self.outbox.emit(self.engine.update(chunk, first, batch, tokens))
+            self.time_step(out)
+            self.outbox.emit(out.chunks)
             await self.reporter.publish_cache_changes()
 
-    def execute(self, chunk: PrefillChunk | None, batch: list[DecodeRequest]):
-        """The engine's step in the model thread, its prefill chunk and its decode batch timed apart."""
-        first, prefill_s = self.speed.timed(self.engine.prefill.execute, chunk) if chunk else (None, 0.0)
-        tokens, decode_s = self.speed.timed(self.engine.decode.execute, batch) if batch else ([], 0.0)
-        return first, tokens, prefill_s, decode_s
+    def time_step(self, out: StepOutput) -> None:
+        """Feed the cost model: a split step's prefill chunk and decode batch timed apart; a mixed step's time
+        shared between its prompt chunks and its decode batch by tokens."""
+        computed = out.computed
+        if isinstance(out.result, SplitResult):
+            self.time_parts(computed, out.result.prefill_s, out.result.decode_s)
+            return
+        shares, decode_s = token_shares(out.seconds, computed)
+        for (new, cached), share in zip(computed.chunks, shares):
+            self.speed.prefill(new, cached, share)
+        if computed.rows:
+            self.speed.decode(computed.rows, computed.kv_tokens, decode_s)
 
-    def time_step(self, chunk: PrefillChunk | None, batch: list[DecodeRequest], prefill_s: float,
-                  decode_s: float) -> None:
-        if chunk is not None:
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, prefill_s)
-        if batch:
-            self.speed.decode(len(batch), sum(r.context_tokens for r in batch), decode_s)
+    def time_parts(self, computed: Computed, prefill_s: float, decode_s: float) -> None:
+        for new, cached in computed.chunks:
+            self.speed.prefill(new, cached, prefill_s)
+        if computed.rows:
+            self.speed.decode(computed.rows, computed.kv_tokens, decode_s)
         if self.layerkv is not None:
-            self.layerkv.observe_prefill(chunk.end - chunk.start if chunk else 0, chunk.start if chunk else 0,
-                                         prefill_s)
-            self.layerkv.observe_decode(decode_s if batch else 0.0)
+            new, cached = computed.chunks[0] if computed.chunks else (0, 0)
+            self.layerkv.observe_prefill(new, cached, prefill_s)
+            self.layerkv.observe_decode(decode_s if computed.rows else 0.0)
 
-    async def mixed_loop(self, stepper: MixedStepper) -> None:
-        """The work loop with `--step-tokens`: one forward pass per step for the decode batch and prompt chunks."""
-        while not self.stopping.is_set():
-            self.outbox.emit(self.engine.decode.expire(time.monotonic()))
-            step, failed = stepper.schedule(self.prompt_share())
-            self.outbox.emit(failed)
-            if step.empty:
-                await self.reporter.publish_cache_changes()
-                await self.wake.sleep(0.05)
-                continue
-            computing = {chunk.work.request_id for chunk in step.chunks}
-            self.engine.prefill.computing |= computing
-            if step.chunks:  # a step of decode rows alone keeps both threads: a prompt waits for the next
-                self.model_step.set()
-                self.lane_wake.set()
-            try:
-                (firsts, tokens), seconds = await self.model.run(self.speed.timed, stepper.execute, step)
-            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
-                self.log.exception("colocated step failed")
-                self.outbox.emit(stepper.fail_step(step, f"step failed: {exc}"))
-                continue
-            finally:
-                self.engine.prefill.computing -= computing
-                self.model_step.clear()
-            self.time_mixed_step(step, seconds)
-            self.outbox.emit(stepper.update(step, firsts, tokens))
-            await self.reporter.publish_cache_changes()
-
-    def prompt_share(self) -> float:
-        """The share of its prompt budget the model thread's next mixed step takes (`lane_prompt_share`)."""
-        lane = self.model.lane
-        if lane is None:
-            return 1.0
-        return lane_prompt_share(self.config.step_tokens, self.model.threads, lane.computing,
-                                 self.engine.prefill.waiting_tokens)
-
-    def time_mixed_step(self, step: MixedStep, seconds: float) -> None:
-        """Feed the cost model: a step's time shared between its prompt chunks and its decode batch by tokens."""
-        share = seconds / (step.prefill_tokens + len(step.batch))
-        for chunk in step.chunks:
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, share * (chunk.end - chunk.start))
-        if step.batch:
-            self.speed.decode(len(step.batch), sum(r.context_tokens for r in step.batch), share * len(step.batch))
-
-    async def lane_loop(self) -> None:
-        """The lane's steps: while the model thread computes a mixed step with prompt chunks and more prompts
-        wait, chunks of as many of them as --step-tokens holds in one pass on the lane's thread; a prompt whose
-        last chunk it computes is handed to the decode batch of the model thread's next step. Beside a step of
-        decode rows alone the lane takes nothing: at concurrency 8 a prompt computed there on one thread, with
-        the decode rows on the other, cost output tokens/s against waiting for the next mixed step on both
+    async def lane_loop(self, steps: StepRunner) -> None:
+        """The lane's steps (`LanePasses`): while the model thread computes a mixed step with prompt chunks and more
+        prompts wait, chunks of as many of them as --step-tokens holds in one pass on the lane's thread. Beside a
+        step of decode rows alone the lane takes nothing: at concurrency 8 a prompt computed there on one thread,
+        with the decode rows on the other, cost output tokens/s against waiting for the next mixed step on both
         (docs/performance-notebook.md, "What serving adds to a prompt's prefill")."""
-        prefill = self.engine.prefill
         while not self.stopping.is_set():
-            if not self.model_step.is_set() or not self.prompts_waiting():
-                await self.lane_wake.sleep(0.5)  # no polling: a wake-up mid-step would stall the model's team
+            if not self.lane_gate.may_start():
+                await self.lane_gate.wait()
                 continue
-            chunks = prefill.schedule_step(self.config.step_tokens)
-            if not chunks:
-                await self.lane_wake.sleep(0.5)
+            out = steps.schedule()
+            if out.idle:
+                await self.lane_gate.wait()
                 continue
-            computing = {chunk.work.request_id for chunk in chunks}
-            prefill.computing |= computing
-            try:
-                firsts, seconds = await self.model.run_lane(self.speed.timed, prefill.execute_step, chunks,
-                                                            [None] * len(chunks))
-            except Exception as exc:  # noqa: BLE001 - fail this pass's requests, keep serving
-                self.log.exception("colocated lane pass failed")
-                for chunk in chunks:
-                    self.outbox.emit(self.engine.fail_step(chunk, [], f"step failed: {exc}"))
+            await steps.run(out)
+            if out.error is not None:
+                self.log.error("colocated lane pass failed", exc_info=out.error)
+                self.outbox.emit(out.chunks)
                 continue
-            finally:
-                prefill.computing -= computing
-            tokens = sum(chunk.end - chunk.start for chunk in chunks)
-            for chunk, first in zip(chunks, firsts):  # two passes at once: the queue moves at twice one's pace
-                share = seconds / 2 * (chunk.end - chunk.start) / tokens
-                self.speed.prefill(chunk.end - chunk.start, chunk.start, share)
-                self.outbox.emit(self.engine.update(chunk, first, [], []))
+            shares, _ = token_shares(out.seconds / 2, out.computed)  # two passes at once: the queue moves at twice
+            for (new, cached), share in zip(out.computed.chunks, shares):  # one's pace
+                self.speed.prefill(new, cached, share)
+            self.outbox.emit(out.chunks)
             await self.reporter.publish_cache_changes()
             self.wake.set()
-
-    def prompts_waiting(self) -> bool:
-        """More prompt tokens wait (queued, or in progress and not computed now) than the next mixed step takes:
-        fewer, and that step computes them on both threads."""
-        return self.engine.prefill.waiting_tokens > self.config.step_tokens

@@ -7,7 +7,6 @@ work loop; this class decides nothing about a request.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -85,8 +84,6 @@ class EngineService(Service):
         """time.monotonic() of the latest calibration made while idle."""
         self.steps_seen, self.worked_at = 0, 0.0
         """Steps timed so far as the latest look at them counted, and when that count (or the work) last moved."""
-        self.model_step = asyncio.Event()
-        """Set while the model thread computes a step: a lane (`node.Lane`) may take a prompt beside it."""
         self.metrics.vllm_labels = {"model_name": self.runner.config.name}
         self.metrics.vllm_gauges = self.vllm_gauges
 
