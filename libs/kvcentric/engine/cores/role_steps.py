@@ -4,8 +4,9 @@ chunk and one decode batch (`SplitSteps`) or of both in one pass (`MixedSteps`),
 prompts (`LanePasses`).
 
 They adapt; they decide nothing the engines did not (the schedules, the failures, the hand-overs are the engines').
-What a step needs from outside comes in as hooks: the time, a pass's KV pushes (`PrefillPass.hooks`), the blocks a
-decode step filled (`collect`), a test's slowed step, the share of a mixed step's prompt budget a lane leaves.
+What a step needs from outside comes in as hooks: the time, the timer of a split step's two parts, a pass's KV pushes
+(`PrefillPass.hooks`), the blocks a decode step filled (`collect`), a test's slowed step, the share of a mixed step's
+prompt budget a lane leaves.
 """
 
 from __future__ import annotations
