@@ -16,9 +16,12 @@ import time
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, SubmitAck, TokenChunk
 from kvcentric.engine.config import EngineConfig
-from kvcentric.engine.service.pipeline import (NO_TOKEN, StageClient, StageEngine, StagePush, hidden_chunk, read_hidden,
-                                               stage_handler)
+from kvcentric.engine.service.pipeline import (NO_TOKEN, StageClient, StageEngine, StagePush, StageSteps, hidden_chunk,
+                                               read_hidden, stage_handler)
+from kvcentric.engine.service.steps import StepRunner
 from kvcentric.engine.cores.prefill import PrefillChunk, PrefillRejected, PrefillWork
+from kvcentric.engine.cores.role_steps import PrefillPass
+from kvcentric.engine.cores.step import StepOutput
 from kvcentric.engine.model.runner import ModelRunner
 from kvcentric.engine.service.base import EngineService
 from kvcentric.engine.model.stage import StageRunner
@@ -47,6 +50,7 @@ class StageService(PrefillService):
         self.stage_runner: StageRunner = self.runner
         self.engine: StageEngine = StageEngine(self.stage_runner, self.pool,
                                                BlockHasher(config.hash_algo, config.block_size), config.prefill_chunk)
+        self.stage_steps = StepRunner(StageSteps(self.engine), self.model.run)
         self.attach(RefusingSink())
         self.messenger.more_services.append(stage_handler(self.on_hidden))
         self.reporter.pipeline = position
@@ -91,21 +95,18 @@ class StageService(PrefillService):
 
     async def work_loop(self) -> None:
         while not self.stopping.is_set():
-            try:
-                chunk = self.engine.schedule()
-            except ValueError as exc:  # hidden states out of order: a bug or a restarted peer
-                self.log.error("pipeline stage out of step: %s", exc)
-                chunk = None
+            out = self.stage_steps.schedule()
             self.fail_unstarted()
             self.fail_stalled()
-            if chunk is None:
+            if out.idle:
                 await self.reporter.publish_cache_changes()
                 await self.wake.sleep(0.05)
                 continue
             started = asyncio.get_running_loop().time()
-            await self.prefill_chunk(chunk)
+            await self.prefill_chunk(out)
             await self.reporter.publish_cache_changes()
-            self.speed.prefill(chunk.end - chunk.start, chunk.start, asyncio.get_running_loop().time() - started)
+            new, cached = out.computed.chunks[0]
+            self.speed.prefill(new, cached, asyncio.get_running_loop().time() - started)
 
     def fail_unstarted(self) -> None:
         while self.engine.failures:
@@ -134,25 +135,26 @@ class StageService(PrefillService):
             push.task.cancel()
         self.wake.set()
 
-    async def prefill_chunk(self, chunk: PrefillChunk) -> None:
-        """Compute one chunk while its layers stream to decode; hand its hidden states on (not the last
-        stage); the last chunk closes the push (the last stage's with the first token)."""
-        work = chunk.work
-        try:
-            push = await self.chunk_push(chunk)
-            out = await self.model.run(self.engine.compute, chunk, push.hook(chunk.start))
-            self.engine.update(chunk)
-            if isinstance(out, bytes):
-                self.hand_on(work, chunk, out)
-            if chunk.last:
-                self.close_chunk(work, push, out if isinstance(out, int) else NO_TOKEN)
-        except asyncio.CancelledError:
-            if not work.cancelled:
-                raise
-            self.end_push(work)
-        except Exception as exc:  # noqa: BLE001 - the request fails, the service lives on
-            self.end_push(work, str(exc))
-            self.fail(work, exc)
+    async def prefill_chunk(self, out: StepOutput[PrefillPass, int | bytes | None]) -> None:
+        """Compute one chunk while its layers stream to decode (its push opened first: `open_pushes`); hand its
+        hidden states on (not the last stage); the last chunk closes the push (the last stage's with the first
+        token). A failure fails the request, not the service."""
+        await self.stage_steps.run(out, self.open_pushes)
+        plan = out.plan
+        assert plan is not None
+        if out.error is not None:
+            work = plan.chunks[0].work
+            self.end_push(work, str(out.error))
+            self.fail(work, out.error)
+            return
+        if not plan.chunks:  # its push was gone already
+            return
+        chunk, result = plan.chunks[0], out.result
+        if isinstance(result, bytes):
+            self.hand_on(chunk.work, chunk, result)
+        if chunk.last:
+            self.close_chunk(chunk.work, self.pushes[chunk.work.request_id],
+                             result if isinstance(result, int) else NO_TOKEN)
 
     def close_chunk(self, work: PrefillWork, push, token: int) -> None:
         push.finish(token, work.first_token_extras() if token != NO_TOKEN else b"")

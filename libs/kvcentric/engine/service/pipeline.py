@@ -1,7 +1,8 @@
 """A prefill stage's engine side (Mooncake §5.1, chunked pipeline parallelism): `StageEngine` schedules the
 chunks of a prompt on one stage (the first from its FIFO as a whole instance would, the later ones as the
-previous stage's hidden states arrive), `StagePush` streams this stage's layers' KV to decode as one of
-several senders of the request, and `StageTransfer` moves hidden states between stages over gRPC.
+previous stage's hidden states arrive), `StageSteps` is its step as the step runner takes it, `StagePush`
+streams this stage's layers' KV to decode as one of several senders of the request, and `StageTransfer` moves
+hidden states between stages over gRPC.
 
 Each stage keeps the KV of its own layers (a later chunk attends to the earlier chunks' KV of the same
 layers), so stages exchange only hidden states. It computes and moves bytes; it does not place requests.
@@ -15,12 +16,16 @@ import dataclasses
 from collections.abc import Awaitable, Callable
 
 import grpc
+import logging
 import msgspec
 import torch
 
 from kvcentric.core.hashing import BlockHasher
 from kvcentric.core.protocol import PrefillJob, decode, encode
+from kvcentric.core.protocol import TokenChunk
 from kvcentric.engine.cores.prefill import PrefillChunk, PrefillEngine, PrefillRejected, PrefillWork
+from kvcentric.engine.cores.role_steps import PrefillPass, prompt_chunks
+from kvcentric.engine.cores.step import Computed
 from kvcentric.engine.model.runner import kv_payload
 from kvcentric.engine.model.stage import StageRunner, hidden_bytes, hidden_tensor
 from kvcentric.engine.service.streaming import RequestPush
@@ -35,6 +40,7 @@ SERVICE = "kvcentric.kv.StageTransfer"
 PUSH_HIDDEN = f"/{SERVICE}/PushHidden"
 NO_TOKEN = -1
 """What a stage that samples nothing closes its KV push with (the commit is the last stage's)."""
+log = logging.getLogger("kvcentric.prefill")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,3 +253,40 @@ class StageClient:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         self._channels.clear()
+
+
+class StageSteps:
+    """A pipeline stage's step (`StepCore`): the next chunk whose input is here (its tokens at the first stage, the
+    previous stage's hidden states at a later one) over this stage's layers, with its KV push's layer hook (the
+    service opens the push: `PrefillService.open_pushes`). Its result is the hidden states to hand on, or at the last
+    stage the first token on a prompt's last chunk. A failed chunk's request is failed by the service, once, with
+    its push ended (`StageService.fail`), so `fail` gives no chunks of its own."""
+
+    def __init__(self, engine: StageEngine) -> None:
+        self.engine = engine
+
+    def schedule(self) -> tuple[PrefillPass | None, list[TokenChunk]]:
+        try:
+            chunk = self.engine.schedule()
+        except ValueError as exc:  # hidden states out of order: a bug or a restarted peer
+            log.error("pipeline stage out of step: %s", exc)
+            chunk = None
+        if chunk is None:
+            return None, []
+        return PrefillPass([chunk], set(), [chunk], [None]), []
+
+    def execute(self, plan: PrefillPass) -> int | bytes | None:
+        return self.engine.compute(plan.chunks[0], plan.hooks[0])
+
+    def computed(self, plan: PrefillPass) -> Computed:
+        return Computed(prompt_chunks(plan.scheduled))
+
+    def update(self, plan: PrefillPass, out: int | bytes | None) -> list[TokenChunk]:
+        self.engine.update(plan.chunks[0])
+        return []
+
+    def fail(self, plan: PrefillPass, error: Exception) -> list[TokenChunk]:
+        return []
+
+    def release(self, plan: PrefillPass) -> None:
+        pass
