@@ -67,7 +67,7 @@ class BatchSampler:
             return {}
         chosen = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
         masked = torch.where(masks.to(logits.device), chosen.float(), float("-inf"))
-        return dict(zip(rows, masked))
+        return dict(zip(rows, masked.unbind()))
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""
