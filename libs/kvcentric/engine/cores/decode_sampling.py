@@ -15,7 +15,7 @@ import torch
 from kvcentric.core.migration import history
 from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.guided import BatchMasks, GuideRow, Guides
-from kvcentric.engine.model.sampling import choose, plain_greedy
+from kvcentric.engine.model.sampling import choose, plain_greedy, refused_logit
 
 Masks = Future[BatchMasks]
 """The masks of a step's rows (None for a row not guided), being computed by `BatchSampler.start`."""
@@ -66,8 +66,11 @@ class BatchSampler:
         if not rows:
             return {}
         chosen = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
-        masked = torch.where(masks.to(logits.device), chosen.float(), float("-inf"))
-        return dict(zip(rows, masked.unbind()))
+        if chosen.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
+            chosen = chosen.float()
+        if masks.device != chosen.device:
+            masks = masks.to(chosen.device)
+        return dict(zip(rows, torch.where(masks, chosen, refused_logit(chosen.device)).unbind()))
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""

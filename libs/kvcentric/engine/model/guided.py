@@ -89,7 +89,7 @@ class Guides:
         self._words = (model.vocab_size + 31) // 32
         self._buffer = np.zeros((0, self._words), dtype=np.int32)
         """The bitmask the matchers write their masks into, a row each (used under `_busy`)."""
-        self._address = self._buffer.ctypes.data
+        self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
 
     @property
     def vocab_size(self) -> int:
@@ -129,16 +129,16 @@ class Guides:
             bitmask = self._bitmask(len(guided))
             for slot, index in enumerate(guided):
                 self._fill(slot, *rows[index])  # type: ignore[misc]
-            bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little")
+            bits = np.unpackbits(bitmask, axis=1, count=self.vocab_size, bitorder="little")
         return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)))  # (a new array, not the bitmask)
 
     def _bitmask(self, rows: int) -> np.ndarray:
-        """The first `rows` rows of the engine's bitmask (grown, never shrunk, as batches grow); each is written
-        whole by `_fill`."""
+        """The first `rows` rows of the engine's bitmask as bytes (grown, never shrunk, as batches grow); each is
+        written whole by `_fill`."""
         if len(self._buffer) < rows:
             self._buffer = np.zeros((max(rows, 2 * len(self._buffer)), self._words), dtype=np.int32)
-            self._address = self._buffer.ctypes.data
-        return self._buffer[:rows]
+            self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
+        return self._bytes[:rows]
 
     def _fill(self, slot: int, key: str, grammar: str, output: Sequence[int]) -> None:
         """Row `slot` of the bitmask: the mask of the sequence's matcher, fed its output."""
