@@ -56,14 +56,14 @@ class BatchSampler:
     def premasked(logits: torch.Tensor, batch: list[DecodeRequest], allowed: BatchMasks) -> dict[int, torch.Tensor]:
         """Row -> its float32 logits with its grammar's mask applied (-inf where refused), for the guided rows
         that ask for no logprobs (raw logprobs read the unmasked row), all in one op: what `adjust` does to each
-        row alone."""
+        row alone. Empty for fewer than two such rows (one goes through `adjust`, as cheap)."""
         rows, masks = allowed.rows, allowed.allowed
         if masks is None:
             return {}
         slots = [slot for slot, row in enumerate(rows) if batch[row].job.sampling.logprobs is None]
         if len(slots) < len(rows):
             rows, masks = [rows[slot] for slot in slots], masks[slots]
-        if not rows:
+        if len(rows) < 2:
             return {}
         chosen = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
         if chosen.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
