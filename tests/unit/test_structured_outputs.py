@@ -143,9 +143,64 @@ def test_a_batch_of_sequences_in_different_states_gets_the_masks_each_gets_alone
         rows = [row if row is None or row[0] in ("done", "refused", "broken")
                 else (row[0], row[1], row[2] + [int(expected[i].nonzero()[-1])]) for i, row in enumerate(rows)]
         rows += [(f"late{step}", schema, list(b'{"ok":fal')), None]
-    assert guides.start([None, None]) is None and guides.masks([None]) == [None]
+    assert guides.start([None, None]) is None and list(guides.masks([None])) == [None]
     assert set(guides.prototypes) == {schema, choice, regex}  # (the grammar that does not build has none)
     assert Guides(PRESETS["tiny"]).start(rows) is None  # no overlap: `masks` after the forward
+
+
+def test_masks_from_the_kept_bitmask_never_carry_a_row_over_from_another_row_or_an_earlier_batch():
+    """`Guides.masks` writes every batch into one bitmask kept from call to call: as the batch grows and shrinks,
+    its rows move, a sequence ends and another takes its place, n sequences of one request part ways and a row in
+    error (written as zeros) lands where a wide mask was, each row's mask is the one it gets alone; and the masks a
+    call returned stay as they were after later calls."""
+    guides = Guides(PRESETS["tiny"])
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    regex = parse_guide({"guided_regex": r"[a-z]{2,5}-[0-9]{3}"})
+    wide, refused = ("wide", schema, list(b'{"ok":true,"size":"M","count":4,"tag":"')), ("refused", regex, list(b"a_"))
+    siblings = [(f"q#{i}" if i else "q", schema, list(b'{"ok":' + tail)) for i, tail in enumerate([b"t", b"f", b""])]
+    batches = [[wide, *siblings, None, ("ends", regex, list(b"ab-12"))], [refused, None],
+               [siblings[2], wide, refused, ("ends", regex, list(b"ab-123")), *siblings[:2], None, wide],
+               [wide], [("ends", regex, list(b"cd")), refused, siblings[1]]]  # "ends": a new sequence, same key
+    returned = []
+    for step, rows in enumerate(batches):
+        if step == 4:
+            guides.forget("ends")
+        masks = guides.masks(rows)
+        expected = [None if row is None else alone(guides, row[1], row[2]) for row in rows]
+        assert [mask is None for mask in masks] == [row is None for row in rows]
+        assert all(mask is None or torch.equal(mask, want) for mask, want in zip(masks, expected))
+        returned.append((masks, [None if mask is None else mask.clone() for mask in masks]))
+    assert all(mask is None or torch.equal(mask, kept)
+               for masks, clones in returned for mask, kept in zip(masks, clones))
+    assert len({tuple(mask.nonzero().flatten().tolist()) for mask in returned[0][1][1:4]}) == 3  # (they part ways)
+
+
+def test_a_decode_batch_that_grows_and_shrinks_samples_each_row_as_it_would_alone():
+    """`BatchSampler.choose_all` step after step, the batch changing (rows ending, new ones joining, n sequences of
+    one request, a row asking for logprobs, a plain row): each row's token is the one `choose` picks for it alone."""
+    from factories import decode_job, make_pool, make_runner
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
+
+    schema = parse_guide({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA}}})
+    choice = parse_guide({"guided_choice": ["alpha", "beta"]})
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=3, n=3, guide=schema)
+    kinds = {"a": (seeded, 0), "a#1": (seeded, 1), "a#2": (seeded, 2),
+             "b": (SamplingParams(max_tokens=40, temperature=0.0, guide=choice), 0),
+             "c": (SamplingParams(max_tokens=40, temperature=0.5, seed=1, logprobs=1, guide=schema), 0),
+             "d": (SamplingParams(max_tokens=40, temperature=1.0, seed=2), 0)}
+    runner = make_runner()
+    together, alone_ = DecodeEngine(runner, make_pool(runner)), DecodeEngine(runner, make_pool(runner))
+    generated: dict[str, list[int]] = {key: [] for key in kinds}
+    for step, keys in enumerate([["a", "a#1", "a#2", "b", "d"], ["a#1", "c"], ["c", "a", "a#2", "a#1", "b", "d"],
+                                 ["b"], ["d", "a#2", "a"], ["a", "a#1", "a#2", "b", "c", "d"]]):
+        logits = torch.randn(len(keys), runner.config.vocab_size, generator=torch.Generator().manual_seed(step))
+        batch = [DecodeRequest(decode_job(key.split("#")[0], 3, kinds[key][0]), deadline=0.0, prompt=[256, 1, 2],
+                               generated=list(generated[key]), index=kinds[key][1]) for key in keys]
+        expected = [alone_.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
+        assert together.sampler.choose_all(logits, batch) == expected
+        for key, token in zip(keys, expected):
+            generated[key] = [] if token in runner.config.eos_token_ids else generated[key] + [token]
 
 
 def test_a_sequence_whose_shared_lexer_runs_out_of_states_goes_on_on_a_matcher_of_its_own():

@@ -14,10 +14,10 @@ import torch
 
 from kvcentric.core.migration import history
 from kvcentric.engine.cores.sequence import DecodeRequest
-from kvcentric.engine.model.guided import GuideRow, Guides
-from kvcentric.engine.model.sampling import choose, plain_greedy
+from kvcentric.engine.model.guided import BatchMasks, GuideRow, Guides
+from kvcentric.engine.model.sampling import choose, plain_greedy, refused_logit
 
-Masks = Future[list[torch.Tensor | None]]
+Masks = Future[BatchMasks]
 """The masks of a step's rows (None for a row not guided), being computed by `BatchSampler.start`."""
 
 
@@ -42,10 +42,8 @@ class BatchSampler:
             for row, token in zip(plain, picked):
                 tokens[row] = token
                 batch[row].next_logprob = None
-        allowed = (masks.result() if masks is not None
-                   else self.guides.masks([guide_row(request) for request in batch]) if len(plain) < len(batch)
-                   else [])
         if len(plain) < len(batch):
+            allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
             chosen, premasked = set(plain), self.premasked(logits, batch, allowed)
             for row, request in enumerate(batch):
                 if row in premasked:
@@ -55,19 +53,24 @@ class BatchSampler:
         return tokens
 
     @staticmethod
-    def premasked(logits: torch.Tensor, batch: list[DecodeRequest],
-                  allowed: list[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+    def premasked(logits: torch.Tensor, batch: list[DecodeRequest], allowed: BatchMasks) -> dict[int, torch.Tensor]:
         """Row -> its float32 logits with its grammar's mask applied (-inf where refused), for the guided rows
         that ask for no logprobs (raw logprobs read the unmasked row), all in one op: what `adjust` does to each
-        row alone. Empty for fewer than two such rows."""
-        rows = [row for row, mask in enumerate(allowed)
-                if mask is not None and batch[row].job.sampling.logprobs is None]
+        row alone. Empty for fewer than two such rows (one goes through `adjust`, as cheap)."""
+        rows, masks = allowed.rows, allowed.allowed
+        if masks is None:
+            return {}
+        slots = [slot for slot, row in enumerate(rows) if batch[row].job.sampling.logprobs is None]
+        if len(slots) < len(rows):
+            rows, masks = [rows[slot] for slot in slots], masks[slots]
         if len(rows) < 2:
             return {}
-        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        masks = torch.stack([allowed[row] for row in rows]).to(logits.device)  # type: ignore[misc]
-        masked = torch.where(masks, logits.index_select(0, index).float(), float("-inf"))
-        return dict(zip(rows, masked))
+        chosen = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
+        if chosen.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
+            chosen = chosen.float()
+        if masks.device != chosen.device:
+            masks = masks.to(chosen.device)
+        return dict(zip(rows, torch.where(masks, chosen, refused_logit(chosen.device)).unbind()))
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""

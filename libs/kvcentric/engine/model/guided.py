@@ -6,17 +6,18 @@ mixed steps alike), each of n sequences (its own state), a preempted sequence wh
 one on its new instances (its output is in `history`). A matcher is cached per sequence and fed only the
 tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. A sequence's
 matcher is a copy of its grammar's prototype (compiled once; the copies share its lexer's states, so what one
-sequence's masks computed the others reuse). A batch's masks are computed together, into one bitmask unpacked
-once; where the forward pass leaves the CPU free (a GPU's), on a worker thread while it runs (`start`): a row's
-mask depends only on its output so far, known before the forward. It decides no token:
-`kvcentric.engine.model.sampling` samples under the mask.
+sequence's masks computed the others reuse). A batch's masks are computed together, into one bitmask the engine
+keeps from step to step, unpacked once into the batch's rows (`BatchMasks`); where the forward pass leaves the
+CPU free (a GPU's), on a worker thread while it runs (`start`): a row's mask depends only on its output so far,
+known before the forward. It decides no token: `kvcentric.engine.model.sampling` samples under the mask.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -85,6 +86,10 @@ class Guides:
         self._busy = threading.Lock()
         """Held while matchers are fed and asked for masks: a matcher is used by one thread at a time."""
         self._worker: ThreadPoolExecutor | None = None
+        self._words = (model.vocab_size + 31) // 32
+        self._buffer = np.zeros((0, self._words), dtype=np.int32)
+        """The bitmask the matchers write their masks into, a row each (used under `_busy`)."""
+        self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
 
     @property
     def vocab_size(self) -> int:
@@ -113,36 +118,45 @@ class Guides:
         assert allowed is not None
         return allowed
 
-    def masks(self, rows: Sequence[GuideRow | None]) -> list[torch.Tensor | None]:
+    def masks(self, rows: Sequence[GuideRow | None]) -> BatchMasks:
         """`allowed` of each guided row of a batch (None for a row that is not guided), the same masks as row by
-        row: every matcher fed and writing its row of one bitmask, which is unpacked once."""
-        out: list[torch.Tensor | None] = [None] * len(rows)
+        row: every matcher fed and writing its row of one bitmask (this engine's, kept from call to call), which is
+        unpacked once into the batch's rows of allowed tokens."""
         guided = [index for index, row in enumerate(rows) if row is not None]
         if not guided:
-            return out
-        words = (self.vocab_size + 31) // 32
-        bitmask = np.zeros((len(guided), words), dtype=np.int32)
-        base = bitmask.ctypes.data
+            return BatchMasks(len(rows))
         with self._busy:
+            bitmask = self._bitmask(len(guided))
             for slot, index in enumerate(guided):
-                key, grammar, output = rows[index]  # type: ignore[misc]
-                matcher, shared = self.fed(key, grammar, output)
-                if not matcher.is_error():  # (one in error would allow EOS alone; it may only end, below)
-                    matcher.unsafe_compute_mask_ptr(base + slot * words * 4, words * 4)
-                if matcher.is_error() and shared:
-                    matcher, bitmask[slot] = self.unshare(key, grammar, output), 0
-                    if not matcher.is_error():
-                        matcher.unsafe_compute_mask_ptr(base + slot * words * 4, words * 4)
-        ends = ~bitmask.any(axis=1)
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=self.vocab_size, bitorder="little").view(np.bool_)
-        if ends.any():
-            bits[ends] = self.only_eos().numpy()
-        allowed = torch.from_numpy(bits)
-        for slot, index in enumerate(guided):
-            out[index] = allowed[slot]
-        return out
+                self._fill(slot, *rows[index])  # type: ignore[misc]
+            bits = np.unpackbits(bitmask, axis=1, count=self.vocab_size, bitorder="little")
+        return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)))  # (a new array, not the bitmask)
 
-    def start(self, rows: Sequence[GuideRow | None]) -> Future[list[torch.Tensor | None]] | None:
+    def _bitmask(self, rows: int) -> np.ndarray:
+        """The first `rows` rows of the engine's bitmask as bytes (grown, never shrunk, as batches grow); each is
+        written whole by `_fill`."""
+        if len(self._buffer) < rows:
+            self._buffer = np.zeros((max(rows, 2 * len(self._buffer)), self._words), dtype=np.int32)
+            self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
+        return self._bytes[:rows]
+
+    def _fill(self, slot: int, key: str, grammar: str, output: Sequence[int]) -> None:
+        """Row `slot` of the bitmask: the mask of the sequence's matcher, fed its output."""
+        matcher, shared = self.fed(key, grammar, output)
+        self._compute(slot, matcher)
+        if matcher.is_error() and shared:
+            self._compute(slot, self.unshare(key, grammar, output))
+
+    def _compute(self, slot: int, matcher: LLMatcher) -> None:
+        """The matcher's mask into row `slot`: llguidance's, which allows EOS alone where the grammar allows nothing
+        more (stopped, or refusing the output); for a matcher in error, every EOS id of the model."""
+        if matcher.is_error():
+            self._buffer[slot] = self._only_eos_words
+        else:
+            row_bytes = self._words * 4
+            matcher.unsafe_compute_mask_ptr(self._address + slot * row_bytes, row_bytes)
+
+    def start(self, rows: Sequence[GuideRow | None]) -> Future[BatchMasks] | None:
         """`masks(rows)` begun on this engine's worker thread, where `overlap` says to (llguidance computes
         without the GIL, so the forward pass runs on meanwhile); None when not, or when no row is guided."""
         if not self.overlap or all(row is None for row in rows):
@@ -199,3 +213,34 @@ class Guides:
         allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
         allowed[self.eos_ids] = True
         return allowed
+
+    @functools.cached_property
+    def _only_eos_words(self) -> np.ndarray:
+        """`only_eos` as a row of the bitmask."""
+        words = np.zeros(self._words * 4, dtype=np.uint8)
+        packed = np.packbits(self.only_eos().numpy(), bitorder="little")
+        words[:len(packed)] = packed
+        return words.view(np.int32)
+
+
+class BatchMasks:
+    """The masks of a batch's rows, indexed by row: `allowed[slot]` the tokens row `rows[slot]` may take (a bool
+    row of the vocabulary), for each guided row in the batch's order; a row not guided has none (None)."""
+
+    def __init__(self, size: int, rows: Sequence[int] = (), allowed: torch.Tensor | None = None) -> None:
+        self.size, self.rows, self.allowed = size, list(rows), allowed
+        self._slots: dict[int, int] | None = None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, row: int) -> torch.Tensor | None:
+        if not 0 <= row < self.size:
+            raise IndexError(row)
+        if self._slots is None:
+            self._slots = {guided: slot for slot, guided in enumerate(self.rows)}
+        slot = self._slots.get(row)
+        return None if slot is None or self.allowed is None else self.allowed[slot]
+
+    def __iter__(self) -> Iterator[torch.Tensor | None]:
+        return (self[row] for row in range(self.size))

@@ -9,6 +9,7 @@ request asks for the processed one (after bias, penalties and temperature, befor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Sequence
 
 import torch
@@ -62,7 +63,8 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
     penalised = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
     if not (holds_stops or params.logit_bias or penalised or allowed is not None):
         return logits
-    logits = logits.clone() if allowed is None else torch.where(allowed.to(logits.device), logits, float("-inf"))
+    logits = logits.clone() if allowed is None else torch.where(allowed.to(logits.device), logits,
+                                                                refused_logit(logits.device))
     if holds_stops:
         held = [t for t in {*stop_ids, *params.stop_token_ids} if 0 <= t < vocab]
         logits[torch.tensor(held, dtype=torch.long, device=logits.device)] = float("-inf")
@@ -80,6 +82,13 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
         counts = torch.bincount(torch.tensor(list(generated), device=logits.device), minlength=vocab)[:vocab]
         logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
+
+
+@functools.cache
+def refused_logit(device: torch.device) -> torch.Tensor:
+    """-inf, the logit of a token a grammar refuses, as a tensor on `device` made once (`torch.where` would wrap a
+    Python float in a new tensor on every call)."""
+    return torch.tensor(float("-inf"), device=device)
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, step: int, sequence: int = 0) -> int:
