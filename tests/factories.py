@@ -49,6 +49,22 @@ def decode_job(request_id: str, n_prompt: int, params: SamplingParams | None = N
     return DecodeJob(request_id=request_id, n_prompt_tokens=n_prompt, sampling=params or greedy(), kv_wait_s=wait_s)
 
 
+def colocated_with_prompts(params: SamplingParams, sizes: tuple[int, ...] = (7, 19, 12)):
+    """A colocated engine (`tiny`, 4-token blocks, 6-token chunks) with a request c0, c1, ... submitted per prompt size,
+    and each prompt's tokens as one engine alone generates them."""
+    from kvcentric.core.hashing import BlockHasher
+    from kvcentric.engine.cores.colocated import ColocatedEngine
+    from kvcentric.engine.model.local import generate
+    prompts = [prompt(n, offset=n) for n in sizes]
+    runner = make_runner(block_size=4)
+    expected = [generate(runner, make_pool(runner), p, params)[0] for p in prompts]
+    engine = ColocatedEngine(make_runner(block_size=4), make_pool(runner), BlockHasher(block_size=4), chunk_tokens=6)
+    for i, p in enumerate(prompts):
+        job = prefill_job(p, params, request_id=f"c{i}")
+        engine.submit(job, decode_job(job.request_id, len(p), params))
+    return engine, expected
+
+
 def load_report(instance_id: str, role: str, queued_tokens: int = 0, running: int = 0, ts: float = 0.0) -> LoadReport:
     port = 5000 + zlib.crc32(instance_id.encode()) % 1000  # the same in every run (str hashes are salted)
     return LoadReport(instance_id=instance_id, role=role, cluster="local", kv_addr=f"127.0.0.1:{port}",

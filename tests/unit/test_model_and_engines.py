@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
+from factories import colocated_with_prompts, decode_job, greedy, make_pool, make_runner, prefill_job, prompt
 from kvcentric.engine.cores.decode import DecodeEngine, KVRejected
 from kvcentric.engine.model.local import generate
 from kvcentric.engine.model.runner import kv_payload
@@ -212,15 +212,8 @@ def test_top_k_one_is_greedy_and_seeded_sampling_repeats():
 
 
 def test_colocated_engine_interleaves_chunks_and_decode_and_matches_single_requests():
-    from kvcentric.engine.cores.colocated import ColocatedEngine
     params = greedy(9)
-    prompts = [prompt(n, offset=n) for n in (7, 19, 12)]
-    runner = make_runner(block_size=4)
-    expected = [generate(runner, make_pool(runner), p, params)[0] for p in prompts]
-    engine = ColocatedEngine(make_runner(block_size=4), make_pool(runner), BlockHasher(block_size=4), chunk_tokens=6)
-    for i, p in enumerate(prompts):
-        job = prefill_job(p, params, request_id=f"c{i}")
-        engine.submit(job, decode_job(job.request_id, len(p), params))
+    engine, expected = colocated_with_prompts(params)
     out = {f"c{i}": [] for i in range(3)}
     while engine.has_work:
         for chunk in engine.step():

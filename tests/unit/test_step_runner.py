@@ -10,14 +10,11 @@ import time
 
 import pytest
 
-from factories import decode_job, greedy, make_pool, make_runner, prefill_job, prompt
-from kvcentric.core.hashing import BlockHasher
+from factories import colocated_with_prompts, greedy
 from kvcentric.core.protocol import TokenChunk
-from kvcentric.engine.cores.colocated import ColocatedEngine
 from kvcentric.engine.cores.mixed import MixedStepper
 from kvcentric.engine.cores.role_steps import MixedSteps, SplitSteps
 from kvcentric.engine.cores.step import Computed, token_shares
-from kvcentric.engine.model.local import generate
 from kvcentric.engine.service.steps import StepRunner
 
 
@@ -98,13 +95,7 @@ def test_a_plan_whose_io_leaves_nothing_to_compute_is_released_without_computing
 @pytest.mark.parametrize("mixed", [False, True])
 def test_colocated_steps_through_the_runner_generate_what_the_engine_alone_does(mixed):
     params = greedy(6)
-    prompts = [prompt(n, offset=n) for n in (7, 19, 12)]
-    runner = make_runner(block_size=4)
-    expected = [generate(runner, make_pool(runner), p, params)[0] for p in prompts]
-    engine = ColocatedEngine(make_runner(block_size=4), make_pool(runner), BlockHasher(block_size=4), chunk_tokens=6)
-    for i, p in enumerate(prompts):
-        job = prefill_job(p, params, request_id=f"c{i}")
-        engine.submit(job, decode_job(job.request_id, len(p), params))
+    engine, expected = colocated_with_prompts(params)
     core = MixedSteps(MixedStepper(engine, 16), time.monotonic, lambda: 1.0) if mixed else \
         SplitSteps(engine, time.monotonic, timed)
     steps = StepRunner(core, inline, timed if mixed else None)
