@@ -41,15 +41,16 @@ from kvcentric.model.config import load_model_config
 
 
 RESULTS = harness.RESULTS
-SERVED = {"colocated": "colocated mixed", "1P+1D": "1P+1D"}
+SERVED = {"colocated": "colocated mixed", "1P+1D": "1P+1D", "1P+1D own cores": "1P+1D own cores"}
 """This bench's deployment names -> `bench_vs_vllm.DEPLOYMENTS`' (the same flags and engine settings)."""
-DECODER = {"colocated": "colocated-0", "1P+1D": "decode-0"}
+DECODER = {"colocated": "colocated-0", "1P+1D": "decode-0", "1P+1D own cores": "decode-0"}
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["small", "medium"], choices=["small", "medium"])
-    parser.add_argument("--deployments", nargs="+", default=list(SERVED), choices=list(SERVED))
+    parser.add_argument("--deployments", nargs="+", default=["colocated", "1P+1D"], choices=list(SERVED),
+                        help="'1P+1D own cores': the engines lend each other no cores (--no-lend-cores)")
     parser.add_argument("--requests", type=int, default=8, help="sequential requests measured per deployment")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)

@@ -63,6 +63,7 @@ DEPLOYMENTS: dict[str, tuple[list[str], dict[str, str]]] = {
     "colocated mixed": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048"}),
     "colocated mixed slices": (["--colocated", "1"], {"KVC_STEP_TOKENS": "2048", "KVC_DECODE_ATTENTION": "slices"}),
     "1P+1D": (["--prefill", "1", "--decode", "1"], {}),
+    "1P+1D own cores": (["--prefill", "1", "--decode", "1", "--no-lend-cores"], {}),
     "1P+1D SLO 0.5 s": (["--prefill", "1", "--decode", "1", "--tbt-slo-s", "0.5", "--lend-pace-s", "0.4"], {}),
 }
 """`kvcentric up` flags and engine settings (environment) of each deployment measured. `1P+1D SLO 0.5 s`: the
