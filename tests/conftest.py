@@ -22,3 +22,36 @@ def shared() -> Path:
         return Path(os.environ["KVC_SHARED"])
     inside = REPO / "shared"
     return inside if inside.is_dir() else REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def kernel_builds(tmp_path_factory) -> Path:
+    """A folder of this session holding the CPU kernels compiled once for every instruction set the tests build
+    (`portable`, `avx2`, `avx512`, compiled whatever this CPU runs, and `avx512-emulated` where this CPU has no
+    AVX-512 and SIMDe's headers are found), side by side, in parallel (with `native`, into the cache the engines
+    use). `kernels.build(folder, isa)` returns a build
+    already there (the folder is its cache), so test_cpu_isa and test_cpu_kernels compile each once, not once
+    each (a build takes 6-20 s of CPU here)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcentric.engine.model import kernels
+    from kvcentric.engine.model.kernels import isas
+
+    directory = tmp_path_factory.mktemp("kernels")
+    names = ["avx512", "avx2", "portable"]
+    try:
+        isas.check_cpu(kernels.EMULATED)
+        emulable = "avx512" not in kernels.runnable() and kernels.simde_version() is not None
+    except kernels.UnsupportedIsa:
+        emulable = False
+    if emulable:
+        names.insert(0, kernels.EMULATED)  # the longest, first
+    with ThreadPoolExecutor(len(names) + 1) as pool:
+        futures = [pool.submit(kernels.build, directory, name) for name in names]
+        futures.append(pool.submit(kernels.build, None, "native"))  # the engines' cache, built there once
+        for future in futures:
+            try:
+                future.result()
+            except RuntimeError:
+                pass  # a build that fails here fails again, and says why, where a test asks for it
+    return directory

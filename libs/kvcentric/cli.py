@@ -23,27 +23,61 @@ def _config_class(command: str) -> type:
     return config_class(command)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole `kvcentric` parser; with `command` (a subcommand's name), one holding that subcommand alone, which
+    parses its command lines the same (a service process need not import every other one's config to start)."""
     parser = argparse.ArgumentParser(
         prog="kvcentric",
         description="KVCache-centric, prefill/decode-disaggregated LLM serving. "
                     "`kvcentric up` runs everything on this machine; each other subcommand runs one service.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def wanted(name: str) -> bool:
+        return command is None or command == name
+
+    if wanted("up"):
+        add_up(commands)
+    if wanted("profile"):
+        add_profile(commands)
+    if wanted("plan"):
+        add_plan(commands)
+    if command is None:
+        add_helps(commands)
+    if wanted("role"):
+        add_role(commands)
+    for name, description in SERVICES.items():
+        if wanted(name):
+            sub = commands.add_parser(name, help=description, description=description)
+            add_arguments(sub, _config_class(name))
+    return parser
+
+
+def add_up(commands: argparse._SubParsersAction) -> None:
     from kvcentric.tools.up import UpConfig
     up = commands.add_parser("up", help="run a whole cluster on this machine (servers included)",
                              description="Start nats-server, redis-server, kvs-meta, conductor, the gateway and "
                                          "prefill/decode instances; wait until healthy; stop all on Ctrl-C.")
     add_arguments(up, UpConfig)
+
+
+def add_profile(commands: argparse._SubParsersAction) -> None:
     from kvcentric.engine.config import ProfileConfig
     profile = commands.add_parser("profile", help="time the model here and fit the conductor's cost model",
                                   description="Time prefill over (new x cached tokens) and decode steps over "
                                               "(batch x context), fit T_prefill and T_decode, write JSON.")
     add_arguments(profile, ProfileConfig)
+
+
+def add_plan(commands: argparse._SubParsersAction) -> None:
     from kvcentric.tools.plan import PlanConfig
     plan = commands.add_parser("plan", help="PrfaaS planner: threshold t and N_p/N_d from a profile and a workload",
                                description="Prefill-as-a-Service throughput model (§3.4, eqs 3-8): grid search "
                                            "over t and N_p/N_d; prints the optimum as Table 6, writes JSON + PNGs.")
     add_arguments(plan, PlanConfig)
+
+
+def add_helps(commands: argparse._SubParsersAction) -> None:
+    """The subcommands with parsers of their own (`main` hands them their arguments), for --help's list."""
     commands.add_parser("bench", help="benchmarks against a running cluster: `kvcentric bench replay TRACE --url ...` "
                                       "sends a Mooncake trace or a Poisson workload as real requests",
                         add_help=False)
@@ -53,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("sim", help="simulate a cluster replaying a trace with the conductor's core "
                                     "(`kvcentric sim --help`; `kvcentric sim cache` for pool hit ratios)",
                         add_help=False)
+
+
+def add_role(commands: argparse._SubParsersAction) -> None:
     role = commands.add_parser("role", help="switch an engine instance between prefill and decode (it drains first)",
                                description="Send a RoleSwitch on kvc.control.<id>: the instance finishes its work, "
                                            "takes no new, and serves on in the other role (PrfaaS §3.4.3).")
@@ -67,10 +104,6 @@ def build_parser() -> argparse.ArgumentParser:
                        ("nats_password_file", "file holding its password (else KVC_NATS_PASSWORD)")):
         role.add_argument(flag_name(name), default=os.environ.get(env_name(name), ""),
                           help=f"{what} (env {env_name(name)})")
-    for command, description in SERVICES.items():
-        sub = commands.add_parser(command, help=description, description=description)
-        add_arguments(sub, _config_class(command))
-    return parser
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -84,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["bench"]:  # `kvcentric bench replay TRACE ...`, its own parser
         from kvcentric.tools.replay import bench_main
         sys.exit(bench_main(argv[1:]))
-    parser = build_parser()
+    known = ("up", "profile", "plan", "role", *SERVICES)
+    parser = build_parser(argv[0] if argv[:1] and argv[0] in known else None)
     try:
         args = parser.parse_args(argv)
         if args.command == "profile":

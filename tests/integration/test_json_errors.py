@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -71,19 +72,23 @@ async def test_a_request_in_flight_while_the_gateway_drains_nats_gets_json(own_n
     async def silent_conductor(msg) -> None:
         asked.set()
     await nc.subscribe(Subjects.SCHEDULE, cb=silent_conductor)
-    process, port = spawn_service("gateway", own_nats, "--bus-timeout-s", "20")
+    # The unanswered ask ends at --bus-timeout-s, while the gateway is stopping: the signal goes at once, seconds
+    # before (the answer is checked to come after it), and the test waits no longer than that timeout.
+    process, port = spawn_service("gateway", own_nats, "--bus-timeout-s", "5")
     answers: list = []
     body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 2}).encode()
-    client = threading.Thread(target=lambda: answers.append(call(f"http://127.0.0.1:{port}/v1/completions",
-                                                                 body)))
+    client = threading.Thread(target=lambda: answers.append(
+        (call(f"http://127.0.0.1:{port}/v1/completions", body), time.monotonic())))
     try:
         client.start()
         await asyncio.wait_for(asked.wait(), 60)
+        signalled = time.monotonic()
         process.send_signal(signal.SIGTERM)
         await asyncio.to_thread(client.join, 60)
     finally:
         stop(process)
         await nc.close()
-    (status, headers, answer), = answers
+    ((status, headers, answer), answered), = answers
+    assert answered > signalled, "the answer came before the gateway was told to stop"
     assert status == 503, answer
     assert headers.get("Retry-After") == "1" and answer["error"]["type"] == "service_unavailable", (headers, answer)

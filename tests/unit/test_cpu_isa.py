@@ -16,7 +16,6 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -49,18 +48,16 @@ def emulation() -> str:
 
 
 @pytest.fixture(scope="session")
-def builds(tmp_path_factory) -> dict[str, Path]:
-    """Each runnable ISA's library, built side by side into a directory of this session (`native` from the cache
-    the engine uses, built there once per source), and `avx512-emulated` where this CPU has no AVX-512 and the
-    emulation can be built."""
-    directory = tmp_path_factory.mktemp("kernels")
+def builds(kernel_builds) -> dict[str, Path]:
+    """Each runnable ISA's library, built side by side into the session's folder of builds (`kernel_builds`, which
+    compiled them in parallel; `native` from the cache the engine uses, built there once per source), and
+    `avx512-emulated` where this CPU has no AVX-512 and the emulation can be built."""
     names: list[str] = [name for name in kernels.runnable() if name != "native"]
     if "avx512" not in names and not emulation():
         names.append(kernels.EMULATED)
-    with ThreadPoolExecutor(len(names) + 1) as pool:
-        built = {name: pool.submit(kernels.build, directory, name) for name in names}
-        built["native"] = pool.submit(kernels.build, None, "native")
-        return {name: future.result() for name, future in built.items()}
+    built = {name: kernels.build(kernel_builds, name) for name in names}
+    built["native"] = kernels.build(None, "native")
+    return built
 
 
 @pytest.fixture(params=list(isas.ISAS))

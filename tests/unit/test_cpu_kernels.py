@@ -144,9 +144,10 @@ def test_prefill_matches_causal_sdpa_in_fp32(kernel, lengths, heads, kv_heads, h
     torch.testing.assert_close(out, causal_sdpa(q, k, v, starts, lengths_), atol=2e-6, rtol=1e-5)
 
 
-def test_the_portable_build_computes_the_same(tmp_path: Path):
-    """The library built for plain x86-64 (no vector paths): the same prefill, decode and ops."""
-    path = kernels.build(tmp_path, isa="portable")
+def test_the_portable_build_computes_the_same(kernel_builds: Path):
+    """The library built for plain x86-64 (no vector paths): the same prefill, decode and ops (the session's build,
+    `kernel_builds`)."""
+    path = kernels.build(kernel_builds, isa="portable")
     portable, ops = kernels.CpuAttention(path), kernels.CpuLayerOps(path)
     q, k, v, starts, lengths = prompt_rows([1, 63, 65, 256], 8, 4, 64, seed=11)
     out = torch.empty(q.shape)
@@ -374,10 +375,11 @@ def test_build_is_cached_per_source_and_cpu(tmp_path: Path, monkeypatch):
     assert shutil.which(kernels.compiler() or "")
 
 
-def test_without_a_compiler_the_widest_prebuilt_kernels_this_cpu_runs_are_used(tmp_path: Path, monkeypatch):
+def test_without_a_compiler_the_widest_prebuilt_kernels_this_cpu_runs_are_used(tmp_path: Path, monkeypatch,
+                                                                              kernel_builds: Path):
     monkeypatch.setenv("KVC_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("KVC_KERNEL_PREBUILT", str(tmp_path / "prebuilt"))
-    built = kernels.prebuild(tmp_path / "prebuilt")
+    built = kernels.prebuild(tmp_path / "prebuilt", kernel_builds)  # the session's compiles, copied in
     assert "portable" in [path.name.split("-")[1] for path in built]
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path / "no-compiler-here"))

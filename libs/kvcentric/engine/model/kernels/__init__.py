@@ -110,14 +110,15 @@ def prebuilt(name: Isa, directory: Path | None = None) -> Path | None:
     return None
 
 
-def prebuild(directory: Path) -> list[Path]:
+def prebuild(directory: Path, builds: Path | None = None) -> list[Path]:
     """Build the kernels for every ISA the compiler can target (not `native`: the image may run on another CPU)
-    into `directory`, named so that `prebuilt` finds them; returns what was built."""
+    into `directory`, named so that `prebuilt` finds them; returns what was built. `builds`: the folder `build`
+    compiles into (and reuses what it already holds there, as its cache); default a temporary one."""
     built = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in ("avx512", "avx2", "portable"):
             try:
-                library = build(Path(scratch), name)
+                library = build(builds or Path(scratch), name)
             except RuntimeError as exc:
                 log.warning("no prebuilt kernels for %s: %s", name, exc)
                 continue
