@@ -31,7 +31,7 @@ def kernel_builds(tmp_path_factory) -> Path:
     AVX-512 and SIMDe's headers are found), side by side, in parallel (with `native`, into the cache the engines
     use). `kernels.build(folder, isa)` returns a build
     already there (the folder is its cache), so test_cpu_isa and test_cpu_kernels compile each once, not once
-    each (a build takes 6-20 s of CPU here)."""
+    each (a build is seconds of compiler time)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from kvcentric.engine.model import kernels
