@@ -102,6 +102,15 @@ class Project:
         self.compose("down", "-v", "--remove-orphans", "--rmi", "local", "-t", "20", check=False)
 
 
+def secured_project(name: str, files: list[str], material: Path) -> Project:
+    """A `Project` of a secured layout: its certificates and secrets in `material` (KVC_SECURE_DIR), its gateway
+    served over HTTPS (`url`)."""
+    project = Project(name, files, KVC_SECURE_DIR=str(material))
+    project.material = material
+    project.url = f"https://localhost:{project.gateway_port}"
+    return project
+
+
 def _time(stamp: str) -> float:
     """Docker's RFC 3339 time (nanoseconds, Z) as seconds since the epoch."""
     whole, _, fraction = stamp.rstrip("Z").partition(".")

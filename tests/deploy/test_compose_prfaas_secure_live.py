@@ -19,7 +19,8 @@ import urllib.request
 
 import pytest
 
-from composing import LIVE, ROOT, Project, as_owner_edits, doc_block, probe_nats, refused_all_but_the_user, run_block
+from composing import (LIVE, ROOT, Project, as_owner_edits, doc_block, probe_nats, refused_all_but_the_user, run_block,
+                       secured_project)
 
 pytestmark = LIVE
 REPORT = ROOT / "build" / "compose-prfaas-secure-check.json"
@@ -32,10 +33,8 @@ the second brings the two datacenters up and sends the long prompt."""
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     material = tmp_path_factory.mktemp("secure") / "out"
-    project = Project("kvc-prfaas-secure", ["docker-compose.prfaas.yml", "docker-compose.prfaas.secure.yml"],
-                      KVC_SECURE_DIR=str(material))
-    project.material = material
-    project.url = f"https://localhost:{project.gateway_port}"
+    project = secured_project("kvc-prfaas-secure", ["docker-compose.prfaas.yml", "docker-compose.prfaas.secure.yml"],
+                              material)
     certs = [line for line in doc_block(MATERIAL_BLOCK).replace("\\\n", " ").splitlines()
              if line.startswith("kvcentric certs ")]
     owner = [line for line in doc_block(MATERIAL_BLOCK).splitlines() if line.startswith("export KVC_UID")]

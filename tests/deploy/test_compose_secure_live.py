@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from composing import (LIVE, NATS_PROBE, ROOT, Project, as_owner_edits, doc_block, refused_all_but_the_user,
-                       run_block, time_to_first_token)
+                       run_block, secured_project, time_to_first_token)
 
 pytestmark = LIVE
 REPORT = ROOT / "build" / "compose-secure-check.json"
@@ -35,10 +35,7 @@ BLOCK = "docker compose -f docker-compose.yml -f docker-compose.secure.yml up"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     material = tmp_path_factory.mktemp("secure") / "out"
-    project = Project("kvc-secure", ["docker-compose.yml", "docker-compose.secure.yml"],
-                      KVC_SECURE_DIR=str(material))
-    project.material = material
-    project.url = f"https://localhost:{project.gateway_port}"
+    project = secured_project("kvc-secure", ["docker-compose.yml", "docker-compose.secure.yml"], material)
     started = time.monotonic()
     project.compose("build", timeout_s=1800)  # first, so that the block's `up --build` finds the images built
     project.measured["build_s"] = round(time.monotonic() - started, 1)
