@@ -18,8 +18,18 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(BIN)/kvcentric up $(ARGS)
 
+# The suite in two parts: tests/unit (the cores, no servers, no clocks) on TEST_WORKERS pytest-xdist workers, a
+# test file each at a time; then the rest in one process, nothing beside it, since those tests judge live clusters'
+# timings (admission against SLOs, recovery after a fault, cores lent while idle), which a neighbour's load moves:
+# run beside each other they failed one test in three runs of four (docs/performance-notebook.md, "The test
+# suite's time"). TEST_WORKERS=0: the unit tests in one process too. Both parts run; the target fails if either did.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=25 tests
+	status=0; \
+	$(BIN)/python -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile tests/unit || status=1; \
+	$(BIN)/python -m pytest -q -ra --durations=20 --ignore=tests/unit tests || status=1; \
+	exit $$status
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

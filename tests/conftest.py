@@ -1,5 +1,6 @@
 """What every test shares: tests/ on sys.path (factories, harness, waiting) and the project's shared folder."""
 
+import fcntl
 import os
 import sys
 from pathlib import Path
@@ -32,12 +33,23 @@ def kernel_builds(tmp_path_factory) -> Path:
     use). `kernels.build(folder, isa)` returns a build
     already there (the folder is its cache), so test_cpu_isa and test_cpu_kernels compile each once, not once
     each (a build is seconds of compiler time)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs the suite on workers: they share one folder
+        directory = tmp_path_factory.getbasetemp().parent / "kernels"
+        directory.mkdir(exist_ok=True)
+    else:
+        directory = tmp_path_factory.mktemp("kernels")
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a worker that comes second waits for the first's builds, and finds them
+        build_every_isa(directory)
+    return directory
+
+
+def build_every_isa(directory: Path) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from kvcentric.engine.model import kernels
     from kvcentric.engine.model.kernels import isas
 
-    directory = tmp_path_factory.mktemp("kernels")
     names = ["avx512", "avx2", "portable"]
     try:
         isas.check_cpu(kernels.EMULATED)
@@ -54,4 +66,3 @@ def kernel_builds(tmp_path_factory) -> Path:
                 future.result()
             except RuntimeError:
                 pass  # a build that fails here fails again, and says why, where a test asks for it
-    return directory

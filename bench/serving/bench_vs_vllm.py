@@ -218,6 +218,9 @@ def stream_once(url: str, model: str, prompt: list[int], max_tokens: int, start:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             event = json.loads(line[6:])
+            if event.get("error"):  # the stream was open (a keep-alive went out) when the request failed
+                FAILED.append(f"{url}: error event after {tokens or len(times)} tokens: {event['error']}")
+                return {}
             if event.get("choices"):  # a token's event, its text maybe empty (bytes of a character held back)
                 last = time.perf_counter()
                 times.append(last)
