@@ -17,6 +17,7 @@ from kvcentric.core.openai_api import ApiError, parse_chat, parse_completion
 from kvcentric.core.protocol import SamplingParams
 from kvcentric.core.structured import parse_guide
 from kvcentric.engine.model.guided import Guides
+from kvcentric.engine.cores.decode_sampling import takes_forced
 from kvcentric.engine.model.sampling import choose
 from kvcentric.model.config import PRESETS
 from kvcentric.model.tokenizer import ByteTokenizer
@@ -289,3 +290,40 @@ def test_guided_tokens_through_the_colocated_engine_are_the_same_with_masks_over
         answers.append(dict(tokens))
     assert answers[0] == answers[1]
     assert ByteTokenizer().decode([t for t in answers[0][("q1", 0)] if t < 256]) in ("alpha", "beta", "gamma delta")
+
+
+@pytest.mark.parametrize("vocab", [258, 32000])
+def test_a_mask_that_allows_one_token_names_it_and_the_row_takes_it_without_a_draw(vocab):
+    """A row whose mask allows one token alone (a literal of its grammar) is named in `BatchMasks.forced`, on every
+    bit of the bitmask's words (bit 31, the sign of an int32, included), and `choose_all` gives it the token that
+    every draw under the mask gives; a row that asks for logprobs, or whose min_tokens still holds back EOS, is
+    sampled as before."""
+    from factories import decode_job, make_pool, make_runner
+    from kvcentric.engine.cores.decode import DecodeEngine
+    from kvcentric.engine.cores.sequence import DecodeRequest
+
+    guides = Guides(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
+    for character in "?a~":  # 63: bit 31 of word 1
+        grammar = parse_guide({"guided_regex": re.escape(character) + "x"})
+        masks = guides.masks([None, (f"k{character}", grammar, [])])
+        assert masks.forced == {1: ord(character)}
+        assert guides.masks([(f"k{character}", grammar, [ord(character), ord("x")])]).forced == {0: 257}  # EOS alone
+    choice = parse_guide({"guided_choice": ["alpha", "beta"]})
+    runner = make_runner()
+    engine, alone_ = DecodeEngine(runner, make_pool(runner)), DecodeEngine(runner, make_pool(runner))
+    for seed in range(8):
+        kinds = [SamplingParams(max_tokens=40, temperature=1.0, seed=seed, guide=choice),
+                 SamplingParams(max_tokens=40, temperature=1.0, seed=seed, logprobs=1, guide=choice),
+                 SamplingParams(max_tokens=40, temperature=0.0, guide=choice),
+                 SamplingParams(max_tokens=40, temperature=1.0, seed=seed)]
+        batch = [DecodeRequest(decode_job(f"r{seed}.{i}", 3, params), deadline=0.0, prompt=[256, 1, 2],
+                               generated=list(b"al")) for i, params in enumerate(kinds)]
+        logits = torch.randn(len(batch), runner.config.vocab_size, generator=torch.Generator().manual_seed(seed)) * 4
+        expected = [alone_.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
+        assert expected[:3] == [ord("p")] * 3
+        assert engine.sampler.choose_all(logits, batch) == expected
+        assert batch[0].next_logprob is None and batch[1].next_logprob is not None  # the logprobs row was sampled
+    held = DecodeRequest(decode_job("held", 3, SamplingParams(max_tokens=40, temperature=1.0, seed=1, min_tokens=9,
+                                                              guide=parse_guide({"guided_regex": "ab"}))),
+                         deadline=0.0, prompt=[256, 1, 2], generated=list(b"ab"))
+    assert not takes_forced(held)  # EOS is the only token allowed, and min_tokens holds it back: `choose` decides

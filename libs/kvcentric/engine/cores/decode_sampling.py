@@ -44,23 +44,28 @@ class BatchSampler:
                 batch[row].next_logprob = None
         if len(plain) < len(batch):
             allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
-            chosen, premasked = set(plain), self.premasked(logits, batch, allowed)
+            forced = {row: token for row, token in allowed.forced.items() if takes_forced(batch[row])}
+            chosen, premasked = {*plain, *forced}, self.premasked(logits, batch, allowed, skip=forced)
             for row, request in enumerate(batch):
-                if row in premasked:
+                if row in forced:  # what a draw under this mask returns, whatever the logits and the seed
+                    tokens[row], request.next_logprob = forced[row], None
+                elif row in premasked:
                     tokens[row] = self.masked(premasked[row], request, None)
                 elif row not in chosen:
                     tokens[row] = self.masked(logits[row], request, allowed[row])
         return tokens
 
     @staticmethod
-    def premasked(logits: torch.Tensor, batch: list[DecodeRequest], allowed: BatchMasks) -> dict[int, torch.Tensor]:
+    def premasked(logits: torch.Tensor, batch: list[DecodeRequest], allowed: BatchMasks,
+                  skip: Collection[int] = ()) -> dict[int, torch.Tensor]:
         """Row -> its float32 logits with its grammar's mask applied (-inf where refused), for the guided rows
         that ask for no logprobs (raw logprobs read the unmasked row), all in one op: what `adjust` does to each
-        row alone. Empty for fewer than two such rows (one goes through `adjust`, as cheap)."""
+        row alone. Empty for fewer than two such rows (one goes through `adjust`, as cheap). `skip`: rows whose
+        token is chosen otherwise."""
         rows, masks = allowed.rows, allowed.allowed
         if masks is None:
             return {}
-        slots = [slot for slot, row in enumerate(rows) if batch[row].job.sampling.logprobs is None]
+        slots = [slot for slot, row in enumerate(rows) if batch[row].job.sampling.logprobs is None and row not in skip]
         if len(slots) < len(rows):
             rows, masks = [rows[slot] for slot in slots], masks[slots]
         if len(rows) < 2:
@@ -83,6 +88,16 @@ class BatchSampler:
         token, request.next_logprob = choose(logits, sampling, len(output), prompt, output, self.eos_token_ids,
                                              request.index, allowed)
         return token
+
+
+def takes_forced(request: DecodeRequest) -> bool:
+    """A guided row whose mask allows one token takes it without a draw: every draw under the mask returns it
+    (greedy or not, any top-k or top-p, any seed; a bias or a penalty moves its logit but leaves it the only finite
+    one), unless the row asks for logprobs (computed from the logits) or min_tokens still holds back stop tokens
+    (which `adjust` refuses as well, leaving it nothing: that case stays `choose`'s)."""
+    sampling = request.job.sampling
+    return sampling.logprobs is None and len(history(sampling, request.prompt, request.generated)[1]) >= \
+        sampling.min_tokens
 
 
 def guide_row(request: DecodeRequest) -> GuideRow | None:

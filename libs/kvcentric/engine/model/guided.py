@@ -130,7 +130,22 @@ class Guides:
             for slot, index in enumerate(guided):
                 self._fill(slot, *rows[index])  # type: ignore[misc]
             bits = np.unpackbits(bitmask, axis=1, count=self.vocab_size, bitorder="little")
-        return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)))  # (a new array, not the bitmask)
+            forced = self._forced(guided)
+        return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)),  # (a new array, not the bitmask)
+                          forced)
+
+    def _forced(self, guided: Sequence[int]) -> dict[int, int]:
+        """Row -> the one token its mask allows, for each guided row whose mask allows exactly one (a grammar's
+        literal: a JSON key, a closing quote), found on the bitmask's words (one set bit in one nonzero word)."""
+        words = self._buffer[:len(guided)]
+        forced = {}
+        for slot in np.flatnonzero(np.count_nonzero(words, axis=1) == 1).tolist():
+            index = int(np.flatnonzero(words[slot])[0])
+            word = int(words[slot, index]) & 0xFFFFFFFF
+            token = index * 32 + word.bit_length() - 1
+            if word & (word - 1) == 0 and token < self.vocab_size:
+                forced[guided[slot]] = token
+        return forced
 
     def _bitmask(self, rows: int) -> np.ndarray:
         """The first `rows` rows of the engine's bitmask as bytes (grown, never shrunk, as batches grow); each is
@@ -227,8 +242,11 @@ class BatchMasks:
     """The masks of a batch's rows, indexed by row: `allowed[slot]` the tokens row `rows[slot]` may take (a bool
     row of the vocabulary), for each guided row in the batch's order; a row not guided has none (None)."""
 
-    def __init__(self, size: int, rows: Sequence[int] = (), allowed: torch.Tensor | None = None) -> None:
+    def __init__(self, size: int, rows: Sequence[int] = (), allowed: torch.Tensor | None = None,
+                 forced: dict[int, int] | None = None) -> None:
         self.size, self.rows, self.allowed = size, list(rows), allowed
+        self.forced = forced or {}
+        """Row -> the one token its mask allows, for the rows whose mask allows one alone."""
         self._slots: dict[int, int] | None = None
 
     def __len__(self) -> int:
