@@ -45,7 +45,7 @@ class BatchSampler:
         if len(plain) < len(batch):
             allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
             forced = {row: token for row, token in allowed.forced.items() if takes_forced(batch[row])}
-            chosen, premasked = {*plain, *forced}, self.premasked(logits, batch, allowed, skip=forced)
+            chosen, premasked = set(plain), self.premasked(logits, batch, allowed, skip=forced)
             for row, request in enumerate(batch):
                 if row in forced:  # what a draw under this mask returns, whatever the logits and the seed
                     tokens[row], request.next_logprob = forced[row], None
