@@ -4,8 +4,8 @@ sampled at temperature 1) with and without a JSON-schema grammar's mask on every
 runs as a decode engine's does (`DecodeEngine.execute`): `BatchSampler.start` (on the CPU it begins nothing), the
 forward pass, then `BatchSampler.choose_all`, which computes the batch's masks together and samples every row;
 each row is fed the token it sampled, so its matcher moves on through the grammar as in serving, and a row that
-ends starts again as a new sequence (a copy of the grammar's prototype). Goal: a masked step costs under 10% more
-than a plain one.
+ends starts again as a new sequence (a copy of the grammar's prototype). A plain batch and a guided one step in turn,
+step by step, so the machine's moods fall on both alike. Goal: a masked step costs under 10% more than a plain one.
 
 Usage:
     .venv/bin/python -m bench.serving.bench_guided [--models tiny small] [--steps 50] [--rounds 5]
@@ -43,25 +43,47 @@ MAX_OUTPUT = 64
 """A row that has produced this many tokens starts again."""
 
 
-def step_s(runner: ModelRunner, batch: int, guided: bool, steps: int) -> float:
-    """Median seconds of one decode step with every row sampled (and masked when `guided`)."""
-    blocks = [[row * 4 + k for k in range(4)] for row in range(batch)]
-    params = SamplingParams(temperature=1.0, seed=1, guide=GUIDE if guided else "", max_tokens=MAX_OUTPUT)
-    guides, times = Guides(runner.config), []
-    sampler = BatchSampler(guides, runner.config.eos_token_ids)
-    rows = [sequence(params, row, 0) for row in range(batch)]
-    for step in range(steps):
+class Stepper:
+    """One batch of decode rows stepped as a decode engine steps them, with or without the grammar's mask."""
+
+    def __init__(self, runner: ModelRunner, batch: int, guided: bool) -> None:
+        self.runner, self.batch = runner, batch
+        self.blocks = [[row * 4 + k for k in range(4)] for row in range(batch)]
+        self.params = SamplingParams(temperature=1.0, seed=1, guide=GUIDE if guided else "", max_tokens=MAX_OUTPUT)
+        self.guides = Guides(runner.config)
+        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids)
+        self.rows = [sequence(self.params, row, 0) for row in range(batch)]
+        self.steps = 0
+
+    def step(self) -> float:
+        """Seconds of one decode step with every row sampled (and masked when guided); each row then takes its
+        token, and a row that ends starts again as a new sequence."""
         started = time.perf_counter()
-        masks = sampler.start(rows)
-        logits = runner.decode([65] * batch, [len(PREFIX)] * batch, blocks)
-        tokens = sampler.choose_all(logits, rows, masks)
-        times.append(time.perf_counter() - started)
+        masks = self.sampler.start(self.rows)
+        logits = self.runner.decode([65] * self.batch, [len(PREFIX)] * self.batch, self.blocks)
+        tokens = self.sampler.choose_all(logits, self.rows, masks)
+        elapsed = time.perf_counter() - started
+        self.steps += 1
         for row, token in enumerate(tokens):
-            rows[row].generated.append(token)
-            if token in runner.config.eos_token_ids or len(rows[row].generated) >= MAX_OUTPUT:
-                guides.forget(rows[row].key)
-                rows[row] = sequence(params, row, step + 1)
-    return statistics.median(times[3:])
+            self.rows[row].generated.append(token)
+            if token in self.runner.config.eos_token_ids or len(self.rows[row].generated) >= MAX_OUTPUT:
+                self.guides.forget(self.rows[row].key)
+                self.rows[row] = sequence(self.params, row, self.steps)
+        return elapsed
+
+
+def paired_s(runner: ModelRunner, batch: int, steps: int) -> tuple[float, float]:
+    """Median seconds of a plain and of a guided decode step, the two taken in turn step by step (so a change in
+    the machine's speed, a neighbour's burst or the CPU's clock, falls on both alike)."""
+    plain, guided = Stepper(runner, batch, False), Stepper(runner, batch, True)
+    times: tuple[list[float], list[float]] = ([], [])
+    for step in range(steps + 3):
+        for stepper, kept in ((plain, times[0]), (guided, times[1])) if step % 2 else \
+                ((guided, times[1]), (plain, times[0])):
+            elapsed = stepper.step()
+            if step >= 3:
+                kept.append(elapsed)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def sequence(params: SamplingParams, row: int, step: int) -> DecodeRequest:
@@ -91,16 +113,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=50, help="steps of each variant in a round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of plain then guided steps")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of plain and guided steps taken in turn")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
     for model in args.models:
         runner = ModelRunner(PRESETS[model], 64, 16, 0, device="cpu")
         for batch in (1, 8):
-            # plain and guided alternate, round after round, so a neighbour's burst falls on both alike
-            rounds = [(step_s(runner, batch, False, args.steps), step_s(runner, batch, True, args.steps))
-                      for _ in range(args.rounds)]
+            rounds = [paired_s(runner, batch, args.steps) for _ in range(args.rounds)]
             plain = statistics.median(p for p, _ in rounds)
             guided = statistics.median(g for _, g in rounds)
             overhead = statistics.median(g / p - 1 for p, g in rounds)

@@ -136,15 +136,17 @@ class Guides:
 
     def _forced(self, guided: Sequence[int]) -> dict[int, int]:
         """Row -> the one token its mask allows, for each guided row whose mask allows exactly one (a grammar's
-        literal: a JSON key, a closing quote), found on the bitmask's words (one set bit in one nonzero word)."""
+        literal: a JSON key, a closing quote), found on the bitmask's words: one set bit in all the row's words,
+        counted in one array op (the array ops it took per row cost a quarter of the masks' time at batch 8:
+        docs/performance-notebook.md)."""
         words = self._buffer[:len(guided)]
         forced = {}
-        for slot in np.flatnonzero(np.count_nonzero(words, axis=1) == 1).tolist():
-            index = int(np.flatnonzero(words[slot])[0])
-            word = int(words[slot, index]) & 0xFFFFFFFF
-            token = index * 32 + word.bit_length() - 1
-            if word & (word - 1) == 0 and token < self.vocab_size:
-                forced[guided[slot]] = token
+        for slot, bits in enumerate(np.bitwise_count(words.view(np.uint32)).sum(axis=1).tolist()):
+            if bits == 1:
+                index = int(words[slot].nonzero()[0][0])
+                token = index * 32 + (int(words[slot, index]) & 0xFFFFFFFF).bit_length() - 1
+                if token < self.vocab_size:
+                    forced[guided[slot]] = token
         return forced
 
     def _bitmask(self, rows: int) -> np.ndarray:
@@ -156,20 +158,20 @@ class Guides:
         return self._bytes[:rows]
 
     def _fill(self, slot: int, key: str, grammar: str, output: Sequence[int]) -> None:
-        """Row `slot` of the bitmask: the mask of the sequence's matcher, fed its output."""
+        """Row `slot` of the bitmask: the mask of the sequence's matcher, fed its output. llguidance's mask allows
+        EOS alone where the grammar allows nothing more (stopped, or refusing the output); a matcher in error (asked
+        once, after its mask: each call into llguidance costs a few µs a row) gets every EOS id of the model."""
         matcher, shared = self.fed(key, grammar, output)
-        self._compute(slot, matcher)
-        if matcher.is_error() and shared:
-            self._compute(slot, self.unshare(key, grammar, output))
-
-    def _compute(self, slot: int, matcher: LLMatcher) -> None:
-        """The matcher's mask into row `slot`: llguidance's, which allows EOS alone where the grammar allows nothing
-        more (stopped, or refusing the output); for a matcher in error, every EOS id of the model."""
-        if matcher.is_error():
-            self._buffer[slot] = self._only_eos_words
-        else:
-            row_bytes = self._words * 4
-            matcher.unsafe_compute_mask_ptr(self._address + slot * row_bytes, row_bytes)
+        row_bytes = self._words * 4
+        matcher.unsafe_compute_mask_ptr(self._address + slot * row_bytes, row_bytes)
+        if not matcher.is_error():
+            return
+        if shared:  # a prototype's copy: replayed on a matcher of its own
+            matcher = self.unshare(key, grammar, output)
+            if not matcher.is_error():
+                matcher.unsafe_compute_mask_ptr(self._address + slot * row_bytes, row_bytes)
+                return
+        self._buffer[slot] = self._only_eos_words
 
     def start(self, rows: Sequence[GuideRow | None]) -> Future[BatchMasks] | None:
         """`masks(rows)` begun on this engine's worker thread, where `overlap` says to (llguidance computes
@@ -192,7 +194,9 @@ class Guides:
             matcher, seen, shared = kept
         else:
             (matcher, shared), seen = self.new_matcher(grammar), 0
-        if seen < len(output):
+        if seen == len(output) - 1:
+            matcher.consume_token(output[-1])
+        elif seen < len(output):
             matcher.consume_tokens(list(output[seen:]))
         self.matchers[key] = (matcher, len(output), shared)
         while len(self.matchers) > MAX_SEQUENCES_KEPT:
