@@ -19,7 +19,8 @@ from kvcentric.core.metrics import LATENCY_BUCKETS_S, labelled
 from kvcentric.core.migration import (Failure, InstanceWatch, MigrationPolicy, chunk_failure, continuation,
                                       culprit_search, silent_failure, waited_on)
 from kvcentric.core.openai_api import ApiError
-from kvcentric.core.protocol import Cancel, Placement, RequestOutcome, SamplingParams, Subjects, TokenChunk
+from kvcentric.core.protocol import (BadMessage, Cancel, Heartbeat, Placement, RequestOutcome, SamplingParams,
+                                     Subjects, TokenChunk, decode)
 from kvcentric.runtime.bus import Bus
 from kvcentric.runtime.http import RETRY_AFTER_S, Metrics
 
@@ -50,14 +51,19 @@ class Migrations:
         spawn(every(WATCH_PERIOD_S, self.check), "migration-watch")
 
     async def on_report(self, msg) -> None:
-        """Any load report says its instance lives (`kvc.load.<role>.<id>`: the subject names it)."""
-        self.watch.heard_from(msg.subject.rpartition(".")[2], time.monotonic())
+        """Any load report says its instance lives (`kvc.load.<role>.<id>`: the subject names it), and its
+        heartbeat tick whether it is the process heard before (a restarted one counts again from 1)."""
+        try:
+            tick = decode(msg.data, Heartbeat).seq
+        except BadMessage:
+            tick = 0
+        self.watch.heard_from(msg.subject.rpartition(".")[2], time.monotonic(), tick)
 
     def placed(self, job: relay.Job) -> None:
         """The request was placed: its instances are watched from now on."""
         assert job.placement is not None
         job.received_before = len(job.received)
-        now = time.monotonic()
+        now = job.placed_at = time.monotonic()
         for instance_id in waited_on(job.placement, 0):
             self.watch.expect(instance_id, now)
         self.serving.set()
@@ -83,7 +89,7 @@ class Migrations:
         for job in list(self.running.values()):
             if job.failure is not None or job.placement is None or job.output is None:
                 continue
-            failure = silent_failure(job.placement, self.since_placed(job), self.watch, now)
+            failure = silent_failure(job.placement, self.since_placed(job), self.watch, now, job.placed_at)
             if failure is not None:
                 job.failure = failure
                 self.detect.observe(failure.silence_s)
@@ -136,7 +142,7 @@ class Migrations:
         since = time.monotonic()
         deadline = since + 1.5 * self.watch.silent_after_s
         while (now := time.monotonic()) < deadline:
-            found = culprit_search(job.placement, self.since_placed(job), self.watch, since, now)
+            found = culprit_search(job.placement, self.since_placed(job), self.watch, since, now, job.placed_at)
             if found is None:
                 break
             if found != "wait":

@@ -18,6 +18,7 @@ import collections
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -71,6 +72,8 @@ class Job:
     received: list[int] = dataclasses.field(default_factory=list)
     """The tokens of its first sequence that reached the gateway (what a migration goes on after)."""
     received_before: int = 0
+    placed_at: float = math.inf
+    """When its current placement was made (time.monotonic()): an instance restarted since has lost it."""
     """Of `received`, the tokens that came before its current placement (a migration's continuation)."""
     migrations: int = 0
     failure: Failure | None = None

@@ -59,8 +59,9 @@ def metrics(up: UpProcess, service: str) -> str:
 
 
 def argv(up: UpProcess, service: str) -> list[str]:
+    """The service's command line as `ps` shows it (a service `up` forked carries it as its title, one string)."""
     with open(f"/proc/{up.manifest['services'][service]['pid']}/cmdline", "rb") as cmdline:
-        return cmdline.read().decode().split("\0")
+        return cmdline.read().decode().replace("\0", " ").split()
 
 
 def test_the_cut_falls_between_the_two_prompts():

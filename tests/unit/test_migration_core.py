@@ -64,6 +64,33 @@ def test_a_silent_decode_fails_its_requests_and_a_silent_prefill_only_those_with
     assert prefill_gone.silence_s == pytest.approx(2.0)
 
 
+def test_an_instance_restarted_faster_than_silence_fails_what_was_placed_on_it_before():
+    """A supervisor (`kvcentric up`) may start a killed engine again within a second, under the same id: it is
+    never silent for `silent_after_s`, but its heartbeat ticks begin again, and what the old process held is gone."""
+    watch = InstanceWatch(1.5)
+    for tick, at in enumerate((10.0, 10.1, 10.2), start=1):
+        watch.heard_from("d0", at, tick)
+        watch.heard_from("p0", at, tick)
+    placed_at = 10.15
+    assert silent_failure(PLACED, 5, watch, 10.3, placed_at) is None
+    watch.heard_from("d0", 11.0, 1)  # a new process: its ticks count from 1 again
+    failure = silent_failure(PLACED, 5, watch, 11.0, placed_at)
+    assert failure is not None and failure.reason == "decode_silent" and failure.instance_id == "d0"
+    assert "restarted" in failure.message and failure.silence_s == pytest.approx(0.85)
+    assert silent_failure(PLACED, 5, watch, 11.1, placed_at=11.05) is None  # placed on the new process
+    assert culprit_search(PLACED, 5, watch, since=10.9, now=11.0, placed_at=placed_at) == failure
+
+
+def test_reports_without_ticks_or_with_rising_ticks_are_never_a_restart():
+    watch = InstanceWatch(1.5)
+    for at in (10.0, 10.1, 10.2):
+        watch.heard_from("d0", at)  # a sender without a heartbeat thread: tick 0
+    watch.heard_from("d0", 10.3, 7)
+    watch.heard_from("d0", 10.4, 8)
+    watch.heard_from("d0", 10.5)
+    assert silent_failure(PLACED, 5, watch, 10.5, placed_at=9.0) is None
+
+
 @pytest.mark.parametrize("status, migrates", [(500, True), (503, True), (429, False)])
 def test_5xx_error_chunks_may_migrate_and_overload_does_not(status, migrates):
     chunk = TokenChunk.failed("r1", "KV transfer failed: push did not complete", prompt_tokens=5, status=status)

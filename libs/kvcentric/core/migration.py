@@ -32,7 +32,11 @@ class InstanceWatch:
 
     An instance is silent when it has not been heard for `silent_after_s` *and* others have been heard since
     (by half that), so a gateway whose own event loop stalled, or that lost the bus, takes nobody for dead;
-    when nobody at all is heard for three times as long, a silent instance is silent all the same."""
+    when nobody at all is heard for three times as long, a silent instance is silent all the same.
+
+    An instance restarted under the same id (its supervisor started it again faster than `silent_after_s`) is
+    never silent for long enough: it is known by its reports' heartbeat ticks (`LoadReport.seq`), which a new
+    process counts again from 1. What was placed on it before is gone with the process that held it."""
 
     def __init__(self, silent_after_s: float) -> None:
         self.silent_after_s = silent_after_s
@@ -40,11 +44,23 @@ class InstanceWatch:
         self.reporting: set[str] = set()
         """Instances heard from at least once (their silence means something)."""
         self.latest = -math.inf
+        self.ticks: dict[str, int] = {}
+        """Each instance's latest heartbeat tick (0: its reports carry none)."""
+        self.restarted: dict[str, float] = {}
+        """When each instance was last heard from a new process (its ticks began again)."""
 
-    def heard_from(self, instance_id: str, now: float) -> None:
+    def heard_from(self, instance_id: str, now: float, tick: int = 0) -> None:
+        if 0 < tick <= self.ticks.get(instance_id, 0):
+            self.restarted[instance_id] = now
+        if tick:
+            self.ticks[instance_id] = tick
         self.heard[instance_id] = now
         self.reporting.add(instance_id)
         self.latest = max(self.latest, now)
+
+    def restarted_since(self, instance_ids: Iterable[str], since: float) -> str | None:
+        """The first of these instances heard from a new process after `since` (when a request was placed)."""
+        return next((i for i in instance_ids if self.restarted.get(i, -math.inf) > since), None)
 
     def expect(self, instance_id: str, now: float) -> None:
         """A request was placed on `instance_id`: never heard of yet, it has `silent_after_s` from now."""
@@ -95,12 +111,21 @@ def waited_on(placement: Placement, tokens_received: int) -> tuple[str, ...]:
     return tuple(dict.fromkeys((placement.prefill_id, placement.decode_id)))
 
 
-def silent_failure(placement: Placement, tokens_received: int, watch: InstanceWatch, now: float) -> Failure | None:
-    """The failure of a request whose prefill (before the first token) or decode instance went silent."""
-    silent = watch.first_silent(waited_on(placement, tokens_received), now)
+def silent_failure(placement: Placement, tokens_received: int, watch: InstanceWatch, now: float,
+                   placed_at: float = math.inf) -> Failure | None:
+    """The failure of a request whose prefill (before the first token) or decode instance went silent, or was
+    restarted since the request was placed there at `placed_at` (the process that held it died: it may have come
+    back before it was silent for long)."""
+    instances = waited_on(placement, tokens_received)
+    restarted = watch.restarted_since(instances, placed_at)
+    if restarted is not None:
+        reason: Reason = "decode_silent" if restarted == placement.decode_id else "prefill_silent"
+        return Failure(reason, f"instance {restarted} restarted (its load reports began again)", restarted,
+                       now - placed_at)
+    silent = watch.first_silent(instances, now)
     if silent is None:
         return None
-    reason: Reason = "decode_silent" if silent == placement.decode_id else "prefill_silent"
+    reason = "decode_silent" if silent == placement.decode_id else "prefill_silent"
     silence_s = watch.silence_s(silent, now)
     return Failure(reason, f"instance {silent} went silent ({silence_s:.1f} s without a load report)", silent,
                    silence_s)
@@ -117,12 +142,12 @@ def chunk_failure(chunk: TokenChunk) -> Failure | None:
 
 
 def culprit_search(placement: Placement, tokens_received: int, watch: InstanceWatch, since: float,
-                   now: float) -> Failure | None | Literal["wait"]:
+                   now: float, placed_at: float = math.inf) -> Failure | None | Literal["wait"]:
     """After an error chunk that came at `since`: the silent instance to blame, "wait" while one may yet
     go silent, or None when none will (every instance the request waits on reported after the chunk, none
     ever reported, or the gateway hears nobody at all)."""
     waiting_on = waited_on(placement, tokens_received)
-    silent = silent_failure(placement, tokens_received, watch, now)
+    silent = silent_failure(placement, tokens_received, watch, now, placed_at)
     if silent is not None:
         return silent
     if not any(i in watch.reporting for i in waiting_on) or watch.deaf(now) or \

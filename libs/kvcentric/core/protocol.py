@@ -336,6 +336,12 @@ class MeasuredCost(msgspec.Struct, frozen=True, kw_only=True):
     engine has measured that part again on a quiet machine, consistently, or while serving."""
 
 
+class Heartbeat(msgspec.Struct, frozen=True):
+    """A `LoadReport` read for its heartbeat tick alone (the gateway's watch of the instances it waits on)."""
+
+    seq: int = 0
+
+
 class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     """Published by every engine about 10 times a second on `kvc.load.<role>.<id>`."""
 

@@ -26,6 +26,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 
+from kvcentric.tools.forking import Forked, fork_command
+
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 SERVER_START_S = 10.0
@@ -279,8 +281,11 @@ class Child:
     --port-file it writes."""
 
     def __init__(self, name: str, argv: list[str], log_dir: str, health_url: str | None = None,
-                 port_file: str = "", health_host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> None:
+                 port_file: str = "", health_host: str = "127.0.0.1", tls: ssl.SSLContext | None = None,
+                 fork: bool = False) -> None:
         self.name, self.argv, self.fixed_health_url = name, argv, health_url
+        self.fork = fork
+        """Started as a fork of this process (`kvcentric.tools.forking`), not a new interpreter."""
         self.port_file, self.health_host = port_file, health_host
         self.tls = tls
         """How its HTTPS is checked (None: it serves plain HTTP)."""
@@ -294,6 +299,12 @@ class Child:
     def start(self) -> None:
         if self.port_file and os.path.exists(self.port_file):
             os.unlink(self.port_file)
+        self.process: subprocess.Popen | Forked
+        if self.fork:
+            self.process = fork_command(self.argv, self.log_file.fileno(), _die_with_parent)
+            self.started_at = time.monotonic()
+            self.restart_at = None
+            return
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # A process group of its own: a terminal's Ctrl-C reaches only `up`, which then stops the
         # services before the servers they depend on.
@@ -339,15 +350,18 @@ class Supervisor:
     that use them. `stop` ends the services, newest first, then the servers."""
 
     def __init__(self, log_dir: str = "", prefix: str = "kvcentric-",
-                 restarts: RestartPolicy = RestartPolicy()) -> None:
+                 restarts: RestartPolicy = RestartPolicy(),
+                 fork: Callable[[list[str]], bool] = lambda argv: False) -> None:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix=prefix)
         os.makedirs(self.log_dir, exist_ok=True)
         self.children: list[Child] = []
         self.restarts = restarts
+        self.fork = fork
+        """Whether a child of this argv is forked from this process (a `kvcentric` service it has preloaded)."""
 
     def start(self, name: str, argv: list[str], health_url: str | None = None, port_file: str = "",
               health_host: str = "127.0.0.1", tls: ssl.SSLContext | None = None) -> Child:
-        child = Child(name, argv, self.log_dir, health_url, port_file, health_host, tls)
+        child = Child(name, argv, self.log_dir, health_url, port_file, health_host, tls, self.fork(argv))
         self.children.append(child)
         return child
 
@@ -362,7 +376,9 @@ class Supervisor:
             for failed in [c for c in self.children if c.name == name]:
                 failed.log_file.close()
                 self.children.remove(failed)
-            return self.start(name, argv).process
+            process = self.start(name, argv).process
+            assert isinstance(process, subprocess.Popen)  # a server, never forked
+            return process
         return spawn
 
     def start_nats(self, config: str = "") -> str:
