@@ -57,7 +57,7 @@ class Migrations:
             tick = decode(msg.data, Heartbeat).seq
         except BadMessage:
             tick = 0
-        self.watch.heard_from(msg.subject.rpartition(".")[2], time.monotonic(), tick)
+        self.watch.heard_from(msg.subject.rpartition(".")[2], time.monotonic(), tick, msg.subject)
 
     def placed(self, job: relay.Job) -> None:
         """The request was placed: its instances are watched from now on."""

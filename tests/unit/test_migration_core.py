@@ -88,7 +88,12 @@ def test_reports_without_ticks_or_with_rising_ticks_are_never_a_restart():
     watch.heard_from("d0", 10.3, 7)
     watch.heard_from("d0", 10.4, 8)
     watch.heard_from("d0", 10.5)
+    colocated = Placement(request_id="r1", prefill_id="c0", decode_id="c0", decode_kv_addr="a:1")
+    for tick, at in ((1, 10.0), (2, 10.1), (3, 10.2)):  # one instance reporting as prefill and as decode
+        watch.heard_from("c0", at, tick, "kvc.load.prefill.c0")
+        watch.heard_from("c0", at, tick, "kvc.load.decode.c0")
     assert silent_failure(PLACED, 5, watch, 10.5, placed_at=9.0) is None
+    assert silent_failure(colocated, 5, watch, 10.5, placed_at=9.0) is None
 
 
 @pytest.mark.parametrize("status, migrates", [(500, True), (503, True), (429, False)])

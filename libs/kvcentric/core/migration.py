@@ -44,16 +44,18 @@ class InstanceWatch:
         self.reporting: set[str] = set()
         """Instances heard from at least once (their silence means something)."""
         self.latest = -math.inf
-        self.ticks: dict[str, int] = {}
-        """Each instance's latest heartbeat tick (0: its reports carry none)."""
+        self.ticks: dict[tuple[str, str], int] = {}
+        """The latest heartbeat tick of each instance's reports on each of its streams (a colocated instance
+        reports as a prefill and as a decode instance, each stream counting its own; 0: they carry none)."""
         self.restarted: dict[str, float] = {}
         """When each instance was last heard from a new process (its ticks began again)."""
 
-    def heard_from(self, instance_id: str, now: float, tick: int = 0) -> None:
-        if 0 < tick <= self.ticks.get(instance_id, 0):
+    def heard_from(self, instance_id: str, now: float, tick: int = 0, stream: str = "") -> None:
+        """A report of `instance_id` (on `stream`, its subject: the ticks of each stream count apart)."""
+        if 0 < tick <= self.ticks.get((instance_id, stream), 0):
             self.restarted[instance_id] = now
         if tick:
-            self.ticks[instance_id] = tick
+            self.ticks[instance_id, stream] = tick
         self.heard[instance_id] = now
         self.reporting.add(instance_id)
         self.latest = max(self.latest, now)

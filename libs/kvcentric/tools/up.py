@@ -303,8 +303,13 @@ class Cluster:
         self.start_servers()
         self.preload(list(forking.CONTROL_PLANE))
         c = self.config
+        self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
+        for name in c.conductor_names:
+            self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
+        self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
+                     str(c.block_size), port=c.port or None)
         threads = c.torch_threads or max(1, (os.cpu_count() or 1) // len(c.engines))
-        gpus = visible_gpus() if c.device == "cuda" else 0
+        gpus = visible_gpus() if c.device == "cuda" else 0  # (torch imported after the control plane is forked)
         devices = engine_devices(c.device, len(c.engines), gpus)
         crowded = {device: devices.count(device) for device in devices
                    if device.startswith("cuda") and devices.count(device) > 1}
@@ -313,11 +318,6 @@ class Cluster:
                   + ": they time-share it, and a KV push crosses the host (docs/performance.md, "
                     "\"Disaggregated vs single process\"); give each instance a GPU of its own, or run "
                     "--colocated", flush=True)
-        self.service("kvs-meta", "kvs-meta", "--redis-url", self.redis_url)
-        for name in c.conductor_names:
-            self.service(name, "conductor", "--instance-id", name, *c.conductor_flags())
-        self.service("gateway", "gateway", "--host", c.host, "--model", c.model, "--block-size",
-                     str(c.block_size), port=c.port or None)
         self.preload(sorted({command for _, command in c.engines}))
         self.core_share_dir = self.core_share_dir or (share_dir() if c.lends_cores else "")
         for (name, command), device in zip(c.engines, devices):
