@@ -45,9 +45,16 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
-    cluster = start_up(tmp_path, "--prefill", "1", "--decode", "2")
+def command_line(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline") as cmdline:
+        return cmdline.read().rstrip("\0").split("\0")
+
+
+@pytest.mark.parametrize("sig, spawn", [(signal.SIGTERM, "fork"), (signal.SIGINT, "exec")])
+def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig, spawn):
+    """Either way `up` starts its services (forked from itself, or each a new interpreter), they are its own
+    children, show their command in `ps`, and end with it."""
+    cluster = start_up(tmp_path, "--prefill", "1", "--decode", "2", "--spawn", spawn)
     try:
         assert set(cluster.manifest["services"]) >= {"nats-server", "redis-server", "kvs-meta", "conductor-0",
                                                      "conductor-1", "prefill-0", "decode-0", "decode-1", "gateway"}
@@ -57,6 +64,11 @@ def test_up_with_its_own_servers_serves_then_stops_every_child(tmp_path, sig):
             assert json.load(response)["usage"]["completion_tokens"] >= 1
         pids = cluster.pids()
         assert all(alive(pid) for pid in pids)
+        decode = command_line(cluster.manifest["services"]["decode-1"]["pid"])
+        if spawn == "fork":  # its title: its command line, as one string
+            assert len(decode) == 1 and " -m kvcentric decode " in decode[0] and "--instance-id decode-1" in decode[0]
+        else:
+            assert decode[1:4] == ["-m", "kvcentric", "decode"] and "decode-1" in decode
         everything = descendants(cluster.process.pid)
         assert set(pids) <= set(everything) and len(everything) > len(pids)  # the engines' own children too
     finally:
