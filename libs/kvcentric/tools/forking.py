@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 from kvcentric.registry import ENGINE_ROLES, service_class
 
@@ -100,8 +101,9 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def fork_command(argv: list[str], log_fd: int, die_with_parent) -> Forked:
-    """Fork a child that runs `argv` (a `python -m kvcentric ...` that `forks`) with its output on `log_fd`."""
+def fork_command(argv: list[str], log_fd: int, die_with_parent: Callable[[], None]) -> Forked:
+    """Fork a child that runs `argv` (a `python -m kvcentric ...` that `forks`) with its output on `log_fd`;
+    `die_with_parent` makes it end with this process (`processes._die_with_parent`)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # what this process has printed is not printed again by the child
     pid = os.fork()
@@ -123,7 +125,7 @@ def fork_command(argv: list[str], log_fd: int, die_with_parent) -> Forked:
         os._exit(code)
 
 
-def _run_child(argv: list[str], log_fd: int, die_with_parent) -> int:
+def _run_child(argv: list[str], log_fd: int, die_with_parent: Callable[[], None]) -> int:
     os.setpgid(0, 0)  # as `process_group=0`: a terminal's Ctrl-C reaches `up` alone, which stops the rest in order
     die_with_parent()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # `up`'s handlers are not the service's

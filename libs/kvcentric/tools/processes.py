@@ -302,14 +302,12 @@ class Child:
         self.process: subprocess.Popen | Forked
         if self.fork:
             self.process = fork_command(self.argv, self.log_file.fileno(), _die_with_parent)
-            self.started_at = time.monotonic()
-            self.restart_at = None
-            return
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        # A process group of its own: a terminal's Ctrl-C reaches only `up`, which then stops the
-        # services before the servers they depend on.
-        self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
-                                        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0)
+        else:
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            # A process group of its own: a terminal's Ctrl-C reaches only `up`, which then stops the
+            # services before the servers they depend on.
+            self.process = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=env,
+                                            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent, process_group=0)
         self.started_at = time.monotonic()
         self.restart_at = None
 
