@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 
+import psutil
 from bench import harness
 from kvcentric.tools.processes import get_json
 from bench.harness import UpProcess
@@ -30,11 +31,10 @@ SPAWNS = ("exec", "fork")
 def cpu_s(pid: int) -> float:
     """CPU-seconds (user + system) the process has spent so far (0 once it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return times.user + times.system
 
 
 def healthy_again(up: UpProcess, name: str, old_pid: int, timeout_s: float = 60.0) -> float:

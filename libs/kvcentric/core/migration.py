@@ -120,16 +120,14 @@ def silent_failure(placement: Placement, tokens_received: int, watch: InstanceWa
     back before it was silent for long)."""
     instances = waited_on(placement, tokens_received)
     restarted = watch.restarted_since(instances, placed_at)
-    if restarted is not None:
-        reason: Reason = "decode_silent" if restarted == placement.decode_id else "prefill_silent"
-        return Failure(reason, f"instance {restarted} restarted (its load reports began again)", restarted,
-                       now - placed_at)
-    silent = watch.first_silent(instances, now)
-    if silent is None:
+    failed = restarted or watch.first_silent(instances, now)
+    if failed is None:
         return None
-    reason = "decode_silent" if silent == placement.decode_id else "prefill_silent"
-    silence_s = watch.silence_s(silent, now)
-    return Failure(reason, f"instance {silent} went silent ({silence_s:.1f} s without a load report)", silent,
+    reason: Reason = "decode_silent" if failed == placement.decode_id else "prefill_silent"
+    if restarted is not None:
+        return Failure(reason, f"instance {failed} restarted (its load reports began again)", failed, now - placed_at)
+    silence_s = watch.silence_s(failed, now)
+    return Failure(reason, f"instance {failed} went silent ({silence_s:.1f} s without a load report)", failed,
                    silence_s)
 
 
