@@ -61,11 +61,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def thread_clock_is_fine(tick_s: float = 1e-5) -> bool:
+    """Whether this thread's CPU clock ticks finer than `tick_s`. It does on most kernels (ns), but on some VMs it
+    moves in whole scheduler ticks (1-4 ms), where a sub-millisecond call would read 0: the wall clock is then used."""
+    steps = []
+    last = time.thread_time()
+    while len(steps) < 5:
+        now = time.thread_time()
+        if now != last:
+            steps.append(now - last)
+            last = now
+    return min(steps) < tick_s
+
+
 def least_ms(fns: dict[str, Timed], threads: int, repeat: int, budget_s: float) -> dict[str, float]:
     """The least time of a call of each, the calls interleaved (one of each a round) until `repeat` rounds or the
     budget is spent (at least three rounds). On a crowded machine a call of two threads waits now and then for a
     thread the scheduler took away (ms, where the call takes us): the least call is the one that did not."""
-    clock = time.thread_time if threads == 1 else time.perf_counter
+    clock = time.thread_time if threads == 1 and thread_clock_is_fine() else time.perf_counter
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, math.inf)
@@ -78,12 +91,14 @@ def least_ms(fns: dict[str, Timed], threads: int, repeat: int, budget_s: float) 
         spent = time.perf_counter() - start
         if (done >= 2 and spent > budget_s) or spent > 3 * budget_s:  # the portable build's GEMM: seconds a call
             break
-    return {name: round(1e3 * seconds, 4) for name, seconds in best.items()}
+    return {name: round(1e3 * seconds, 6) for name, seconds in best.items()}
 
 
-def figures(ms: dict[str, float]) -> dict[str, float]:
-    """The times with each torch way's kernel / torch ratio (under 1: the kernel is faster)."""
-    return {**ms, **{f"kernel/{name.removesuffix('_ms')}": round(ms["kernel_ms"] / ms[name], 3)
+def figures(ms: dict[str, float]) -> dict[str, float | None]:
+    """The times with each torch way's kernel / torch ratio (under 1: the kernel is faster). A clock too coarse for
+    the call (some VMs' thread CPU clock ticks in whole milliseconds, so a 1-row GEMM of `tiny` reads 0) gives no
+    ratio (None) rather than a division by zero."""
+    return {**ms, **{f"kernel/{name.removesuffix('_ms')}": round(ms["kernel_ms"] / ms[name], 3) if ms[name] else None
                      for name in ms if name != "kernel_ms"}}
 
 
