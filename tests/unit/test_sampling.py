@@ -96,8 +96,12 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
              SamplingParams(max_tokens=4, temperature=0.8, seed=3),
              SamplingParams(max_tokens=4, temperature=0.0, min_tokens=3),
              SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.3),
-             SamplingParams(max_tokens=4, temperature=0.0)]
-    assert [plain_greedy(p) for p in kinds] == [True, False, False, False, False, True]
+             SamplingParams(max_tokens=4, temperature=0.0),
+             SamplingParams(max_tokens=4, temperature=1.3, seed=5, top_k=7),
+             SamplingParams(max_tokens=4, temperature=0.8, seed=3, top_p=0.5, presence_penalty=1.5),
+             SamplingParams(max_tokens=4, temperature=0.8, seed=9, min_tokens=3, logit_bias={7: 40.0}),
+             SamplingParams(max_tokens=4, temperature=0.8)]  # (unseeded: drawn, but any token)
+    assert [plain_greedy(p) for p in kinds] == [True, False, False, False, False, True, False, False, False, False]
     runner = make_runner()
     engine = DecodeEngine(runner, make_pool(runner))
     logits = torch.randn(len(kinds), runner.config.vocab_size, generator=torch.Generator().manual_seed(1))
@@ -105,6 +109,46 @@ def test_a_batch_picks_the_tokens_row_by_row_choice_picks():
              for i, params in enumerate(kinds)]
     expected = [engine.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
     expected_logprobs = [request.next_logprob for request in batch]
-    assert engine.sampler.choose_all(logits, batch) == expected
+    picked = engine.sampler.choose_all(logits, batch)
+    assert picked[:-1] == expected[:-1] and 0 <= picked[-1] < runner.config.vocab_size
+    assert expected[8] == 7  # the bias won
     assert [request.next_logprob for request in batch] == expected_logprobs
     assert engine.sampler.choose_all(logits[[0, 5]], [batch[0], batch[5]]) == [expected[0], expected[5]]  # all plain
+
+
+def test_rows_drawn_together_take_the_tokens_each_takes_alone_and_multinomial_took():
+    """`draw_rows` (a batch's rows in a few ops, each with its own temperature, top-k, top-p, seed, step and
+    sequence) gives each row the token `draw` gives it alone, and that token is the one torch.multinomial drew from
+    the same seeded generator (the exponential race is how it draws one sample), so seeded outputs did not change
+    when the draws were batched."""
+    from kvcentric.engine.model.sampling import SEQUENCE_STRIDE, draw, draw_rows, top_k_top_p
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(60):
+        rows, vocab = 1 + case % 9, (258, 1000, 4096)[case % 3]
+        logits = torch.randn(rows, vocab, generator=generator) * (1 + case % 4)
+        if case % 2:  # a grammar's mask: most tokens refused
+            logits[torch.rand(rows, vocab, generator=generator) < 0.9] = float("-inf")
+        params = [SamplingParams(temperature=(0.0, 0.3, 0.7, 1.0, 1.6)[(case + row) % 5], seed=case * 31 + row,
+                                 top_k=(0, 0, 5)[row % 3], top_p=(1.0, 0.9)[(case + row) % 2]) for row in range(rows)]
+        steps, sequences = [case + 3 * row for row in range(rows)], [row % 3 for row in range(rows)]
+        together = draw_rows(logits, params, steps, sequences)
+        assert together == [draw(logits[row], params[row], steps[row], sequences[row]) for row in range(rows)]
+        for row, p in enumerate(params):
+            if p.temperature > 0:
+                probs = torch.softmax(logits[row] / p.temperature, dim=-1)
+                if p.top_k or p.top_p < 1:
+                    probs = top_k_top_p(probs, p)
+                seeded = torch.Generator().manual_seed((p.seed * 1_000_003 + steps[row]
+                                                        + sequences[row] * SEQUENCE_STRIDE) % 2 ** 64)
+                assert together[row] == int(torch.multinomial(probs, 1, generator=seeded)), (case, row)
+
+
+def test_a_row_that_is_no_distribution_raises_as_multinomial_did():
+    from kvcentric.engine.model.sampling import draw_rows
+
+    logits = torch.zeros(2, 8)
+    logits[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="not one"):
+        draw_rows(logits, [SamplingParams(temperature=1.0, seed=1)] * 2, [0, 0], [0, 0])
+    assert draw_rows(logits[:1], [SamplingParams(temperature=1.0, seed=1)], [0], [0])[0] in range(8)

@@ -1,5 +1,6 @@
 """The next token of every sequence of a decode step from the step's logits: the plain greedy rows by one argmax
-over all of them, the others one at a time through `sampling.choose` (the same tokens either way), with each
+over all of them, the rows that ask for no logprobs adjusted one by one and drawn together (`sampling.draw_rows`),
+the rest one at a time through `sampling.choose` (the same tokens every way), with each
 guided sequence's token mask, the batch's masks computed together (`start`: on a worker thread while the step's
 forward pass runs, where it leaves the CPU free); it schedules nothing and keeps no state but the grammar states
 of `Guides`.
@@ -15,7 +16,7 @@ import torch
 from kvcentric.core.migration import history
 from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.guided import BatchMasks, GuideRow, Guides
-from kvcentric.engine.model.sampling import choose, plain_greedy, refused_logit
+from kvcentric.engine.model.sampling import adjust, adjusts, choose, draw_rows, plain_greedy, refused_logit
 
 Masks = Future[BatchMasks]
 """The masks of a step's rows (None for a row not guided), being computed by `BatchSampler.start`."""
@@ -42,40 +43,67 @@ class BatchSampler:
             for row, token in zip(plain, picked):
                 tokens[row] = token
                 batch[row].next_logprob = None
-        if len(plain) < len(batch):
-            allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
-            forced = {row: token for row, token in allowed.forced.items() if takes_forced(batch[row])}
-            chosen, premasked = set(plain), self.premasked(logits, batch, allowed, skip=forced)
-            for row, request in enumerate(batch):
-                if row in forced:  # what a draw under this mask returns, whatever the logits and the seed
-                    tokens[row], request.next_logprob = forced[row], None
-                elif row in premasked:
-                    tokens[row] = self.masked(premasked[row], request, None)
-                elif row not in chosen:
-                    tokens[row] = self.masked(logits[row], request, allowed[row])
+        if len(plain) == len(batch):
+            return tokens
+        allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
+        chosen = set(plain)
+        drawn: list[int] = []  # the rows drawn together: no logprobs asked
+        for row, request in enumerate(batch):
+            if row in chosen:
+                continue
+            if row in allowed.forced and takes_forced(request):  # what a draw under this mask returns, whatever
+                tokens[row], request.next_logprob = allowed.forced[row], None  # the logits and the seed
+            elif request.job.sampling.logprobs is not None:
+                tokens[row] = self.masked(logits[row], request, allowed[row])
+            else:
+                drawn.append(row)
+                request.next_logprob = None
+        if drawn:
+            for row, token in zip(drawn, self.draw_together(logits, [batch[row] for row in drawn], drawn, allowed)):
+                tokens[row] = token
         return tokens
 
+    def draw_together(self, logits: torch.Tensor, requests: list[DecodeRequest], rows: list[int],
+                      allowed: BatchMasks) -> list[int]:
+        """The tokens of `requests` (at `rows` of the batch), what `masked` gives each, in a few ops for them all:
+        their float32 logits taken at once, their grammars' masks applied in one op (-inf where refused), the rest of
+        `adjust` on the rows it changes (min_tokens, a bias, a penalty), and one `draw_rows`."""
+        block = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
+        if block.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
+            block = block.float()
+        mask = self.block_mask(rows, allowed, block.device)
+        if mask is not None:
+            block = torch.where(mask, block, refused_logit(block.device))
+        steps = []
+        for slot, request in enumerate(requests):
+            sampling = request.job.sampling
+            prompt, output = history(sampling, request.prompt, request.generated)
+            steps.append(len(output))
+            if adjusts(sampling, len(output)):
+                if block is logits:  # (the caller's)
+                    block = block.clone()
+                block[slot] = adjust(block[slot], sampling, prompt, output, self.eos_token_ids)
+        return draw_rows(block, [request.job.sampling for request in requests], steps,
+                         [request.index for request in requests])
+
     @staticmethod
-    def premasked(logits: torch.Tensor, batch: list[DecodeRequest], allowed: BatchMasks,
-                  skip: Collection[int] = ()) -> dict[int, torch.Tensor]:
-        """Row -> its float32 logits with its grammar's mask applied (-inf where refused), for the guided rows
-        that ask for no logprobs (raw logprobs read the unmasked row), all in one op: what `adjust` does to each
-        row alone. Empty for fewer than two such rows (one goes through `adjust`, as cheap). `skip`: rows whose
-        token is chosen otherwise."""
-        rows, masks = allowed.rows, allowed.allowed
-        if masks is None:
-            return {}
-        slots = [slot for slot, row in enumerate(rows) if batch[row].job.sampling.logprobs is None and row not in skip]
-        if len(slots) < len(rows):
-            rows, masks = [rows[slot] for slot in slots], masks[slots]
-        if len(rows) < 2:
-            return {}
-        chosen = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
-        if chosen.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
-            chosen = chosen.float()
-        if masks.device != chosen.device:
-            masks = masks.to(chosen.device)
-        return dict(zip(rows, torch.where(masks, chosen, refused_logit(chosen.device)).unbind()))
+    def block_mask(rows: list[int], allowed: BatchMasks, device: torch.device) -> torch.Tensor | None:
+        """The grammars' masks of `rows` as one bool block, a row each (every token allowed where a row is not
+        guided); None where none of them is."""
+        if allowed.allowed is None:
+            return None
+        slots = allowed.slots()
+        guided = [(index, slots[row]) for index, row in enumerate(rows) if row in slots]
+        if not guided:
+            return None
+        if len(guided) == len(rows) and len(rows) == len(allowed.rows):
+            mask = allowed.allowed
+        elif len(guided) == len(rows):
+            mask = allowed.allowed[[slot for _, slot in guided]]
+        else:
+            mask = torch.ones(len(rows), allowed.allowed.shape[1], dtype=torch.bool)
+            mask[[index for index, _ in guided]] = allowed.allowed[[slot for _, slot in guided]]
+        return mask if mask.device == device else mask.to(device)
 
     def choose(self, logits: torch.Tensor, request: DecodeRequest) -> int:
         """One sequence's next token from its row of logits, as its sampling parameters and history ask."""
@@ -94,7 +122,8 @@ def takes_forced(request: DecodeRequest) -> bool:
     """A guided row whose mask allows one token takes it without a draw: every draw under the mask returns it
     (greedy or not, any top-k or top-p, any seed; a bias or a penalty moves its logit but leaves it the only finite
     one), unless the row asks for logprobs (computed from the logits) or min_tokens still holds back stop tokens
-    (which `adjust` refuses as well, leaving it nothing: that case stays `choose`'s)."""
+    (which `adjust` refuses as well, leaving it nothing: that case stays `choose`'s). It saves the batch's whole draw
+    where it is the only row (a tenth of a `tiny` step at batch 1: docs/performance-notebook.md)."""
     sampling = request.job.sampling
     return sampling.logprobs is None and len(history(sampling, request.prompt, request.generated)[1]) >= \
         sampling.min_tokens

@@ -259,10 +259,14 @@ class BatchMasks:
     def __getitem__(self, row: int) -> torch.Tensor | None:
         if not 0 <= row < self.size:
             raise IndexError(row)
+        slot = self.slots().get(row)
+        return None if slot is None or self.allowed is None else self.allowed[slot]
+
+    def slots(self) -> dict[int, int]:
+        """Row -> its slot in `allowed`, for the guided rows."""
         if self._slots is None:
             self._slots = {guided: slot for slot, guided in enumerate(self.rows)}
-        slot = self._slots.get(row)
-        return None if slot is None or self.allowed is None else self.allowed[slot]
+        return self._slots
 
     def __iter__(self) -> Iterator[torch.Tensor | None]:
         return (self[row] for row in range(self.size))
