@@ -31,7 +31,8 @@ class BatchSampler:
         step's forward pass runs (a row's mask depends only on its output so far); None when none is guided, or
         where the guides do not overlap the forward (on the CPU: `choose_all` computes them after it). Give the
         result to `choose_all`, which waits for it."""
-        return self.guides.start([guide_row(request) for request in batch]) if self.guides.overlap else None
+        return self.guides.start([guide_row(request) for request in batch], find_forced(batch)) \
+            if self.guides.overlap else None
 
     def choose_all(self, logits: torch.Tensor, batch: list[DecodeRequest], masks: Masks | None = None) -> list[int]:
         """The next token of every row, in the batch's order; each request's logprobs go in `next_logprob`.
@@ -45,7 +46,8 @@ class BatchSampler:
                 batch[row].next_logprob = None
         if len(plain) == len(batch):
             return tokens
-        allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch])
+        allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch],
+                                                                             find_forced(batch))
         chosen = set(plain)
         drawn: list[int] = []  # the rows drawn together: no logprobs asked
         for row, request in enumerate(batch):
@@ -118,12 +120,19 @@ class BatchSampler:
         return token
 
 
+def find_forced(batch: list[DecodeRequest]) -> bool:
+    """Whether the rows whose mask allows one token are worth finding: where one row alone is to be drawn, so that
+    finding it forced saves the step's whole draw (a tenth of a `tiny` step at batch 1); with more, the others are
+    drawn anyway, and a forced row among them costs the draw nothing but the search costs a few array calls
+    (3 points of a `tiny` step at batch 8: docs/performance-notebook.md)."""
+    return sum(not plain_greedy(request.job.sampling) for request in batch) == 1
+
+
 def takes_forced(request: DecodeRequest) -> bool:
     """A guided row whose mask allows one token takes it without a draw: every draw under the mask returns it
     (greedy or not, any top-k or top-p, any seed; a bias or a penalty moves its logit but leaves it the only finite
     one), unless the row asks for logprobs (computed from the logits) or min_tokens still holds back stop tokens
-    (which `adjust` refuses as well, leaving it nothing: that case stays `choose`'s). It saves the batch's whole draw
-    where it is the only row (a tenth of a `tiny` step at batch 1: docs/performance-notebook.md)."""
+    (which `adjust` refuses as well, leaving it nothing: that case stays `choose`'s)."""
     sampling = request.job.sampling
     return sampling.logprobs is None and len(history(sampling, request.prompt, request.generated)[1]) >= \
         sampling.min_tokens

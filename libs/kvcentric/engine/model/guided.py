@@ -118,10 +118,11 @@ class Guides:
         assert allowed is not None
         return allowed
 
-    def masks(self, rows: Sequence[GuideRow | None]) -> BatchMasks:
+    def masks(self, rows: Sequence[GuideRow | None], forced: bool = True) -> BatchMasks:
         """`allowed` of each guided row of a batch (None for a row that is not guided), the same masks as row by
         row: every matcher fed and writing its row of one bitmask (this engine's, kept from call to call), which is
-        unpacked once into the batch's rows of allowed tokens."""
+        unpacked once into the batch's rows of allowed tokens. `forced`: also name the rows whose mask allows one
+        token (`BatchMasks.forced`; a sampler that draws every row anyway asks not to, it costs a few calls)."""
         guided = [index for index, row in enumerate(rows) if row is not None]
         if not guided:
             return BatchMasks(len(rows))
@@ -130,9 +131,9 @@ class Guides:
             for slot, index in enumerate(guided):
                 self._fill(slot, *rows[index])  # type: ignore[misc]
             bits = np.unpackbits(bitmask, axis=1, count=self.vocab_size, bitorder="little")
-            forced = self._forced(guided)
+            alone = self._forced(guided) if forced else {}
         return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)),  # (a new array, not the bitmask)
-                          forced)
+                          alone)
 
     def _forced(self, guided: Sequence[int]) -> dict[int, int]:
         """Row -> the one token its mask allows, for each guided row whose mask allows exactly one (a grammar's
@@ -173,14 +174,14 @@ class Guides:
                 return
         self._buffer[slot] = self._only_eos_words
 
-    def start(self, rows: Sequence[GuideRow | None]) -> Future[BatchMasks] | None:
+    def start(self, rows: Sequence[GuideRow | None], forced: bool = True) -> Future[BatchMasks] | None:
         """`masks(rows)` begun on this engine's worker thread, where `overlap` says to (llguidance computes
         without the GIL, so the forward pass runs on meanwhile); None when not, or when no row is guided."""
         if not self.overlap or all(row is None for row in rows):
             return None
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="guides")
-        return self._worker.submit(self.masks, list(rows))
+        return self._worker.submit(self.masks, list(rows), forced)
 
     def matcher(self, key: str, grammar: str, output: Sequence[int]) -> LLMatcher:
         """The sequence's matcher, fed the output it has not seen yet (a new copy of the grammar's prototype fed
