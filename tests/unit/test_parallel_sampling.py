@@ -45,6 +45,18 @@ def test_n_sequences_share_the_prompt_and_the_first_one_is_the_n1_answer(length)
     assert engine.prefill.stats["requests_prefilled"] == 2  # one prefill per request, not per sequence
 
 
+@pytest.mark.parametrize("params", [SEEDED, msgspec.structs.replace(SEEDED, temperature=0.7, top_k=20, top_p=0.9,
+                                                                      presence_penalty=0.5)])
+def test_n_sequences_drawn_together_take_the_tokens_each_draws_alone(params):
+    """Without logprobs a prompt's n first tokens are drawn together (`draw_rows`), as are a decode step's rows;
+    with logprobs each is drawn alone (`choose`): the logprobs change no token, so both give the same sequences."""
+    runner = make_runner(block_size=4)
+    engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4))
+    together = run(engine, prompt(9), msgspec.structs.replace(params, n=4))
+    alone = run(engine, prompt(9), msgspec.structs.replace(params, n=4, logprobs=1))
+    assert together == alone and len({tuple(t) for t in together.values()}) > 1
+
+
 def test_greedy_sequences_agree_with_each_other_and_with_a_fork_of_a_full_block():
     runner = make_runner(block_size=4)
     engine = ColocatedEngine(runner, make_pool(runner), BlockHasher(block_size=4))

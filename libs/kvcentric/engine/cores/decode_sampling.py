@@ -1,9 +1,8 @@
 """The next token of every sequence of a decode step from the step's logits: the plain greedy rows by one argmax
 over all of them, the rows that ask for no logprobs adjusted one by one and drawn together (`sampling.draw_rows`),
-the rest one at a time through `sampling.choose` (the same tokens every way), with each
-guided sequence's token mask, the batch's masks computed together (`start`: on a worker thread while the step's
-forward pass runs, where it leaves the CPU free); it schedules nothing and keeps no state but the grammar states
-of `Guides`.
+the rest one at a time through `sampling.choose` (the same tokens every way), with each guided sequence's token
+mask, the batch's masks computed together (`start`: on a worker thread while the step's forward pass runs, where it
+leaves the CPU free); it schedules nothing and keeps no state but the grammar states of `Guides`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.engine.cores.prefill_host import HostTier
 from kvcentric.engine.model.guided import Guides
 from kvcentric.engine.model.runner import ModelRunner
-from kvcentric.engine.model.sampling import choose, prompt_logprobs
+from kvcentric.engine.model.sampling import adjust, choose, draw_rows, prompt_logprobs
 from kvcentric.core.hashing import BlockHasher, to_hex
 from kvcentric.core.migration import history
 from kvcentric.engine.kv.hostwrite import LayerStore
@@ -307,6 +307,12 @@ class PrefillEngine:
         request_id = work.job.request_id
         allowed = self.guides.mask(request_id, sampling, output)  # the n sequences' (their output is the same)
         self.guides.forget(request_id)  # they go on on decode, which replays their output there
+        if sampling.n > 1 and sampling.logprobs is None:  # the n draws from one row of logits, together
+            adjusted = adjust(logits.float(), sampling, prompt, output, eos, allowed)
+            tokens = draw_rows(adjusted.expand(sampling.n, -1), [sampling] * sampling.n, [len(output)] * sampling.n,
+                               range(sampling.n))
+            work.first_logprob, work.siblings = None, [(token, None) for token in tokens[1:]]
+            return tokens[0]
         token, work.first_logprob = choose(logits, sampling, len(output), prompt, output, eos, 0, allowed)
         work.siblings = [choose(logits, sampling, len(output), prompt, output, eos, index, allowed)
                          for index in range(1, sampling.n)]
