@@ -21,6 +21,7 @@ are kernel / torch time: under 1, the kernel is faster. JSON in bench/results/cp
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@functools.cache
 def thread_clock_is_fine(tick_s: float = 1e-5) -> bool:
     """Whether this thread's CPU clock ticks finer than `tick_s`. It does on most kernels (ns), but on some VMs it
     moves in whole scheduler ticks (1-4 ms), where a sub-millisecond call would read 0: the wall clock is then used."""

@@ -68,8 +68,7 @@ def adjust(logits: torch.Tensor, params: SamplingParams, prompt: Sequence[int], 
     vocab = logits.shape[-1]
     stop_ids = () if params.ignore_eos else stop_ids
     holds_stops = len(generated) < params.min_tokens and (stop_ids or params.stop_token_ids)
-    penalised = params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0
-    if not (holds_stops or params.logit_bias or penalised or allowed is not None):
+    if allowed is None and not adjusts(params, len(generated)):
         return logits
     logits = logits.clone() if allowed is None else torch.where(allowed.to(logits.device), logits,
                                                                 refused_logit(logits.device))
