@@ -24,7 +24,7 @@ import torch
 
 from kvcentric.core.protocol import DecodeJob, SamplingParams
 from kvcentric.core.structured import parse_guide
-from kvcentric.engine.cores.decode_sampling import BatchSampler
+from kvcentric.engine.cores.decode_sampling import BatchSampler, cpu_masks
 from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.guided import Guides
 from kvcentric.engine.model.runner import ModelRunner
@@ -51,7 +51,7 @@ class Stepper:
         self.blocks = [[row * 4 + k for k in range(4)] for row in range(batch)]
         self.params = SamplingParams(temperature=1.0, seed=1, guide=GUIDE if guided else "", max_tokens=MAX_OUTPUT)
         self.guides = Guides(runner.config)
-        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids)
+        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids, cpu_masks(runner))
         self.rows = [sequence(self.params, row, 0) for row in range(batch)]
         self.steps = 0
 

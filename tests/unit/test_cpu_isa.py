@@ -297,6 +297,39 @@ def test_small_gemm_is_torchs_linear_at_every_row_count(library, out_features, i
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [258, 300, 32000])
+def test_grammar_masks_refuse_what_the_packed_bitmask_refuses(library, vocab):
+    """`CpuMasks.refuse` against torch's way (the bits unpacked, a `where`): -inf exactly where a row's bit is clear,
+    every other logit untouched, rows mapped to bitmask rows in order, out of order, or not at all (-1); words whose
+    bits are all set, none set and mixed, the last word's bits past the vocabulary ignored, bit 31 included."""
+    import ctypes
+
+    import numpy as np
+
+    masks = kernels.CpuMasks(library[1].path)
+    generator = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    bitmask = generator.integers(-2**31, 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
+    bitmask[0, : words // 2] = -1  # every token of those words allowed
+    bitmask[1, 1:] = 0  # the first 32 tokens' bits at random, no other token allowed
+    bitmask[2, -1] = -1  # the bits past the vocabulary set: nothing to write there
+    allowed = torch.from_numpy(np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab,
+                                             bitorder="little").view(np.bool_))
+    for slots in (None, [4, 0, 2, 1, 3], [3, -1, 0, -1, 4, 1]):
+        rows = 5 if slots is None else len(slots)
+        logits = torch.randn(rows, vocab + 3, generator=torch.Generator().manual_seed(vocab))[:, :vocab]  # strided
+        want = logits.clone()
+        for row, slot in enumerate(range(rows) if slots is None else slots):
+            if slot >= 0:
+                want[row] = torch.where(allowed[slot], logits[row], float("-inf"))
+        assert masks.takes(logits)
+        masks.refuse(logits, bitmask.ctypes.data, words, None if slots is None else (ctypes.c_int64 * rows)(*slots))
+        assert torch.equal(logits, want)
+        assert bool(torch.isinf(want).any()) and bool(torch.isfinite(want).any())
+    assert not masks.takes(torch.zeros(2, vocab, dtype=torch.bfloat16))
+    assert not masks.takes(torch.zeros(vocab, 2).t())
+
+
 def test_small_gemm_gives_the_same_bits_in_every_build(builds):
     """Each output is one in-order fused multiply-add chain from zero in every build, so the vectors change no bit
     (a row alone or among others, on one thread or two): the 16-lane path too, emulated where the CPU lacks it

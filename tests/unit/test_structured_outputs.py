@@ -176,6 +176,34 @@ def test_masks_from_the_kept_bitmask_never_carry_a_row_over_from_another_row_or_
     assert len({tuple(mask.nonzero().flatten().tolist()) for mask in returned[0][1][1:4]}) == 3  # (they part ways)
 
 
+def test_masks_held_unread_past_the_next_call_keep_their_own_rows(monkeypatch):
+    """A call's masks read the guides' bitmask in place (packed, `words` at `address`); the next call writes that
+    bitmask again, so masks still held then take a copy of their rows first: read afterwards, packed or unpacked,
+    they are their own batch's, never the next one's; masks no longer held cost the next call no copy."""
+    from kvcentric.engine.model.guided import BatchMasks
+
+    copies = []
+    detach = BatchMasks.detach
+    monkeypatch.setattr(BatchMasks, "detach", lambda masks: (copies.append(masks.rows), detach(masks))[1])
+    guides = Guides(PRESETS["tiny"])
+    choice = parse_guide({"guided_choice": ["alpha", "beta"]})
+    regex = parse_guide({"guided_regex": r"[0-9]{3}"})
+    first_rows = [("a", choice, list(b"al")), None, ("b", regex, list(b"1"))]
+    first = guides.masks(first_rows)
+    assert first.words is not None and first.address == guides._address  # in place: no copy made
+    packed = first.words.copy()
+    second = guides.masks([("c", regex, []), ("d", choice, [])])
+    assert second.address == guides._address and first.address != guides._address  # first copied out
+    assert np.array_equal(first.words, packed) and not np.array_equal(second.words, packed[:2])
+    for mask, row in zip(first, first_rows):
+        assert (mask is None) == (row is None)
+        assert row is None or torch.equal(mask, alone(guides, row[1], row[2]))
+    assert copies == [[0, 2]]
+    del first, second
+    third = guides.masks([("e", regex, list(b"12"))])
+    assert copies == [[0, 2]] and third.address == guides._address  # nothing held the second's: no copy
+
+
 def test_a_decode_batch_that_grows_and_shrinks_samples_each_row_as_it_would_alone():
     """`BatchSampler.choose_all` step after step, the batch changing (rows ending, new ones joining, n sequences of
     one request, a row asking for logprobs, a plain row): each row's token is the one `choose` picks for it alone."""
@@ -192,6 +220,9 @@ def test_a_decode_batch_that_grows_and_shrinks_samples_each_row_as_it_would_alon
              "d": (SamplingParams(max_tokens=40, temperature=1.0, seed=2), 0)}
     runner = make_runner()
     together, alone_ = DecodeEngine(runner, make_pool(runner)), DecodeEngine(runner, make_pool(runner))
+    torch_masks = DecodeEngine(runner, make_pool(runner))
+    torch_masks.sampler.cpu_masks = None
+    assert (together.sampler.cpu_masks is not None) == (runner.kernels is not None)
     generated: dict[str, list[int]] = {key: [] for key in kinds}
     for step, keys in enumerate([["a", "a#1", "a#2", "b", "d"], ["a#1", "c"], ["c", "a", "a#2", "a#1", "b", "d"],
                                  ["b"], ["d", "a#2", "a"], ["a", "a#1", "a#2", "b", "c", "d"]]):
@@ -199,7 +230,8 @@ def test_a_decode_batch_that_grows_and_shrinks_samples_each_row_as_it_would_alon
         batch = [DecodeRequest(decode_job(key.split("#")[0], 3, kinds[key][0]), deadline=0.0, prompt=[256, 1, 2],
                                generated=list(generated[key]), index=kinds[key][1]) for key in keys]
         expected = [alone_.sampler.choose(logits[row], request) for row, request in enumerate(batch)]
-        assert together.sampler.choose_all(logits, batch) == expected
+        assert together.sampler.choose_all(logits.clone(), batch) == expected  # the masks applied by the C++ op
+        assert torch_masks.sampler.choose_all(logits, batch) == expected  # and by torch's
         for key, token in zip(keys, expected):
             generated[key] = [] if token in runner.config.eos_token_ids else generated[key] + [token]
 

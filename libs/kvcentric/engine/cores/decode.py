@@ -25,7 +25,7 @@ from kvcentric.core.block_pool import BlockPool
 from kvcentric.core.kept_kv import ReceivedKV
 from kvcentric.core.kv_cache import KVCacheManager
 from kvcentric.core.scheduling.slo import relative_tbt_s
-from kvcentric.engine.cores.decode_sampling import BatchSampler
+from kvcentric.engine.cores.decode_sampling import BatchSampler, cpu_masks
 from kvcentric.engine.cores.decode_staging import HostStaging
 from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.runner import ModelRunner
@@ -64,7 +64,7 @@ class DecodeEngine:
         self.guides = Guides(runner.config, overlap=runner.device.type != "cpu")
         """Structured output's grammar state of each guided sequence (masks computed during the forward pass where
         it leaves the CPU free)."""
-        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids)
+        self.sampler = BatchSampler(self.guides, runner.config.eos_token_ids, cpu_masks(runner))
         self.staging = HostStaging(runner, self.kv)
         """Where KV that arrives at a full cache waits for blocks."""
         self.preempted: collections.deque[str] = collections.deque()

@@ -7,8 +7,10 @@ leaves the CPU free); it schedules nothing and keeps no state but the grammar st
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Collection
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,13 +19,19 @@ from kvcentric.engine.cores.sequence import DecodeRequest
 from kvcentric.engine.model.guided import BatchMasks, GuideRow, Guides
 from kvcentric.engine.model.sampling import adjust, adjusts, choose, draw_rows, plain_greedy, refused_logit
 
+if TYPE_CHECKING:
+    from kvcentric.engine.model.kernels import CpuMasks
+    from kvcentric.engine.model.runner import ModelRunner
+
 Masks = Future[BatchMasks]
 """The masks of a step's rows (None for a row not guided), being computed by `BatchSampler.start`."""
 
 
 class BatchSampler:
-    def __init__(self, guides: Guides, eos_token_ids: Collection[int]) -> None:
-        self.guides, self.eos_token_ids = guides, eos_token_ids
+    def __init__(self, guides: Guides, eos_token_ids: Collection[int], cpu_masks: CpuMasks | None = None) -> None:
+        """`cpu_masks`: the C++ op that applies a block's packed grammar masks to fp32 CPU logits in one call (None:
+        torch's ops)."""
+        self.guides, self.eos_token_ids, self.cpu_masks = guides, eos_token_ids, cpu_masks
 
     def start(self, batch: list[DecodeRequest]) -> Masks | None:
         """Begin the masks of the batch's guided rows on the guides' worker thread, to be computed while the
@@ -35,7 +43,8 @@ class BatchSampler:
 
     def choose_all(self, logits: torch.Tensor, batch: list[DecodeRequest], masks: Masks | None = None) -> list[int]:
         """The next token of every row, in the batch's order; each request's logprobs go in `next_logprob`.
-        `masks`: the batch's masks begun by `start` (without them, they are computed here, all together)."""
+        `masks`: the batch's masks begun by `start` (without them, they are computed here, all together). The rows
+        of `logits` it draws may be left masked (-inf where a grammar refuses): they are the step's, read once."""
         plain = [row for row, request in enumerate(batch) if plain_greedy(request.job.sampling)]
         tokens: list[int] = [0] * len(batch)
         if plain:
@@ -45,8 +54,8 @@ class BatchSampler:
                 batch[row].next_logprob = None
         if len(plain) == len(batch):
             return tokens
-        allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch],
-                                                                             find_forced(batch))
+        allowed = masks.result() if masks is not None else \
+            self.guides.masks([guide_row(r) for r in batch], len(batch) - len(plain) == 1)  # (`find_forced`)
         chosen = set(plain)
         drawn: list[int] = []  # the rows drawn together: no logprobs asked
         for row, request in enumerate(batch):
@@ -68,13 +77,24 @@ class BatchSampler:
                       allowed: BatchMasks) -> list[int]:
         """The tokens of `requests` (at `rows` of the batch), what `masked` gives each, in a few ops for them all:
         their float32 logits taken at once, their grammars' masks applied in one op (-inf where refused), the rest of
-        `adjust` on the rows it changes (min_tokens, a bias, a penalty), and one `draw_rows`."""
+        `adjust` on the rows it changes (min_tokens, a bias, a penalty), and one `draw_rows`. On the CPU the masks
+        are written into `logits`' rows in place (a step's logits are read once; a copy costs 15 us of a decode
+        step: docs/performance-notebook.md)."""
         block = logits if len(rows) == len(logits) else logits[torch.tensor(rows, device=logits.device)]
         if block.dtype != torch.float32:  # (a torch call costs even where it has nothing to do)
             block = block.float()
-        mask = self.block_mask(rows, allowed, block.device)
-        if mask is not None:
-            block = torch.where(mask, block, refused_logit(block.device))
+        if self.cpu_masks is not None and allowed.words_per_row and self.cpu_masks.takes(block):
+            if rows == allowed.rows:  # (every row drawn is guided, in the bitmask's order: a decode batch's way)
+                self.cpu_masks.refuse(block, allowed.address, allowed.words_per_row, None)
+            else:
+                slots = [allowed.slots().get(row, -1) for row in rows]
+                if any(slot >= 0 for slot in slots):
+                    self.cpu_masks.refuse(block, allowed.address, allowed.words_per_row,
+                                          (ctypes.c_int64 * len(slots))(*slots))
+        else:
+            mask = self.block_mask(rows, allowed, block.device)
+            if mask is not None:
+                block = torch.where(mask, block, refused_logit(block.device))
         steps = []
         for slot, request in enumerate(requests):
             sampling = request.job.sampling
@@ -142,3 +162,13 @@ def guide_row(request: DecodeRequest) -> GuideRow | None:
     sampling = request.job.sampling
     return (request.key, sampling.guide, history(sampling, request.prompt, request.generated)[1]) if sampling.guide \
         else None
+
+
+def cpu_masks(runner: ModelRunner) -> CpuMasks | None:
+    """The grammar-mask op of the runner's CPU kernels (`kernels.CpuMasks`), or None: a runner off the CPU, or one
+    that runs torch's attention (no kernels built, KVC_KERNELS=off, `--no-cpu-kernels`)."""
+    path = getattr(runner.kernels, "path", None)  # (the CPU library's; the GPU's Triton kernels have none)
+    if path is None or runner.device.type != "cpu":
+        return None
+    from kvcentric.engine.model.kernels import CpuMasks  # (a CPU engine's: the library is built already)
+    return CpuMasks(path)

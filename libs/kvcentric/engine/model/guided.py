@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -89,7 +90,9 @@ class Guides:
         self._words = (model.vocab_size + 31) // 32
         self._buffer = np.zeros((0, self._words), dtype=np.int32)
         """The bitmask the matchers write their masks into, a row each (used under `_busy`)."""
-        self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
+        self._address = self._buffer.ctypes.data
+        self._lent: weakref.ref[BatchMasks] = weakref.ref(BatchMasks(0))
+        """The masks the last call returned, which read their rows of the bitmask in place until the next call."""
 
     @property
     def vocab_size(self) -> int:
@@ -127,13 +130,17 @@ class Guides:
         if not guided:
             return BatchMasks(len(rows))
         with self._busy:
-            bitmask = self._bitmask(len(guided))
+            lent = self._lent()
+            if lent is not None:  # the last call's masks, still held: they keep a copy of their rows
+                lent.detach()
+            self._reserve(len(guided))
             for slot, index in enumerate(guided):
                 self._fill(slot, *rows[index])  # type: ignore[misc]
-            bits = np.unpackbits(bitmask, axis=1, count=self.vocab_size, bitorder="little")
             alone = self._forced(guided) if forced else {}
-        return BatchMasks(len(rows), guided, torch.from_numpy(bits.view(np.bool_)),  # (a new array, not the bitmask)
-                          alone)
+            masks = BatchMasks(len(rows), guided, forced=alone, bitmask=self._buffer, address=self._address,
+                               vocab=self.vocab_size)
+            self._lent = weakref.ref(masks)
+        return masks
 
     def _forced(self, guided: Sequence[int]) -> dict[int, int]:
         """Row -> the one token its mask allows, for each guided row whose mask allows exactly one (a grammar's
@@ -150,13 +157,12 @@ class Guides:
                     forced[guided[slot]] = token
         return forced
 
-    def _bitmask(self, rows: int) -> np.ndarray:
-        """The first `rows` rows of the engine's bitmask as bytes (grown, never shrunk, as batches grow); each is
-        written whole by `_fill`."""
+    def _reserve(self, rows: int) -> None:
+        """Room for `rows` rows in the engine's bitmask (grown, never shrunk, as batches grow); each is written whole
+        by `_fill`."""
         if len(self._buffer) < rows:
             self._buffer = np.zeros((max(rows, 2 * len(self._buffer)), self._words), dtype=np.int32)
-            self._address, self._bytes = self._buffer.ctypes.data, self._buffer.view(np.uint8)
-        return self._bytes[:rows]
+            self._address = self._buffer.ctypes.data
 
     def _fill(self, slot: int, key: str, grammar: str, output: Sequence[int]) -> None:
         """Row `slot` of the bitmask: the mask of the sequence's matcher, fed its output. llguidance's mask allows
@@ -245,14 +251,44 @@ class Guides:
 
 class BatchMasks:
     """The masks of a batch's rows, indexed by row: `allowed[slot]` the tokens row `rows[slot]` may take (a bool
-    row of the vocabulary), for each guided row in the batch's order; a row not guided has none (None)."""
+    row of the vocabulary), for each guided row in the batch's order; a row not guided has none (None). Kept as
+    llguidance wrote them, packed (`words`: a row of 32-bit words each, bit t of a row set where token t is allowed,
+    at `address`), and unpacked into `allowed` only where it is read: a CPU sampler applies the packed rows in one
+    call (`kernels.CpuMasks`). The packed rows are the guides' bitmask itself, read in place (a copy and its address
+    cost 20 us of a decode step: docs/performance-notebook.md) until the guides' next call; that call first has the
+    masks of the call before copy their rows out (`detach`) if anything still holds them."""
 
     def __init__(self, size: int, rows: Sequence[int] = (), allowed: torch.Tensor | None = None,
-                 forced: dict[int, int] | None = None) -> None:
-        self.size, self.rows, self.allowed = size, list(rows), allowed
+                 forced: dict[int, int] | None = None, bitmask: np.ndarray | None = None, address: int = 0,
+                 vocab: int = 0) -> None:
+        self.size, self.rows, self.vocab, self.address = size, list(rows), vocab, address
+        self._bitmask, self._allowed, self._own = bitmask, allowed, False
+        self.words_per_row = 0 if bitmask is None else bitmask.shape[1]
+        """Of `words` (0: the masks were given unpacked)."""
         self.forced = forced or {}
         """Row -> the one token its mask allows, for the rows whose mask allows one alone."""
         self._slots: dict[int, int] | None = None
+
+    @property
+    def words(self) -> np.ndarray | None:
+        """The guided rows' masks packed, a row of int32 words each (None where they were given unpacked)."""
+        return None if self._bitmask is None else self._bitmask[:len(self.rows)]
+
+    def detach(self) -> None:
+        """Keep a copy of the packed rows, so that the bitmask they were read from may be written again."""
+        words = self.words
+        if words is not None and not self._own:
+            self._bitmask, self._own = words.copy(), True
+            self.address = self._bitmask.ctypes.data
+
+    @property
+    def allowed(self) -> torch.Tensor | None:
+        """The guided rows' masks as one bool tensor (rows x vocabulary), unpacked from `words` on first use."""
+        words = self.words
+        if self._allowed is None and words is not None:
+            bits = np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab, bitorder="little")
+            self._allowed = torch.from_numpy(bits.view(np.bool_))
+        return self._allowed
 
     def __len__(self) -> int:
         return self.size

@@ -61,9 +61,9 @@ import torch
 from kvcentric.engine.model.kernels.isas import COMMON_FLAGS, EMULATED, ISA_FLAGS, Isa, UnsupportedIsa, capped_env, \
     check_cpu, checked, isa, runnable
 
-__all__ = ["EMULATED", "CpuAttention", "CpuLayerOps", "Isa", "UnsupportedIsa", "build", "cache_dir", "capped_env",
-           "compiler", "cpu_signature", "flags", "isa", "load", "load_layer_ops", "prebuild", "prebuilt", "runnable",
-           "simde_version"]
+__all__ = ["EMULATED", "CpuAttention", "CpuLayerOps", "CpuMasks", "Isa", "UnsupportedIsa", "build", "cache_dir",
+           "capped_env", "compiler", "cpu_signature", "flags", "isa", "load", "load_layer_ops", "load_masks",
+           "prebuild", "prebuilt", "runnable", "simde_version"]
 
 log = logging.getLogger("kvcentric.kernels")
 
@@ -393,6 +393,31 @@ class CpuLayerOps:
                 and v_cache.is_contiguous() and qkv.shape[2] % 2 == 0 and k_cache.device.type == "cpu")
 
 
+class CpuMasks:
+    """Sampling's grammar masks applied to a block of fp32 CPU logits in place, read from llguidance's packed
+    bitmask (`layer_ops.cpp`'s `kvc_refuse_masked`): one call where torch took four (unpack, wrap, select, where)."""
+
+    def __init__(self, path: Path) -> None:
+        library = ctypes.CDLL(str(path))
+        pointer, size = ctypes.c_void_p, ctypes.c_int64
+        self.refuse_function = library.kvc_refuse_masked
+        self.refuse_function.argtypes = [pointer, size, pointer, size, pointer, size, size]
+        self.refuse_function.restype = None
+
+    @staticmethod
+    def takes(logits: torch.Tensor) -> bool:
+        """What `refuse` writes into: fp32 rows on the CPU, each contiguous."""
+        return (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+                and logits.stride(1) == 1)
+
+    def refuse(self, logits: torch.Tensor, words: int, words_per_row: int,
+               slots: ctypes.Array[ctypes.c_int64] | None) -> None:
+        """logits[r, t] = -inf where bit t of bitmask row `slots[r]` (at address `words`, `words_per_row` 32-bit words
+        a row; a slot of -1 leaves its row alone; None: row r is bitmask row r) is clear; `takes(logits)` holds."""
+        self.refuse_function(logits.data_ptr(), logits.stride(0), words, words_per_row, slots, logits.shape[0],
+                             logits.shape[1])
+
+
 def load(isa: str | None = None) -> CpuAttention | None:
     """The kernels of this process for instruction set `isa` (default: KVC_CPU_ISA's; built on first use), or None
     when they cannot be built here (logged once); UnsupportedIsa where this CPU cannot run that set."""
@@ -410,6 +435,12 @@ def load(isa: str | None = None) -> CpuAttention | None:
             log.info("CPU kernels built for %s (KVC_CPU_ISA=%s): %s", kernels.isa, name, kernels.path)
             _loaded[key] = kernels
     return _loaded[key]
+
+
+def load_masks(isa: str | None = None) -> CpuMasks | None:
+    """The grammar-mask op of the same library (None where it cannot be built: `load` has said why)."""
+    kernels = load(isa)
+    return None if kernels is None else CpuMasks(kernels.path)
 
 
 def load_layer_ops(isa: str | None = None) -> CpuLayerOps | None:

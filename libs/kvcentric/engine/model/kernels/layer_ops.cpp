@@ -117,4 +117,27 @@ void kvc_rms_norm(const float* x, int64_t x_row, const float* weight, float* out
     }
 }
 
+// A structured output's grammar masks applied to a block of sampling logits in place, read straight from the packed
+// bitmask llguidance writes (bit t of a row's 32-bit words set: token t allowed): logits[r, t] = -inf for each token
+// its mask refuses. `slots[r]` is the bitmask row of logits row r (-1: not guided, left alone); null slots: row r
+// is bitmask row r. In torch this was four calls (unpack the bits, wrap them, select the block's rows, a `where`)
+// of 5-10 us each in a decode step, for a few hundred bytes of work (docs/performance-notebook.md, issue 45).
+void kvc_refuse_masked(float* logits, int64_t row_stride, const uint32_t* words, int64_t words_per_row,
+                       const int64_t* slots, int64_t rows, int64_t vocab) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const int64_t slot = slots == nullptr ? r : slots[r];
+        if (slot < 0) continue;
+        const uint32_t* mask = words + slot * words_per_row;
+        float* row = logits + r * row_stride;
+        for (int64_t start = 0; start < vocab; start += 32) {
+            const uint32_t word = mask[start >> 5];
+            if (word == 0xFFFFFFFFu) continue;
+            const int64_t end = vocab - start < 32 ? vocab - start : 32;
+            for (int64_t bit = 0; bit < end; ++bit) {
+                if (!((word >> bit) & 1u)) row[start + bit] = -INFINITY;
+            }
+        }
+    }
+}
+
 }
