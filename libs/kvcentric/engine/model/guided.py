@@ -7,7 +7,8 @@ one on its new instances (its output is in `history`). A matcher is cached per s
 tokens it has not seen; the cache is bounded, and a sequence pushed out of it is replayed again. A sequence's
 matcher is a copy of its grammar's prototype (compiled once; the copies share its lexer's states, so what one
 sequence's masks computed the others reuse). A batch's masks are computed together, into one bitmask the engine
-keeps from step to step, unpacked once into the batch's rows (`BatchMasks`); where the forward pass leaves the
+keeps from step to step and the batch's `BatchMasks` reads packed (a CPU sampler applies it so, in one C++ call;
+elsewhere it is unpacked once into the batch's rows); where the forward pass leaves the
 CPU free (a GPU's), on a worker thread while it runs (`start`): a row's mask depends only on its output so far,
 known before the forward. It decides no token: `kvcentric.engine.model.sampling` samples under the mask.
 """
@@ -123,9 +124,10 @@ class Guides:
 
     def masks(self, rows: Sequence[GuideRow | None], forced: bool = True) -> BatchMasks:
         """`allowed` of each guided row of a batch (None for a row that is not guided), the same masks as row by
-        row: every matcher fed and writing its row of one bitmask (this engine's, kept from call to call), which is
-        unpacked once into the batch's rows of allowed tokens. `forced`: also name the rows whose mask allows one
-        token (`BatchMasks.forced`; a sampler that draws every row anyway asks not to, it costs a few calls)."""
+        row: every matcher fed and writing its row of one bitmask (this engine's, kept from call to call), which the
+        returned `BatchMasks` reads in place, packed, until the next call. `forced`: also name the rows whose mask
+        allows one token (`BatchMasks.forced`; a sampler that draws every row anyway asks not to, it costs a few
+        calls)."""
         guided = [index for index, row in enumerate(rows) if row is not None]
         if not guided:
             return BatchMasks(len(rows))

@@ -18,6 +18,10 @@ in panels (`gemm.cpp`), each panel streamed once with software prefetch; oneDNN'
 reads the weights of a few rows below the core's memory rate, which this one reaches (docs/performance.md,
 "Decode's linear layers"). Its sums do not depend on the rows beside a row.
 
+`CpuMasks.refuse`: structured output's grammar masks written into a decode batch's sampling logits (-inf where a
+row's grammar refuses a token) straight from the packed bitmask llguidance fills, in one call
+(`engine/cores/decode_sampling.py`).
+
 The library is a plain shared object (no torch headers, so it builds in about half a second), compiled
 with -fopenmp against the libgomp torch already loaded, so its parallel loops run on the calling thread's
 torch team rather than a second one; it is called through ctypes, which releases the GIL for the call.
@@ -62,8 +66,8 @@ from kvcentric.engine.model.kernels.isas import COMMON_FLAGS, EMULATED, ISA_FLAG
     check_cpu, checked, isa, runnable
 
 __all__ = ["EMULATED", "CpuAttention", "CpuLayerOps", "CpuMasks", "Isa", "UnsupportedIsa", "build", "cache_dir",
-           "capped_env", "compiler", "cpu_signature", "flags", "isa", "load", "load_layer_ops", "load_masks",
-           "prebuild", "prebuilt", "runnable", "simde_version"]
+           "capped_env", "compiler", "cpu_signature", "flags", "isa", "load", "load_layer_ops", "prebuild",
+           "prebuilt", "runnable", "simde_version"]
 
 log = logging.getLogger("kvcentric.kernels")
 
@@ -435,12 +439,6 @@ def load(isa: str | None = None) -> CpuAttention | None:
             log.info("CPU kernels built for %s (KVC_CPU_ISA=%s): %s", kernels.isa, name, kernels.path)
             _loaded[key] = kernels
     return _loaded[key]
-
-
-def load_masks(isa: str | None = None) -> CpuMasks | None:
-    """The grammar-mask op of the same library (None where it cannot be built: `load` has said why)."""
-    kernels = load(isa)
-    return None if kernels is None else CpuMasks(kernels.path)
 
 
 def load_layer_ops(isa: str | None = None) -> CpuLayerOps | None:
