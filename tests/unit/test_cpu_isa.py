@@ -326,6 +326,8 @@ def test_grammar_masks_refuse_what_the_packed_bitmask_refuses(library, vocab):
         masks.refuse(logits, bitmask.ctypes.data, words, None if slots is None else (ctypes.c_int64 * rows)(*slots))
         assert torch.equal(logits, want)
         assert bool(torch.isinf(want).any()) and bool(torch.isfinite(want).any())
+    with pytest.raises(ValueError):  # wider than the bitmask: nothing read past its rows
+        masks.refuse(torch.zeros(2, 32 * words + 1), bitmask.ctypes.data, words, None)
     assert not masks.takes(torch.zeros(2, vocab, dtype=torch.bfloat16))
     assert not masks.takes(torch.zeros(vocab, 2).t())
 

@@ -417,7 +417,10 @@ class CpuMasks:
     def refuse(self, logits: torch.Tensor, words: int, words_per_row: int,
                slots: ctypes.Array[ctypes.c_int64] | None) -> None:
         """logits[r, t] = -inf where bit t of bitmask row `slots[r]` (at address `words`, `words_per_row` 32-bit words
-        a row; a slot of -1 leaves its row alone; None: row r is bitmask row r) is clear; `takes(logits)` holds."""
+        a row; a slot of -1 leaves its row alone; None: row r is bitmask row r) is clear; `takes(logits)` holds.
+        A row of logits wider than its bitmask row is refused (ValueError), as torch's `where` would refuse it."""
+        if logits.shape[1] > 32 * words_per_row:
+            raise ValueError(f"{logits.shape[1]} logits a row against a bitmask of {32 * words_per_row} tokens")
         self.refuse_function(logits.data_ptr(), logits.stride(0), words, words_per_row, slots, logits.shape[0],
                              logits.shape[1])
 
