@@ -138,6 +138,7 @@ def test_a_batch_of_sequences_in_different_states_gets_the_masks_each_gets_alone
         started = guides.start(rows)
         assert started is not None
         for masks in (guides.masks(rows), started.result()):
+            assert masks._allowed is not None  # unpacked where they were computed, the worker (off the CPU)
             assert [mask is None for mask in masks] == [row is None for row in rows]
             assert all(mask is None or torch.equal(mask, want) for mask, want in zip(masks, expected))
         assert all(expected[i].nonzero().flatten().tolist() == [257] for i in (3, 4, 5))  # they may only end

@@ -142,6 +142,8 @@ class Guides:
             masks = BatchMasks(len(rows), guided, forced=alone, bitmask=self._buffer, address=self._address,
                                vocab=self.vocab_size)
             self._lent = weakref.ref(masks)
+        if self.overlap:  # a GPU's sampler applies them unpacked: unpacked here, on the worker, beside the forward
+            masks.unpack()
         return masks
 
     def _forced(self, guided: Sequence[int]) -> dict[int, int]:
@@ -286,6 +288,10 @@ class BatchMasks:
     @property
     def allowed(self) -> torch.Tensor | None:
         """The guided rows' masks as one bool tensor (rows x vocabulary), unpacked from `words` on first use."""
+        return self.unpack()
+
+    def unpack(self) -> torch.Tensor | None:
+        """`allowed`, unpacked now if it was not."""
         words = self.words
         if self._allowed is None and words is not None:
             bits = np.unpackbits(words.view(np.uint8), axis=1, count=self.vocab, bitorder="little")
