@@ -20,6 +20,7 @@ import dataclasses
 import statistics
 import time
 
+import numpy as np
 import torch
 
 from kvcentric.core.protocol import DecodeJob, SamplingParams
@@ -109,6 +110,36 @@ def mask_s(vocab: int, steps: int) -> float:
     return statistics.median(times[3:])
 
 
+def apply_s(vocab: int, steps: int) -> tuple[float, float] | None:
+    """Median seconds to apply 8 rows' masks to their logits (rows inside the schema's string, where most of the
+    vocabulary is allowed, and rows after it, where little is): the C++ op on the packed bitmask
+    (`kernels.CpuMasks`), and torch's way (the bits unpacked into a bool tensor, one `where`). None without a
+    compiler."""
+    from kvcentric.engine.model import kernels
+    from kvcentric.engine.model.sampling import refused_logit
+    library = kernels.load()
+    if library is None:
+        return None
+    masks_op = kernels.CpuMasks(library.path)
+    guides = Guides(dataclasses.replace(PRESETS["tiny"], vocab_size=vocab))
+    outputs = [list(PREFIX) + [ord("x")] * row for row in range(4)] + \
+        [list(b'{"name":"n","tags":["a"') + [ord(",")] * (row % 2) for row in range(4)]
+    masks = guides.masks([(f"a{row}", GUIDE, output) for row, output in enumerate(outputs)], forced=False)
+    assert masks.words is not None
+    logits = torch.randn(len(outputs), vocab)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(steps):
+        block = logits.clone()
+        started = time.perf_counter()
+        masks_op.refuse(block, masks.address, masks.words_per_row, None)
+        times[0].append(time.perf_counter() - started)
+        started = time.perf_counter()
+        bits = np.unpackbits(masks.words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+        torch.where(torch.from_numpy(bits.view(np.bool_)), logits, refused_logit(logits.device))
+        times[1].append(time.perf_counter() - started)
+    return statistics.median(times[0][3:]), statistics.median(times[1][3:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
@@ -129,10 +160,18 @@ def main() -> None:
             print(f"{model:6} batch {batch}: plain {plain * 1e3:7.3f} ms  guided {guided * 1e3:7.3f} ms  "
                   f"+{100 * overhead:5.1f}% (median of {args.rounds} rounds' ratios)")
     masks = {vocab: mask_s(vocab, args.steps) * 1e6 for vocab in (258, 32000, 128256)}
+    applied = {vocab: apply_s(vocab, args.steps) for vocab in (258, 32000, 128256)}
+    for vocab, pair in applied.items():
+        if pair is not None:
+            print(f"8 rows' masks applied, vocabulary {vocab:6}: C++ op {pair[0] * 1e6:7.1f} us, torch's unpack and "
+                  f"where {pair[1] * 1e6:7.1f} us")
     for vocab, micros in masks.items():
         print(f"mask alone, vocabulary {vocab:6}: {micros:7.1f} us")
     harness.write(RESULTS / "guided.json", harness.record("bench_guided", threads=torch.get_num_threads(),
-                                                         steps=rows, mask_us=masks), indent=2)
+                                                         steps=rows, mask_us=masks,
+                                                         apply_us={vocab: None if pair is None else
+                                                                   {"cpp_op": pair[0] * 1e6, "torch": pair[1] * 1e6}
+                                                                   for vocab, pair in applied.items()}), indent=2)
 
 
 if __name__ == "__main__":
