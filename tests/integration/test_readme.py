@@ -226,6 +226,7 @@ def check_outputs(key: str, cwd: Path, output: str) -> None:
     elif key.startswith(".venv/bin/python -m kvcentric.engine.model.kernels"):
         differences = [float(found) for found in re.findall(r"max \|kernel - [^|]*\| = (\S+)", output)]
         assert len(differences) == 4 and max(differences) < 1e-4, output  # decode, prefill, SwiGLU, RMSNorm
+        assert "grammar masks, the same logits as torch's where: True" in output, output
     elif key.startswith("kvcentric certs"):
         folder = cwd / "secure"
         assert (folder.stat().st_mode & 0o777) == 0o700 and "wrote the CA" in output

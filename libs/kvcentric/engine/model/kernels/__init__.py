@@ -512,8 +512,17 @@ def main(argv: list[str] | None = None) -> None:
     norm = CpuLayerOps(kernel.path).rms_norm(hidden, weight, 1e-5)
     norm_error = float((norm - F.rms_norm(hidden, weight.shape, weight, 1e-5)).abs().max())
     print(f"{kernel.path}: RMSNorm, max |kernel - torch| = {norm_error:.1e}")
-    if max(error, prefill_error, ops_error, norm_error) > 1e-4:
-        raise SystemExit("the kernels disagree with SDPA")
+    vocab = 300
+    bitmask = torch.randint(-2**31, 2**31, (3, (vocab + 31) // 32), dtype=torch.int64, generator=generator).int()
+    logits = torch.randn(3, vocab, generator=generator)
+    masked = logits.clone()
+    CpuMasks(kernel.path).refuse(masked, bitmask.data_ptr(), bitmask.shape[1], None)
+    bits = (bitmask.view(torch.uint8).view(3, -1, 1) >> torch.arange(8, dtype=torch.uint8)) & 1  # (little-endian)
+    allowed = bits.flatten(1)[:, :vocab].bool()
+    masks_agree = torch.equal(masked, torch.where(allowed, logits, float("-inf")))
+    print(f"{kernel.path}: grammar masks, the same logits as torch's where: {masks_agree}")
+    if max(error, prefill_error, ops_error, norm_error) > 1e-4 or not masks_agree:
+        raise SystemExit("the kernels disagree with torch's ops")
     from kvcentric.engine.model.kernels import choice
     from kvcentric.model.config import load_model_config
 
