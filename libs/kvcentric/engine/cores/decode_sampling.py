@@ -54,8 +54,8 @@ class BatchSampler:
                 batch[row].next_logprob = None
         if len(plain) == len(batch):
             return tokens
-        allowed = masks.result() if masks is not None else \
-            self.guides.masks([guide_row(r) for r in batch], len(batch) - len(plain) == 1)  # (`find_forced`)
+        allowed = masks.result() if masks is not None else self.guides.masks([guide_row(r) for r in batch],
+                                                                             find_forced(batch))
         chosen = set(plain)
         drawn: list[int] = []  # the rows drawn together: no logprobs asked
         for row, request in enumerate(batch):

@@ -92,7 +92,7 @@ class Guides:
         self._buffer = np.zeros((0, self._words), dtype=np.int32)
         """The bitmask the matchers write their masks into, a row each (used under `_busy`)."""
         self._address = self._buffer.ctypes.data
-        self._lent: weakref.ref[BatchMasks] = weakref.ref(BatchMasks(0))
+        self._lent: weakref.ref[BatchMasks] | None = None
         """The masks the last call returned, which read their rows of the bitmask in place until the next call."""
 
     @property
@@ -132,7 +132,7 @@ class Guides:
         if not guided:
             return BatchMasks(len(rows))
         with self._busy:
-            lent = self._lent()
+            lent = self._lent() if self._lent is not None else None
             if lent is not None:  # the last call's masks, still held: they keep a copy of their rows
                 lent.detach()
             self._reserve(len(guided))
