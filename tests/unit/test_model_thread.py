@@ -59,3 +59,44 @@ def test_a_worker_started_while_the_model_thread_computes_on_lent_cores_still_co
     # OpenMP team, and libgomp would put the model thread's team to sleep between its ops (`engine/model/pools.py`)
     done = subprocess.run([sys.executable, "-c", LENT], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.split() == ["2", "2", "1"]  # the model thread, a plain worker, a serial worker
+
+
+async def test_a_call_handed_to_an_idle_thread_has_begun_when_the_hand_off_returns():
+    """`Handover`: the event loop waits for an idle thread to take the call (and the GIL), not for a busy one."""
+    import asyncio
+    import concurrent.futures
+    import threading
+    import time
+
+    from kvcentric.engine.service.node import Handover
+
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    executor.submit(int).result()  # the thread is up and idle (its start would hand over the GIL by itself)
+    handover = Handover(executor, wait_s=30.0)
+    begun, release = threading.Event(), threading.Event()
+
+    def blocking(value):
+        begun.set()
+        release.wait(30)
+        return value
+
+    first = handover(blocking, 1)
+    assert begun.is_set()  # the thread was idle: the hand-off returned once it had begun
+    started = time.perf_counter()
+    second = handover(lambda: 2)
+    assert time.perf_counter() - started < 10  # busy: queued behind the first, not waited for
+    release.set()
+    assert await first == 1 and await second == 2
+
+    def failing():
+        raise ValueError("the step failed")
+
+    try:
+        await handover(failing)
+    except ValueError as exc:
+        assert str(exc) == "the step failed"
+    else:
+        raise AssertionError("the call's error was lost")
+    assert handover.handed == handover.ended == 3
+    assert await asyncio.wait_for(handover(lambda: 4), 30) == 4  # idle again after an error
+    executor.shutdown()

@@ -59,6 +59,43 @@ def core_share(config: EngineConfig, role: str, name: str, threads: int) -> Core
     return CoreShare(config.core_share_dir, name, threads, takes=role == "prefill")
 
 
+HANDOVER_S = 0.002
+"""The longest the event loop waits for an idle model thread to begin the call it was handed (`Handover`)."""
+
+
+class Handover:
+    """A call handed from the event loop to a model thread's executor, and awaited. Where the thread is idle, the
+    event loop waits (GIL released) until the thread has begun the call: otherwise the thread, woken, waits for the
+    GIL until the event loop next blocks, since a thread that asks for the GIL gets it only when its holder
+    releases it (at a blocking call, or after `sys.getswitchinterval()`, 5 ms). The event loop goes on after a
+    step's hand-off to publish the step's tokens and serve its other tasks, so the next step began 0.3–1 ms late
+    at batch 1: the served step of `small` and `medium` on the Intel Xeon, `bench.serving.bench_served_step`
+    (docs/performance-notebook.md, "The model thread's wake-up")."""
+
+    def __init__(self, executor: concurrent.futures.ThreadPoolExecutor, wait_s: float = HANDOVER_S) -> None:
+        self.executor, self.wait_s = executor, wait_s
+        self.handed = 0
+        """Calls handed over (written by the event loop's thread alone)."""
+        self.ended = 0
+        """Calls the thread has ended (written by the thread alone)."""
+
+    def __call__(self, fn, *args) -> asyncio.Future:
+        idle = self.handed == self.ended
+        begun = threading.Event()
+        future = asyncio.get_running_loop().run_in_executor(self.executor, self._call, begun, fn, *args)
+        self.handed += 1
+        if idle:
+            begun.wait(self.wait_s)
+        return future
+
+    def _call(self, begun: threading.Event, fn, *args):
+        begun.set()
+        try:
+            return fn(*args)
+        finally:
+            self.ended += 1
+
+
 class ModelThread:
     """One worker thread runs the model, so the event loop keeps serving NATS and gRPC meanwhile.
 
@@ -81,6 +118,7 @@ class ModelThread:
         """Whether the call running now may take lent cores (`run`)."""
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-model",
                                                               initializer=_use_threads, initargs=(threads,))
+        self.handover = Handover(self.executor)
         self.call(int)  # the thread starts and takes its count now
         self.lane: Lane | None = None
         """A prefill instance's second model thread (`add_lane`, `lane_call`)."""
@@ -99,9 +137,9 @@ class ModelThread:
         instance's own when it may not `borrow` (a calibration, which times this instance alone)."""
         if self.share is None:
             if self.lane is None:
-                return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-            return await asyncio.get_running_loop().run_in_executor(self.executor, self.owned, fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self.executor, self.shared, borrow, fn, *args)
+                return await self.handover(fn, *args)
+            return await self.handover(self.owned, fn, *args)
+        return await self.handover(self.shared, borrow, fn, *args)
 
     def owned(self, fn, *args):
         """fn(*args) in the model thread of an instance with a lane and its own cores (no core share)."""
@@ -219,7 +257,7 @@ class ModelThread:
     async def run_lane(self, fn, *args):
         """fn(*args) in the lane's thread, awaited (`lane_call`)."""
         assert self.lane is not None
-        return await asyncio.get_running_loop().run_in_executor(self.lane.executor, self.lane_call, fn, *args)
+        return await self.lane.handover(self.lane_call, fn, *args)
 
     def stats(self) -> dict[str, float]:
         """Gauges of the cores lent to this instance (none without a core share) and of its lane."""
@@ -251,6 +289,7 @@ class Lane:
     def __init__(self, role: str) -> None:
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-lane",
                                                               initializer=_use_threads, initargs=(1,))
+        self.handover = Handover(self.executor)
         self.ident = self.executor.submit(threading.get_ident).result()
         self.computing = False
         self.look_ns = 0
