@@ -99,7 +99,8 @@ def test_only_the_uncached_part_of_a_prompts_kv_crosses_the_link(two_dcs):
     prefix = [rng.randrange(256) for _ in range(48)]  # 3 blocks of 16, <= t: prefilled (and cached) in pd
     held = conductor_gauge(two_dcs, "prefix_index_blocks")
     assert complete_tokens(two_dcs.url, prefix)[0] == "prefill-pd-0"
-    indexed(two_dcs, held + 3)  # its blocks reached the PD instance's host pool and the conductor's index
+    indexed(two_dcs, held + 3)  # announced from the PD instance's device cache; its host pool, which serves the
+    # decode's pull, may take the blocks a little later (the pull asks again meanwhile: `transfer.FETCH_RETRIES_S`)
     prompt = prefix + [rng.randrange(256) for _ in range(200)]
     sent = two_dcs.health("prefill-prfaas-0")["stats"].get("push_bytes_streamed", 0)
     pulled = decode_counter(two_dcs, "prefix_tokens_pulled_total")
