@@ -356,8 +356,18 @@ def compare_outputs(outputs: dict[str, dict[str, dict]]) -> dict[str, dict]:
     return {name: {"same": sum(k in out and out[k]["ids"] == peer[k]["ids"] for k in peer), "prompts": len(peer),
                    "same_text": sum(k in out and out[k]["text"] == peer[k]["text"] for k in peer),
                    "differing": [k for k in peer if k in out and out[k]["ids"] != peer[k]["ids"]][:5],
+                   "first_differences": {k: first_difference(out[k]["ids"], peer[k]["ids"]) for k in peer
+                                         if k in out and out[k]["ids"] != peer[k]["ids"]},
                    "missing": sum(k not in out for k in peer)}
             for name, out in outputs.items() if name != "vLLM"}
+
+
+def first_difference(ours: list[int], theirs: list[int]) -> dict[str, int | None]:
+    """Where two greedy answers part: the position of the first differing token and each server's token there (None
+    past the end of a shorter answer), so a near-tie can be looked at later."""
+    position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return {"position": position, "ours": ours[position] if position < len(ours) else None,
+            "vllm": theirs[position] if position < len(theirs) else None}
 
 
 # ---------------------------------------------------------------- main
