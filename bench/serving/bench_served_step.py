@@ -183,8 +183,8 @@ def main() -> None:
 
 def beside_engines(cpu: dict[str, float]) -> str:
     """The CPU a token costs the gateway, NATS and every other process but the engines and the client, in ms."""
-    engines = {"colocated", "prefill", "decode", "client (this bench)", "gateway", "nats-server"}
-    rest = sum(ms for kind, ms in cpu.items() if kind not in engines)
+    not_rest = {"colocated", "prefill", "decode", "client (this bench)", "gateway", "nats-server"}
+    rest = sum(ms for kind, ms in cpu.items() if kind not in not_rest)
     return f"{cpu.get('gateway', 0.0):.2f}, {cpu.get('nats-server', 0.0):.2f}, {rest:.2f} ms"
 
 

@@ -353,13 +353,17 @@ def compare_outputs(outputs: dict[str, dict[str, dict]]) -> dict[str, dict]:
     those differently (ours as U+FFFD, as `tokenizers` decodes them; vLLM drops some), so ids are what says
     whether the tokens agree."""
     peer = outputs["vLLM"]
-    return {name: {"same": sum(k in out and out[k]["ids"] == peer[k]["ids"] for k in peer), "prompts": len(peer),
-                   "same_text": sum(k in out and out[k]["text"] == peer[k]["text"] for k in peer),
-                   "differing": [k for k in peer if k in out and out[k]["ids"] != peer[k]["ids"]][:5],
-                   "first_differences": {k: first_difference(out[k]["ids"], peer[k]["ids"]) for k in peer
-                                         if k in out and out[k]["ids"] != peer[k]["ids"]},
-                   "missing": sum(k not in out for k in peer)}
-            for name, out in outputs.items() if name != "vLLM"}
+    compared = {}
+    for name, out in outputs.items():
+        if name == "vLLM":
+            continue
+        parted = {k: first_difference(out[k]["ids"], peer[k]["ids"]) for k in peer
+                  if k in out and out[k]["ids"] != peer[k]["ids"]}
+        compared[name] = {"same": sum(k in out for k in peer) - len(parted), "prompts": len(peer),
+                          "same_text": sum(k in out and out[k]["text"] == peer[k]["text"] for k in peer),
+                          "differing": list(parted)[:5], "first_differences": parted,
+                          "missing": sum(k not in out for k in peer)}
+    return compared
 
 
 def first_difference(ours: list[int], theirs: list[int]) -> dict[str, int | None]:
